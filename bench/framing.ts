@@ -1,0 +1,3 @@
+export default async function framing(): Promise<void> {
+  console.log("framing: pending")
+}

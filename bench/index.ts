@@ -1,0 +1,16 @@
+/**
+ * `npm run bench`: runs every benchmark in this folder (or those named on the command line,
+ * e.g. `npm run bench -- framing eventLog`). Each benchmark prints the project's figure next
+ * to a baseline measured in the same run and their ratio.
+ */
+const benches: Record<string, () => Promise<{ default: () => Promise<void> }>> = {
+  framing: () => import("./framing.js")
+}
+
+const wanted = process.argv.slice(2)
+for (const [name, load] of Object.entries(benches)) {
+  if (wanted.length > 0 && !wanted.includes(name)) continue
+  console.log(`\n## ${name}`)
+  const mod = await load()
+  await mod.default()
+}
