@@ -7,6 +7,9 @@ export default defineConfig({
     pool: "forks",
     poolOptions: { forks: { maxForks: 2, minForks: 1 } },
     testTimeout: 60_000,
-    hookTimeout: 60_000
+    hookTimeout: 60_000,
+    // The JSON report is what .ci/run counts; the default reporter is for people.
+    reporters: ["default", "json"],
+    outputFile: { json: ".test-results/vitest.json" }
   }
 })

@@ -1,0 +1,614 @@
+/**
+ * The public wire protocol of agentd, version 1 (PROTOCOL.md sections 2-5, docs/protocol.md).
+ *
+ * Every message is one JSON object per line, discriminated on `type`. Inbound lines are decoded
+ * with {@link decodeCommandLine}, which never throws and maps every failure to one of the
+ * documented error codes; outbound messages are plain typed objects written with {@link encode}.
+ */
+import * as Arr from "effect/Array"
+import * as Either from "effect/Either"
+import * as ParseResult from "effect/ParseResult"
+import * as Schema from "effect/Schema"
+import { Cursor } from "./Cursor.js"
+
+// ---------------------------------------------------------------------------------------------
+// Shared pieces
+// ---------------------------------------------------------------------------------------------
+
+/**
+ * A struct discriminated by a literal `type` field, as on the wire. Messages are kept in memory
+ * exactly as they travel, so encoding is one `JSON.stringify` and nothing is renamed.
+ */
+export const Tagged = <const T extends string, Fields extends Schema.Struct.Fields>(type: T, fields: Fields) =>
+  Schema.Struct({ type: Schema.tag(type), ...fields })
+
+/** The identity of this protocol, carried by envelopes and `daemon_hello`. */
+export const ProtocolId = Schema.Struct({
+  name: Schema.Literal("agentd"),
+  version: Schema.Literal(1)
+})
+export type ProtocolId = typeof ProtocolId.Type
+
+/** The one protocol this daemon speaks. */
+export const PROTOCOL: ProtocolId = { name: "agentd", version: 1 }
+
+/**
+ * Any JSON value. Fields the daemon treats as opaque (engine config, tool arguments) use it;
+ * the arbitrary is JSON-only so round-trip property tests stay on the wire's domain.
+ */
+export const Json: Schema.Schema<unknown> = Schema.Unknown.annotations({
+  identifier: "Json",
+  arbitrary: () => (fc) => fc.jsonValue({ maxDepth: 2 }).map((v) => JSON.parse(JSON.stringify(v)) as unknown)
+})
+
+/** A JSON object with arbitrary values. */
+export const JsonObject = Schema.Record({ key: Schema.String, value: Json })
+
+/** A map of environment variables. */
+export const EnvMap = Schema.Record({ key: Schema.String, value: Schema.String })
+
+/**
+ * An optional field that, when present, holds a value: JSON has no `undefined`, and with
+ * `exactOptionalPropertyTypes` the types then say exactly what the wire carries.
+ */
+export const optional = <S extends Schema.Schema.All>(schema: S) => Schema.optionalWith(schema, { exact: true })
+
+/** A non-negative integer. */
+const NonNegativeInt = Schema.Int.pipe(Schema.nonNegative())
+
+/** Milliseconds since the epoch. */
+const EpochMillis = NonNegativeInt
+
+/** Capabilities a client may announce at attach and the server announces in its hello. */
+export const Capability = Schema.Literal("attach_snapshot", "event_sequence", "slim_attach", "chunked_snapshot")
+export type Capability = typeof Capability.Type
+
+/** The capabilities this daemon supports. */
+export const SERVER_CAPABILITIES: ReadonlyArray<Capability> = [
+  "attach_snapshot",
+  "event_sequence",
+  "slim_attach",
+  "chunked_snapshot"
+]
+
+/** What a client gets when it sends no `capabilities`. */
+export const DEFAULT_CLIENT_CAPABILITIES: ReadonlyArray<Capability> = ["attach_snapshot", "event_sequence"]
+
+// ---------------------------------------------------------------------------------------------
+// Agent messages and events (section 4)
+// ---------------------------------------------------------------------------------------------
+
+/** A message of a session's transcript. */
+export const AgentMessage = Schema.Struct({
+  id: Schema.String,
+  role: Schema.Literal("user", "assistant", "tool"),
+  content: Schema.String,
+  toolCallId: optional(Schema.String),
+  toolName: optional(Schema.String),
+  timestamp: EpochMillis
+})
+export type AgentMessage = typeof AgentMessage.Type
+
+/** Why a turn ended without `agent_end`. */
+export const InterruptReason = Schema.Literal("worker_crashed", "aborted", "daemon_restarted")
+export type InterruptReason = typeof InterruptReason.Type
+
+/** The events the built-in engines emit. The supervisor treats them as opaque JSON. */
+export const AgentEvent = Schema.Union(
+  Tagged("agent_start", {}),
+  Tagged("turn_start", {}),
+  Tagged("message_start", { message: AgentMessage }),
+  Tagged("message_update", { messageId: Schema.String, delta: Schema.String }),
+  Tagged("message_end", { message: AgentMessage }),
+  Tagged("tool_execution_start", { toolCallId: Schema.String, name: Schema.String, args: Json }),
+  Tagged("tool_execution_end", { toolCallId: Schema.String, result: Json, isError: Schema.Boolean }),
+  Tagged("turn_end", {}),
+  Tagged("agent_end", {}),
+  Tagged("turn_interrupted", { reason: InterruptReason })
+)
+export type AgentEvent = typeof AgentEvent.Type
+
+/** The lifecycle state of a session's worker. */
+export const WorkerState = Schema.Literal("starting", "ready", "recovering", "passivated", "failed", "closed")
+export type WorkerState = typeof WorkerState.Type
+
+/** What `list`, `get_state` and `session_status` report about a session. */
+export const SessionSummary = Schema.Struct({
+  activeSessionId: Schema.String,
+  name: optional(Schema.String),
+  engine: Schema.String,
+  createdAt: Schema.String,
+  messageCount: NonNegativeInt,
+  busy: Schema.Boolean,
+  worker: WorkerState,
+  workerPid: optional(Schema.Int),
+  restarts: NonNegativeInt,
+  telemetry: Schema.Boolean,
+  lastEventCursor: optional(Cursor)
+})
+export type SessionSummary = typeof SessionSummary.Type
+
+/** `meta` of every sequenced event. */
+export const EventMeta = Schema.Struct({
+  cursor: Cursor,
+  emittedAt: EpochMillis,
+  replayed: optional(Schema.Literal(true))
+})
+export type EventMeta = typeof EventMeta.Type
+
+// ---------------------------------------------------------------------------------------------
+// Commands (section 3)
+// ---------------------------------------------------------------------------------------------
+
+const SessionRef = { activeSessionId: Schema.String }
+
+/** The command schemas, each tagged by its `type`. */
+export const Ping = Tagged("ping", {})
+export const Create = Tagged("create", {
+  name: optional(Schema.String),
+  engine: optional(Schema.String),
+  config: optional(JsonObject),
+  telemetry: optional(Schema.Boolean),
+  env: optional(EnvMap),
+  launchEnv: optional(EnvMap)
+})
+export const List = Tagged("list", {})
+export const Status = Tagged("status", {})
+export const Attach = Tagged("attach", {
+  ...SessionRef,
+  // Unknown capability names are accepted and ignored, so newer clients can talk to us.
+  capabilities: optional(Schema.Array(Schema.String)),
+  resumeCursor: optional(Cursor),
+  telemetryDisabled: optional(Schema.Boolean),
+  supportsExtensionUi: optional(Schema.Boolean),
+  env: optional(EnvMap),
+  launchEnv: optional(EnvMap),
+  recoveryConfig: optional(Json)
+})
+export const Detach = Tagged("detach", SessionRef)
+export const Prompt = Tagged("prompt", { ...SessionRef, message: Schema.String })
+export const Abort = Tagged("abort", SessionRef)
+export const GetState = Tagged("get_state", SessionRef)
+export const GetMessages = Tagged("get_messages", {
+  ...SessionRef,
+  offset: optional(NonNegativeInt),
+  limit: optional(NonNegativeInt.pipe(Schema.lessThanOrEqualTo(1000)))
+})
+export const Checkpoint = Tagged("checkpoint", SessionRef)
+export const RetryWorker = Tagged("retry_worker", SessionRef)
+export const Kill = Tagged("kill", SessionRef)
+export const Shutdown = Tagged("shutdown", {})
+
+/** Every command, by its `type`. */
+export const Commands = {
+  ping: Ping,
+  create: Create,
+  list: List,
+  status: Status,
+  attach: Attach,
+  detach: Detach,
+  prompt: Prompt,
+  abort: Abort,
+  get_state: GetState,
+  get_messages: GetMessages,
+  checkpoint: Checkpoint,
+  retry_worker: RetryWorker,
+  kill: Kill,
+  shutdown: Shutdown
+} as const
+
+/** A command's `type`. */
+export type CommandType = keyof typeof Commands
+
+/** Any command. */
+export const Command = Schema.Union(...Object.values(Commands))
+export type Command = typeof Command.Type
+
+/** A command of a given type. */
+export type CommandOf<T extends CommandType> = Extract<Command, { readonly type: T }>
+
+/** The envelope form of a command. */
+export const CommandEnvelope = Schema.Struct({
+  type: Schema.Literal("command"),
+  id: Schema.String,
+  protocol: ProtocolId,
+  clientId: optional(Schema.String),
+  command: Command
+})
+export type CommandEnvelope = typeof CommandEnvelope.Type
+
+const isCommandType = (type: string): type is CommandType => Object.hasOwn(Commands, type)
+
+// ---------------------------------------------------------------------------------------------
+// Errors
+// ---------------------------------------------------------------------------------------------
+
+/** Every error code a `response` may carry. */
+export const ErrorCode = Schema.Literal(
+  "parse_error",
+  "line_too_long",
+  "invalid_command",
+  "unknown_command",
+  "unsupported_protocol",
+  "session_not_found",
+  "session_busy",
+  "session_failed",
+  "telemetry_policy_violation",
+  "shutting_down",
+  "internal"
+)
+export type ErrorCode = typeof ErrorCode.Type
+
+/** The `error` object of a failed response. */
+export const ErrorBody = Schema.Struct({
+  code: ErrorCode,
+  message: Schema.String,
+  details: optional(JsonObject)
+})
+export type ErrorBody = typeof ErrorBody.Type
+
+/**
+ * A failure that becomes an error `response`: the code, a human sentence, and the id and
+ * command type salvaged from the line (`null` / `"parse"` when none could be read).
+ */
+export class ProtocolError extends Schema.TaggedError<ProtocolError>()("ProtocolError", {
+  code: ErrorCode,
+  message: Schema.String,
+  id: Schema.NullOr(Schema.String),
+  command: Schema.String,
+  details: optional(JsonObject)
+}) {}
+
+// ---------------------------------------------------------------------------------------------
+// Server messages (sections 2-5)
+// ---------------------------------------------------------------------------------------------
+
+export const DaemonHello = Tagged("daemon_hello", {
+  protocol: ProtocolId,
+  clientId: Schema.String,
+  supervisorGeneration: NonNegativeInt,
+  supervisorPid: Schema.Int,
+  appVersion: Schema.String,
+  serverCapabilities: Schema.Array(Capability)
+})
+export type DaemonHello = typeof DaemonHello.Type
+
+export const ResponseSuccess = Tagged("response", {
+  id: Schema.NullOr(Schema.String),
+  command: Schema.String,
+  success: Schema.Literal(true),
+  data: Json
+})
+export const ResponseFailure = Tagged("response", {
+  id: Schema.NullOr(Schema.String),
+  command: Schema.String,
+  success: Schema.Literal(false),
+  error: ErrorBody
+})
+export const Response = Schema.Union(ResponseSuccess, ResponseFailure)
+export type Response = typeof Response.Type
+
+export const SessionEvent = Tagged("session_event", {
+  activeSessionId: Schema.String,
+  event: AgentEvent,
+  meta: EventMeta
+})
+export const SessionStatus = Tagged("session_status", {
+  activeSessionId: Schema.String,
+  state: SessionSummary,
+  meta: EventMeta
+})
+export const SessionClosed = Tagged("session_closed", {
+  activeSessionId: Schema.String,
+  reason: Schema.String,
+  meta: EventMeta
+})
+/** The messages that carry a cursor. */
+export const SequencedMessage = Schema.Union(SessionEvent, SessionStatus, SessionClosed)
+export type SequencedMessage = typeof SequencedMessage.Type
+
+/** The replay decision of an attach (section 5). */
+export const ReplayStatus = Schema.Literal("complete", "partial", "unavailable")
+export const ReplayReason = Schema.Literal("cursor_ahead", "cursor_unknown", "cursor_expired", "no_cursor")
+export const Replay = Schema.Struct({
+  status: ReplayStatus,
+  reason: optional(ReplayReason),
+  fromCursor: optional(Cursor),
+  toCursor: optional(Cursor),
+  eventCount: optional(NonNegativeInt)
+})
+export type Replay = typeof Replay.Type
+
+export const SessionAttached = Tagged("session_attached", {
+  activeSessionId: Schema.String,
+  state: SessionSummary,
+  replay: Replay,
+  lastEventCursor: optional(Cursor)
+})
+
+export const SnapshotPurpose = Schema.Literal("attach", "replacement", "resync", "checkpoint")
+export type SnapshotPurpose = typeof SnapshotPurpose.Type
+
+export const SnapshotBegin = Tagged("session_snapshot_begin", {
+  activeSessionId: Schema.String,
+  snapshotId: Schema.String,
+  messageCount: NonNegativeInt,
+  targetChunkBytes: Schema.Int.pipe(Schema.positive()),
+  purpose: SnapshotPurpose,
+  cursor: optional(Cursor)
+})
+export const SnapshotChunk = Tagged("session_snapshot_chunk", {
+  activeSessionId: Schema.String,
+  snapshotId: Schema.String,
+  index: NonNegativeInt,
+  messages: Schema.Array(AgentMessage)
+})
+export const SnapshotEnd = Tagged("session_snapshot_end", {
+  activeSessionId: Schema.String,
+  snapshotId: Schema.String,
+  chunkCount: NonNegativeInt,
+  lastEventSequence: Schema.Int.pipe(Schema.greaterThanOrEqualTo(-1)),
+  lastEventCursor: optional(Cursor)
+})
+export const SnapshotFailed = Tagged("session_snapshot_failed", {
+  activeSessionId: Schema.String,
+  snapshotId: Schema.String,
+  error: ErrorBody
+})
+
+export const DaemonClosing = Tagged("daemon_closing", { reason: Schema.Literal("shutdown") })
+
+/** The snapshot inside an attach result. */
+export const AttachSnapshot = Schema.Struct({
+  snapshotId: Schema.String,
+  cursor: optional(Cursor),
+  messageCount: NonNegativeInt,
+  messages: Schema.Array(AgentMessage)
+})
+
+/** `data` of a successful `attach` response. */
+export const DaemonAttachResult = Schema.Struct({
+  protocol: ProtocolId,
+  activeSessionId: Schema.String,
+  state: optional(SessionSummary),
+  messages: optional(Schema.Array(AgentMessage)),
+  snapshot: AttachSnapshot,
+  replay: Replay,
+  lastEventSequence: Schema.Int.pipe(Schema.greaterThanOrEqualTo(-1)),
+  lastEventCursor: optional(Cursor),
+  snapshotStream: optional(
+    Schema.Struct({
+      id: Schema.String,
+      messageCount: NonNegativeInt,
+      targetChunkBytes: Schema.Int.pipe(Schema.positive())
+    })
+  ),
+  client: Schema.Struct({ id: Schema.String, capabilities: Schema.Array(Schema.String) })
+})
+export type DaemonAttachResult = typeof DaemonAttachResult.Type
+
+/** Every message the daemon sends to a client. */
+export const ServerMessage = Schema.Union(
+  DaemonHello,
+  ResponseSuccess,
+  ResponseFailure,
+  SessionEvent,
+  SessionStatus,
+  SessionClosed,
+  SessionAttached,
+  SnapshotBegin,
+  SnapshotChunk,
+  SnapshotEnd,
+  SnapshotFailed,
+  DaemonClosing
+)
+export type ServerMessage = typeof ServerMessage.Type
+
+/** One outbound message as a JSON line (with its `\n`). */
+export const encode = (message: ServerMessage): string => JSON.stringify(message) + "\n"
+
+const decodeServerMessageEither = Schema.decodeUnknownEither(ServerMessage)
+
+/** Decodes one line sent by the daemon (used by clients and tests). */
+export const decodeServerLine = (line: string): Either.Either<ServerMessage, ProtocolError> => {
+  let json: unknown
+  try {
+    json = JSON.parse(line)
+  } catch (e) {
+    return Either.left(
+      new ProtocolError({ code: "parse_error", message: `not JSON: ${String(e)}`, id: null, command: "parse" })
+    )
+  }
+  return Either.mapLeft(
+    decodeServerMessageEither(json),
+    (e) =>
+      new ProtocolError({
+        code: "invalid_command",
+        message: ParseResult.TreeFormatter.formatErrorSync(e),
+        id: null,
+        command: "parse"
+      })
+  )
+}
+
+/** Encodes a command as the envelope a client sends. */
+export const encodeCommand = (id: string, command: Command, clientId?: string): string =>
+  JSON.stringify({
+    type: "command",
+    id,
+    protocol: PROTOCOL,
+    ...(clientId === undefined ? {} : { clientId }),
+    command
+  }) + "\n"
+
+// ---------------------------------------------------------------------------------------------
+// Decoding commands
+// ---------------------------------------------------------------------------------------------
+
+/** A decoded command with the id the response must echo (`null` when the line had none). */
+export interface DecodedCommand {
+  readonly id: string | null
+  readonly clientId?: string
+  readonly command: Command
+}
+
+const commandDecoders = Object.fromEntries(
+  Object.entries(Commands).map(([type, schema]) => [type, Schema.decodeUnknownEither(schema as Schema.Schema<any>)])
+) as Record<CommandType, (u: unknown) => Either.Either<Command, ParseResult.ParseError>>
+
+// When a line is not JSON we still try to echo its id: the first `"id":"..."` pair found.
+const salvageIdPattern = /"id"\s*:\s*"((?:[^"\\]|\\.)*)"/
+
+const salvageId = (line: string): string | null => {
+  const match = salvageIdPattern.exec(line.length > 4096 ? line.slice(0, 4096) : line)
+  if (match === null) return null
+  try {
+    return JSON.parse(`"${match[1]}"`) as string
+  } catch {
+    return null
+  }
+}
+
+const isRecord = (u: unknown): u is Record<string, unknown> =>
+  typeof u === "object" && u !== null && !Array.isArray(u)
+
+const describe = (u: unknown): string => (u === null ? "null" : Array.isArray(u) ? "an array" : `a ${typeof u}`)
+
+/**
+ * Decodes one inbound line into a command, or the {@link ProtocolError} to answer with.
+ * Accepts the envelope form and the bare command form (section 3).
+ */
+export const decodeCommandLine = (line: string): Either.Either<DecodedCommand, ProtocolError> => {
+  let json: unknown
+  try {
+    json = JSON.parse(line)
+  } catch (e) {
+    return Either.left(
+      new ProtocolError({
+        code: "parse_error",
+        message: `The line is not valid JSON (${e instanceof Error ? e.message : String(e)}).`,
+        id: salvageId(line),
+        command: "parse"
+      })
+    )
+  }
+  return decodeCommandValue(json)
+}
+
+/** Like {@link decodeCommandLine}, from an already parsed JSON value. */
+export const decodeCommandValue = (json: unknown): Either.Either<DecodedCommand, ProtocolError> => {
+  if (!isRecord(json)) {
+    return Either.left(
+      new ProtocolError({
+        code: "invalid_command",
+        message: `A command must be a JSON object, got ${describe(json)}.`,
+        id: null,
+        command: "parse"
+      })
+    )
+  }
+  const rawId = json["id"]
+  const id = typeof rawId === "string" ? rawId : null
+  const fail = (code: ErrorCode, message: string, command: string) =>
+    Either.left(new ProtocolError({ code, message, id, command }))
+
+  let inner: unknown = json
+  let clientId: string | undefined
+  if (json["type"] === "command") {
+    // Envelope: check its own fields before looking at the command inside.
+    const innerType = isRecord(json["command"]) && typeof json["command"]["type"] === "string"
+      ? json["command"]["type"]
+      : "parse"
+    if (typeof rawId !== "string") {
+      return fail("invalid_command", "The envelope field `id` must be a string.", innerType)
+    }
+    const protocol = json["protocol"]
+    if (protocol === undefined) {
+      return fail("invalid_command", "The envelope field `protocol` is missing.", innerType)
+    }
+    if (!isRecord(protocol) || protocol["name"] !== PROTOCOL.name || protocol["version"] !== PROTOCOL.version) {
+      return Either.left(
+        new ProtocolError({
+          code: "unsupported_protocol",
+          message: `Unsupported protocol ${JSON.stringify(protocol)}; this daemon speaks ${
+            JSON.stringify(PROTOCOL)
+          }.`,
+          id,
+          command: innerType,
+          details: { supported: PROTOCOL }
+        })
+      )
+    }
+    if (json["clientId"] !== undefined && typeof json["clientId"] !== "string") {
+      return fail("invalid_command", "The envelope field `clientId` must be a string.", innerType)
+    }
+    if (!isRecord(json["command"])) {
+      return fail(
+        "invalid_command",
+        json["command"] === undefined
+          ? "The envelope field `command` is missing."
+          : `The envelope field \`command\` must be an object, got ${describe(json["command"])}.`,
+        innerType
+      )
+    }
+    inner = json["command"]
+    clientId = json["clientId"] as string | undefined
+  } else if (rawId !== undefined && typeof rawId !== "string") {
+    return fail("invalid_command", "The field `id` must be a string.", typeof json["type"] === "string" ? json["type"] : "parse")
+  }
+
+  const command = inner as Record<string, unknown>
+  const type = command["type"]
+  if (typeof type !== "string") {
+    return fail(
+      "invalid_command",
+      type === undefined ? "The field `type` is missing." : "The field `type` must be a string.",
+      "parse"
+    )
+  }
+  if (!isCommandType(type)) {
+    return fail("unknown_command", `Unknown command \`${type}\`.`, type)
+  }
+  const decoded = commandDecoders[type](command)
+  if (Either.isLeft(decoded)) {
+    return fail("invalid_command", invalidFieldMessage(type, decoded.left), type)
+  }
+  return Either.right(clientId === undefined ? { id, command: decoded.right } : { id, clientId, command: decoded.right })
+}
+
+/** A one-line message naming the offending field(s) of a command. */
+const invalidFieldMessage = (type: string, error: ParseResult.ParseError): string => {
+  const issues = ParseResult.ArrayFormatter.formatErrorSync(error)
+  const parts = Arr.map(issues, (issue) => {
+    const path = issue.path.length === 0 ? "" : `\`${issue.path.join(".")}\`: `
+    return `${path}${issue.message}`
+  })
+  return `Invalid \`${type}\` command: ${parts.join("; ")}`
+}
+
+/** A successful response. */
+export const success = (id: string | null, command: string, data: unknown): ServerMessage => ({
+  type: "response",
+  id,
+  command,
+  success: true,
+  data
+})
+
+/** A failed response. */
+export const failure = (
+  id: string | null,
+  command: string,
+  error: { readonly code: ErrorCode; readonly message: string; readonly details?: Record<string, unknown> | undefined }
+): ServerMessage => ({
+  type: "response",
+  id,
+  command,
+  success: false,
+  error: error.details === undefined
+    ? { code: error.code, message: error.message }
+    : { code: error.code, message: error.message, details: error.details }
+})
+
+/** The failed response that answers a {@link ProtocolError}. */
+export const failureOf = (error: ProtocolError): ServerMessage => failure(error.id, error.command, error)
