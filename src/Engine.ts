@@ -1,0 +1,47 @@
+/**
+ * The agent engine a worker runs. An engine turns a prompt into a stream of AgentEvents; the
+ * worker folds those events into the session's transcript, which is all the state a session
+ * has (PROTOCOL.md section 4: a `message_end` appends its message).
+ */
+import * as Context from "effect/Context"
+import * as Data from "effect/Data"
+import type * as Effect from "effect/Effect"
+import type * as Stream from "effect/Stream"
+import type { AgentEvent, AgentMessage } from "./Protocol.js"
+
+/** An engine could not run a turn. */
+export class EngineError extends Data.TaggedError("EngineError")<{
+  readonly reason: "unknown_engine" | "invalid_config" | "turn_failed"
+  readonly message: string
+}> {}
+
+/** What a turn needs: the prompt, the transcript so far, and ids for the messages it creates. */
+export interface TurnInput {
+  readonly turnId: string
+  readonly message: string
+  readonly history: ReadonlyArray<AgentMessage>
+}
+
+/** One engine configured for one session. */
+export interface EngineSession {
+  /**
+   * The events of one turn, `agent_start` to `agent_end`. Interrupting the stream aborts the
+   * turn; the worker then reports `turn_interrupted`.
+   */
+  readonly runTurn: (input: TurnInput) => Stream.Stream<AgentEvent, EngineError>
+}
+
+/** The engines a worker can run, by name. */
+export class Engine extends Context.Tag("agentd/Engine")<Engine, {
+  readonly names: ReadonlyArray<string>
+  readonly make: (name: string, config: Readonly<Record<string, unknown>>) => Effect.Effect<EngineSession, EngineError>
+}>() {}
+
+/** Folds one event into a transcript (in place; returns whether it changed). */
+export const foldEvent = (messages: Array<AgentMessage>, event: { readonly type: string }): boolean => {
+  if (event.type === "message_end") {
+    messages.push((event as Extract<AgentEvent, { type: "message_end" }>).message)
+    return true
+  }
+  return false
+}
