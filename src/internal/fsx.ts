@@ -1,0 +1,245 @@
+/**
+ * Small durable-file helpers shared by the modules that own files on disk (journal, session
+ * store, snapshot cache, event log).
+ *
+ * `@effect/platform`'s FileSystem has no fsync on directories, no `wx`/append open flags with a
+ * mode and no fdatasync, and every durability guarantee here depends on those, so this module
+ * wraps `node:fs/promises` directly. Everything private to the daemon is created 0700 (dirs) and
+ * 0600 (files): transcripts and journals hold users' conversations.
+ */
+import { createHash, randomBytes } from "node:crypto"
+import { createReadStream } from "node:fs"
+import * as fsp from "node:fs/promises"
+import type { FileHandle } from "node:fs/promises"
+import * as nodePath from "node:path"
+import * as Data from "effect/Data"
+import * as Effect from "effect/Effect"
+import * as Exit from "effect/Exit"
+import * as Option from "effect/Option"
+
+/** Mode of every directory the daemon creates. */
+export const DIR_MODE = 0o700
+
+/** Mode of every file the daemon creates. */
+export const FILE_MODE = 0o600
+
+/** A failed file-system call: which operation, on which path, and the Node error. */
+export class FsError extends Data.TaggedError("FsError")<{
+  readonly op: string
+  readonly path: string
+  readonly cause: unknown
+}> {
+  /** The errno code (`ENOENT`, `EACCES`, ...) when the cause carries one. */
+  get code(): string | undefined {
+    return errnoCode(this.cause)
+  }
+  override get message(): string {
+    const detail = this.cause instanceof Error ? this.cause.message : String(this.cause)
+    return `${this.op} ${this.path}: ${detail}`
+  }
+}
+
+/** The `code` of a Node system error, if any. */
+export const errnoCode = (cause: unknown): string | undefined =>
+  typeof cause === "object" && cause !== null && "code" in cause && typeof cause.code === "string"
+    ? cause.code
+    : undefined
+
+/** True when the error is "no such file or directory". */
+export const isNotFound = (error: FsError): boolean => error.code === "ENOENT"
+
+/** Wraps one promise-returning fs call. */
+export const attempt = <A>(op: string, path: string, f: () => Promise<A>): Effect.Effect<A, FsError> =>
+  Effect.tryPromise({ try: f, catch: (cause) => new FsError({ op, path, cause }) })
+
+/**
+ * `mkdir -p` with mode 0700. Directories that already exist keep their mode: the daemon does not
+ * take over a directory a user pointed it at.
+ */
+export const ensureDir = (path: string): Effect.Effect<void, FsError> =>
+  attempt("mkdir", path, () => fsp.mkdir(path, { recursive: true, mode: DIR_MODE })).pipe(Effect.asVoid)
+
+/**
+ * fsync a directory, which makes a rename, create or unlink inside it durable. Without it a
+ * rename can be lost on power failure even though the file's own data was synced.
+ */
+export const fsyncDir = (path: string): Effect.Effect<void, FsError> =>
+  Effect.acquireUseRelease(
+    attempt("open", path, () => fsp.open(path, "r")),
+    (handle) => attempt("fsync", path, () => handle.sync()),
+    (handle) => Effect.promise(() => handle.close().catch(() => undefined))
+  )
+
+/** Writes every byte (a single `write` may write fewer than asked). */
+export const writeAll = (handle: FileHandle, path: string, data: string | Uint8Array): Effect.Effect<void, FsError> =>
+  attempt("write", path, async () => {
+    const bytes = typeof data === "string" ? Buffer.from(data, "utf8") : data
+    let offset = 0
+    while (offset < bytes.byteLength) {
+      const { bytesWritten } = await handle.write(bytes, offset, bytes.byteLength - offset)
+      offset += bytesWritten
+    }
+  })
+
+/** Writes every byte then fsyncs: once this succeeds, the data survives a crash. */
+export const appendDurable = (
+  handle: FileHandle,
+  path: string,
+  data: string | Uint8Array
+): Effect.Effect<void, FsError> =>
+  Effect.zipRight(writeAll(handle, path, data), attempt("fsync", path, () => handle.sync()))
+
+/** Opens (creating 0600 if needed) a file for appending. */
+export const openAppend = (path: string): Effect.Effect<FileHandle, FsError> =>
+  attempt("open", path, () => fsp.open(path, "a", FILE_MODE))
+
+/** Closes a handle, ignoring errors (there is nothing useful to do with them). */
+export const closeQuietly = (handle: FileHandle): Effect.Effect<void> =>
+  Effect.promise(() => handle.close().catch(() => undefined))
+
+/** Unlinks a file, ignoring every error (best-effort cleanup of temp files). */
+export const unlinkQuietly = (path: string): Effect.Effect<void> =>
+  Effect.promise(() => fsp.unlink(path).catch(() => undefined))
+
+/**
+ * The temp file used while `path` is written: same directory (rename must not cross file
+ * systems), a dot name ending in `.tmp` (readers list only final names), pid + random so two
+ * writers never share one.
+ */
+export const tempPathFor = (path: string): string =>
+  nodePath.join(
+    nodePath.dirname(path),
+    `.${nodePath.basename(path)}.${process.pid}.${randomBytes(4).toString("hex")}.tmp`
+  )
+
+/** True for a name produced by {@link tempPathFor}. */
+export const isTempName = (name: string): boolean => name.startsWith(".") && name.endsWith(".tmp")
+
+/**
+ * Atomically replaces `path` with what `body` writes: temp file (0600, exclusive create), the
+ * writes, fsync, close, rename over `path`, fsync the directory. A reader sees the old file or
+ * the complete new one, never a prefix, even if the process dies at any point; a failure or an
+ * interruption of `body` removes the temp file and leaves `path` untouched.
+ *
+ * `body` gets a `write` function rather than this module taking a Stream, so that callers that
+ * only need small files (the journal, loaded by every worker) do not pay for loading Stream.
+ */
+export const writeAtomicWith = <E, R>(
+  path: string,
+  body: (write: (data: string | Uint8Array) => Effect.Effect<void, FsError>) => Effect.Effect<void, E, R>
+): Effect.Effect<void, FsError | E, R> =>
+  Effect.suspend(() => {
+    const temp = tempPathFor(path)
+    return Effect.acquireUseRelease(
+      attempt("open", temp, () => fsp.open(temp, "wx", FILE_MODE)),
+      (handle) =>
+        body((data) => writeAll(handle, temp, data)).pipe(
+          Effect.zipRight(attempt("fsync", temp, () => handle.sync()))
+        ),
+      closeQuietly
+    ).pipe(
+      Effect.zipRight(attempt("rename", path, () => fsp.rename(temp, path))),
+      Effect.onExit((exit) => (Exit.isSuccess(exit) ? Effect.void : unlinkQuietly(temp))),
+      Effect.zipRight(fsyncDir(nodePath.dirname(path)))
+    )
+  })
+
+/** {@link writeAtomicWith} for data already in memory. */
+export const writeFileAtomic = (path: string, data: string | Uint8Array): Effect.Effect<void, FsError> =>
+  writeAtomicWith(path, (write) => write(data))
+
+/** Reads a whole file as UTF-8; `None` when it does not exist. */
+export const readFileIfExists = (path: string): Effect.Effect<Option.Option<string>, FsError> =>
+  attempt("read", path, () => fsp.readFile(path, "utf8")).pipe(
+    Effect.map(Option.some),
+    Effect.catchIf(isNotFound, () => Effect.succeed(Option.none()))
+  )
+
+/**
+ * The lines of a file, lazily, in batches (one per 64 KiB read): the file is never held whole in
+ * memory (transcripts reach 100 MB). Lines are split on `\n` bytes, which never occur inside a
+ * multi-byte UTF-8 sequence, so decoding per line is exact; a trailing `\r` is dropped; the last
+ * line is yielded even without a final `\n`. The file is closed when iteration ends, throws or
+ * is abandoned (`return()`), which is what `Stream.fromAsyncIterable` does on interruption.
+ */
+export async function* lineBatches(path: string): AsyncGenerator<ReadonlyArray<string>> {
+  const input = createReadStream(path, { highWaterMark: 64 * 1024 })
+  let pending: Array<Buffer> = []
+  try {
+    for await (const piece of input as AsyncIterable<Buffer>) {
+      const lines: Array<string> = []
+      let start = 0
+      let newline = piece.indexOf(0x0a, start)
+      while (newline !== -1) {
+        const bytes = pending.length === 0
+          ? piece.subarray(start, newline)
+          : Buffer.concat([...pending, piece.subarray(start, newline)])
+        pending = []
+        lines.push(stripCr(bytes.toString("utf8")))
+        start = newline + 1
+        newline = piece.indexOf(0x0a, start)
+      }
+      if (start < piece.length) pending.push(piece.subarray(start))
+      if (lines.length > 0) yield lines
+    }
+    if (pending.length > 0) yield [stripCr(Buffer.concat(pending).toString("utf8"))]
+  } finally {
+    input.destroy()
+  }
+}
+
+const stripCr = (line: string): string => (line.endsWith("\r") ? line.slice(0, -1) : line)
+
+/**
+ * The first line of a file (without its `\n`), reading no more than `maxBytes`; `None` when the
+ * file has no complete first line within that bound. Used to read a transcript's header without
+ * touching its body.
+ */
+export const readFirstLine = (path: string, maxBytes = 1024 * 1024): Effect.Effect<Option.Option<string>, FsError> =>
+  Effect.acquireUseRelease(
+    attempt("open", path, () => fsp.open(path, "r")),
+    (handle) =>
+      attempt("read", path, async () => {
+        const pieces: Array<Buffer> = []
+        let total = 0
+        while (total < maxBytes) {
+          const buffer = Buffer.alloc(Math.min(16 * 1024, maxBytes - total))
+          const { bytesRead } = await handle.read(buffer, 0, buffer.length, total)
+          if (bytesRead === 0) return Option.none()
+          const piece = buffer.subarray(0, bytesRead)
+          const newline = piece.indexOf(0x0a)
+          if (newline !== -1) {
+            pieces.push(piece.subarray(0, newline))
+            return Option.some(stripCr(Buffer.concat(pieces).toString("utf8")))
+          }
+          pieces.push(piece)
+          total += bytesRead
+        }
+        return Option.none()
+      }),
+    closeQuietly
+  )
+
+/** Longest safe segment we produce; file names are limited to 255 bytes. */
+const MAX_SEGMENT = 120
+
+/**
+ * Turns an untrusted id (from the wire) into one path segment that cannot escape its parent:
+ * letters, digits, `-` and `_` are kept, every other byte (including `.`, `/`, `%`) is written
+ * `%XX`. The mapping is injective, so two ids never share a directory; `..`, `/` and NUL cannot
+ * survive it. The empty id becomes `%` (which no encoding produces); a very long id is cut and
+ * suffixed with a hash of the whole id.
+ */
+export const safeSegment = (raw: string): string => {
+  if (raw.length === 0) return "%"
+  let out = ""
+  for (const byte of Buffer.from(raw, "utf8")) {
+    const isSafe = (byte >= 0x30 && byte <= 0x39) || (byte >= 0x41 && byte <= 0x5a) ||
+      (byte >= 0x61 && byte <= 0x7a) || byte === 0x2d || byte === 0x5f
+    out += isSafe ? String.fromCharCode(byte) : `%${byte.toString(16).toUpperCase().padStart(2, "0")}`
+  }
+  if (out.length <= MAX_SEGMENT) return out
+  // `~` is never produced by the encoding above, so a hashed name cannot equal an encoded one.
+  const digest = createHash("sha256").update(raw, "utf8").digest("hex").slice(0, 32)
+  return `${out.slice(0, MAX_SEGMENT - 33)}~${digest}`
+}

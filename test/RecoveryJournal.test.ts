@@ -1,0 +1,551 @@
+import { spawn } from "node:child_process"
+import type { ChildProcessByStdio } from "node:child_process"
+import * as fsp from "node:fs/promises"
+import * as os from "node:os"
+import * as nodePath from "node:path"
+import type { Readable, Writable } from "node:stream"
+import { fileURLToPath } from "node:url"
+import { assert, describe, it } from "@effect/vitest"
+import * as Context from "effect/Context"
+import * as Effect from "effect/Effect"
+import * as Either from "effect/Either"
+import * as Layer from "effect/Layer"
+import * as Logger from "effect/Logger"
+import * as Option from "effect/Option"
+import * as Schema from "effect/Schema"
+import type * as Scope from "effect/Scope"
+import * as RecoveryJournal from "../src/RecoveryJournal.js"
+
+// ---------------------------------------------------------------------------------------------
+// Helpers
+
+const tempDir = Effect.acquireRelease(
+  Effect.promise(() => fsp.mkdtemp(nodePath.join(os.tmpdir(), "agentd-journal-"))),
+  (dir) => Effect.promise(() => fsp.rm(dir, { recursive: true, force: true }))
+)
+
+const readText = (path: string) => Effect.promise(() => fsp.readFile(path, "utf8"))
+
+/** Non-empty lines of a file. */
+const fileLines = (path: string) =>
+  Effect.map(readText(path), (text) => text.split("\n").filter((line) => line.length > 0))
+
+const decodeLine = Schema.decodeUnknownEither(Schema.parseJson(RecoveryJournal.JournalRecord))
+
+const mode = (path: string) => Effect.promise(() => fsp.stat(path)).pipe(Effect.map((s) => s.mode & 0o777))
+
+/** Collects log lines at Warning and above. */
+const captureWarnings = () => {
+  const warnings: Array<string> = []
+  const logger = Logger.make(({ logLevel, message }) => {
+    if (logLevel._tag === "Warning" || logLevel._tag === "Error") {
+      warnings.push(Array.isArray(message) ? message.map(String).join(" ") : String(message))
+    }
+  })
+  return { warnings, layer: Logger.replace(Logger.defaultLogger, logger) }
+}
+
+const input = (
+  activeSessionId: string,
+  busy: boolean,
+  operation: string,
+  sessionFile?: string
+): RecoveryJournal.JournalInput => ({
+  activeSessionId,
+  sessionId: `engine-${activeSessionId}`,
+  busy,
+  operation,
+  ...(sessionFile !== undefined ? { sessionFile } : {})
+})
+
+/** A journal built from one of the exported layers; `path` is set for the file implementation. */
+interface Fixture {
+  readonly journal: RecoveryJournal.RecoveryJournalService
+  readonly path: Option.Option<string>
+}
+
+const implementations: ReadonlyArray<{
+  readonly name: string
+  readonly make: Effect.Effect<Fixture, RecoveryJournal.RecoveryJournalError, Scope.Scope>
+}> = [
+  {
+    name: "file",
+    make: Effect.gen(function*() {
+      const dir = yield* tempDir
+      const path = nodePath.join(dir, "state", "recovery.jsonl")
+      const context = yield* Layer.build(RecoveryJournal.layer({ path }))
+      return { journal: Context.get(context, RecoveryJournal.RecoveryJournal), path: Option.some(path) }
+    })
+  },
+  {
+    name: "memory",
+    make: Effect.gen(function*() {
+      const context = yield* Layer.build(RecoveryJournal.layerMemory)
+      return { journal: Context.get(context, RecoveryJournal.RecoveryJournal), path: Option.none() }
+    })
+  }
+]
+
+// ---------------------------------------------------------------------------------------------
+// The shared suite
+
+for (const implementation of implementations) {
+  describe(`RecoveryJournal (${implementation.name})`, () => {
+    it.scoped("records and returns the latest record per session", () =>
+      Effect.gen(function*() {
+        const { journal, path } = yield* implementation.make
+        assert.isTrue(yield* journal.record(input("a", true, "prompt", "/s/a/1.jsonl")))
+        assert.isTrue(yield* journal.record(input("b", true, "prompt")))
+        assert.isTrue(yield* journal.record(input("a", true, "checkpoint", "/s/a/2.jsonl")))
+
+        const latest = yield* journal.latest()
+        assert.deepStrictEqual([...latest.keys()].sort(), ["a", "b"])
+        assert.deepStrictEqual(latest.get("a"), {
+          version: 1,
+          activeSessionId: "a",
+          sessionId: "engine-a",
+          busy: true,
+          operation: "checkpoint",
+          sessionFile: "/s/a/2.jsonl",
+          // TestClock starts at the epoch.
+          recordedAt: new Date(0).toISOString()
+        })
+        assert.isFalse("sessionFile" in (latest.get("b") ?? {}))
+        assert.deepStrictEqual(yield* journal.get("b"), Option.fromNullable(latest.get("b")))
+        assert.isTrue(Option.isNone(yield* journal.get("nope")))
+
+        if (Option.isSome(path)) {
+          const lines = yield* fileLines(path.value)
+          assert.strictEqual(lines.length, 3)
+          assert.deepStrictEqual(yield* RecoveryJournal.readLatest(path.value), latest)
+        }
+      }))
+
+    it.scoped("does not write a record equal to the latest in busy, operation and sessionFile", () =>
+      Effect.gen(function*() {
+        const { journal, path } = yield* implementation.make
+        assert.isTrue(yield* journal.record(input("a", true, "prompt", "/f1")))
+        const first = yield* journal.get("a")
+        assert.isFalse(yield* journal.record(input("a", true, "prompt", "/f1")))
+        // sessionId is not part of the comparison (PROTOCOL.md section 6).
+        assert.isFalse(yield* journal.record({ ...input("a", true, "prompt", "/f1"), sessionId: "other" }))
+        assert.deepStrictEqual(yield* journal.get("a"), first)
+
+        assert.isTrue(yield* journal.record(input("a", true, "prompt", "/f2")))
+        assert.isTrue(yield* journal.record(input("a", true, "prompt")))
+        assert.isTrue(yield* journal.record(input("a", true, "abort")))
+        assert.isFalse(yield* journal.record(input("a", true, "abort")))
+        // Another session with the same state is not a duplicate.
+        assert.isTrue(yield* journal.record(input("b", true, "abort")))
+
+        if (Option.isSome(path)) {
+          assert.strictEqual((yield* fileLines(path.value)).length, 5)
+        }
+      }))
+
+    it.scoped("forget drops a session", () =>
+      Effect.gen(function*() {
+        const { journal, path } = yield* implementation.make
+        yield* journal.record(input("a", true, "prompt"))
+        yield* journal.record(input("b", false, "idle"))
+        yield* journal.forget("a")
+        yield* journal.forget("never-recorded")
+        assert.deepStrictEqual([...(yield* journal.latest()).keys()], ["b"])
+        if (Option.isSome(path)) {
+          const lines = yield* fileLines(path.value)
+          assert.strictEqual(lines.length, 1)
+          assert.deepStrictEqual([...(yield* RecoveryJournal.readLatest(path.value)).keys()], ["b"])
+        }
+        // A forgotten session that comes back starts over (no stale dedupe).
+        assert.isTrue(yield* journal.record(input("a", true, "prompt")))
+      }))
+
+    it.scoped("serializes concurrent records: every line whole, none lost", () =>
+      Effect.gen(function*() {
+        const { journal, path } = yield* implementation.make
+        const sessions = ["a", "b", "c", "d", "e", "f"]
+        const busyRound = sessions.flatMap((s) => Array.from({ length: 10 }, (_, n) => input(s, true, `op-${s}-${n}`)))
+        const written = yield* Effect.all(busyRound.map((i) => journal.record(i)), { concurrency: "unbounded" })
+        assert.isTrue(written.every((w) => w))
+        assert.strictEqual((yield* journal.latest()).size, 6)
+        if (Option.isSome(path)) {
+          const lines = yield* fileLines(path.value)
+          assert.strictEqual(lines.length, 60)
+          for (const line of lines) assert.isTrue(Either.isRight(decodeLine(line)), line)
+        }
+
+        // Idle records racing with the compactions they trigger.
+        const idleRound = sessions.flatMap((s) => [input(s, false, "idle-1"), input(s, true, "again"), input(s, false, "idle-2")])
+        yield* Effect.all(idleRound.map((i) => journal.record(i)), { concurrency: "unbounded" })
+        const latest = yield* journal.latest()
+        for (const s of sessions) {
+          // Each session's three records ran in some order; the journal holds the last to run.
+          assert.isTrue(latest.has(s))
+        }
+        if (Option.isSome(path)) {
+          const lines = yield* fileLines(path.value)
+          for (const line of lines) assert.isTrue(Either.isRight(decodeLine(line)), line)
+          assert.deepStrictEqual(yield* RecoveryJournal.readLatest(path.value), latest)
+        }
+      }))
+
+    it.scoped("compact() keeps the latest record of every session, busy or not", () =>
+      Effect.gen(function*() {
+        const { journal, path } = yield* implementation.make
+        yield* journal.record(input("a", true, "one"))
+        yield* journal.record(input("a", true, "two"))
+        yield* journal.record(input("b", false, "idle"))
+        const before = yield* journal.latest()
+        yield* journal.compact()
+        assert.deepStrictEqual(yield* journal.latest(), before)
+        if (Option.isSome(path)) {
+          assert.strictEqual((yield* fileLines(path.value)).length, 2)
+          assert.deepStrictEqual(yield* RecoveryJournal.readLatest(path.value), before)
+        }
+        // Dedupe still works against the compacted state.
+        assert.isFalse(yield* journal.record(input("a", true, "two")))
+      }))
+  })
+}
+
+// ---------------------------------------------------------------------------------------------
+// File-specific behaviour
+
+describe("RecoveryJournal (file)", () => {
+  const openAt = (path: string) =>
+    Layer.build(RecoveryJournal.layer({ path })).pipe(
+      Effect.map((context) => Context.get(context, RecoveryJournal.RecoveryJournal))
+    )
+
+  it.scoped("compacts to one line per session through a temp file and a rename once every session is idle", () =>
+    Effect.gen(function*() {
+      const dir = yield* tempDir
+      const path = nodePath.join(dir, "recovery.jsonl")
+      const journal = yield* openAt(path)
+      yield* journal.record(input("a", true, "prompt"))
+      yield* journal.record(input("b", true, "prompt"))
+      yield* journal.record(input("a", false, "idle"))
+      yield* journal.record(input("a", true, "prompt-2"))
+      yield* journal.record(input("a", false, "idle-2"))
+      // b is still busy: nothing is compacted yet.
+      assert.strictEqual((yield* fileLines(path)).length, 5)
+      const inodeBefore = (yield* Effect.promise(() => fsp.stat(path))).ino
+
+      yield* journal.record(input("b", false, "idle", "/s/b/3.jsonl"))
+      const lines = yield* fileLines(path)
+      assert.strictEqual(lines.length, 2)
+      const records = lines.map((line) => Either.getOrThrow(decodeLine(line)))
+      assert.deepStrictEqual(records.map((r) => [r.activeSessionId, r.busy, r.operation]), [
+        ["a", false, "idle-2"],
+        ["b", false, "idle"]
+      ])
+      // A new inode: the file was replaced by rename, not rewritten in place.
+      assert.notStrictEqual((yield* Effect.promise(() => fsp.stat(path))).ino, inodeBefore)
+      assert.deepStrictEqual(yield* Effect.promise(() => fsp.readdir(dir)), ["recovery.jsonl"])
+
+      // Appends after a compaction go to the new file.
+      yield* journal.record(input("a", true, "prompt-3"))
+      assert.strictEqual((yield* fileLines(path)).length, 3)
+      assert.strictEqual((yield* RecoveryJournal.readLatest(path)).get("a")?.operation, "prompt-3")
+      // An idle record that changes nothing does not compact an already compact file either.
+      yield* journal.record(input("a", false, "idle-3"))
+      assert.strictEqual((yield* fileLines(path)).length, 2)
+    }))
+
+  it.scoped("skips torn, garbage and unknown-version lines with one warning, and repairs the file on open", () =>
+    Effect.gen(function*() {
+      const dir = yield* tempDir
+      const path = nodePath.join(dir, "recovery.jsonl")
+      const good = (id: string, operation: string) =>
+        JSON.stringify({
+          version: 1,
+          activeSessionId: id,
+          sessionId: `engine-${id}`,
+          busy: true,
+          operation,
+          recordedAt: "2026-01-01T00:00:00.000Z"
+        })
+      const text = [
+        good("a", "first"),
+        "not json at all",
+        JSON.stringify({ ...JSON.parse(good("a", "future")), version: 2 }),
+        "",
+        "{\"version\":1,\"activeSessionId\":\"c\"}",
+        good("b", "second") + "\r",
+        good("a", "third"),
+        good("c", "torn").slice(0, 40)
+      ].join("\n")
+      yield* Effect.promise(() => fsp.writeFile(path, text, { mode: 0o600 }))
+
+      const capture = captureWarnings()
+      const latest = yield* RecoveryJournal.readLatest(path).pipe(Effect.provide(capture.layer))
+      assert.deepStrictEqual([...latest.keys()], ["a", "b"])
+      assert.strictEqual(latest.get("a")?.operation, "third")
+      assert.strictEqual(latest.get("b")?.operation, "second")
+      assert.strictEqual(capture.warnings.length, 1)
+      assert.include(capture.warnings[0], "skipped 4 invalid line(s)")
+      assert.include(capture.warnings[0], "torn last line")
+      // Reading never writes.
+      assert.strictEqual(yield* readText(path), text)
+
+      // A missing journal is an empty one.
+      assert.strictEqual((yield* RecoveryJournal.readLatest(nodePath.join(dir, "absent.jsonl"))).size, 0)
+
+      // The writer repairs on open: the torn bytes can never end up in the middle of the file.
+      const journal = yield* openAt(path).pipe(Effect.provide(capture.layer))
+      assert.deepStrictEqual(yield* journal.latest(), latest)
+      const repaired = yield* fileLines(path)
+      assert.strictEqual(repaired.length, 2)
+      for (const line of repaired) assert.isTrue(Either.isRight(decodeLine(line)))
+      yield* journal.record(input("c", true, "after"))
+      const lines = yield* fileLines(path)
+      assert.strictEqual(lines.length, 3)
+      for (const line of lines) assert.isTrue(Either.isRight(decodeLine(line)), line)
+      assert.strictEqual((yield* RecoveryJournal.readLatest(path)).get("c")?.operation, "after")
+    }))
+
+  it.scoped("starts a new line after a complete record that lost only its newline", () =>
+    Effect.gen(function*() {
+      const dir = yield* tempDir
+      const path = nodePath.join(dir, "recovery.jsonl")
+      const last = JSON.stringify({
+        version: 1,
+        activeSessionId: "a",
+        sessionId: "engine-a",
+        busy: true,
+        operation: "no-newline",
+        recordedAt: "2026-01-01T00:00:00.000Z"
+      })
+      yield* Effect.promise(() => fsp.writeFile(path, last, { mode: 0o600 }))
+      const journal = yield* openAt(path)
+      assert.strictEqual((yield* journal.get("a")).pipe(Option.map((r) => r.operation), Option.getOrNull), "no-newline")
+      yield* journal.record(input("b", true, "next"))
+      const text = yield* readText(path)
+      assert.strictEqual(text, `${last}\n${JSON.stringify(Option.getOrThrow(yield* journal.get("b")))}\n`)
+    }))
+
+  it.scoped("creates the file 0600 in a 0700 directory and keeps it 0600 across compactions", () =>
+    Effect.gen(function*() {
+      const dir = yield* tempDir
+      const stateDir = nodePath.join(dir, "a", "state")
+      const path = nodePath.join(stateDir, "recovery.jsonl")
+      const journal = yield* openAt(path)
+      yield* journal.record(input("a", true, "prompt"))
+      assert.strictEqual(yield* mode(stateDir), 0o700)
+      assert.strictEqual(yield* mode(nodePath.join(dir, "a")), 0o700)
+      assert.strictEqual(yield* mode(path), 0o600)
+      yield* journal.record(input("a", false, "idle"))
+      assert.strictEqual((yield* fileLines(path)).length, 1)
+      assert.strictEqual(yield* mode(path), 0o600)
+
+      // A pre-existing journal with a loose mode is tightened.
+      const loose = nodePath.join(dir, "loose.jsonl")
+      yield* Effect.promise(() => fsp.writeFile(loose, "", { mode: 0o644 }))
+      yield* Effect.promise(() => fsp.chmod(loose, 0o644))
+      yield* openAt(loose)
+      assert.strictEqual(yield* mode(loose), 0o600)
+    }))
+
+  it.scoped("another reader sees what the writer recorded; a reopened journal resumes its state", () =>
+    Effect.gen(function*() {
+      const dir = yield* tempDir
+      const path = nodePath.join(dir, "recovery.jsonl")
+      const journal = yield* openAt(path)
+      yield* journal.record(input("a", true, "prompt", "/s/a/1.jsonl"))
+      yield* journal.record(input("b", false, "idle"))
+      // A worker restoring a session reads the file without opening it for writing.
+      const seen = yield* RecoveryJournal.readLatest(path)
+      assert.deepStrictEqual(seen, yield* journal.latest())
+      assert.strictEqual(seen.get("a")?.sessionFile, "/s/a/1.jsonl")
+
+      const reopened = yield* Effect.scoped(Effect.gen(function*() {
+        const again = yield* openAt(path)
+        // Dedupe holds across restarts: the state came from the file.
+        assert.isFalse(yield* again.record(input("a", true, "prompt", "/s/a/1.jsonl")))
+        return yield* again.latest()
+      }))
+      assert.deepStrictEqual(reopened, seen)
+    }))
+
+  it.scoped("removes a temp file left by a writer killed during compaction", () =>
+    Effect.gen(function*() {
+      const dir = yield* tempDir
+      const path = nodePath.join(dir, "recovery.jsonl")
+      const stray = nodePath.join(dir, ".recovery.jsonl.12345.abcd.tmp")
+      yield* Effect.promise(() => fsp.writeFile(stray, "{\"half\":"))
+      const journal = yield* openAt(path)
+      yield* journal.record(input("a", true, "prompt"))
+      assert.deepStrictEqual(yield* Effect.promise(() => fsp.readdir(dir)), ["recovery.jsonl"])
+    }))
+})
+
+// ---------------------------------------------------------------------------------------------
+// Crash test: real processes killed with SIGKILL at random moments
+
+const root = fileURLToPath(new URL("..", import.meta.url))
+const childPath = fileURLToPath(new URL("./fixtures/journalChild.ts", import.meta.url))
+const SESSIONS = 3
+const LANES = 2
+const RUNS_PER_LANE = 10
+
+type Child = ChildProcessByStdio<Writable, Readable, Readable>
+
+/** Every live child, so that the test's finalizer can kill them; `stopped` forbids new ones. */
+interface Children {
+  stopped: boolean
+  readonly running: Set<Running>
+}
+
+/** A spawned journal child and what it has said so far. */
+interface Running {
+  readonly child: Child
+  readonly acks: Array<number>
+  readonly exited: Promise<void>
+  readonly stderr: Array<string>
+  /** Resolves when the child prints `line` (or exits). */
+  readonly waitFor: (line: "loaded" | "ack") => Promise<void>
+}
+
+const spawnChild = (path: string, start: number): Running => {
+  const child = spawn(process.execPath, ["--import", "tsx", childPath, path, String(SESSIONS), String(start), "--wait"], {
+    cwd: root,
+    stdio: ["pipe", "pipe", "pipe"]
+  })
+  const acks: Array<number> = []
+  const stderr: Array<string> = []
+  const seen = new Set<string>()
+  const waiters: Array<{ line: string; resolve: () => void }> = []
+  const notify = (line: string) => {
+    seen.add(line)
+    for (const w of waiters.splice(0)) {
+      if (w.line === line) w.resolve()
+      else waiters.push(w)
+    }
+  }
+  let buffered = ""
+  child.stdout.setEncoding("utf8")
+  child.stdout.on("data", (data: string) => {
+    buffered += data
+    const lines = buffered.split("\n")
+    buffered = lines.pop() ?? ""
+    for (const line of lines) {
+      if (line.startsWith("ack ")) {
+        acks.push(Number(line.slice(4)))
+        notify("ack")
+      } else if (line === "loaded") notify("loaded")
+    }
+  })
+  child.stderr.setEncoding("utf8")
+  child.stderr.on("data", (data: string) => stderr.push(data))
+  child.stdin.on("error", () => undefined)
+  const exited = new Promise<void>((resolve) => child.once("close", () => resolve()))
+  void exited.then(() => {
+    for (const w of waiters.splice(0)) w.resolve()
+  })
+  return {
+    child,
+    acks,
+    exited,
+    stderr,
+    waitFor: (line) =>
+      seen.has(line) || child.exitCode !== null || child.signalCode !== null
+        ? Promise.resolve()
+        : new Promise((resolve) => waiters.push({ line, resolve }))
+  }
+}
+
+const killChild = (running: Running): Promise<void> => {
+  if (running.child.exitCode === null && running.child.signalCode === null) running.child.kill("SIGKILL")
+  return running.exited
+}
+
+const indexOf = (record: RecoveryJournal.JournalRecord): number => Number(record.operation.slice("op-".length))
+
+/**
+ * One lane: a journal file and a sequence of children, each killed at a random moment after its
+ * first acknowledged record. The next child boots (loads its modules) while the current one runs,
+ * and opens the journal only once the current one is dead.
+ */
+const runLane = async (dir: string, lane: number, children: Children): Promise<number> => {
+  const path = nodePath.join(dir, `lane-${lane}`, "recovery.jsonl")
+  // The latest record known to be durable for each session, as a record index.
+  const durable = new Map<string, number>()
+  const startOf = (run: number) => (run + 1) * 1_000_000
+  const launch = (run: number) => {
+    if (children.stopped) throw new Error("crash test stopped")
+    const running = spawnChild(path, startOf(run))
+    children.running.add(running)
+    return running
+  }
+  let next = launch(0)
+  let kills = 0
+  for (let run = 0; run < RUNS_PER_LANE; run++) {
+    const current = next
+    await current.waitFor("loaded")
+    current.child.stdin.write("go\n")
+    if (run + 1 < RUNS_PER_LANE) next = launch(run + 1)
+    await current.waitFor("ack")
+    // Random moment: from right after the first ack to a few dozen records (and compactions) later.
+    await new Promise((resolve) => setTimeout(resolve, Math.random() * 80))
+    await killChild(current)
+    children.running.delete(current)
+    if (current.acks.length === 0) {
+      throw new Error(`lane ${lane} run ${run}: child exited without recording: ${current.stderr.join("")}`)
+    }
+    if (current.child.signalCode === "SIGKILL") kills++
+
+    // What must be on disk: per session, the last acknowledged record or the one in flight.
+    const lastAck = current.acks[current.acks.length - 1]!
+    const inFlight = lastAck + 1
+    const expected = new Map(durable)
+    for (const i of current.acks) expected.set(`s${i % SESSIONS}`, i)
+
+    const latest = await Effect.runPromise(RecoveryJournal.readLatest(path).pipe(Effect.provide(Logger.remove(Logger.defaultLogger))))
+    for (const [session, index] of expected) {
+      const record = latest.get(session)
+      assert.isDefined(record, `lane ${lane} run ${run}: ${session} lost`)
+      const found = indexOf(record!)
+      const ok = found === index || (found === inFlight && `s${inFlight % SESSIONS}` === session)
+      assert.isTrue(ok, `lane ${lane} run ${run}: ${session} has op-${found}, expected op-${index} or op-${inFlight}`)
+      assert.strictEqual(record!.busy, Math.floor(found / SESSIONS) % 2 === 0)
+      durable.set(session, found)
+    }
+
+    // No invalid line, except possibly a torn last one.
+    const text = await fsp.readFile(path, "utf8")
+    const lines = text.split("\n")
+    const torn = lines.pop() ?? ""
+    for (const line of lines) {
+      if (line.length === 0) continue
+      assert.isTrue(Either.isRight(decodeLine(line)), `lane ${lane} run ${run}: invalid line ${JSON.stringify(line)}`)
+    }
+    if (torn.length > 0) assert.isFalse(text.endsWith("\n"))
+  }
+  return kills
+}
+
+describe("RecoveryJournal crash safety", () => {
+  it.live("every acknowledged record survives SIGKILL at random moments (20 runs)", () =>
+    Effect.gen(function*() {
+      const dir = yield* tempDir
+      const children: Children = { stopped: false, running: new Set() }
+      // Kill whatever is still running however the test ends (a failed lane stops the others).
+      yield* Effect.addFinalizer(() =>
+        Effect.promise(() => {
+          children.stopped = true
+          return Promise.all([...children.running].map(killChild))
+        })
+      )
+      const started = Date.now()
+      const kills = yield* Effect.promise(() =>
+        Promise.all(Array.from({ length: LANES }, (_, lane) => runLane(dir, lane, children)))
+      )
+      const total = kills.reduce((a, b) => a + b, 0)
+      assert.strictEqual(total, LANES * RUNS_PER_LANE)
+      yield* Effect.logDebug(`crash test: ${total} kills in ${Date.now() - started} ms`)
+    }).pipe(Effect.scoped), {
+      // ~27 s of CPU in all (each child spends ~1.1 s loading tsx and effect), so ~14 s on two
+      // idle cores; the margin is for a machine busy with other test files.
+      timeout: 120_000
+    })
+})
