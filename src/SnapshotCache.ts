@@ -1,0 +1,762 @@
+/**
+ * Chunked, reference-counted, memory-then-disk snapshot buffers (PROTOCOL.md sections 5 and 6).
+ *
+ * A snapshot (a session's transcript at a checkpoint) is streamed once by its producer (the
+ * worker, through the supervisor) as `session_snapshot_chunk` lines and read by any number of
+ * clients, each at its own pace. The cache keeps one entry per `snapshotId`: the producer
+ * appends pre-encoded chunk lines and ends the entry with `markComplete` or `markFailed`;
+ * readers `retain` the entry and ask for chunk after chunk, parking until it exists.
+ *
+ * Memory is bounded across the whole cache: chunks stay in memory while the cache holds at most
+ * `memoryCacheBytes` of chunk bytes; an entry whose next chunk would pass that limit moves all its
+ * chunks to `<cacheRoot>/<sanitized snapshotId>/<index>.jsonl` and its later chunks go straight
+ * to disk. Readers of a spilled chunk read it back from its file, so streaming a snapshot of any
+ * size holds at most one chunk per reader in memory.
+ */
+import * as FileSystem from "@effect/platform/FileSystem"
+import * as Context from "effect/Context"
+import * as Data from "effect/Data"
+import * as Deferred from "effect/Deferred"
+import * as Effect from "effect/Effect"
+import * as Exit from "effect/Exit"
+import * as FiberId from "effect/FiberId"
+import * as HashMap from "effect/HashMap"
+import * as Layer from "effect/Layer"
+import * as Option from "effect/Option"
+import * as Ref from "effect/Ref"
+import type * as Scope from "effect/Scope"
+import * as Stream from "effect/Stream"
+import { createHash } from "node:crypto"
+import * as NodePath from "node:path"
+import type { Cursor } from "./Cursor.js"
+
+// ---------------------------------------------------------------------------------------------
+// Chunking
+// ---------------------------------------------------------------------------------------------
+
+/** The protocol's default chunk budget (PROTOCOL.md section 5): 512 KiB. */
+export const DEFAULT_TARGET_CHUNK_BYTES = 524_288
+
+/** The default in-memory budget of a file-backed cache (PROTOCOL.md section 6): 4 MiB. */
+export const DEFAULT_MEMORY_CACHE_BYTES = 4 * 1024 * 1024
+
+/**
+ * Splits a snapshot's messages into `session_snapshot_chunk` lines, each encoded once.
+ *
+ * Size measure: a chunk's size is the UTF-8 byte length of `JSON.stringify(chunkMessages)`, that
+ * is `2 + sum(bytes(JSON.stringify(m))) + (n - 1)` for its `n` messages (the brackets and the
+ * commas count, the frame around the array does not). Chunks are filled greedily in order: a
+ * message joins the current chunk when the chunk stays `<= targetChunkBytes`, otherwise it starts
+ * the next one; a message whose own array (`[m]`) is larger than the target travels alone.
+ * Zero messages give zero chunks.
+ *
+ * Each result is the exact line
+ * `{"type":"session_snapshot_chunk","activeSessionId":..,"snapshotId":..,"index":i,"messages":[..]}\n`
+ * as UTF-8 bytes, ready for `SnapshotCache.appendChunk` and for the socket, never re-encoded.
+ * Every message is stringified exactly once and every chunk is joined once: linear time.
+ * Values JSON cannot represent inside an array (`undefined`, functions) become `null`, as in
+ * `JSON.stringify([..])`; a value JSON.stringify rejects (a BigInt, a cycle) throws its TypeError.
+ *
+ * @throws RangeError when `targetChunkBytes` is not a positive integer.
+ */
+export const chunkMessages = (
+  activeSessionId: string,
+  snapshotId: string,
+  messages: ReadonlyArray<unknown>,
+  targetChunkBytes: number = DEFAULT_TARGET_CHUNK_BYTES
+): Array<Uint8Array> => {
+  if (!Number.isSafeInteger(targetChunkBytes) || targetChunkBytes <= 0) {
+    throw new RangeError(`targetChunkBytes must be a positive integer, got ${targetChunkBytes}`)
+  }
+  const prefix = `{"type":"session_snapshot_chunk","activeSessionId":${JSON.stringify(activeSessionId)},` +
+    `"snapshotId":${JSON.stringify(snapshotId)},"index":`
+  const chunks: Array<Uint8Array> = []
+  let parts: Array<string> = []
+  // Bytes of the current chunk's array: "[" + "]" plus each part and the commas between them.
+  let size = 2
+  const flush = () => {
+    chunks.push(Buffer.from(`${prefix}${chunks.length},"messages":[${parts.join(",")}]}\n`, "utf8"))
+    parts = []
+    size = 2
+  }
+  for (const message of messages) {
+    const json = JSON.stringify(message) ?? "null"
+    const bytes = Buffer.byteLength(json, "utf8")
+    if (parts.length > 0 && size + 1 + bytes > targetChunkBytes) flush()
+    size += parts.length > 0 ? bytes + 1 : bytes
+    parts.push(json)
+  }
+  if (parts.length > 0) flush()
+  return chunks
+}
+
+// ---------------------------------------------------------------------------------------------
+// Public types
+// ---------------------------------------------------------------------------------------------
+
+/** Why a cache operation failed. */
+export type SnapshotCacheErrorReason =
+  /** The snapshotId is empty. */
+  | "InvalidSnapshotId"
+  /** `create` for a snapshotId that already has an entry. */
+  | "AlreadyExists"
+  /** No entry has this snapshotId (never created, or disposed and released). */
+  | "NotFound"
+  /** The entry was disposed: no new readers, no more writes; waiters of an unfinished entry fail. */
+  | "Disposed"
+  /** A write to an entry that is already complete or failed. */
+  | "NotWritable"
+  /** A chunk that is empty or not a `\n`-terminated line. */
+  | "InvalidChunk"
+  /** `markComplete` named a chunk count different from the chunks appended. */
+  | "ChunkCountMismatch"
+  /** A chunk index that is not a non-negative integer. */
+  | "InvalidIndex"
+  /** The producer reported a failure (`markFailed`); `message` is its error text verbatim. */
+  | "SnapshotFailed"
+  /** A reader handle used after its release. */
+  | "Released"
+  /** The cache was shut down (its layer's scope closed). */
+  | "Closed"
+  /** A spill file could not be written, read or removed. */
+  | "Io"
+
+/** The error of every `SnapshotCache` operation (local: it never crosses the wire as such). */
+export class SnapshotCacheError extends Data.TaggedError("SnapshotCacheError")<{
+  readonly reason: SnapshotCacheErrorReason
+  readonly message: string
+  readonly snapshotId?: string
+  readonly cause?: unknown
+}> {}
+
+/** What a reader needs to send `session_snapshot_begin` (the purpose is the reader's own). */
+export interface SnapshotMeta {
+  readonly activeSessionId: string
+  readonly messageCount: number
+  readonly targetChunkBytes: number
+  /** The cursor of the last event before the snapshot's generation (absent for generation 1). */
+  readonly cursor?: Cursor | undefined
+}
+
+/** The end of a complete snapshot, as in `session_snapshot_end`. */
+export interface SnapshotEnd {
+  readonly chunkCount: number
+  readonly lastEventSequence: number
+  readonly lastEventCursor?: Cursor | undefined
+}
+
+/** What `waitForChunk` found: the chunk's line bytes, or the end of the snapshot. */
+export type ChunkResult =
+  | { readonly _tag: "Chunk"; readonly index: number; readonly bytes: Uint8Array }
+  | { readonly _tag: "End"; readonly end: SnapshotEnd }
+
+/** A retained entry, as seen by one reader. */
+export interface SnapshotReader {
+  readonly snapshotId: string
+  readonly meta: SnapshotMeta
+  /**
+   * Chunk `index` (its exact line bytes), parking until it is appended; `End` once the snapshot
+   * is complete and `index >= chunkCount`. Fails with reason `SnapshotFailed` (or `Disposed`,
+   * `Closed`, `Io`) when the snapshot failed, even for chunks that exist: the reader starts over.
+   */
+  readonly waitForChunk: (index: number) => Effect.Effect<ChunkResult, SnapshotCacheError>
+  /** Every chunk from index 0, in order; ends after the last one of a complete snapshot. */
+  readonly stream: Stream.Stream<Uint8Array, SnapshotCacheError>
+  /** Waits until the snapshot is complete (its end) or failed. */
+  readonly awaitEnd: Effect.Effect<SnapshotEnd, SnapshotCacheError>
+  /** Releases the reader now (idempotent; the retaining scope's finalizer then does nothing). */
+  readonly release: Effect.Effect<void>
+}
+
+/** A point-in-time view of one entry (for status, tests and logs). */
+export interface SnapshotInfo {
+  readonly snapshotId: string
+  readonly meta: SnapshotMeta
+  readonly status: "open" | "complete" | "failed"
+  readonly end: SnapshotEnd | undefined
+  readonly chunkCount: number
+  /** Bytes of every chunk appended, wherever they are. */
+  readonly totalBytes: number
+  /** Bytes of this entry's chunks held in memory (0 once spilled). */
+  readonly memoryBytes: number
+  readonly spilled: boolean
+  /** Where the entry's chunks go when it spills (undefined for `layerMemory`). */
+  readonly spillDirectory: string | undefined
+  readonly readers: number
+  readonly disposed: boolean
+}
+
+/** A point-in-time view of the whole cache. */
+export interface SnapshotCacheStats {
+  readonly entries: number
+  readonly spilledEntries: number
+  /** Chunk bytes held in memory across every entry. */
+  readonly memoryBytes: number
+  readonly memoryCacheBytes: number
+}
+
+/** The operations of the snapshot cache. */
+export interface SnapshotCacheService {
+  /** Starts an entry; fails with `AlreadyExists` when the snapshotId is taken (even if disposing). */
+  readonly create: (snapshotId: string, meta: SnapshotMeta) => Effect.Effect<void, SnapshotCacheError>
+  /**
+   * Appends the next chunk (its index is the number of chunks before it) and returns its index.
+   * `chunkBytes` must be one whole `\n`-terminated line; the cache owns it from now on (it keeps a
+   * view that is exactly the chunk, copying it only when it is a slice of a larger buffer). An
+   * I/O failure while spilling also fails the entry, so that no reader waits forever.
+   */
+  readonly appendChunk: (snapshotId: string, chunkBytes: Uint8Array) => Effect.Effect<number, SnapshotCacheError>
+  /** Ends the entry; `end.chunkCount` must equal the chunks appended (else the entry fails too). */
+  readonly markComplete: (snapshotId: string, end: SnapshotEnd) => Effect.Effect<void, SnapshotCacheError>
+  /** Fails the entry: every waiter, present and future, gets `SnapshotFailed` with `error`. */
+  readonly markFailed: (snapshotId: string, error: string) => Effect.Effect<void, SnapshotCacheError>
+  /**
+   * Takes a reader reference for the life of the scope (or until `release`). A disposed entry
+   * cannot be retained; its existing readers keep every chunk until they release.
+   */
+  readonly retain: (snapshotId: string) => Effect.Effect<SnapshotReader, SnapshotCacheError, Scope.Scope>
+  /** `retain` around one `waitForChunk`. */
+  readonly waitForChunk: (snapshotId: string, index: number) => Effect.Effect<ChunkResult, SnapshotCacheError>
+  /** A reader's chunks as a stream, retaining the entry from its start to its end. */
+  readonly stream: (snapshotId: string) => Stream.Stream<Uint8Array, SnapshotCacheError>
+  /**
+   * Drops the entry once its last reader releases (at once when there is none): memory is
+   * freed and the spill directory removed. An unfinished entry fails its waiters with `Disposed`.
+   * Idempotent; an unknown snapshotId is not an error.
+   */
+  readonly dispose: (snapshotId: string) => Effect.Effect<void, SnapshotCacheError>
+  /** The entry's current state. */
+  readonly info: (snapshotId: string) => Effect.Effect<SnapshotInfo, SnapshotCacheError>
+  /** The cache's current totals. */
+  readonly stats: Effect.Effect<SnapshotCacheStats>
+}
+
+/** The snapshot cache service. */
+export class SnapshotCache extends Context.Tag("agentd/SnapshotCache")<SnapshotCache, SnapshotCacheService>() {}
+
+/** Options of the file-backed cache. */
+export interface SnapshotCacheOptions {
+  /** Directory that holds one spill directory per entry, e.g. `<stateDir>/snapshot-cache/<gen>`. */
+  readonly cacheRoot: string
+  /** Chunk bytes kept in memory across the whole cache before entries spill (default 4 MiB). */
+  readonly memoryCacheBytes?: number | undefined
+}
+
+// ---------------------------------------------------------------------------------------------
+// Spill paths
+// ---------------------------------------------------------------------------------------------
+
+// Names longer than this are shortened with a hash, well under the usual 255-byte file name limit.
+const MAX_DIRECTORY_NAME = 180
+
+/**
+ * The spill directory name of a snapshotId: ASCII letters, digits, `_` and `-` are kept, every
+ * other UTF-8 byte becomes `%XX` (so `.` and `/` never appear and no name is `.` or `..`; a
+ * snapshotId cannot leave the cache root). Distinct ids give distinct names: `%` is itself
+ * encoded, and a name that would be too long is cut and suffixed with `~` and a SHA-256 prefix of
+ * the id (`~` is never produced by the encoding).
+ */
+export const spillDirectoryName = (snapshotId: string): string => {
+  let name = ""
+  for (const byte of Buffer.from(snapshotId, "utf8")) {
+    const safe = (byte >= 0x30 && byte <= 0x39) || (byte >= 0x41 && byte <= 0x5a) ||
+      (byte >= 0x61 && byte <= 0x7a) || byte === 0x5f || byte === 0x2d
+    name += safe ? String.fromCharCode(byte) : `%${byte.toString(16).toUpperCase().padStart(2, "0")}`
+  }
+  if (name.length <= MAX_DIRECTORY_NAME) return name
+  const digest = createHash("sha256").update(snapshotId, "utf8").digest("hex").slice(0, 32)
+  return `${name.slice(0, MAX_DIRECTORY_NAME - 33)}~${digest}`
+}
+
+// ---------------------------------------------------------------------------------------------
+// Implementation
+// ---------------------------------------------------------------------------------------------
+
+type Slot =
+  | { readonly _tag: "Memory"; readonly bytes: Uint8Array }
+  | { readonly _tag: "Disk"; readonly byteLength: number }
+
+type Status =
+  | { readonly _tag: "Open" }
+  | { readonly _tag: "Complete"; readonly end: SnapshotEnd }
+  | { readonly _tag: "Failed"; readonly error: SnapshotCacheError }
+
+interface EntryState {
+  readonly status: Status
+  readonly chunkCount: number
+  readonly readers: number
+  readonly disposed: boolean
+  /** Set exactly once, by whoever drops the entry; guards against a second cleanup. */
+  readonly removed: boolean
+  /** Completed (and replaced) on every change of `status` or `chunkCount`: the waiters' signal. */
+  readonly changed: Deferred.Deferred<void>
+}
+
+interface Entry {
+  readonly snapshotId: string
+  readonly meta: SnapshotMeta
+  readonly directory: string | undefined
+  readonly state: Ref.Ref<EntryState>
+  /** One writer at a time: appends, spills, ends and disposal never interleave. */
+  readonly lock: Effect.Semaphore
+  // Mutated only under `lock`, and published through `state.chunkCount` after the mutation, so a
+  // reader never sees a slot that is not ready. A plain array keeps `append` O(1).
+  readonly slots: Array<Slot>
+  /**
+   * Spilled chunks being read or recently read, by index: readers that move together (the usual
+   * case: clients attached to the same checkpoint) share one read and one buffer instead of each
+   * reading the file. A `WeakRef` never keeps a chunk alive: memory stays what readers hold.
+   */
+  readonly reads: Map<number, SharedRead>
+  spilled: boolean
+  /** Set before the first file operation, so that a half-done spill is cleaned up too. */
+  touchedDisk: boolean
+  memoryBytes: number
+  totalBytes: number
+}
+
+type SharedRead =
+  | { readonly _tag: "Pending"; readonly deferred: Deferred.Deferred<Uint8Array, SnapshotCacheError> }
+  | { readonly _tag: "Done"; readonly bytes: WeakRef<Uint8Array> }
+
+interface SpillConfig {
+  readonly fs: FileSystem.FileSystem
+  readonly root: string
+}
+
+const DIRECTORY_MODE = 0o700
+const FILE_MODE = 0o600
+const NEWLINE = 0x0a
+
+const error = (reason: SnapshotCacheErrorReason, message: string, snapshotId?: string, cause?: unknown) =>
+  new SnapshotCacheError({
+    reason,
+    message,
+    ...(snapshotId !== undefined ? { snapshotId } : {}),
+    ...(cause !== undefined ? { cause } : {})
+  })
+
+const chunkPath = (directory: string, index: number) => NodePath.join(directory, `${index}.jsonl`)
+
+// A view into a larger buffer (a pooled Buffer, a slice of a read buffer) would keep the whole
+// buffer alive and make the memory accounting lie: keep an exact-size copy instead.
+const own = (bytes: Uint8Array): Uint8Array =>
+  bytes.byteOffset === 0 && bytes.byteLength === bytes.buffer.byteLength ? bytes : new Uint8Array(bytes)
+
+const statusName = (status: Status): SnapshotInfo["status"] =>
+  status._tag === "Open" ? "open" : status._tag === "Complete" ? "complete" : "failed"
+
+const makeWith = (memoryCacheBytes: number, spill: SpillConfig | undefined) =>
+  Effect.gen(function*() {
+    // None once the cache is closed: `create` and shutdown decide atomically who comes last.
+    const entries = yield* Ref.make(Option.some(HashMap.empty<string, Entry>()))
+    const memoryUsed = yield* Ref.make(0)
+    const closedError = (snapshotId: string) => error("Closed", "the snapshot cache is closed", snapshotId)
+
+    const ioError = (snapshotId: string, what: string) => (cause: { readonly message: string }) =>
+      error("Io", `snapshot ${snapshotId}: ${what}: ${cause.message}`, snapshotId, cause)
+
+    const lookup = (snapshotId: string) =>
+      Effect.flatMap(Ref.get(entries), (map) =>
+        Option.match(Option.flatMap(map, HashMap.get(snapshotId)), {
+          onNone: () => Effect.fail(error("NotFound", `no snapshot ${snapshotId} in the cache`, snapshotId)),
+          onSome: Effect.succeed
+        }))
+
+    /** Applies `f` to the entry's state and wakes every waiter. Callers hold `entry.lock`. */
+    const publish = (entry: Entry, f: (state: EntryState) => EntryState) =>
+      Effect.gen(function*() {
+        const next = yield* Deferred.make<void>()
+        const previous = yield* Ref.modify(entry.state, (s) => [s.changed, { ...f(s), changed: next }] as const)
+        yield* Deferred.succeed(previous, undefined)
+      })
+
+    /** Fails an open entry (a no-op otherwise: the first end wins). Callers hold `entry.lock`. */
+    const failEntry = (entry: Entry, failure: SnapshotCacheError) =>
+      publish(entry, (s) => s.status._tag === "Open" ? { ...s, status: { _tag: "Failed", error: failure } } : s)
+
+    /** Frees the entry's memory and files and forgets it. Runs once, after `removed` was set. */
+    const cleanup = (entry: Entry) =>
+      Effect.gen(function*() {
+        yield* Ref.update(entries, Option.map((map) =>
+          Option.exists(HashMap.get(map, entry.snapshotId), (e) => e === entry)
+            ? HashMap.remove(map, entry.snapshotId)
+            : map))
+        const freed = entry.memoryBytes
+        entry.memoryBytes = 0
+        entry.slots.length = 0
+        entry.reads.clear()
+        yield* Ref.update(memoryUsed, (used) => used - freed)
+        if (entry.touchedDisk && spill !== undefined && entry.directory !== undefined) {
+          const directory = entry.directory
+          yield* spill.fs.remove(directory, { recursive: true, force: true }).pipe(
+            Effect.mapError(ioError(entry.snapshotId, `could not remove ${directory}`))
+          )
+        }
+      })
+
+    /** Moves every in-memory chunk of the entry to its spill directory. Callers hold `entry.lock`. */
+    const spillEntry = (entry: Entry, config: SpillConfig, directory: string) =>
+      Effect.gen(function*() {
+        const { fs } = config
+        const wrap = ioError(entry.snapshotId, `could not spill to ${directory}`)
+        entry.touchedDisk = true
+        yield* fs.makeDirectory(config.root, { recursive: true, mode: DIRECTORY_MODE }).pipe(Effect.mapError(wrap))
+        // A directory left by an interrupted run of this generation would mix old chunks in.
+        yield* fs.remove(directory, { recursive: true, force: true }).pipe(Effect.mapError(wrap))
+        yield* fs.makeDirectory(directory, { mode: DIRECTORY_MODE }).pipe(Effect.mapError(wrap))
+        // The umask can only remove bits; chmod makes the mode exact whatever the umask is.
+        yield* fs.chmod(directory, DIRECTORY_MODE).pipe(Effect.mapError(wrap))
+        for (let index = 0; index < entry.slots.length; index++) {
+          const slot = entry.slots[index]
+          if (slot?._tag === "Memory") {
+            yield* fs.writeFile(chunkPath(directory, index), slot.bytes, { mode: FILE_MODE }).pipe(Effect.mapError(wrap))
+          }
+        }
+        // Switch only once every file exists: a reader that already took a memory slot keeps its
+        // bytes, a reader that comes later finds the file.
+        for (let index = 0; index < entry.slots.length; index++) {
+          const slot = entry.slots[index]
+          if (slot?._tag === "Memory") entry.slots[index] = { _tag: "Disk", byteLength: slot.bytes.byteLength }
+        }
+        const freed = entry.memoryBytes
+        entry.memoryBytes = 0
+        entry.spilled = true
+        yield* Ref.update(memoryUsed, (used) => used - freed)
+      })
+
+    const checkId = (snapshotId: string) =>
+      snapshotId.length === 0
+        ? Effect.fail(error("InvalidSnapshotId", "a snapshotId must not be empty", snapshotId))
+        : Effect.void
+
+    const create = Effect.fn("SnapshotCache.create")(function*(snapshotId: string, meta: SnapshotMeta) {
+      yield* checkId(snapshotId)
+      const entry: Entry = {
+        snapshotId,
+        meta,
+        directory: spill !== undefined ? NodePath.join(spill.root, spillDirectoryName(snapshotId)) : undefined,
+        state: yield* Ref.make<EntryState>({
+          status: { _tag: "Open" },
+          chunkCount: 0,
+          readers: 0,
+          disposed: false,
+          removed: false,
+          changed: yield* Deferred.make<void>()
+        }),
+        lock: yield* Effect.makeSemaphore(1),
+        slots: [],
+        reads: new Map(),
+        spilled: false,
+        touchedDisk: false,
+        memoryBytes: 0,
+        totalBytes: 0
+      }
+      const failure = yield* Ref.modify(entries, (current) =>
+        Option.isNone(current)
+          ? [Option.some(closedError(snapshotId)), current] as const
+          : HashMap.has(current.value, snapshotId)
+          ? [Option.some(error("AlreadyExists", `snapshot ${snapshotId} already exists`, snapshotId)), current] as const
+          : [Option.none(), Option.some(HashMap.set(current.value, snapshotId, entry))] as const)
+      if (Option.isSome(failure)) return yield* Effect.fail(failure.value)
+    })
+
+    /** Fails unless the entry still takes writes. Callers hold `entry.lock`. */
+    const checkWritable = (entry: Entry) =>
+      Effect.flatMap(Ref.get(entry.state), (s) =>
+        s.disposed
+          ? Effect.fail(error("Disposed", `snapshot ${entry.snapshotId} was disposed`, entry.snapshotId))
+          : s.status._tag !== "Open"
+          ? Effect.fail(error("NotWritable", `snapshot ${entry.snapshotId} is already ${statusName(s.status)}`, entry.snapshotId))
+          : Effect.void)
+
+    const appendChunk = Effect.fn("SnapshotCache.appendChunk")(function*(snapshotId: string, chunkBytes: Uint8Array) {
+      const entry = yield* lookup(snapshotId)
+      const size = chunkBytes.byteLength
+      if (size === 0 || chunkBytes[size - 1] !== NEWLINE) {
+        return yield* Effect.fail(error("InvalidChunk", `a chunk of snapshot ${snapshotId} must be one \\n-terminated line`, snapshotId))
+      }
+      // Uninterruptible so that the slots, the files and the memory accounting always agree.
+      return yield* entry.lock.withPermits(1)(Effect.uninterruptible(Effect.gen(function*() {
+        yield* checkWritable(entry)
+        const index = entry.slots.length
+        let toDisk = entry.spilled
+        if (!toDisk) {
+          const reserved = yield* Ref.modify(memoryUsed, (used) =>
+            used + size <= memoryCacheBytes ? [true, used + size] as const : [false, used] as const)
+          if (!reserved) {
+            if (spill === undefined || entry.directory === undefined) {
+              return yield* Effect.die(new Error("SnapshotCache: a memory-only cache cannot run out of budget"))
+            }
+            yield* spillEntry(entry, spill, entry.directory)
+            toDisk = true
+          }
+        }
+        if (toDisk && spill !== undefined && entry.directory !== undefined) {
+          const path = chunkPath(entry.directory, index)
+          yield* spill.fs.writeFile(path, chunkBytes, { mode: FILE_MODE }).pipe(
+            Effect.mapError(ioError(snapshotId, `could not write ${path}`))
+          )
+          entry.slots.push({ _tag: "Disk", byteLength: size })
+        } else {
+          entry.slots.push({ _tag: "Memory", bytes: own(chunkBytes) })
+          entry.memoryBytes += size
+        }
+        entry.totalBytes += size
+        yield* publish(entry, (s) => ({ ...s, chunkCount: index + 1 }))
+        return index
+      }).pipe(
+        // A half-spilled entry cannot be continued: fail it so its readers stop waiting.
+        Effect.tapError((e) => e.reason === "Io" ? failEntry(entry, e) : Effect.void)
+      )))
+    })
+
+    const markComplete = Effect.fn("SnapshotCache.markComplete")(function*(snapshotId: string, end: SnapshotEnd) {
+      const entry = yield* lookup(snapshotId)
+      yield* entry.lock.withPermits(1)(Effect.gen(function*() {
+        yield* checkWritable(entry)
+        if (end.chunkCount !== entry.slots.length) {
+          const mismatch = error(
+            "ChunkCountMismatch",
+            `snapshot ${snapshotId} ended with chunkCount ${end.chunkCount} but ${entry.slots.length} chunks were appended`,
+            snapshotId
+          )
+          yield* failEntry(entry, mismatch)
+          return yield* Effect.fail(mismatch)
+        }
+        yield* publish(entry, (s) => ({ ...s, status: { _tag: "Complete", end } }))
+      }))
+    })
+
+    const markFailed = Effect.fn("SnapshotCache.markFailed")(function*(snapshotId: string, message: string) {
+      const entry = yield* lookup(snapshotId)
+      yield* entry.lock.withPermits(1)(Effect.gen(function*() {
+        const s = yield* Ref.get(entry.state)
+        if (s.status._tag === "Complete") {
+          return yield* Effect.fail(error("NotWritable", `snapshot ${snapshotId} is already complete`, snapshotId))
+        }
+        yield* failEntry(entry, error("SnapshotFailed", message, snapshotId))
+      }))
+    })
+
+    /** Reads a spilled chunk, sharing a read in flight or a buffer another reader still holds. */
+    const readSpilled = (entry: Entry, config: SpillConfig, directory: string, index: number) =>
+      Effect.suspend(() => {
+        const shared = entry.reads.get(index)
+        if (shared?._tag === "Pending") return Deferred.await(shared.deferred)
+        const held = shared?.bytes.deref()
+        if (held !== undefined) return Effect.succeed(held)
+        // Registered synchronously, before any other fiber can run, so that one read is shared.
+        const deferred = Deferred.unsafeMake<Uint8Array, SnapshotCacheError>(FiberId.none)
+        entry.reads.set(index, { _tag: "Pending", deferred })
+        const path = chunkPath(directory, index)
+        // Uninterruptible up to the hand-over: the readers sharing this read must always hear back.
+        return Effect.uninterruptibleMask((restore) =>
+          config.fs.readFile(path).pipe(
+            Effect.mapError(ioError(entry.snapshotId, `could not read ${path}`)),
+            Effect.exit,
+            Effect.flatMap((exit) => {
+              if (entry.reads.get(index)?._tag === "Pending") {
+                if (Exit.isSuccess(exit)) entry.reads.set(index, { _tag: "Done", bytes: new WeakRef(exit.value) })
+                else entry.reads.delete(index)
+              }
+              return Deferred.done(deferred, exit)
+            }),
+            Effect.zipRight(restore(Deferred.await(deferred)))
+          )
+        )
+      })
+
+    /** Parks until `index` exists or the entry ends. */
+    const waitOn = (entry: Entry, index: number): Effect.Effect<ChunkResult, SnapshotCacheError> =>
+      Effect.gen(function*() {
+        if (!Number.isSafeInteger(index) || index < 0) {
+          return yield* Effect.fail(error("InvalidIndex", `invalid chunk index ${index}`, entry.snapshotId))
+        }
+        while (true) {
+          const s = yield* Ref.get(entry.state)
+          if (s.status._tag === "Failed") return yield* Effect.fail(s.status.error)
+          if (index < s.chunkCount) {
+            const slot = entry.slots[index]
+            if (slot === undefined) return yield* Effect.die(new Error("SnapshotCache: a published chunk has no slot"))
+            if (slot._tag === "Memory") return { _tag: "Chunk", index, bytes: slot.bytes } as const
+            if (spill === undefined || entry.directory === undefined) {
+              return yield* Effect.die(new Error("SnapshotCache: a spilled chunk in a memory-only cache"))
+            }
+            const bytes = yield* readSpilled(entry, spill, entry.directory, index)
+            return { _tag: "Chunk", index, bytes } as const
+          }
+          if (s.status._tag === "Complete") return { _tag: "End", end: s.status.end } as const
+          yield* Deferred.await(s.changed)
+        }
+      })
+
+    const awaitEndOf = (entry: Entry): Effect.Effect<SnapshotEnd, SnapshotCacheError> =>
+      Effect.gen(function*() {
+        while (true) {
+          const s = yield* Ref.get(entry.state)
+          if (s.status._tag === "Failed") return yield* Effect.fail(s.status.error)
+          if (s.status._tag === "Complete") return s.status.end
+          yield* Deferred.await(s.changed)
+        }
+      })
+
+    /** Drops one reader; the last reader of a disposed entry cleans it up. */
+    const releaseReader = (entry: Entry) =>
+      Effect.gen(function*() {
+        const drop = yield* Ref.modify(entry.state, (s) => {
+          const readers = s.readers - 1
+          const drop = readers === 0 && s.disposed && !s.removed
+          return [drop, { ...s, readers, removed: s.removed || drop }] as const
+        })
+        if (drop) {
+          yield* cleanup(entry).pipe(
+            Effect.catchAll((e) => Effect.logWarning("SnapshotCache: cleanup after the last reader failed", e))
+          )
+        }
+      })
+
+    const retain = Effect.fn("SnapshotCache.retain")(function*(snapshotId: string) {
+      const entry = yield* lookup(snapshotId)
+      const released = yield* Ref.make(false)
+      const release = Effect.flatMap(Ref.getAndSet(released, true), (was) => was ? Effect.void : releaseReader(entry))
+      yield* Effect.acquireRelease(
+        Effect.flatMap(
+          Ref.modify(entry.state, (s) =>
+            s.removed
+              ? [Option.some(error("NotFound", `no snapshot ${snapshotId} in the cache`, snapshotId)), s] as const
+              : s.disposed
+              ? [Option.some(error("Disposed", `snapshot ${snapshotId} was disposed`, snapshotId)), s] as const
+              : [Option.none(), { ...s, readers: s.readers + 1 }] as const),
+          Option.match({ onNone: () => Effect.void, onSome: Effect.fail })
+        ),
+        () => release
+      )
+      const guard = <A>(effect: Effect.Effect<A, SnapshotCacheError>) =>
+        Effect.flatMap(Ref.get(released), (was) =>
+          was ? Effect.fail(error("Released", `this reader of snapshot ${snapshotId} was released`, snapshotId)) : effect)
+      const waitForChunk = (index: number) => guard(waitOn(entry, index))
+      const reader: SnapshotReader = {
+        snapshotId,
+        meta: entry.meta,
+        waitForChunk,
+        stream: Stream.unfoldEffect(0, (index) =>
+          Effect.map(waitForChunk(index), (result) =>
+            result._tag === "Chunk" ? Option.some([result.bytes, index + 1] as const) : Option.none())),
+        awaitEnd: guard(awaitEndOf(entry)),
+        release
+      }
+      return reader
+    })
+
+    const waitForChunk = Effect.fn("SnapshotCache.waitForChunk")(function*(snapshotId: string, index: number) {
+      return yield* Effect.scoped(Effect.flatMap(retain(snapshotId), (reader) => reader.waitForChunk(index)))
+    })
+
+    const stream = (snapshotId: string): Stream.Stream<Uint8Array, SnapshotCacheError> =>
+      Stream.unwrapScoped(Effect.map(retain(snapshotId), (reader) => reader.stream)).pipe(
+        Stream.withSpan("SnapshotCache.stream", { attributes: { snapshotId } })
+      )
+
+    const dispose = Effect.fn("SnapshotCache.dispose")(function*(snapshotId: string) {
+      const found = Option.flatMap(yield* Ref.get(entries), HashMap.get(snapshotId))
+      if (Option.isNone(found)) return
+      const entry = found.value
+      // Under the lock: an append in flight finishes first, and none starts after.
+      yield* entry.lock.withPermits(1)(Effect.gen(function*() {
+        yield* failEntry(entry, error("Disposed", `snapshot ${snapshotId} was disposed before it was complete`, snapshotId))
+        const drop = yield* Ref.modify(entry.state, (s) => {
+          const drop = s.readers === 0 && !s.removed
+          return [drop, { ...s, disposed: true, removed: s.removed || drop }] as const
+        })
+        if (drop) yield* cleanup(entry)
+      }))
+    })
+
+    const info = Effect.fn("SnapshotCache.info")(function*(snapshotId: string) {
+      const entry = yield* lookup(snapshotId)
+      const s = yield* Ref.get(entry.state)
+      const result: SnapshotInfo = {
+        snapshotId,
+        meta: entry.meta,
+        status: statusName(s.status),
+        end: s.status._tag === "Complete" ? s.status.end : undefined,
+        chunkCount: s.chunkCount,
+        totalBytes: entry.totalBytes,
+        memoryBytes: entry.memoryBytes,
+        spilled: entry.spilled,
+        spillDirectory: entry.directory,
+        readers: s.readers,
+        disposed: s.disposed
+      }
+      return result
+    })
+
+    const stats: Effect.Effect<SnapshotCacheStats> = Effect.gen(function*() {
+      const map = Option.getOrElse(yield* Ref.get(entries), () => HashMap.empty<string, Entry>())
+      let spilledEntries = 0
+      for (const entry of HashMap.values(map)) if (entry.spilled) spilledEntries++
+      return {
+        entries: HashMap.size(map),
+        spilledEntries,
+        memoryBytes: yield* Ref.get(memoryUsed),
+        memoryCacheBytes
+      }
+    }).pipe(Effect.withSpan("SnapshotCache.stats"))
+
+    // Shutdown: every reader, even of a complete entry, gets `Closed` from now on (its files are
+    // about to go), and every spill directory is removed, readers or not: the cache is going away.
+    yield* Effect.addFinalizer(() =>
+      Effect.gen(function*() {
+        const all = Option.match(yield* Ref.getAndSet(entries, Option.none()), {
+          onNone: () => [],
+          onSome: (map) => Array.from(HashMap.values(map))
+        })
+        yield* Effect.forEach(all, (entry) =>
+          entry.lock.withPermits(1)(Effect.gen(function*() {
+            yield* publish(entry, (s) => ({ ...s, status: { _tag: "Failed", error: closedError(entry.snapshotId) } }))
+            const drop = yield* Ref.modify(entry.state, (s) => [!s.removed, { ...s, disposed: true, removed: true }] as const)
+            if (drop) yield* cleanup(entry)
+          })).pipe(Effect.catchAll((e) => Effect.logWarning("SnapshotCache: cleanup at shutdown failed", e))), { discard: true })
+      })
+    )
+
+    return SnapshotCache.of({
+      create,
+      appendChunk,
+      markComplete,
+      markFailed,
+      retain,
+      waitForChunk,
+      stream,
+      dispose,
+      info,
+      stats
+    })
+  })
+
+/**
+ * A file-backed cache (scoped: closing the scope fails unfinished entries with `Closed` and removes
+ * every spill directory). The cache root is created (0700) at the first spill, not before.
+ */
+export const make = (
+  options: SnapshotCacheOptions
+): Effect.Effect<SnapshotCacheService, never, FileSystem.FileSystem | Scope.Scope> =>
+  Effect.flatMap(FileSystem.FileSystem, (fs) =>
+    makeWith(
+      options.memoryCacheBytes ?? DEFAULT_MEMORY_CACHE_BYTES,
+      { fs, root: NodePath.resolve(options.cacheRoot) }
+    ))
+
+/** A memory-only cache (scoped), which never spills: for tests and embedding. */
+export const makeMemory: Effect.Effect<SnapshotCacheService, never, Scope.Scope> = makeWith(
+  Number.POSITIVE_INFINITY,
+  undefined
+)
+
+/** The file-backed cache: memory up to `memoryCacheBytes` (default 4 MiB), then spills to `cacheRoot`. */
+export const layer = (options: SnapshotCacheOptions): Layer.Layer<SnapshotCache, never, FileSystem.FileSystem> =>
+  Layer.scoped(SnapshotCache, make(options))
+
+/** The memory-only cache: never spills, unbounded; for tests and for embedding without a disk. */
+export const layerMemory: Layer.Layer<SnapshotCache> = Layer.scoped(SnapshotCache, makeMemory)
