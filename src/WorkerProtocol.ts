@@ -8,9 +8,9 @@
 import * as Either from "effect/Either"
 import * as ParseResult from "effect/ParseResult"
 import * as Schema from "effect/Schema"
-import { Cursor } from "./Cursor.js"
 import {
   AgentEvent,
+  InterruptReason,
   JsonObject,
   optional,
   SnapshotBegin,
@@ -35,13 +35,14 @@ export const Load = Tagged("load", {
   /** Where the session's files are; absent for a brand-new session. */
   restore: optional(
     Schema.Struct({
+      /** The recovery journal: says whether a turn was running when the last worker died. */
       journalPath: Schema.String,
-      /** The latest complete transcript, if any. */
-      snapshotPath: optional(Schema.String),
-      /** The cursor after which logged events must be folded. */
-      after: optional(Cursor),
-      /** The event log's root, to read the events after the snapshot. */
-      eventLogRoot: Schema.String
+      /** The SessionStore root, holding the session's transcripts. */
+      storeRoot: Schema.String,
+      /** The EventLog root, holding the events after the latest transcript. */
+      eventLogRoot: Schema.String,
+      /** What cut the running turn, if one was running (default `worker_crashed`). */
+      interruptedReason: optional(InterruptReason)
     })
   )
 })

@@ -1,24 +1,119 @@
 #!/usr/bin/env node
 /**
- * The `agentd` command line (PROTOCOL.md section 8).
+ * The `agentd` command line (PROTOCOL.md section 8). Exit codes: 0 success, 1 error reported by
+ * the daemon, 2 usage error, 3 daemon not reachable.
  */
+import * as Args from "@effect/cli/Args"
 import * as Command from "@effect/cli/Command"
+import * as Options from "@effect/cli/Options"
 import * as NodeContext from "@effect/platform-node/NodeContext"
 import * as NodeRuntime from "@effect/platform-node/NodeRuntime"
-import * as Console from "effect/Console"
 import * as Effect from "effect/Effect"
+import * as Option from "effect/Option"
+import * as path from "node:path"
+import * as Daemon from "../Daemon.js"
+import * as DaemonConfig from "../DaemonConfig.js"
+import * as Client from "./client.js"
 
-const serve = Command.make("serve", {}, () =>
-  Effect.gen(function*() {
-    yield* Console.error("agentd serve: the daemon is not built yet (see the open issues)")
-    return yield* Effect.sync(() => process.exit(1))
-  })).pipe(Command.withDescription("Run the daemon in the foreground."))
+const stateDir = Options.directory("state-dir").pipe(
+  Options.withDescription("State directory (default $AGENTD_HOME, $XDG_STATE_HOME/agentd or ~/.local/state/agentd)."),
+  Options.optional
+)
+const socket = Options.text("socket").pipe(
+  Options.withDescription("Socket path (default $AGENTD_SOCKET, else <state-dir>/agentd.sock)."),
+  Options.optional
+)
+const json = Options.boolean("json").pipe(Options.withDescription("Machine output (JSON)."))
+
+const socketPathOf = (dir: Option.Option<string>, sock: Option.Option<string>) => {
+  const state = Option.getOrElse(dir, () => DaemonConfig.defaultStateDir())
+  return DaemonConfig.resolveSocketPath(path.resolve(state), Option.getOrUndefined(sock))
+}
+
+const serve = Command.make(
+  "serve",
+  {
+    stateDir,
+    socket,
+    engine: Options.text("engine").pipe(Options.withDefault("echo")),
+    maxWorkers: Options.integer("max-workers").pipe(Options.withDefault(32))
+  },
+  (opts) =>
+    Effect.gen(function*() {
+      const dir = path.resolve(Option.getOrElse(opts.stateDir, () => DaemonConfig.defaultStateDir()))
+      yield* Daemon.serve({
+        stateDir: dir,
+        socketPath: DaemonConfig.resolveSocketPath(dir, Option.getOrUndefined(opts.socket)),
+        engine: opts.engine,
+        maxWorkers: opts.maxWorkers
+      })
+    })
+).pipe(Command.withDescription("Run the daemon in the foreground (logs to stderr)."))
+
+const common = { stateDir, socket, json }
+
+const create = Command.make("create", { ...common, name: Options.text("name").pipe(Options.optional) }, (o) =>
+  Client.create(socketPathOf(o.stateDir, o.socket), Option.getOrUndefined(o.name), o.json)).pipe(
+    Command.withDescription("Create a session and print its activeSessionId.")
+  )
+
+const sessions = Command.make("sessions", common, (o) => Client.sessions(socketPathOf(o.stateDir, o.socket), o.json)).pipe(
+  Command.withDescription("List the sessions.")
+)
+
+const status = Command.make("status", common, (o) => Client.status(socketPathOf(o.stateDir, o.socket), o.json)).pipe(
+  Command.withDescription("Show the daemon's status.")
+)
+
+const sessionId = Args.text({ name: "ID" }).pipe(Args.withDescription("The session's activeSessionId."))
+
+const prompt = Command.make(
+  "prompt",
+  { ...common, id: sessionId, text: Args.text({ name: "TEXT" }) },
+  (o) => Client.prompt(socketPathOf(o.stateDir, o.socket), o.id, o.text, o.json)
+).pipe(Command.withDescription("Send a prompt and stream the reply until the turn ends."))
+
+const attach = Command.make("attach", { ...common, id: sessionId }, (o) =>
+  Client.attach(socketPathOf(o.stateDir, o.socket), o.id, o.json)).pipe(
+    Command.withDescription("Follow a session's events, reconnecting and resuming by cursor.")
+  )
+
+const kill = Command.make("kill", { stateDir, socket, id: sessionId }, (o) =>
+  Client.simple(socketPathOf(o.stateDir, o.socket), { type: "kill", activeSessionId: o.id })).pipe(
+    Command.withDescription("Kill a session (its files move to the archive).")
+  )
+
+const shutdown = Command.make("shutdown", { stateDir, socket }, (o) =>
+  Client.simple(socketPathOf(o.stateDir, o.socket), { type: "shutdown" })).pipe(
+    Command.withDescription("Stop the daemon.")
+  )
 
 const agentd = Command.make("agentd").pipe(
   Command.withDescription("Hosts long-running AI agent sessions in supervised worker processes."),
-  Command.withSubcommands([serve])
+  Command.withSubcommands([serve, create, sessions, status, prompt, attach, kill, shutdown])
 )
 
 const cli = Command.run(agentd, { name: "agentd", version: "0.1.0" })
 
-cli(process.argv).pipe(Effect.provide(NodeContext.layer), NodeRuntime.runMain)
+cli(process.argv).pipe(
+  Effect.catchAll((error) =>
+    Effect.sync(() => {
+      if (typeof error === "object" && error !== null && "_tag" in error) {
+        if (error._tag === "DaemonUnreachable" || error._tag === "DaemonError") {
+          console.error(`agentd: ${(error as unknown as { message: string }).message}`)
+          process.exitCode = error._tag === "DaemonUnreachable" ? 3 : 1
+          return
+        }
+        if (error._tag === "ServerStartError" || error._tag === "FsError") {
+          console.error(`agentd: ${(error as unknown as { message: string }).message}`)
+          process.exitCode = 1
+          return
+        }
+      }
+      // @effect/cli has already printed what was wrong with the command line.
+      process.exitCode = 2
+    })
+  ),
+  Effect.provide(NodeContext.layer),
+  NodeRuntime.runMain({ disableErrorReporting: false })
+)

@@ -1,0 +1,91 @@
+/**
+ * The daemon's configuration as a service: embedded defaults, overridable per field
+ * (`layer(partial)`) or from the environment (`layerFromEnv`).
+ */
+import * as Context from "effect/Context"
+import * as Layer from "effect/Layer"
+import * as os from "node:os"
+import * as path from "node:path"
+
+export interface DaemonConfigShape {
+  /** Where sessions, logs, the journal and the socket live. */
+  readonly stateDir: string
+  /** The socket path (`<stateDir>/agentd.sock` by default). */
+  readonly socketPath: string
+  /** The engine of a `create` that names none. */
+  readonly engine: string
+  /** Live worker processes beyond which idle sessions are passivated. */
+  readonly maxWorkers: number
+  /** Longest inbound line. */
+  readonly maxLineBytes: number
+  /** Automatic checkpoint after a turn once the generation holds this many events... */
+  readonly checkpointEvents: number
+  /** ... or this many bytes of events. */
+  readonly checkpointBytes: number
+  /** Generations whose events and snapshots are kept. */
+  readonly retainGenerations: number
+  /** Outbound bytes queued for one client past which it is paused. */
+  readonly outboxBytes: number
+  /** Snapshot bytes kept in memory before chunks spill to disk. */
+  readonly memoryCacheBytes: number
+  /** Target size of a snapshot chunk's messages. */
+  readonly targetChunkBytes: number
+  /** Crashes tolerated within `restartWindowMs` before a session is `failed`. */
+  readonly maxRestarts: number
+  readonly restartWindowMs: number
+  /** Keys of a client's `env` that reach the worker. */
+  readonly clientEnvKeys: ReadonlyArray<string>
+  /** Keep a started worker ready for the next session or restore. */
+  readonly warmSpare: boolean
+}
+
+/** The configuration of the running daemon. */
+export class DaemonConfig extends Context.Tag("agentd/DaemonConfig")<DaemonConfig, DaemonConfigShape>() {}
+
+/** `$AGENTD_HOME`, else `$XDG_STATE_HOME/agentd`, else `~/.local/state/agentd`. */
+export const defaultStateDir = (env: NodeJS.ProcessEnv = process.env): string =>
+  env["AGENTD_HOME"] ||
+  (env["XDG_STATE_HOME"] ? path.join(env["XDG_STATE_HOME"], "agentd") : path.join(os.homedir(), ".local", "state", "agentd"))
+
+/** Socket path precedence: explicit, then `AGENTD_SOCKET`, then `<stateDir>/agentd.sock`. */
+export const resolveSocketPath = (stateDir: string, explicit?: string, env: NodeJS.ProcessEnv = process.env): string =>
+  explicit || env["AGENTD_SOCKET"] || path.join(stateDir, "agentd.sock")
+
+/** The embedded defaults for a state dir. */
+export const defaults = (stateDir: string = defaultStateDir()): DaemonConfigShape => ({
+  stateDir,
+  socketPath: path.join(stateDir, "agentd.sock"),
+  engine: "echo",
+  maxWorkers: 32,
+  maxLineBytes: 16 * 1024 * 1024,
+  checkpointEvents: 1000,
+  checkpointBytes: 8 * 1024 * 1024,
+  retainGenerations: 4,
+  outboxBytes: 8 * 1024 * 1024,
+  memoryCacheBytes: 4 * 1024 * 1024,
+  targetChunkBytes: 524_288,
+  maxRestarts: 5,
+  restartWindowMs: 60_000,
+  clientEnvKeys: ["TERM", "LANG", "TZ"],
+  warmSpare: true
+})
+
+/** Builds a full configuration: defaults for the state dir, then the overrides. */
+export const make = (overrides: Partial<DaemonConfigShape> = {}, env: NodeJS.ProcessEnv = process.env): DaemonConfigShape => {
+  const stateDir = path.resolve(overrides.stateDir ?? defaultStateDir(env))
+  const base = defaults(stateDir)
+  const clientEnvKeys = env["AGENTD_CLIENT_ENV_KEYS"]
+  return {
+    ...base,
+    socketPath: resolveSocketPath(stateDir, undefined, env),
+    ...(clientEnvKeys === undefined
+      ? {}
+      : { clientEnvKeys: clientEnvKeys.split(",").map((k) => k.trim()).filter((k) => k.length > 0) }),
+    ...overrides,
+    stateDir
+  }
+}
+
+/** The configuration from defaults, the environment and `overrides`. */
+export const layer = (overrides: Partial<DaemonConfigShape> = {}): Layer.Layer<DaemonConfig> =>
+  Layer.sync(DaemonConfig, () => make(overrides))

@@ -1,0 +1,276 @@
+/**
+ * The socket server (PROTOCOL.md sections 1-3): stale-socket probe, 0700 dir, 0600 socket,
+ * `daemon_hello`, envelope and bare commands, one response per command in order, and every
+ * documented error code for bad input. Each connection runs in its own fibers; a connection's
+ * failure is logged and contained.
+ *
+ * Built on `node:net` rather than @effect/platform's SocketServer: the protocol needs responses
+ * to reach half-closed clients (the platform socket is destroyed once its reader ends) and
+ * per-write drain callbacks for the outbox's byte accounting (DESIGN.md).
+ */
+import * as Context from "effect/Context"
+import * as Deferred from "effect/Deferred"
+import * as Effect from "effect/Effect"
+import * as Either from "effect/Either"
+import * as FiberSet from "effect/FiberSet"
+import * as Layer from "effect/Layer"
+import * as Queue from "effect/Queue"
+import { randomUUID } from "node:crypto"
+import * as fs from "node:fs"
+import * as net from "node:net"
+import * as path from "node:path"
+import { DaemonConfig } from "./DaemonConfig.js"
+import { Outbox } from "./internal/outbox.js"
+import { LineDecoder, type LineItem } from "./JsonLines.js"
+import * as Protocol from "./Protocol.js"
+import { CommandError, SessionManager, SupervisorInfo } from "./SessionManager.js"
+
+/** The version this daemon reports in `daemon_hello`. */
+export const APP_VERSION = "0.1.0"
+
+/** The server could not start. */
+export class ServerStartError extends Error {
+  readonly _tag = "ServerStartError"
+}
+
+/** The running server: resolves `shutdownRequested` when a client sends `shutdown`. */
+export class DaemonServer extends Context.Tag("agentd/DaemonServer")<DaemonServer, {
+  readonly socketPath: string
+  readonly shutdownRequested: Deferred.Deferred<void>
+}>() {}
+
+/** True when something accepts connections at `socketPath`. */
+const probe = (socketPath: string): Promise<boolean> =>
+  new Promise((resolve) => {
+    const socket = net.connect(socketPath)
+    const done = (alive: boolean) => {
+      socket.destroy()
+      resolve(alive)
+    }
+    socket.once("connect", () => done(true))
+    socket.once("error", () => done(false))
+    setTimeout(() => done(false), 1000).unref()
+  })
+
+/** Listens with umask 077 so the socket is never world-accessible, then pins it to 0600. */
+const listen = (server: net.Server, socketPath: string) =>
+  Effect.async<void, ServerStartError>((resume) => {
+    const previous = process.umask(0o077)
+    const onError = (err: Error) => {
+      process.umask(previous)
+      resume(Effect.fail(new ServerStartError(`cannot listen at ${socketPath}: ${err.message}`)))
+    }
+    server.once("error", onError)
+    server.listen(socketPath, () => {
+      process.umask(previous)
+      server.off("error", onError)
+      fs.chmodSync(socketPath, 0o600)
+      resume(Effect.void)
+    })
+  })
+
+const MAX_PENDING_LINES = 1024
+
+export const make = Effect.gen(function*() {
+  const config = yield* DaemonConfig
+  const manager = yield* SessionManager
+  const info = yield* SupervisorInfo
+  const socketPath = config.socketPath
+  const shutdownRequested = yield* Deferred.make<void>()
+  const connectionFibers = yield* FiberSet.make()
+  const outboxes = new Set<Outbox>()
+  let stopping = false
+  let counter = 0
+
+  const socketDir = path.dirname(socketPath)
+  if (!fs.existsSync(socketDir)) fs.mkdirSync(socketDir, { recursive: true, mode: 0o700 })
+  if (fs.existsSync(socketPath)) {
+    if (yield* Effect.promise(() => probe(socketPath))) {
+      return yield* Effect.fail(new ServerStartError(`another daemon is listening at ${socketPath}`))
+    }
+    fs.unlinkSync(socketPath)
+  }
+
+  const dispatch = (clientId: string, outbox: Outbox, id: string | null, command: Protocol.Command, forkDelivery: (e: Effect.Effect<void>) => void) =>
+    Effect.gen(function*(): Effect.fn.Return<unknown, CommandError> {
+      if (stopping && command.type !== "ping") {
+        return yield* new CommandError({ code: "shutting_down", message: "The daemon is shutting down." })
+      }
+      switch (command.type) {
+        case "ping":
+          return { pong: true }
+        case "create":
+          return yield* manager.create(command)
+        case "list":
+          return yield* manager.list
+        case "status":
+          return yield* manager.status
+        case "attach": {
+          const outcome = yield* manager.attach(clientId, outbox, command)
+          // The response goes out first; the snapshot frames and events follow it.
+          outbox.offer(Protocol.encode(Protocol.success(id, "attach", outcome.data)))
+          forkDelivery(outcome.deliver)
+          return NO_RESPONSE
+        }
+        case "detach":
+          yield* manager.detach(clientId, command.activeSessionId)
+          return {}
+        case "prompt":
+          return yield* manager.prompt(command)
+        case "abort":
+          return yield* manager.abort(command)
+        case "get_state":
+          return yield* manager.getState(command.activeSessionId)
+        case "get_messages":
+          return yield* manager.getMessages(command)
+        case "checkpoint":
+          return yield* manager.checkpoint(command.activeSessionId)
+        case "retry_worker":
+          return yield* manager.retryWorker(command.activeSessionId)
+        case "kill":
+          return yield* manager.kill(command.activeSessionId)
+        case "shutdown":
+          stopping = true
+          yield* Deferred.succeed(shutdownRequested, undefined)
+          return {}
+      }
+    })
+
+  const handleConnection = (socket: net.Socket) =>
+    Effect.gen(function*() {
+      const clientId = `c-${++counter}-${randomUUID().slice(0, 8)}`
+      const outbox = new Outbox(socket)
+      outboxes.add(outbox)
+      yield* Effect.addFinalizer(() =>
+        Effect.gen(function*() {
+          outboxes.delete(outbox)
+          yield* manager.detachAll(clientId)
+          socket.destroy()
+        })
+      )
+      const decoder = new LineDecoder(config.maxLineBytes)
+      const lines = yield* Queue.unbounded<LineItem | null>()
+      const deliveries = yield* FiberSet.make()
+      const closed = yield* Deferred.make<void>()
+      let pending = 0
+
+      outbox.offer(Protocol.encode({
+        type: "daemon_hello",
+        protocol: Protocol.PROTOCOL,
+        clientId,
+        supervisorGeneration: info.generation,
+        supervisorPid: process.pid,
+        appVersion: APP_VERSION,
+        serverCapabilities: Protocol.SERVER_CAPABILITIES
+      }))
+
+      socket.on("data", (chunk: Buffer) => {
+        const items = decoder.push(chunk)
+        pending += items.length
+        for (const item of items) Queue.unsafeOffer(lines, item)
+        // A client that sends faster than we answer is paused, not buffered without bound.
+        if (pending > MAX_PENDING_LINES) socket.pause()
+      })
+      socket.on("end", () => {
+        for (const item of [...decoder.end(), null]) Queue.unsafeOffer(lines, item)
+      })
+      socket.on("error", (err) => Effect.runFork(Effect.logDebug(`client ${clientId}: ${err.message}`)))
+      socket.on("close", () => {
+        outbox.close()
+        Queue.unsafeOffer(lines, null)
+        Deferred.unsafeDone(closed, Effect.void)
+      })
+
+      const respond = (message: Protocol.ServerMessage) => Effect.sync(() => outbox.offer(Protocol.encode(message)))
+      const forkDelivery = (delivery: Effect.Effect<void>) => {
+        FiberSet.unsafeAdd(deliveries, Effect.runFork(delivery))
+      }
+
+      const handleLine = (item: LineItem) =>
+        Effect.gen(function*() {
+          if (typeof item !== "string") {
+            return yield* respond(Protocol.failure(null, "parse", {
+              code: "line_too_long",
+              message: `The line is longer than ${item.maxLineBytes} bytes; it was discarded.`,
+              details: { maxLineBytes: item.maxLineBytes }
+            }))
+          }
+          const decoded = Protocol.decodeCommandLine(item)
+          if (Either.isLeft(decoded)) return yield* respond(Protocol.failureOf(decoded.left))
+          const { id, command } = decoded.right
+          const result = yield* Effect.either(dispatch(clientId, outbox, id, command, forkDelivery)).pipe(
+            Effect.catchAllDefect((defect) =>
+              Effect.gen(function*() {
+                yield* Effect.logError(`command ${command.type} of ${clientId} died`, defect)
+                return Either.left(new CommandError({ code: "internal", message: `Internal error: ${String(defect)}` }))
+              })
+            )
+          )
+          if (Either.isLeft(result)) {
+            return yield* respond(Protocol.failure(id, command.type, { code: result.left.code, message: result.left.message }))
+          }
+          if (result.right !== NO_RESPONSE) yield* respond(Protocol.success(id, command.type, result.right))
+        })
+
+      // Commands run one at a time, in order: one response per command, in the order received.
+      while (true) {
+        const item = yield* Queue.take(lines)
+        if (item === null) break
+        pending--
+        if (pending <= MAX_PENDING_LINES / 2 && socket.isPaused()) socket.resume()
+        yield* handleLine(item)
+      }
+      // Half-closed: events keep flowing to the sessions it is attached to; once none is left,
+      // the connection ends after its last response.
+      while (manager.attachedCount(clientId) > 0 && !outbox.isClosed) {
+        yield* Effect.race(Deferred.await(closed), Effect.sleep("100 millis"))
+      }
+      outbox.endWhenFlushed()
+      yield* Deferred.await(closed)
+    }).pipe(
+      Effect.scoped,
+      Effect.catchAllCause((cause) => Effect.logError("connection failed", cause))
+    )
+
+  const server = net.createServer({ allowHalfOpen: true })
+  const runtimeFork = yield* FiberSet.runtime(connectionFibers)<never>()
+  server.on("connection", (socket) => {
+    if (stopping) {
+      socket.destroy()
+      return
+    }
+    runtimeFork(handleConnection(socket))
+  })
+  server.on("error", (err) => Effect.runFork(Effect.logError(`server: ${err.message}`)))
+  yield* listen(server, socketPath)
+  yield* Effect.logInfo(`agentd listening at ${socketPath} (supervisor generation ${info.generation}, pid ${process.pid})`)
+
+  yield* Effect.addFinalizer(() =>
+    Effect.gen(function*() {
+      stopping = true
+      // Tell every client, give the kernel a moment to take it, then close everything.
+      const closing = Protocol.encode({ type: "daemon_closing", reason: "shutdown" })
+      for (const outbox of outboxes) outbox.offer(closing)
+      yield* Effect.sleep("50 millis")
+      yield* Effect.async<void>((resume) => {
+        server.close(() => resume(Effect.void))
+        for (const outbox of outboxes) outbox.endWhenFlushed()
+      }).pipe(Effect.timeout("1 second"), Effect.ignore)
+      yield* FiberSet.clear(connectionFibers)
+      try {
+        fs.unlinkSync(socketPath)
+      } catch {
+        // Already gone.
+      }
+    })
+  )
+
+  return DaemonServer.of({ socketPath, shutdownRequested })
+})
+
+/** Marks a command whose response was already written (attach writes it before the frames). */
+const NO_RESPONSE = Symbol("NO_RESPONSE")
+
+/** The socket server layer. */
+export const layer: Layer.Layer<DaemonServer, ServerStartError, DaemonConfig | SessionManager | SupervisorInfo> = Layer
+  .scoped(DaemonServer, make)

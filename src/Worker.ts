@@ -1,0 +1,222 @@
+/**
+ * The worker program: one process per active session, running its engine (PROTOCOL.md
+ * section 6). It speaks WorkerProtocol in JSON lines on fd 3, a private pipe to the supervisor;
+ * stdout and stderr are only logs. It exits by itself when that pipe closes, so a worker never
+ * outlives its daemon, even one killed with SIGKILL.
+ *
+ * A worker starts empty (the pool's warm spare) and becomes a session's worker on `load`,
+ * either fresh or restoring: it loads the latest complete transcript, folds the logged events
+ * after it, and reports `turn_interrupted` when the journal says a turn was running.
+ */
+import * as Cause from "effect/Cause"
+import * as Effect from "effect/Effect"
+import * as Either from "effect/Either"
+import * as Exit from "effect/Exit"
+import * as Fiber from "effect/Fiber"
+import * as Layer from "effect/Layer"
+import * as Option from "effect/Option"
+import * as Stream from "effect/Stream"
+import * as net from "node:net"
+import * as Cursor from "./Cursor.js"
+import { Engine, type EngineSession, foldEvent } from "./Engine.js"
+import * as EchoEngine from "./engines/EchoEngine.js"
+import * as EventLog from "./EventLog.js"
+import { LineDecoder } from "./JsonLines.js"
+import type { AgentEvent, AgentMessage, InterruptReason } from "./Protocol.js"
+import * as RecoveryJournal from "./RecoveryJournal.js"
+import * as SessionStore from "./SessionStore.js"
+import { chunkMessages } from "./SnapshotCache.js"
+import * as WorkerProtocol from "./WorkerProtocol.js"
+
+type LoadFrame = typeof WorkerProtocol.Load.Type
+
+/** The supervisor's end of the private pipe: frames out with backpressure, lines in. */
+class Pipe {
+  private readonly socket: net.Socket
+  constructor(fd: number) {
+    this.socket = new net.Socket({ fd, readable: true, writable: true })
+  }
+
+  /** Writes a frame; resolves once the kernel took it or the pipe drained. */
+  send(frame: WorkerProtocol.WorkerFrame): Effect.Effect<void> {
+    return this.sendRaw(WorkerProtocol.encodeFrame(frame))
+  }
+
+  sendRaw(data: string | Uint8Array): Effect.Effect<void> {
+    return Effect.async<void>((resume) => {
+      if (this.socket.destroyed) return resume(Effect.void)
+      if (this.socket.write(data)) return resume(Effect.void)
+      const done = () => {
+        this.socket.off("drain", done)
+        this.socket.off("close", done)
+        resume(Effect.void)
+      }
+      this.socket.once("drain", done)
+      this.socket.once("close", done)
+    })
+  }
+
+  /** Calls `onLine` for every line; resolves when the supervisor's end closes. */
+  lines(onLine: (line: string) => void): Promise<void> {
+    const decoder = new LineDecoder()
+    return new Promise((resolve) => {
+      this.socket.on("data", (chunk: Buffer) => {
+        for (const item of decoder.push(chunk)) if (typeof item === "string") onLine(item)
+      })
+      this.socket.on("end", resolve)
+      this.socket.on("close", resolve)
+      this.socket.on("error", resolve)
+    })
+  }
+}
+
+interface LoadedSession {
+  readonly activeSessionId: string
+  readonly engine: EngineSession
+  readonly messages: Array<AgentMessage>
+  turn: Fiber.RuntimeFiber<void, never> | undefined
+}
+
+/** Loads the latest complete transcript and folds the logged events after it. */
+const restoreTranscript = (activeSessionId: string, restore: NonNullable<LoadFrame["restore"]>) =>
+  Effect.gen(function*() {
+    const store = yield* SessionStore.SessionStore
+    const log = yield* EventLog.EventLog
+    const messages: Array<AgentMessage> = []
+    const latest = yield* store.latestSnapshot(activeSessionId)
+    let after: Cursor.Cursor | undefined
+    if (Option.isSome(latest)) {
+      yield* store.readSnapshot(activeSessionId, latest.value.header.generation).pipe(
+        Stream.runForEach((m) => Effect.sync(() => messages.push(m as AgentMessage)))
+      )
+      after = latest.value.header.cursor
+    }
+    let foldedEvents = 0
+    yield* log.read(activeSessionId, after).pipe(
+      Stream.runForEach((record) =>
+        Effect.sync(() => {
+          foldedEvents++
+          foldEvent(messages, record.event as { type: string })
+        })
+      )
+    )
+    const journal = yield* RecoveryJournal.readLatest(restore.journalPath)
+    const busy = journal.get(activeSessionId)?.busy ?? false
+    return { messages, busy, foldedEvents }
+  }).pipe(
+    Effect.provide(Layer.mergeAll(
+      SessionStore.layer({ root: restore.storeRoot }),
+      EventLog.layer({ root: restore.eventLogRoot })
+    ))
+  )
+
+/** The worker's main program over an already open pipe. */
+export const run = (pipe: Pipe) =>
+  Effect.gen(function*() {
+    const engines = yield* Engine
+    let session: LoadedSession | undefined
+    // Frames are handled one at a time, in order: a frame's handler finishes before the next.
+    let queue: Promise<void> = Promise.resolve()
+
+    const fail = (message: string) => pipe.send({ type: "worker_error", message })
+
+    const emit = (event: AgentEvent) => pipe.send({ type: "worker_event", event })
+
+    const runTurn = (s: LoadedSession, turnId: string, message: string) =>
+      s.engine.runTurn({ turnId, message, history: s.messages }).pipe(
+        Stream.runForEach((event) => {
+          foldEvent(s.messages, event)
+          return emit(event)
+        }),
+        Effect.catchAll((e) => fail(e.message)),
+        Effect.onInterrupt(() => emit({ type: "turn_interrupted", reason: "aborted" })),
+        Effect.ensuring(Effect.sync(() => {
+          s.turn = undefined
+        }))
+      )
+
+    const handle = (frame: WorkerProtocol.SupervisorFrame): Effect.Effect<void> => {
+      switch (frame.type) {
+        case "load":
+          return Effect.gen(function*() {
+            if (session !== undefined) return yield* fail("this worker already runs a session")
+            const engine = yield* Effect.either(engines.make(frame.engine, frame.config ?? {}))
+            if (Either.isLeft(engine)) return yield* fail(engine.left.message)
+            let messages: Array<AgentMessage> = []
+            let interrupted: InterruptReason | undefined
+            if (frame.restore !== undefined) {
+              const restored = yield* Effect.either(restoreTranscript(frame.activeSessionId, frame.restore))
+              if (Either.isLeft(restored)) return yield* fail(`restore failed: ${restored.left.message}`)
+              messages = restored.right.messages
+              if (restored.right.busy) interrupted = frame.restore.interruptedReason ?? "worker_crashed"
+            }
+            session = { activeSessionId: frame.activeSessionId, engine: engine.right, messages, turn: undefined }
+            if (interrupted !== undefined) yield* emit({ type: "turn_interrupted", reason: interrupted })
+            yield* pipe.send({
+              type: "worker_ready",
+              pid: process.pid,
+              activeSessionId: frame.activeSessionId,
+              messageCount: messages.length
+            })
+          })
+        case "prompt":
+          return Effect.gen(function*() {
+            const s = session
+            if (s === undefined) return yield* fail("no session is loaded")
+            if (s.turn !== undefined) return yield* fail("a turn is already running")
+            s.turn = Effect.runFork(runTurn(s, frame.turnId, frame.message))
+          })
+        case "abort":
+          return session?.turn === undefined ? Effect.void : Fiber.interrupt(session.turn).pipe(Effect.asVoid)
+        case "checkpoint":
+          return Effect.gen(function*() {
+            const s = session
+            if (s === undefined) return yield* fail("no session is loaded")
+            // A checkpoint is the state between turns: wait for a running turn to end.
+            if (s.turn !== undefined) yield* Fiber.await(s.turn)
+            const base = { activeSessionId: s.activeSessionId, snapshotId: frame.snapshotId }
+            const chunks = chunkMessages(s.activeSessionId, frame.snapshotId, s.messages, frame.targetChunkBytes)
+            yield* pipe.send({
+              type: "session_snapshot_begin",
+              ...base,
+              messageCount: s.messages.length,
+              targetChunkBytes: frame.targetChunkBytes,
+              purpose: "checkpoint"
+            })
+            for (const chunk of chunks) yield* pipe.sendRaw(chunk)
+            yield* pipe.send({
+              type: "session_snapshot_end",
+              ...base,
+              chunkCount: chunks.length,
+              lastEventSequence: -1
+            })
+          })
+        case "stop":
+          return Effect.sync(() => process.exit(0))
+      }
+    }
+
+    yield* pipe.send({ type: "worker_ready", pid: process.pid, messageCount: 0 })
+    yield* Effect.promise(() =>
+      pipe.lines((line) => {
+        const decoded = WorkerProtocol.decodeSupervisorFrame(line)
+        queue = queue.then(() =>
+          Effect.runPromiseExit(
+            Either.isLeft(decoded) ? fail(`bad frame: ${decoded.left}`) : handle(decoded.right)
+          ).then((exit) => {
+            if (Exit.isFailure(exit)) console.error(Cause.pretty(exit.cause))
+          })
+        )
+      })
+    )
+  })
+
+/** The worker process entry: fd 3 is the pipe; exits when the supervisor goes away. */
+export const main = (): void => {
+  const pipe = new Pipe(3)
+  Effect.runPromiseExit(run(pipe).pipe(Effect.provide(EchoEngine.layer))).then((exit) => {
+    if (Exit.isFailure(exit)) console.error(Cause.pretty(exit.cause))
+    // The supervisor is gone (or we failed): a worker never outlives its pipe.
+    process.exit(Exit.isSuccess(exit) ? 0 : 1)
+  })
+}

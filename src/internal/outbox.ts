@@ -1,0 +1,102 @@
+/**
+ * A connection's outbound queue: lines are offered without waiting, one writer drains them to
+ * the socket in batches (one write per batch, DESIGN.md), and the byte count is what the
+ * backpressure rules of PROTOCOL.md section 5 look at.
+ */
+import * as Effect from "effect/Effect"
+import type * as net from "node:net"
+
+export class Outbox {
+  private items: Array<string | Uint8Array> = []
+  private queued = 0
+  private writing = false
+  private waiters: Array<{ readonly below: number; readonly resume: () => void }> = []
+  private closed = false
+  private endAfterFlush = false
+
+  constructor(private readonly socket: net.Socket) {
+    socket.on("close", () => this.close())
+  }
+
+  /** Bytes offered and not yet taken by the kernel. */
+  get queuedBytes(): number {
+    return this.queued
+  }
+
+  get isClosed(): boolean {
+    return this.closed
+  }
+
+  /** Queues a line (or pre-encoded bytes); never waits. Dropped once the socket is gone. */
+  offer(data: string | Uint8Array): void {
+    if (this.closed) return
+    this.items.push(data)
+    this.queued += typeof data === "string" ? Buffer.byteLength(data) : data.byteLength
+    if (!this.writing) this.flush()
+  }
+
+  /** Waits until fewer than `bytes` are queued (or the socket is gone). */
+  awaitBelow(bytes: number): Effect.Effect<void> {
+    return Effect.async<void>((resume) => {
+      if (this.closed || this.queued < bytes) return resume(Effect.void)
+      const waiter = { below: bytes, resume: () => resume(Effect.void) }
+      this.waiters.push(waiter)
+      return Effect.sync(() => {
+        this.waiters = this.waiters.filter((w) => w !== waiter)
+      })
+    })
+  }
+
+  /** Ends the socket's write side once everything queued is written. */
+  endWhenFlushed(): void {
+    this.endAfterFlush = true
+    if (!this.writing && this.items.length === 0) this.finish()
+  }
+
+  private finish() {
+    if (!this.closed && !this.socket.destroyed) this.socket.end()
+  }
+
+  private flush() {
+    if (this.closed) return
+    if (this.items.length === 0) {
+      this.writing = false
+      if (this.endAfterFlush) this.finish()
+      return
+    }
+    this.writing = true
+    const batch = this.items
+    this.items = []
+    let size = 0
+    const buffers = batch.map((item) => {
+      const buf = typeof item === "string" ? Buffer.from(item, "utf8") : item
+      size += buf.byteLength
+      return buf
+    })
+    const data = buffers.length === 1 ? buffers[0]! : Buffer.concat(buffers, size)
+    // The byte count drops only when the kernel has taken the batch: that is what bounds memory.
+    this.socket.write(data, () => {
+      this.queued -= size
+      this.wakeWaiters()
+      // Defer so that many small offers in one tick coalesce into the next batch.
+      setImmediate(() => this.flush())
+    })
+  }
+
+  private wakeWaiters() {
+    if (this.waiters.length === 0) return
+    const ready = this.waiters.filter((w) => this.closed || this.queued < w.below)
+    if (ready.length === 0) return
+    this.waiters = this.waiters.filter((w) => !ready.includes(w))
+    for (const w of ready) w.resume()
+  }
+
+  /** The socket is gone: drop everything and release every waiter. */
+  close(): void {
+    if (this.closed) return
+    this.closed = true
+    this.items = []
+    this.queued = 0
+    this.wakeWaiters()
+  }
+}
