@@ -70,17 +70,42 @@ export const defaults = (stateDir: string = defaultStateDir()): DaemonConfigShap
   warmSpare: true
 })
 
-/** Builds a full configuration: defaults for the state dir, then the overrides. */
+/** Numeric settings that may come from the environment, by variable name. */
+const numericEnv: ReadonlyArray<readonly [string, keyof DaemonConfigShape]> = [
+  ["AGENTD_MAX_WORKERS", "maxWorkers"],
+  ["AGENTD_MAX_LINE_BYTES", "maxLineBytes"],
+  ["AGENTD_CHECKPOINT_EVENTS", "checkpointEvents"],
+  ["AGENTD_CHECKPOINT_BYTES", "checkpointBytes"],
+  ["AGENTD_RETAIN_GENERATIONS", "retainGenerations"],
+  ["AGENTD_OUTBOX_BYTES", "outboxBytes"],
+  ["AGENTD_MEMORY_CACHE_BYTES", "memoryCacheBytes"],
+  ["AGENTD_TARGET_CHUNK_BYTES", "targetChunkBytes"],
+  ["AGENTD_MAX_RESTARTS", "maxRestarts"],
+  ["AGENTD_RESTART_WINDOW_MS", "restartWindowMs"]
+]
+
+/** The settings the environment gives (`AGENTD_*`); invalid values are ignored. */
+export const fromEnv = (env: NodeJS.ProcessEnv = process.env): Partial<DaemonConfigShape> => {
+  const out: Record<string, unknown> = {}
+  for (const [name, key] of numericEnv) {
+    const raw = env[name]
+    if (raw === undefined) continue
+    const value = Number(raw)
+    if (Number.isSafeInteger(value) && value >= (key === "maxRestarts" ? 0 : 1)) out[key] = value
+  }
+  const keys = env["AGENTD_CLIENT_ENV_KEYS"]
+  if (keys !== undefined) out["clientEnvKeys"] = keys.split(",").map((k) => k.trim()).filter((k) => k.length > 0)
+  if (env["AGENTD_WARM_SPARE"] !== undefined) out["warmSpare"] = env["AGENTD_WARM_SPARE"] !== "0"
+  return out as Partial<DaemonConfigShape>
+}
+
+/** Builds a full configuration: defaults for the state dir, then the environment, then the overrides. */
 export const make = (overrides: Partial<DaemonConfigShape> = {}, env: NodeJS.ProcessEnv = process.env): DaemonConfigShape => {
   const stateDir = path.resolve(overrides.stateDir ?? defaultStateDir(env))
-  const base = defaults(stateDir)
-  const clientEnvKeys = env["AGENTD_CLIENT_ENV_KEYS"]
   return {
-    ...base,
+    ...defaults(stateDir),
     socketPath: resolveSocketPath(stateDir, undefined, env),
-    ...(clientEnvKeys === undefined
-      ? {}
-      : { clientEnvKeys: clientEnvKeys.split(",").map((k) => k.trim()).filter((k) => k.length > 0) }),
+    ...fromEnv(env),
     ...overrides,
     stateDir
   }

@@ -303,7 +303,6 @@ export const make = Effect.gen(function*() {
             if (loading.value) {
               loading.value = false
               s.workerState = "ready"
-              s.busy = false
               yield* publishStatus(s)
               yield* Deferred.succeed(s.ready, undefined)
             }

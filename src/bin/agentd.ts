@@ -35,8 +35,11 @@ const serve = Command.make(
   {
     stateDir,
     socket,
-    engine: Options.text("engine").pipe(Options.withDefault("echo")),
-    maxWorkers: Options.integer("max-workers").pipe(Options.withDefault(32))
+    engine: Options.text("engine").pipe(Options.withDescription("Default engine of new sessions (echo)."), Options.optional),
+    maxWorkers: Options.integer("max-workers").pipe(
+      Options.withDescription("Live worker processes beyond which idle sessions are passivated (32)."),
+      Options.optional
+    )
   },
   (opts) =>
     Effect.gen(function*() {
@@ -44,8 +47,8 @@ const serve = Command.make(
       yield* Daemon.serve({
         stateDir: dir,
         socketPath: DaemonConfig.resolveSocketPath(dir, Option.getOrUndefined(opts.socket)),
-        engine: opts.engine,
-        maxWorkers: opts.maxWorkers
+        ...Option.match(opts.engine, { onNone: () => ({}), onSome: (engine) => ({ engine }) }),
+        ...Option.match(opts.maxWorkers, { onNone: () => ({}), onSome: (maxWorkers) => ({ maxWorkers }) })
       })
     })
 ).pipe(Command.withDescription("Run the daemon in the foreground (logs to stderr)."))
