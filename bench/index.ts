@@ -4,7 +4,9 @@
  * to a baseline measured in the same run and their ratio.
  */
 const benches: Record<string, () => Promise<{ default: () => Promise<void> }>> = {
-  framing: () => import("./framing.js")
+  framing: () => import("./framing.js"),
+  snapshotCache: () => import("./snapshotCache.js"),
+  eventLog: () => import("./eventLog.js")
 }
 
 const wanted = process.argv.slice(2)

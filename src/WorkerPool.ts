@@ -79,7 +79,8 @@ export class WorkerProcess {
         }
       }
       if (this.queuedBytes > HIGH_WATER_BYTES) pipe.pause()
-      this.notify()
+      // A chunk inside a long line completes no frame: nothing to hand over yet.
+      if (this.frames.length > 0) this.notify()
     })
     const end = () => {
       this.ended = true

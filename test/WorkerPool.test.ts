@@ -1,0 +1,85 @@
+import { assert, describe, it } from "@effect/vitest"
+import * as Deferred from "effect/Deferred"
+import * as Effect from "effect/Effect"
+import * as path from "node:path"
+import { fileURLToPath } from "node:url"
+import * as WorkerPool from "../src/WorkerPool.js"
+
+// Real worker processes: the built entry (npm ci builds it through `prepare`).
+const workerEntry = path.resolve(path.dirname(fileURLToPath(import.meta.url)), "..", "dist", "src", "bin", "worker.js")
+
+const withPool = <A, E>(f: (pool: WorkerPool.WorkerPool["Type"]) => Effect.Effect<A, E>, warmSpare = false) =>
+  Effect.flatMap(WorkerPool.WorkerPool, f).pipe(Effect.provide(WorkerPool.layer({ warmSpare, workerEntry })))
+
+/** Takes frames until one matches. */
+const takeUntil = (worker: WorkerPool.WorkerProcess, pred: (frame: any) => boolean) =>
+  Effect.gen(function*() {
+    const seen: Array<any> = []
+    while (true) {
+      const frames = yield* worker.takeFrames
+      if (frames.length === 0) return { seen, found: undefined }
+      seen.push(...frames)
+      const found = frames.find(pred)
+      if (found !== undefined) return { seen, found }
+    }
+  })
+
+describe("WorkerPool", () => {
+  it.live("a frame far larger than one pipe read arrives whole (a 20 MB message_end)", () =>
+    withPool((pool) =>
+      Effect.gen(function*() {
+        const worker = yield* pool.acquire("s-big")
+        yield* worker.send({ type: "load", activeSessionId: "s-big", engine: "echo" })
+        yield* worker.send({ type: "prompt", turnId: "t", message: "/bulk 20000000" })
+        const { seen, found } = yield* takeUntil(worker, (f) => f.event?.type === "agent_end")
+        assert.isDefined(found)
+        const end = seen.find((f) => f.event?.type === "message_end" && f.event.message.role === "assistant")
+        assert.strictEqual(end.event.message.content.length, 20_000_000)
+        yield* worker.stop()
+      })
+    ), 60_000)
+
+  it.live("a SIGKILLed worker reports its signal; stop() of a live one is not a crash", () =>
+    withPool((pool) =>
+      Effect.gen(function*() {
+        const a = yield* pool.acquire("s-a")
+        process.kill(a.pid, "SIGKILL")
+        const exit = yield* Deferred.await(a.exited)
+        assert.strictEqual(exit.signal, "SIGKILL")
+        assert.isFalse(a.stopping)
+        const b = yield* pool.acquire("s-b")
+        yield* b.stop()
+        assert.isTrue(b.stopping)
+        assert.deepStrictEqual(yield* pool.live, [])
+      })
+    ), 30_000)
+
+  it.live("the warm spare is taken first and replaced; closing the pool stops every worker", () =>
+    Effect.gen(function*() {
+      const pids = yield* withPool((pool) =>
+        Effect.gen(function*() {
+          const first = yield* pool.acquire("s-1")
+          const second = yield* pool.acquire("s-2")
+          assert.notStrictEqual(first.pid, second.pid)
+          // A session with launchEnv gets its own process with that environment.
+          const third = yield* pool.acquire("s-3", { AGENTD_POOL_TEST: "yes" })
+          const live = yield* pool.live
+          return [first.pid, second.pid, third.pid, ...live.map((w) => w.pid)]
+        }), true)
+      yield* Effect.sleep("100 millis")
+      for (const pid of pids) {
+        assert.throws(() => process.kill(pid, 0), /ESRCH/, `worker ${pid} still alive`)
+      }
+    }), 30_000)
+
+  it("restart policy: immediate first restart, exponential backoff, failed past maxRestarts", () => {
+    const policy = { maxRestarts: 3, restartWindowMs: 60_000, backoffBaseMs: 100 }
+    const at = (times: Array<number>, now: number) => WorkerPool.nextRestart(policy, times, now)
+    assert.deepStrictEqual(at([1000], 1000), { _tag: "restart", delayMs: 0 })
+    assert.deepStrictEqual(at([1000, 2000], 2000), { _tag: "restart", delayMs: 100 })
+    assert.deepStrictEqual(at([1000, 2000, 3000], 3000), { _tag: "restart", delayMs: 200 })
+    assert.deepStrictEqual(at([1000, 2000, 3000, 4000], 4000), { _tag: "failed" })
+    // Crashes older than the window no longer count.
+    assert.deepStrictEqual(at([1000, 2000, 3000, 70_000], 70_000), { _tag: "restart", delayMs: 0 })
+  })
+})
