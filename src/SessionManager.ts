@@ -12,6 +12,7 @@
  * it exits; an exit the supervisor did not ask for fails with WorkerCrashed, which runs the
  * restore effect (replacement worker, same activeSessionId, `recovering` then `ready`).
  */
+import * as Chunk from "effect/Chunk"
 import * as Context from "effect/Context"
 import * as Data from "effect/Data"
 import * as Deferred from "effect/Deferred"
@@ -26,14 +27,13 @@ import { randomUUID } from "node:crypto"
 import * as path from "node:path"
 import * as Cursor from "./Cursor.js"
 import { DaemonConfig } from "./DaemonConfig.js"
-import { foldEvent } from "./Engine.js"
 import { EventLog, type EventRecord } from "./EventLog.js"
 import type { Outbox } from "./internal/outbox.js"
 import * as Protocol from "./Protocol.js"
 import type { AgentMessage, CommandOf, ErrorCode, SessionSummary, WorkerState } from "./Protocol.js"
 import { RecoveryJournal } from "./RecoveryJournal.js"
 import { type SessionMeta, SessionStore } from "./SessionStore.js"
-import { chunkMessages, SnapshotCache } from "./SnapshotCache.js"
+import { ChunkBuilder, SnapshotCache } from "./SnapshotCache.js"
 import { nextRestart, WorkerCrashed, WorkerPool, type WorkerProcess } from "./WorkerPool.js"
 import type * as WorkerProtocol from "./WorkerProtocol.js"
 
@@ -109,9 +109,12 @@ class Attachment {
 /** A session's state in the supervisor. */
 interface Session {
   meta: SessionMeta
-  /** The transcript, folded from the events as they are logged (what the worker holds too). */
-  messages: Array<AgentMessage>
-  /** How many of `messages` the current generation's snapshot holds. */
+  /**
+   * Messages in the transcript. The transcript itself is never held here: it is the current
+   * generation's snapshot file plus the `message_end` events logged since (the worker holds it).
+   */
+  messageCount: number
+  /** How many messages the current generation's snapshot holds. */
   baseMessageCount: number
   generation: number
   /** The cursor of the last event before the current generation (the snapshot's cursor). */
@@ -201,7 +204,7 @@ export const make = Effect.gen(function*() {
       activeSessionId: s.meta.activeSessionId,
       engine: s.meta.engine,
       createdAt: s.meta.createdAt,
-      messageCount: s.messages.length,
+      messageCount: s.messageCount,
       busy: s.busy,
       worker: s.workerState,
       restarts: s.restarts,
@@ -264,9 +267,11 @@ export const make = Effect.gen(function*() {
     Effect.gen(function*() {
       if (!s.busy) return
       s.busy = false
+      // Taken now: a prompt accepted while this ends installs its own deferred.
+      const ended = s.turnEnded
       yield* record(s, false, "turn_end")
       if (publishIdle) yield* publishStatus(s)
-      yield* Deferred.succeed(s.turnEnded, undefined)
+      yield* Deferred.succeed(ended, undefined)
       if (publishIdle && (s.generationEvents >= config.checkpointEvents || s.generationBytes >= config.checkpointBytes)) {
         yield* fork(Effect.ignoreLogged(checkpointSession(s)))
       }
@@ -286,7 +291,7 @@ export const make = Effect.gen(function*() {
         switch (frame.type) {
           case "worker_event": {
             const event = frame["event"] as { readonly type: string; readonly toolCallId?: string }
-            foldEvent(s.messages, event)
+            if (event.type === "message_end") s.messageCount++
             events.push({ type: "session_event", event })
             if (event.type === "tool_execution_start" || event.type === "tool_execution_end") {
               yield* flushEvents
@@ -409,8 +414,9 @@ export const make = Effect.gen(function*() {
         if (s.busy) {
           yield* publish(s, { type: "session_event", event: { type: "turn_interrupted", reason: "worker_crashed" } as Protocol.AgentEvent })
           s.busy = false
+          const ended = s.turnEnded
           yield* record(s, false, "failed")
-          yield* Deferred.succeed(s.turnEnded, undefined)
+          yield* Deferred.succeed(ended, undefined)
         }
         yield* publishStatus(s)
         yield* Deferred.fail(s.ready, new CommandError({ code: "session_failed", message: `Session \`${s.meta.activeSessionId}\` failed: its worker crashed ${s.crashTimes.length} times within ${restartPolicy.restartWindowMs} ms.` }))
@@ -577,7 +583,31 @@ export const make = Effect.gen(function*() {
       }))
     })
 
-  /** The current generation's snapshot in the cache (built from the transcript mirror if absent). */
+  /** The messages of the current generation's snapshot, read from its transcript file. */
+  const snapshotLines = (s: Session): Stream.Stream<string, CommandError> =>
+    s.generation === 1
+      ? Stream.empty
+      : store.readSnapshotLines(s.meta.activeSessionId, s.generation).pipe(Stream.mapError(internal("transcript")))
+
+  /** Every message of the transcript: the snapshot, then the messages ended since. */
+  const transcript = (s: Session): Stream.Stream<AgentMessage, CommandError> =>
+    Stream.concat(
+      Stream.map(snapshotLines(s), (line) => JSON.parse(line) as AgentMessage),
+      log.readGeneration(s.meta.activeSessionId, s.generation).pipe(
+        Stream.filterMap((r) => {
+          const body = r.event as unknown as LoggedBody
+          return body.type === "session_event" && body.event.type === "message_end"
+            ? Option.some((body.event as Extract<Protocol.AgentEvent, { type: "message_end" }>).message)
+            : Option.none()
+        }),
+        Stream.mapError(internal("event log"))
+      )
+    )
+
+  /**
+   * The current generation's snapshot in the cache: the entry the worker's checkpoint filled,
+   * or one chunked now from the transcript file (after a restart), without reading it whole.
+   */
   const currentSnapshotEntry = (s: Session) =>
     Effect.gen(function*() {
       const existing = s.snapshotId
@@ -586,23 +616,36 @@ export const make = Effect.gen(function*() {
         if (Either.isRight(ok) && !ok.right.disposed && ok.right.status !== "failed") return existing
       }
       const snapshotId = `${snapshotIdOf(s, s.generation)}~${randomUUID().slice(0, 8)}`
-      const chunks = chunkMessages(s.meta.activeSessionId, snapshotId, s.messages.slice(0, s.baseMessageCount), config.targetChunkBytes)
       yield* cache.create(snapshotId, {
         activeSessionId: s.meta.activeSessionId,
         messageCount: s.baseMessageCount,
         targetChunkBytes: config.targetChunkBytes,
         cursor: s.snapshotCursor
-      })
-      for (const chunk of chunks) yield* cache.appendChunk(snapshotId, chunk)
-      yield* cache.markComplete(snapshotId, {
-        chunkCount: chunks.length,
-        lastEventSequence: s.snapshotCursor?.sequence ?? -1,
-        lastEventCursor: s.snapshotCursor
-      })
+      }).pipe(Effect.mapError(internal("snapshot cache")))
+      const builder = new ChunkBuilder(s.meta.activeSessionId, snapshotId, config.targetChunkBytes)
+      const filled = yield* Effect.either(Effect.gen(function*() {
+        yield* snapshotLines(s).pipe(
+          Stream.runForEach((line) => {
+            const chunk = builder.add(line)
+            return chunk === undefined ? Effect.void : Effect.asVoid(cache.appendChunk(snapshotId, chunk))
+          })
+        )
+        const last = builder.finish()
+        if (last !== undefined) yield* cache.appendChunk(snapshotId, last)
+        yield* cache.markComplete(snapshotId, {
+          chunkCount: builder.chunkCount,
+          lastEventSequence: s.snapshotCursor?.sequence ?? -1,
+          lastEventCursor: s.snapshotCursor
+        })
+      }))
+      if (Either.isLeft(filled)) {
+        yield* Effect.ignore(cache.markFailed(snapshotId, filled.left.message))
+        return yield* internal("snapshot")(filled.left)
+      }
       if (existing !== undefined) yield* Effect.ignore(cache.dispose(existing))
       s.snapshotId = snapshotId
       return snapshotId
-    }).pipe(Effect.mapError(internal("snapshot cache")))
+    })
 
   // ------------------------------------------------------------------------------------------
   // Attach and delivery
@@ -736,7 +779,9 @@ export const make = Effect.gen(function*() {
           stream = yield* currentSnapshotEntry(s)
           snapshotId = stream
         } else {
-          snapshotMessages = s.messages.slice(0, s.baseMessageCount)
+          snapshotMessages = Chunk.toReadonlyArray(
+            yield* Stream.runCollect(Stream.map(snapshotLines(s), (line) => JSON.parse(line) as AgentMessage))
+          )
         }
       }
       s.attachments.add(attachment)
@@ -859,7 +904,7 @@ export const make = Effect.gen(function*() {
     Effect.gen(function*() {
       return {
         meta,
-        messages: [],
+        messageCount: 0,
         baseMessageCount: 0,
         generation: 1,
         snapshotCursor: undefined,
@@ -993,24 +1038,22 @@ export const make = Effect.gen(function*() {
       s.generationBytes = status.generationBytes
       let after: Cursor.Cursor | undefined
       if (Option.isSome(snapshot)) {
-        yield* store.readSnapshot(id, snapshot.value.header.generation).pipe(
-          Stream.runForEach((m) => Effect.sync(() => void s.messages.push(m as AgentMessage)))
-        )
+        s.messageCount = snapshot.value.header.messageCount
         after = snapshot.value.header.cursor
       }
       const isCurrent = Option.isSome(snapshot) && snapshot.value.header.generation === status.generation
       s.snapshotCursor = isCurrent ? after : undefined
-      s.baseMessageCount = s.messages.length
+      s.baseMessageCount = s.messageCount
       yield* log.read(id, after).pipe(
         Stream.runForEach((r) =>
           Effect.sync(() => {
             const body = r.event as unknown as LoggedBody
-            if (body.type === "session_event") foldEvent(s.messages, body.event)
+            if (body.type === "session_event" && body.event.type === "message_end") s.messageCount++
             // Without a transcript of the current generation, its snapshot is what was folded
             // before its first event.
             if (!isCurrent && r.cursor.generation < status.generation) {
               s.snapshotCursor = r.cursor
-              s.baseMessageCount = s.messages.length
+              s.baseMessageCount = s.messageCount
             }
           })
         )
@@ -1080,10 +1123,15 @@ export const make = Effect.gen(function*() {
       }),
     getState: (id) => Effect.map(get(id), summary),
     getMessages: (cmd) =>
-      Effect.map(get(cmd.activeSessionId), (s) => {
-        const offset = cmd.offset ?? 0
-        const limit = cmd.limit ?? 100
-        return { messages: s.messages.slice(offset, offset + limit), total: s.messages.length }
+      Effect.gen(function*() {
+        const s = yield* get(cmd.activeSessionId)
+        const total = s.messageCount
+        const messages = yield* transcript(s).pipe(
+          Stream.drop(cmd.offset ?? 0),
+          Stream.take(cmd.limit ?? 100),
+          Stream.runCollect
+        )
+        return { messages: Chunk.toReadonlyArray(messages), total }
       }),
     checkpoint: (id) => Effect.flatMap(get(id), checkpointSession),
     retryWorker: (id) =>

@@ -65,29 +65,62 @@ export const chunkMessages = (
   messages: ReadonlyArray<unknown>,
   targetChunkBytes: number = DEFAULT_TARGET_CHUNK_BYTES
 ): Array<Uint8Array> => {
-  if (!Number.isSafeInteger(targetChunkBytes) || targetChunkBytes <= 0) {
-    throw new RangeError(`targetChunkBytes must be a positive integer, got ${targetChunkBytes}`)
-  }
-  const prefix = `{"type":"session_snapshot_chunk","activeSessionId":${JSON.stringify(activeSessionId)},` +
-    `"snapshotId":${JSON.stringify(snapshotId)},"index":`
+  const builder = new ChunkBuilder(activeSessionId, snapshotId, targetChunkBytes)
   const chunks: Array<Uint8Array> = []
-  let parts: Array<string> = []
-  // Bytes of the current chunk's array: "[" + "]" plus each part and the commas between them.
-  let size = 2
-  const flush = () => {
-    chunks.push(Buffer.from(`${prefix}${chunks.length},"messages":[${parts.join(",")}]}\n`, "utf8"))
-    parts = []
-    size = 2
-  }
   for (const message of messages) {
-    const json = JSON.stringify(message) ?? "null"
-    const bytes = Buffer.byteLength(json, "utf8")
-    if (parts.length > 0 && size + 1 + bytes > targetChunkBytes) flush()
-    size += parts.length > 0 ? bytes + 1 : bytes
-    parts.push(json)
+    const done = builder.add(JSON.stringify(message) ?? "null")
+    if (done !== undefined) chunks.push(done)
   }
-  if (parts.length > 0) flush()
+  const last = builder.finish()
+  if (last !== undefined) chunks.push(last)
   return chunks
+}
+
+/**
+ * The incremental form of {@link chunkMessages}, fed with messages already encoded as JSON (a
+ * transcript's lines): `add` returns a chunk line when one is full, `finish` the last one. Lets a
+ * snapshot be chunked while it is read from disk, without holding it whole.
+ */
+export class ChunkBuilder {
+  private readonly prefix: string
+  private parts: Array<string> = []
+  // Bytes of the current chunk's array: "[" + "]" plus each part and the commas between them.
+  private size = 2
+  private index = 0
+
+  constructor(activeSessionId: string, snapshotId: string, readonly targetChunkBytes: number = DEFAULT_TARGET_CHUNK_BYTES) {
+    if (!Number.isSafeInteger(targetChunkBytes) || targetChunkBytes <= 0) {
+      throw new RangeError(`targetChunkBytes must be a positive integer, got ${targetChunkBytes}`)
+    }
+    this.prefix = `{"type":"session_snapshot_chunk","activeSessionId":${JSON.stringify(activeSessionId)},` +
+      `"snapshotId":${JSON.stringify(snapshotId)},"index":`
+  }
+
+  /** How many chunks were produced so far. */
+  get chunkCount(): number {
+    return this.index
+  }
+
+  /** Adds one message's JSON; returns the previous chunk if this message did not fit in it. */
+  add(json: string): Uint8Array | undefined {
+    const bytes = Buffer.byteLength(json, "utf8")
+    const full = this.parts.length > 0 && this.size + 1 + bytes > this.targetChunkBytes ? this.flush() : undefined
+    this.size += this.parts.length > 0 ? bytes + 1 : bytes
+    this.parts.push(json)
+    return full
+  }
+
+  /** The last, partly filled chunk, if any message is left. */
+  finish(): Uint8Array | undefined {
+    return this.parts.length > 0 ? this.flush() : undefined
+  }
+
+  private flush(): Uint8Array {
+    const chunk = Buffer.from(`${this.prefix}${this.index++},"messages":[${this.parts.join(",")}]}\n`, "utf8")
+    this.parts = []
+    this.size = 2
+    return chunk
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -145,7 +178,10 @@ export interface SnapshotEnd {
   readonly lastEventCursor?: Cursor | undefined
 }
 
-/** What `waitForChunk` found: the chunk's line bytes, or the end of the snapshot. */
+/**
+ * What `waitForChunk` found: the chunk's line bytes, or the end of the snapshot. The bytes are
+ * shared with the cache and with other readers (never copied per reader): treat them as read-only.
+ */
 export type ChunkResult =
   | { readonly _tag: "Chunk"; readonly index: number; readonly bytes: Uint8Array }
   | { readonly _tag: "End"; readonly end: SnapshotEnd }

@@ -65,31 +65,39 @@ describe("server (e2e)", () => {
   }, 40_000)
 
   it("a client that stops reading while 100 MB stream is paused, then resumed from its cursor with nothing lost", async () => {
-    const daemon = await useDaemon()
+    // No automatic checkpoints: each would re-snapshot the growing transcript, which is not
+    // what this test is about.
+    const daemon = await useDaemon({ env: { AGENTD_CHECKPOINT_BYTES: String(2 ** 40), AGENTD_CHECKPOINT_EVENTS: "1000000" } })
     const driver = await daemon.connect("driver")
     const { id } = await createSession(driver)
     await waitIdle(driver, id)
     const stuck = await daemon.connect("stuck")
     await stuck.ok({ type: "attach", activeSessionId: id, capabilities: ["event_sequence", "slim_attach"] })
-    await driver.ok({ type: "attach", activeSessionId: id, capabilities: ["event_sequence", "slim_attach"] })
     await sleep(100)
-    const before = rssKb(daemon.pid)
     stuck.socket.pause()
-    await driver.ok({ type: "prompt", activeSessionId: id, message: "/bulk 100000000" })
+    // Warm-up turn so the daemon's steady-state memory is the baseline, not its first turn.
+    await driver.ok({ type: "prompt", activeSessionId: id, message: "/bulk 2000000" }, 60_000)
+    await waitIdle(driver, id, 60_000)
+    const before = rssKb(daemon.pid)
     let peak = before
     const sampler = setInterval(() => {
       peak = Math.max(peak, rssKb(daemon.pid))
     }, 20)
+    const turns = 50
     try {
-      await driver.waitFor(isEvent("agent_end"), 120_000, "agent_end of the 100 MB turn")
-      await driver.waitFor((m) => m["type"] === "session_status" && m["state"]?.busy === false, 10_000)
-      peak = Math.max(peak, rssKb(daemon.pid))
+      // 100 MB of deltas in 2 MB messages (one 100 MB message would make the daemon hold that
+      // message several times over while it passes, whatever the client does).
+      for (let i = 0; i < turns - 1; i++) {
+        await driver.ok({ type: "prompt", activeSessionId: id, message: "/bulk 2000000" }, 60_000)
+        await waitIdle(driver, id, 60_000)
+      }
     } finally {
       clearInterval(sampler)
     }
-    // The stuck client's backlog lives in the event log, not in the daemon's memory. (A loose
-    // guard: the turn itself is 100 MB; a daemon that buffered it for the client would be far over.)
-    expect((peak - before) / 1024).toBeLessThan(80)
+    // The stuck client's backlog (~200 MB of events) lives in the event log, not in memory. The
+    // bound is loose: passing 2 MB messages through costs ~120 MB of RSS in garbage not yet
+    // collected even with no client attached (measured); holding the backlog would add 200 MB.
+    expect((peak - before) / 1024).toBeLessThan(180)
 
     stuck.socket.resume()
     const last = (await driver.ok({ type: "get_state", activeSessionId: id }))["lastEventCursor"]
@@ -101,8 +109,7 @@ describe("server (e2e)", () => {
     const seen = stuck.sequenced(id)
     expect(cursorGap(seen)).toBeUndefined()
     const bytes = seen.filter(isEvent("message_update")).reduce((n, m) => n + (m["event"].delta as string).length, 0)
-    // The user prompt is short; the assistant's deltas carry exactly the 100 MB.
-    expect(bytes).toBe(100_000_000)
+    expect(bytes).toBe(turns * 2_000_000)
     // Events re-sent after the pause are flagged replayed.
     expect(seen.some((m) => m["meta"].replayed === true)).toBe(true)
   }, 180_000)
