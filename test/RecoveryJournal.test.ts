@@ -383,7 +383,8 @@ describe("RecoveryJournal (file)", () => {
 // Crash test: real processes killed with SIGKILL at random moments
 
 const root = fileURLToPath(new URL("..", import.meta.url))
-const childPath = fileURLToPath(new URL("./fixtures/journalChild.ts", import.meta.url))
+// The compiled child (npm ci builds test/fixtures through `prepare`): no loader at start-up.
+const childPath = fileURLToPath(new URL("../dist/test/fixtures/journalChild.js", import.meta.url))
 const SESSIONS = 3
 const LANES = 2
 const RUNS_PER_LANE = 10
@@ -407,7 +408,7 @@ interface Running {
 }
 
 const spawnChild = (path: string, start: number): Running => {
-  const child = spawn(process.execPath, ["--import", "tsx", childPath, path, String(SESSIONS), String(start), "--wait"], {
+  const child = spawn(process.execPath, [childPath, path, String(SESSIONS), String(start), "--wait"], {
     cwd: root,
     stdio: ["pipe", "pipe", "pipe"]
   })
@@ -544,8 +545,8 @@ describe("RecoveryJournal crash safety", () => {
       assert.strictEqual(total, LANES * RUNS_PER_LANE)
       yield* Effect.logDebug(`crash test: ${total} kills in ${Date.now() - started} ms`)
     }).pipe(Effect.scoped), {
-      // ~27 s of CPU in all (each child spends ~1.1 s loading tsx and effect), so ~14 s on two
-      // idle cores; the margin is for a machine busy with other test files.
+      // Each child spends ~0.3 s loading effect; the margin is for a machine busy with other
+      // test files.
       timeout: 120_000
     })
 })
