@@ -40,11 +40,17 @@ export const nextSupervisorGeneration = (stateDir: string) =>
   })
 
 /** Paths and generation of this supervisor; creates the state dir (0700). */
-export const supervisorInfoLayer: Layer.Layer<SessionManager.SupervisorInfo, Fsx.FsError, DaemonConfig> = Layer.effect(
+export const supervisorInfoLayer: Layer.Layer<
+  SessionManager.SupervisorInfo,
+  Fsx.FsError | DaemonServer.ServerStartError,
+  DaemonConfig
+> = Layer.effect(
   SessionManager.SupervisorInfo,
   Effect.gen(function*() {
     const config = yield* DaemonConfig
     yield* Fsx.ensureDir(config.stateDir)
+    // Before the state dir is touched: a second daemon on a live socket must change nothing.
+    yield* DaemonServer.claimSocketPath(config.socketPath)
     const generation = yield* nextSupervisorGeneration(config.stateDir)
     // Spilled chunks of earlier supervisors are of no use to anyone now.
     const cacheDir = path.join(config.stateDir, "snapshot-cache")

@@ -52,6 +52,22 @@ const probe = (socketPath: string): Promise<boolean> =>
     setTimeout(() => done(false), 1000).unref()
   })
 
+/**
+ * Makes the socket path ours: creates its directory (0700) if missing, removes a stale socket
+ * file (nothing answers), fails if a daemon answers there. Run before anything touches the
+ * state dir, so a refused second daemon changes nothing.
+ */
+export const claimSocketPath = (socketPath: string): Effect.Effect<void, ServerStartError> =>
+  Effect.gen(function*() {
+    const socketDir = path.dirname(socketPath)
+    if (!fs.existsSync(socketDir)) fs.mkdirSync(socketDir, { recursive: true, mode: 0o700 })
+    if (!fs.existsSync(socketPath)) return
+    if (yield* Effect.promise(() => probe(socketPath))) {
+      return yield* Effect.fail(new ServerStartError(`another daemon is listening at ${socketPath}`))
+    }
+    fs.unlinkSync(socketPath)
+  })
+
 /** Listens with umask 077 so the socket is never world-accessible, then pins it to 0600. */
 const listen = (server: net.Server, socketPath: string) =>
   Effect.async<void, ServerStartError>((resume) => {
@@ -82,14 +98,7 @@ export const make = Effect.gen(function*() {
   let stopping = false
   let counter = 0
 
-  const socketDir = path.dirname(socketPath)
-  if (!fs.existsSync(socketDir)) fs.mkdirSync(socketDir, { recursive: true, mode: 0o700 })
-  if (fs.existsSync(socketPath)) {
-    if (yield* Effect.promise(() => probe(socketPath))) {
-      return yield* Effect.fail(new ServerStartError(`another daemon is listening at ${socketPath}`))
-    }
-    fs.unlinkSync(socketPath)
-  }
+  yield* claimSocketPath(socketPath)
 
   const dispatch = (clientId: string, outbox: Outbox, id: string | null, command: Protocol.Command, forkDelivery: (e: Effect.Effect<void>) => void) =>
     Effect.gen(function*(): Effect.fn.Return<unknown, CommandError> {
