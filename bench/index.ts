@@ -6,7 +6,10 @@
 const benches: Record<string, () => Promise<{ default: () => Promise<void> }>> = {
   framing: () => import("./framing.js"),
   snapshotCache: () => import("./snapshotCache.js"),
-  eventLog: () => import("./eventLog.js")
+  eventLog: () => import("./eventLog.js"),
+  recovery: () => import("./recovery.js"),
+  delivery: () => import("./delivery.js"),
+  attach: () => import("./attach.js")
 }
 
 const wanted = process.argv.slice(2)

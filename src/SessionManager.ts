@@ -231,13 +231,11 @@ export const make = Effect.gen(function*() {
     s.publishLock.withPermits(1)(Effect.gen(function*() {
       if (bodies.length === 0) return
       const emittedAt = Date.now()
-      // Started together so they share an fsync; the log assigns cursors in call order.
-      const cursors = yield* Effect.forEach(bodies, (body) => log.append(s.meta.activeSessionId, { ...body, emittedAt }), {
-        concurrency: "unbounded"
-      })
-      const pairs = bodies.map((body, i) => ({ body, cursor: cursors[i]! }))
-      pairs.sort((a, b) => Cursor.compare(a.cursor, b.cursor))
-      for (const { body, cursor } of pairs) {
+      // One write and one fsync for the batch; cursors follow the array order.
+      const cursors = yield* log.appendAll(s.meta.activeSessionId, bodies.map((body) => ({ ...body, emittedAt })))
+      for (let i = 0; i < bodies.length; i++) {
+        const body = bodies[i]!
+        const cursor = cursors[i]!
         const line = wireLine(s.meta.activeSessionId, body, cursor, emittedAt, false)
         s.lastCursor = cursor
         s.generationEvents++
