@@ -1,0 +1,237 @@
+/**
+ * Chunked attach of a ~100 MB transcript (10 turns of `/bulk 10000000`, then `checkpoint`):
+ * a client attaches with `capabilities: ["chunked_snapshot", "event_sequence"]` and the MB/s
+ * are the bytes of every snapshot frame line (begin, chunks, end, newlines included) over the
+ * time from the attach request to `session_snapshot_end`. Baseline in the same run: the same
+ * lines (same sizes) written through a plain Unix socket by a separate `node:net` process,
+ * read by the same client code.
+ *
+ * Memory: 3 clients attach at once while the daemon's VmRSS is sampled every 20 ms; the peak
+ * growth is the peak during the attaches minus the RSS just before them (taken first, before
+ * the single attach, so that an earlier high-water mark cannot hide it).
+ */
+import { type ChildProcess, spawn } from "node:child_process"
+import * as fs from "node:fs"
+import * as os from "node:os"
+import * as path from "node:path"
+import {
+  Client,
+  createSession,
+  type Daemon,
+  MiB,
+  type Msg,
+  nowMs,
+  rssOf,
+  runTurn,
+  sampleRss,
+  sleep,
+  waitReady,
+  withDaemon
+} from "./daemonHarness.js"
+import { printRatio } from "./report.js"
+
+const TURNS = 10
+const BULK_BYTES = 10_000_000
+const CONCURRENT = 3
+const RSS_TARGET_MB = 64
+const ATTACH_TIMEOUT_MS = 60_000
+
+interface Streamed {
+  readonly bytes: number
+  readonly seconds: number
+  /** Byte length of every snapshot frame line, in order (without the newline). */
+  readonly lineSizes: ReadonlyArray<number>
+  readonly chunkLines: number
+}
+
+/**
+ * Attaches `client` and counts the snapshot frame lines up to `session_snapshot_end` (chunk
+ * lines are counted from their first bytes, never parsed).
+ */
+const attachCounting = async (client: Client, id: string): Promise<Streamed> => {
+  const lineSizes: Array<number> = []
+  let chunkLines = 0
+  client.rawHook = (prefix, bytes) => {
+    if (!prefix.startsWith('{"type":"session_snapshot_')) return false
+    lineSizes.push(bytes)
+    if (prefix.startsWith('{"type":"session_snapshot_chunk"')) {
+      chunkLines++
+      return true
+    }
+    return false // begin, end, failed: small, parsed below
+  }
+  const started = nowMs()
+  const response = client.request({ type: "attach", activeSessionId: id, capabilities: ["chunked_snapshot", "event_sequence"] }, ATTACH_TIMEOUT_MS)
+  const end = await client.waitFor(
+    (m) => m["type"] === "session_snapshot_end" || m["type"] === "session_snapshot_failed",
+    ATTACH_TIMEOUT_MS,
+    "session_snapshot_end"
+  )
+  const seconds = (nowMs() - started) / 1000
+  client.rawHook = undefined
+  const r = await response
+  if (r["success"] !== true) throw new Error(`attach failed: ${JSON.stringify(r["error"])}`)
+  if (r["data"]?.snapshotStream === undefined) throw new Error(`attach response has no snapshotStream: ${JSON.stringify(r["data"]).slice(0, 300)}`)
+  if (end["type"] === "session_snapshot_failed") throw new Error(`session_snapshot_failed: ${JSON.stringify(end["error"])}`)
+  if (end["chunkCount"] !== chunkLines) throw new Error(`session_snapshot_end says ${end["chunkCount"]} chunks, ${chunkLines} received`)
+  await client.waitFor((m) => m["type"] === "session_attached", 15_000, "session_attached")
+  const bytes = lineSizes.reduce((a, b) => a + b + 1, 0)
+  return { bytes, seconds, lineSizes, chunkLines }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Baseline: a separate process writes lines of the same sizes to a plain Unix socket
+// ---------------------------------------------------------------------------------------------
+
+const WRITER_SRC = `
+const net = require("net")
+const fs = require("fs")
+const [socketPath, sizesFile] = process.argv.slice(1)
+const sizes = JSON.parse(fs.readFileSync(sizesFile, "utf8"))
+const max = Math.max(...sizes)
+const line = Buffer.alloc(max + 1, 0x78)
+line[max] = 10
+const prefix = Buffer.from('{"type":"session_snapshot_chunk"')
+const server = net.createServer((sock) => {
+  sock.on("error", () => {})
+  sock.write('{"type":"daemon_hello"}\\n')
+  sock.once("data", async () => {
+    for (const size of sizes) {
+      const view = Buffer.from(line.subarray(max - size))
+      prefix.copy(view, 0)
+      if (!sock.write(view)) await new Promise((r) => sock.once("drain", r))
+    }
+  })
+})
+server.listen(socketPath, () => process.stdout.write("ready\\n"))
+`
+
+const plainSocket = async (lineSizes: ReadonlyArray<number>): Promise<{ bytes: number; seconds: number }> => {
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), "agentd-bench-attach-"))
+  let child: ChildProcess | undefined
+  let client: Client | undefined
+  try {
+    const socketPath = path.join(dir, "plain.sock")
+    const sizesFile = path.join(dir, "sizes.json")
+    fs.writeFileSync(sizesFile, JSON.stringify(lineSizes))
+    child = spawn(process.execPath, ["-e", WRITER_SRC, socketPath, sizesFile], { stdio: ["ignore", "pipe", "inherit"] })
+    await new Promise<void>((resolve, reject) => {
+      child!.once("error", reject)
+      child!.once("exit", (code, signal) => reject(new Error(`baseline writer exited early (code ${code}, signal ${signal})`)))
+      child!.stdout!.once("data", () => resolve())
+    })
+    client = await Client.connect(socketPath, "plain")
+    let bytes = 0
+    let lines = 0
+    let resolve!: () => void
+    const done = new Promise<void>((r) => (resolve = r))
+    client.rawHook = (_prefix, size) => {
+      bytes += size + 1
+      if (++lines === lineSizes.length) resolve()
+      return true
+    }
+    const started = nowMs()
+    client.send({ type: "go" })
+    let timer: NodeJS.Timeout | undefined
+    await Promise.race([
+      done,
+      new Promise((_, reject) => {
+        timer = setTimeout(() => reject(new Error(`plain socket: ${lines} of ${lineSizes.length} lines after ${ATTACH_TIMEOUT_MS} ms`)), ATTACH_TIMEOUT_MS)
+      })
+    ]).finally(() => clearTimeout(timer))
+    return { bytes, seconds: (nowMs() - started) / 1000 }
+  } finally {
+    client?.close()
+    if (child !== undefined && child.exitCode === null && child.signalCode === null) {
+      child.kill("SIGKILL")
+      await new Promise((r) => child!.once("exit", r))
+    }
+    fs.rmSync(dir, { recursive: true, force: true })
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+
+const mb = (bytes: number) => bytes / 1e6
+
+const concurrentAttaches = async (daemon: Daemon, id: string) => {
+  const clients: Array<Client> = []
+  try {
+    for (let i = 0; i < CONCURRENT; i++) clients.push(await daemon.connect(`concurrent-${i}`))
+    // RSS before: the median of a short quiet sample.
+    const quiet: Array<number> = []
+    for (let i = 0; i < 10; i++) {
+      quiet.push(rssOf(daemon.pid))
+      await sleep(20)
+    }
+    quiet.sort((a, b) => a - b)
+    const before = quiet[Math.floor(quiet.length / 2)]!
+    const sampler = sampleRss(daemon.pid, 20)
+    const started = nowMs()
+    const results = await Promise.all(clients.map((c) => attachCounting(c, id)))
+    const seconds = (nowMs() - started) / 1000
+    const { peak, samples } = sampler.stop()
+    const bytes = results.reduce((a, r) => a + r.bytes, 0)
+    return { before, peak, samples, seconds, bytes }
+  } finally {
+    for (const c of clients) c.close()
+  }
+}
+
+export default async function attach(): Promise<void> {
+  await withDaemon(
+    // No automatic checkpoint while the transcript is built: one explicit checkpoint at the end.
+    { env: { AGENTD_CHECKPOINT_EVENTS: "1000000000", AGENTD_CHECKPOINT_BYTES: String(1024 * MiB) } },
+    async (daemon) => {
+      const ctl = await daemon.connect("ctl")
+      const { id } = await createSession(ctl)
+      await waitReady(ctl, id)
+      await ctl.ok({ type: "attach", activeSessionId: id, capabilities: ["event_sequence", "slim_attach"] })
+      await ctl.waitFor((m) => m["type"] === "session_attached", 15_000, "session_attached")
+      let t = nowMs()
+      for (let i = 0; i < TURNS; i++) {
+        await runTurn(ctl, id, `/bulk ${BULK_BYTES}`, 60_000)
+        ctl.drain()
+      }
+      const built = nowMs() - t
+      t = nowMs()
+      const cp = await ctl.ok({ type: "checkpoint", activeSessionId: id }, 120_000)
+      const checkpointed = nowMs() - t
+      await ctl.ok({ type: "detach", activeSessionId: id })
+      const state: Msg = await ctl.ok({ type: "get_state", activeSessionId: id })
+      await sleep(300)
+
+      const conc = await concurrentAttaches(daemon, id)
+
+      const single = await (async () => {
+        const c = await daemon.connect("single")
+        try {
+          return await attachCounting(c, id)
+        } finally {
+          c.close()
+        }
+      })()
+      const base = await plainSocket(single.lineSizes)
+      if (base.bytes !== single.bytes) throw new Error(`baseline moved ${base.bytes} bytes, the attach ${single.bytes}`)
+
+      printRatio({
+        what: `chunked attach of a ${mb(single.bytes).toFixed(0)} MB snapshot (${single.chunkLines} chunks, ${state["messageCount"]} messages)`,
+        unit: "MB/s",
+        ours: mb(single.bytes) / single.seconds,
+        baseline: mb(base.bytes) / base.seconds,
+        baselineName: "same lines through a plain node:net Unix socket",
+        target: 0.5
+      })
+      const growth = (conc.peak - conc.before) / MiB
+      console.log(
+        `${CONCURRENT} concurrent chunked attaches: daemon RSS before ${(conc.before / MiB).toFixed(0)} MiB, peak ` +
+          `${(conc.peak / MiB).toFixed(0)} MiB (${conc.samples} samples every 20 ms) | peak RSS growth ${growth.toFixed(1)} MiB ` +
+          `(target <= ${RSS_TARGET_MB} MiB: ${growth <= RSS_TARGET_MB ? "met" : "MISSED"}) | ` +
+          `${(mb(conc.bytes) / conc.seconds).toFixed(0)} MB/s aggregate`
+      )
+      console.log(
+        `  (transcript built in ${(built / 1000).toFixed(1)} s, checkpoint ${cp["snapshotId"]} in ${(checkpointed / 1000).toFixed(1)} s)`
+      )
+    }
+  )
+}

@@ -1,0 +1,176 @@
+/**
+ * Recovery latency: a session's worker is SIGKILLed and the time until the session is `ready`
+ * again is measured, as an attached client sees it (`session_status` worker `recovering`, then
+ * `ready` with a new workerPid), with a ~1 MB transcript (20 kills) and a ~50 MB one (6 kills,
+ * to stay within the time budget). Baseline in the same run: a bare `node -e 0` spawn-to-exit
+ * (median of 20), the floor of anything that starts a Node process.
+ *
+ * Settings: AGENTD_MAX_RESTARTS=1000 and AGENTD_RESTART_WINDOW_MS=1, so every kill is measured
+ * as the "first restart after a crash" of PROTOCOL.md section 6 (immediate, no exponential
+ * back-off); automatic checkpoints are off and the transcript is checkpointed explicitly, so a
+ * restore loads one snapshot and folds no events. Before each kill the bench waits until the
+ * daemon's worker processes (the session's worker and the pool's warm spare, started at the
+ * previous restore) are idle in epoll_wait, as they would be for crashes that are not back to
+ * back: the figure is the restore path the daemon is designed for (warm spare), not Node's boot.
+ */
+import { spawn } from "node:child_process"
+import {
+  type Client,
+  createSession,
+  type Cursor,
+  cursorAfter,
+  type Daemon,
+  descendantsOf,
+  MiB,
+  type Msg,
+  nowMs,
+  printLatency,
+  runTurn,
+  sleep,
+  waitIdleProcesses,
+  waitReady,
+  withDaemon
+} from "./daemonHarness.js"
+import { percentiles } from "./report.js"
+
+const BULK_BYTES = 1_000_000
+const SMALL_TURNS = 1 // ~1 MB
+const LARGE_TURNS = 50 // ~50 MB
+const SMALL_KILLS = 20
+const LARGE_KILLS = 6
+const PAUSE_MS = 100
+const BASELINE_SPAWNS = 20
+
+const spawnToExit = (): Promise<number> =>
+  new Promise((resolve, reject) => {
+    const started = nowMs()
+    const child = spawn(process.execPath, ["-e", "0"], { stdio: "ignore" })
+    child.once("error", reject)
+    child.once("exit", () => resolve(nowMs() - started))
+  })
+
+const isStatus = (worker: string) => (m: Msg): boolean => m["type"] === "session_status" && m["state"]?.worker === worker
+
+/** One SIGKILL of the session's worker; returns ms from the kill to the `ready` status. */
+const killOnce = async (
+  daemon: Daemon,
+  client: Client,
+  id: string
+): Promise<{ ms: number; toRecovering: number; state: Msg }> => {
+  const before = await waitReady(client, id)
+  const pid = before["workerPid"]
+  if (typeof pid !== "number") throw new Error(`get_state gives no workerPid: ${JSON.stringify(before)}`)
+  daemon.recordWorker(before)
+  client.drain()
+  const started = nowMs()
+  process.kill(pid, "SIGKILL")
+  const recovering = await client.waitFor((m) => m["activeSessionId"] === id && isStatus("recovering")(m), 15_000, "recovering status")
+  const toRecovering = nowMs() - started
+  const ready = await client.waitFor(
+    (m) => m["activeSessionId"] === id && isStatus("ready")(m) && cursorAfter(m["meta"]?.cursor, recovering["meta"]?.cursor as Cursor),
+    30_000,
+    "ready status after recovering"
+  )
+  const ms = nowMs() - started
+  const state = ready["state"] as Msg
+  daemon.recordWorker(state)
+  if (state["workerPid"] === pid) throw new Error(`ready after the kill, but with the killed worker's pid ${pid}`)
+  if (state["busy"] !== false) throw new Error(`ready status says busy: ${JSON.stringify(state)}`)
+  return { ms, toRecovering, state }
+}
+
+const measure = async (daemon: Daemon, client: Client, id: string, kills: number, expectedMessages: number) => {
+  const samples: Array<number> = []
+  const firstStatus: Array<number> = []
+  for (let i = 0; i < kills; i++) {
+    await sleep(PAUSE_MS)
+    if (!(await waitIdleProcesses(descendantsOf(daemon.pid)))) {
+      console.log(`  (kill ${i + 1}: the daemon's workers were still busy after 10 s; killing anyway)`)
+    }
+    const { ms, toRecovering, state } = await killOnce(daemon, client, id)
+    if (state["messageCount"] !== expectedMessages) {
+      throw new Error(`after recovery the session has ${state["messageCount"]} messages, expected ${expectedMessages}`)
+    }
+    samples.push(ms)
+    firstStatus.push(toRecovering)
+  }
+  return { samples, firstStatus }
+}
+
+/** Adds `turns` turns of `/bulk BULK_BYTES`, then checkpoints. */
+const grow = async (client: Client, id: string, turns: number) => {
+  for (let i = 0; i < turns; i++) {
+    await runTurn(client, id, `/bulk ${BULK_BYTES}`)
+    client.drain()
+  }
+  await client.ok({ type: "checkpoint", activeSessionId: id }, 120_000)
+  client.drain()
+}
+
+export default async function recovery(): Promise<void> {
+  // Baseline first, on a quiet machine, after one warm-up spawn.
+  await spawnToExit()
+  const base: Array<number> = []
+  for (let i = 0; i < BASELINE_SPAWNS; i++) base.push(await spawnToExit())
+  const baseline = percentiles(base)
+
+  await withDaemon(
+    {
+      env: {
+        AGENTD_MAX_RESTARTS: "1000",
+        AGENTD_RESTART_WINDOW_MS: "1",
+        AGENTD_CHECKPOINT_EVENTS: "1000000000",
+        AGENTD_CHECKPOINT_BYTES: String(1024 * MiB)
+      }
+    },
+    async (daemon) => {
+      const client = await daemon.connect("recovery")
+      const { id } = await createSession(client)
+      await client.ok({ type: "attach", activeSessionId: id, capabilities: ["event_sequence", "slim_attach"] })
+      await client.waitFor((m) => m["type"] === "session_attached", 15_000, "session_attached")
+      await waitReady(client, id)
+
+      let t = nowMs()
+      await grow(client, id, SMALL_TURNS)
+      const buildSmall = nowMs() - t
+      t = nowMs()
+      const { samples: small, firstStatus: smallFirst } = await measure(daemon, client, id, SMALL_KILLS, 2 * SMALL_TURNS)
+      const s = percentiles(small)
+      printLatency({
+        what: `recovery after SIGKILL of the worker, ~${(SMALL_TURNS * BULK_BYTES / 1e6).toFixed(0)} MB transcript (${SMALL_KILLS} kills)`,
+        median: s.median,
+        p95: s.p95,
+        baselineMedian: baseline.median,
+        baselineName: `node -e 0 spawn-to-exit, median of ${BASELINE_SPAWNS}`,
+        targetMedianMs: 150
+      })
+
+      const killSmall = nowMs() - t
+      t = nowMs()
+      await grow(client, id, LARGE_TURNS - SMALL_TURNS)
+      const buildLarge = nowMs() - t
+      t = nowMs()
+      const { samples: large, firstStatus: largeFirst } = await measure(daemon, client, id, LARGE_KILLS, 2 * LARGE_TURNS)
+      const killLarge = nowMs() - t
+      const l = percentiles(large)
+      printLatency({
+        what: `recovery after SIGKILL of the worker, ~${(LARGE_TURNS * BULK_BYTES / 1e6).toFixed(0)} MB transcript (${LARGE_KILLS} kills, fewer to fit the time)`,
+        median: l.median,
+        p95: l.p95,
+        baselineMedian: baseline.median,
+        baselineName: `node -e 0 spawn-to-exit, median of ${BASELINE_SPAWNS}`
+      })
+      console.log(
+        `  samples (ms): 1 MB [${small.map((x) => x.toFixed(0)).join(" ")}]; 50 MB [${large.map((x) => x.toFixed(0)).join(" ")}]`
+      )
+      console.log(
+        `  of which kill -> "recovering" status, median: 1 MB ${percentiles(smallFirst).median.toFixed(0)} ms, ` +
+          `50 MB ${percentiles(largeFirst).median.toFixed(0)} ms`
+      )
+      const sec = (ms: number) => (ms / 1000).toFixed(1)
+      console.log(
+        `  phases (s): build 1 MB ${sec(buildSmall)}, kills ${sec(killSmall)}; build 50 MB ${sec(buildLarge)}, kills ${sec(killLarge)}`
+      )
+    }
+  )
+}
