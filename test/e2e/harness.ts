@@ -194,7 +194,6 @@ export class Client {
   private pending: Array<Msg> = []
   private waiters: Array<{ pred: (m: Msg) => boolean; resolve: (m: Msg) => void }> = []
   private chunks: Array<Buffer> = []
-  private ended = false
   private closedFlag = false
   private endWaiters: Array<() => void> = []
   error: Error | undefined
@@ -203,12 +202,10 @@ export class Client {
   constructor(readonly socket: net.Socket, readonly label: string) {
     socket.on("data", (data: Buffer) => this.onData(data))
     socket.on("end", () => {
-      this.ended = true
       this.flushTail()
     })
     socket.on("close", () => {
       this.closedFlag = true
-      this.ended = true
       for (const w of this.endWaiters.splice(0)) w()
     })
     socket.on("error", (e) => {
@@ -455,9 +452,19 @@ export class Daemon {
     return this.stdoutChunks.join("")
   }
 
+  /** The built daemon's newest file time when this daemon started. */
+  distStampAtStart = 0
+
+  /** A warning when dist/ was rebuilt since this daemon started (mixed builds explain odd failures). */
+  get rebuiltWarning(): string {
+    return this.distStampAtStart !== 0 && distStamp() > this.distStampAtStart
+      ? "WARNING: dist/ was rebuilt while this daemon ran; its workers may run newer code than it does.\n"
+      : ""
+  }
+
   /** Both streams, for failure messages. */
   get output(): string {
-    return `--- stderr ---\n${this.stderr.slice(-3000)}\n--- stdout ---\n${this.stdout.slice(-3000)}`
+    return `${this.rebuiltWarning}--- stderr ---\n${this.stderr.slice(-3000)}\n--- stdout ---\n${this.stdout.slice(-3000)}`
   }
 
   /** A new connected client (hello consumed and stored in `client.hello`). */
@@ -513,6 +520,8 @@ export class Daemon {
 
   /** Kills everything this daemon started, closes the clients. Never throws. */
   async cleanup(): Promise<void> {
+    const warning = this.rebuiltWarning
+    if (warning !== "") console.warn(`[e2e daemon ${this.pid}] ${warning}`)
     for (const c of this.clients) c.close()
     const victims = new Set<number>([...this.processes(), ...[...this.recordedWorkerPids].filter(isAlive)])
     if (this.running || victims.size > 0) {
@@ -529,6 +538,26 @@ export class Daemon {
     await waitGone([...victims], 3_000)
     liveDaemons.delete(this)
   }
+}
+
+/** The newest mtime of the built daemon's files (to notice a rebuild during a run). */
+const distStamp = (): number => {
+  let newest = 0
+  const walk = (dir: string): void => {
+    let entries: Array<fs.Dirent>
+    try {
+      entries = fs.readdirSync(dir, { withFileTypes: true })
+    } catch {
+      return
+    }
+    for (const e of entries) {
+      const f = path.join(dir, e.name)
+      if (e.isDirectory()) walk(f)
+      else if (e.name.endsWith(".js")) newest = Math.max(newest, fs.statSync(f).mtimeMs)
+    }
+  }
+  walk(path.dirname(path.dirname(fs.realpathSync(DAEMON_BIN))))
+  return newest
 }
 
 /** A fresh temp root; the state dir is `<root>/state` and does not exist yet. */
@@ -565,6 +594,7 @@ export const startDaemon = async (options: StartOptions = {}): Promise<Daemon> =
     detached: true // own process group, so cleanup can kill the group
   })
   const daemon = new Daemon(proc, stateDir, socketPath, mark)
+  daemon.distStampAtStart = distStamp()
   liveDaemons.add(daemon)
   if (options.shared === true) daemon.shared = true
   const deadline = Date.now() + START_TIMEOUT_MS

@@ -1,0 +1,462 @@
+/**
+ * Events, cursors, attach and replay against the real daemon (PROTOCOL.md sections 4, 5, 7):
+ * the echo engine's turns, cursor continuity, every replay status, slim and chunked attach,
+ * fan-out to many clients, and kill.
+ *
+ * Needs `npm run build` first.
+ */
+import { afterAll, afterEach, describe, expect, it } from "vitest"
+import { attachAndReplay, attachProblems, unflag } from "./attach.js"
+import {
+  agentMessageProblems,
+  allMessages,
+  cleanupAllDaemons,
+  type Client,
+  collectTurn,
+  createSession,
+  type Cursor,
+  cursorGap,
+  cursorOf,
+  describeMsg,
+  isEvent,
+  isIdleStatus,
+  isSequenced,
+  metaProblems,
+  nextId,
+  type Msg,
+  removeTempRoots,
+  sharedDaemon,
+  sleep,
+  summaryProblems
+} from "./harness.js"
+
+afterEach(async () => {
+  await cleanupAllDaemons()
+})
+afterAll(() => removeTempRoots())
+
+/** One daemon for the whole file: every test works on sessions of its own. */
+const shared = sharedDaemon()
+
+
+describe("echo engine turns as seen by an attached client", () => {
+  it("a plain-text turn: event order, deltas, cursors +1 without gap, agent_end then busy:false", async () => {
+    const d = shared()
+    const c = await d.connect()
+    const { id } = await createSession(c)
+    const { data, replayed } = await attachAndReplay(c, { activeSessionId: id })
+    const start = c.all.length
+    const pr = await c.request({ type: "prompt", activeSessionId: id, message: "hello   big\tworld" })
+    expect(pr["data"]).toEqual({ accepted: true })
+    const turn = await collectTurn(c, id)
+
+    // Cursor continuity from the attach baseline through the live turn.
+    expect(cursorGap([...replayed, ...turn])).toBeUndefined()
+    if (replayed.length === 0) {
+      if (data["lastEventCursor"] === undefined) expect(cursorOf(turn[0]!)).toEqual({ generation: 1, sequence: 0 })
+      else expect(cursorGap(turn, data["lastEventCursor"])).toBeUndefined()
+    } else expect(cursorOf(replayed[0]!)).toEqual({ generation: 1, sequence: 0 })
+    // Strictly +1 within the generation (no checkpoint happened).
+    for (let i = 1; i < turn.length; i++) {
+      expect(cursorOf(turn[i]!).generation).toBe(cursorOf(turn[0]!).generation)
+      expect(cursorOf(turn[i]!).sequence).toBe(cursorOf(turn[i - 1]!).sequence + 1)
+    }
+    for (const m of turn) expect(metaProblems(m, false)).toEqual([])
+    for (const m of replayed) expect(metaProblems(m, true)).toEqual([])
+
+    const events = turn.filter((m) => m["type"] === "session_event").map((m) => m["event"] as Msg)
+    expect(events.map((e) => e["type"])).toEqual([
+      "agent_start",
+      "turn_start",
+      "message_start",
+      "message_end",
+      "message_start",
+      "message_update",
+      "message_update",
+      "message_update",
+      "message_update",
+      "message_end",
+      "turn_end",
+      "agent_end"
+    ])
+    const user = events[3]!["message"]
+    expect(user).toMatchObject({ role: "user", content: "hello   big\tworld" })
+    expect(agentMessageProblems(user)).toEqual([])
+    const assistantStart = events[4]!["message"]
+    expect(assistantStart["role"]).toBe("assistant")
+    const deltas = events.filter((e) => e["type"] === "message_update")
+    expect(deltas.map((e) => e["delta"])).toEqual(["echo:", " hello", " big", " world"])
+    expect(deltas.every((e) => e["messageId"] === assistantStart["id"])).toBe(true)
+    const assistant = events[9]!["message"]
+    expect(assistant).toMatchObject({ id: assistantStart["id"], role: "assistant", content: "echo: hello big world" })
+    expect(agentMessageProblems(assistant)).toEqual([])
+
+    // agent_end, then exactly one busy:false status, and it is the last message of the turn.
+    const endIdx = turn.findIndex(isEvent("agent_end"))
+    const afterEnd = turn.slice(endIdx + 1)
+    expect(afterEnd.map(describeMsg)).toEqual([describeMsg(turn[turn.length - 1]!)])
+    expect(isIdleStatus(afterEnd[0]!)).toBe(true)
+    expect(summaryProblems(afterEnd[0]!["state"], "session_status.state")).toEqual([])
+    expect(afterEnd[0]!["state"]["messageCount"]).toBe(2)
+    // Some busy:true status precedes the turn's end.
+    expect(turn.slice(0, endIdx).some((m) => m["type"] === "session_status" && m["state"]?.busy === true)).toBe(true)
+    // Nothing else arrived for this session outside the turn.
+    expect(c.all.slice(start).filter((m) => isSequenced(m)).length).toBe(turn.length)
+
+    // get_state's lastEventCursor is the last event.
+    const st = await c.ok({ type: "get_state", activeSessionId: id })
+    expect(st["lastEventCursor"]).toEqual(cursorOf(turn[turn.length - 1]!))
+  })
+
+  it("/sleep and /bulk turns have the shapes of section 7", async () => {
+    const d = shared()
+    const c = await d.connect()
+    const { id } = await createSession(c)
+    await attachAndReplay(c, { activeSessionId: id })
+    await c.ok({ type: "prompt", activeSessionId: id, message: "/sleep 300" })
+    const t0 = Date.now()
+    const turn = await collectTurn(c, id)
+    const ev = turn.filter((m) => m["type"] === "session_event").map((m) => m["event"] as Msg)
+    const start = ev.find((e) => e["type"] === "tool_execution_start")!
+    const end = ev.find((e) => e["type"] === "tool_execution_end")!
+    expect(start).toMatchObject({ name: "sleep" })
+    expect(typeof start["toolCallId"]).toBe("string")
+    expect(end).toMatchObject({ toolCallId: start["toolCallId"], isError: false })
+    expect(ev.indexOf(end) - ev.indexOf(start)).toBe(1)
+    expect(Date.now() - t0).toBeGreaterThanOrEqual(250)
+    const ends = ev.filter((e) => e["type"] === "message_end").map((e) => e["message"] as Msg)
+    expect(ends.map((m) => [m["role"], m["content"]])).toEqual([
+      ["user", "/sleep 300"],
+      ["tool", "slept 300 ms"],
+      ["assistant", "done"]
+    ])
+    expect(ends[1]).toMatchObject({ toolCallId: start["toolCallId"], toolName: "sleep" })
+    expect(ev[ev.length - 1]!["type"]).toBe("agent_end")
+    expect(cursorGap(turn)).toBeUndefined()
+
+    const N = 150_000
+    await c.ok({ type: "prompt", activeSessionId: id, message: `/bulk ${N}` })
+    const bulk = await collectTurn(c, id)
+    const bev = bulk.filter((m) => m["type"] === "session_event").map((m) => m["event"] as Msg)
+    const deltas = bev.filter((e) => e["type"] === "message_update").map((e) => e["delta"] as string)
+    expect(deltas.length).toBeGreaterThanOrEqual(3)
+    expect(deltas.every((x) => Buffer.byteLength(x) <= 65536)).toBe(true)
+    const content = bev.filter((e) => e["type"] === "message_end").map((e) => e["message"])[1]["content"] as string
+    expect(content.length).toBe(N)
+    expect(Buffer.byteLength(content)).toBe(N)
+    expect(/^[\x20-\x7e]*$/.test(content)).toBe(true)
+    expect(deltas.join("")).toBe(content)
+    expect(cursorGap(c.sequenced(id))).toBeUndefined()
+  }, 20_000)
+
+  it("config.tokenDelayMs is waited between two deltas", async () => {
+    const d = shared()
+    const c = await d.connect()
+    const { id } = await createSession(c, { config: { tokenDelayMs: 150 } })
+    await attachAndReplay(c, { activeSessionId: id })
+    const t0 = Date.now()
+    await c.ok({ type: "prompt", activeSessionId: id, message: "a b c d" })
+    const turn = await collectTurn(c, id)
+    const elapsed = Date.now() - t0
+    const updates = turn.filter(isEvent("message_update"))
+    expect(updates.map((m) => m["event"]["delta"])).toEqual(["echo:", " a", " b", " c", " d"])
+    // 4 waits of 150 ms between the 5 deltas. (Not measured between emittedAt stamps: the
+    // supervisor may log a burst of frames in one go, which compresses their stamps.)
+    expect(elapsed).toBeGreaterThanOrEqual(4 * 150)
+  })
+
+  it("checkpoint during a turn answers at the turn's end, keeps per-connection response order, and starts the next generation after it", async () => {
+    const d = shared()
+    const c = await d.connect()
+    const { id } = await createSession(c)
+    await attachAndReplay(c, { activeSessionId: id })
+    await c.ok({ type: "prompt", activeSessionId: id, message: "/sleep 1000" })
+    await c.waitFor(isEvent("tool_execution_start"))
+    const cpId = c.sendCommand({ type: "checkpoint", activeSessionId: id })
+    const pingId = c.sendCommand({ type: "ping" })
+    const turn = await collectTurn(c, id)
+    const cp = await c.response(cpId, 15_000)
+    const ping = await c.response(pingId)
+    expect(cp["success"], JSON.stringify(cp)).toBe(true)
+    expect(cp["data"]["generation"]).toBe(2)
+    // The snapshot is durable only at the turn's end, so the response comes after agent_end...
+    expect(c.all.indexOf(cp)).toBeGreaterThan(c.all.indexOf(turn.find(isEvent("agent_end"))!))
+    // ...and responses keep the order of their commands on a connection.
+    expect(c.all.indexOf(ping), "ping answered before the earlier checkpoint").toBeGreaterThan(c.all.indexOf(cp))
+    // Never in the middle of a turn: the whole turn is in generation 1.
+    expect(turn.every((m) => cursorOf(m).generation === 1), turn.map(describeMsg).join(", ")).toBe(true)
+    await c.ok({ type: "prompt", activeSessionId: id, message: "next" })
+    const next = await collectTurn(c, id)
+    expect(cursorOf(next[0]!).generation).toBe(2)
+    expect(cursorGap(c.sequenced(id))).toBeUndefined()
+    // The generation-2 snapshot holds the /sleep turn's three messages.
+    const b = await d.connect("b")
+    const r = await attachAndReplay(b, { activeSessionId: id })
+    expect(r.data["snapshot"]["messages"].map((m: Msg) => m["role"])).toEqual(["user", "tool", "assistant"])
+    expect(r.replayed.map(unflag)).toEqual(c.sequenced(id).filter((m) => cursorOf(m).generation === 2).map(unflag))
+  }, 20_000)
+
+  it("back-to-back turns: a prompt sent on the busy:false status is accepted; prompt+abort races end each turn exactly once", async () => {
+    const d = shared()
+    const c = await d.connect()
+    const { id } = await createSession(c)
+    await attachAndReplay(c, { activeSessionId: id })
+    // 1. The busy:false status means a new prompt is welcome at once.
+    for (let i = 0; i < 8; i++) {
+      const r = await c.request({ type: "prompt", activeSessionId: id, message: `quick ${i}` })
+      expect(r["success"], `turn ${i}: ${JSON.stringify(r)}`).toBe(true)
+      await collectTurn(c, id)
+    }
+    // 2. Abort sent right behind the prompt (same write), at varying moments of the turn.
+    for (let i = 0; i < 8; i++) {
+      const pid = nextId("p")
+      const aid = nextId("a")
+      const prompt = JSON.stringify({ type: "prompt", id: pid, activeSessionId: id, message: `/sleep ${i * 20}` })
+      const abort = JSON.stringify({ type: "abort", id: aid, activeSessionId: id })
+      await c.sendRaw(`${prompt}\n${abort}\n`)
+      expect((await c.response(pid))["success"]).toBe(true)
+      const ab = await c.response(aid)
+      expect(ab["success"], JSON.stringify(ab)).toBe(true)
+      const turn = await collectTurn(c, id)
+      const ends = turn.filter((m) => isEvent("agent_end")(m) || isEvent("turn_interrupted")(m))
+      expect(ends.length, `turn ${i}: ${turn.map(describeMsg).join(", ")}`).toBe(1)
+      // `aborted: true` means the turn was cut: it ends with turn_interrupted{aborted}, not agent_end.
+      if (ab["data"]["aborted"] === true) {
+        expect(ends[0]!["event"], `turn ${i} (/sleep ${i * 20}), abort said aborted:true: ${turn.map(describeMsg).join(", ")}`).toEqual({ type: "turn_interrupted", reason: "aborted" })
+      }
+    }
+    await sleep(100)
+    // Nothing trails the last turn, and the log is contiguous.
+    expect(c.received((m) => isSequenced(m)).length).toBe(c.sequenced(id).length)
+    expect(cursorGap(c.sequenced(id))).toBeUndefined()
+    const st = await c.ok({ type: "get_state", activeSessionId: id })
+    expect(st["busy"]).toBe(false)
+    const msgs = (await c.ok({ type: "get_messages", activeSessionId: id }))["messages"] as Array<Msg>
+    expect(msgs.filter((m) => m["role"] === "user").length).toBe(16)
+  }, 40_000)
+
+})
+
+// ---------------------------------------------------------------------------------------------
+
+describe("attach and replay", () => {
+  /** A session with `turns` completed plain turns, watched by `watcher`. Returns the full event log. */
+  const sessionWithTurns = async (c: Client, turns: number): Promise<{ id: string; log: Array<Msg> }> => {
+    const { id } = await createSession(c)
+    const { replayed } = await attachAndReplay(c, { activeSessionId: id })
+    const log = [...replayed]
+    for (let i = 0; i < turns; i++) {
+      await c.ok({ type: "prompt", activeSessionId: id, message: `turn ${i} a b` })
+      log.push(...(await collectTurn(c, id)))
+    }
+    expect(cursorGap(log)).toBeUndefined()
+    return { id, log: log.map(unflag) }
+  }
+
+  it("no_cursor: baseline snapshot + the generation's events, replayed, then live without the flag", async () => {
+    const d = shared()
+    const a = await d.connect("a")
+    const { id, log } = await sessionWithTurns(a, 2)
+    const b = await d.connect("b")
+    const { data, attached, replayed, response } = await attachAndReplay(b, { activeSessionId: id })
+    expect(attachProblems(data, { id, clientId: b.hello!["clientId"] })).toEqual([])
+    expect(data["replay"]).toMatchObject({ status: "unavailable", reason: "no_cursor" })
+    expect(data["client"]["capabilities"].slice().sort()).toEqual(["attach_snapshot", "event_sequence"])
+    expect(data["snapshot"]["messageCount"]).toBe(0) // generation 1: the empty state
+    expect(data["snapshot"]["messages"]).toEqual([])
+    expect("cursor" in data["snapshot"]).toBe(false)
+    const last = cursorOf(log[log.length - 1]!)
+    expect(data["lastEventCursor"]).toEqual(last)
+    expect(data["lastEventSequence"]).toBe(last.sequence)
+    // session_attached repeats the replay decision.
+    expect(attached["replay"]).toEqual(data["replay"])
+    expect(attached["lastEventCursor"]).toEqual(last)
+    expect(summaryProblems(attached["state"], "session_attached.state")).toEqual([])
+    // Order: response → session_attached → replayed events.
+    const iResp = b.all.indexOf(response)
+    const iAtt = b.all.indexOf(attached)
+    expect(iResp).toBeLessThan(iAtt)
+    expect(b.all.slice(iResp + 1, iAtt).map(describeMsg)).toEqual([])
+    if (replayed.length > 0) expect(b.all.indexOf(replayed[0]!)).toBeGreaterThan(iAtt)
+    // Replayed = exactly the whole log of generation 1, flagged.
+    for (const m of replayed) expect(metaProblems(m, true)).toEqual([])
+    expect(replayed.map(unflag)).toEqual(log)
+    // Folding the baseline gives the transcript.
+    const folded = replayed.filter(isEvent("message_end")).map((m) => m["event"]["message"])
+    expect(folded).toEqual((await b.ok({ type: "get_messages", activeSessionId: id }))["messages"])
+    // Live events afterwards: no flag, continuing the cursor.
+    await a.ok({ type: "prompt", activeSessionId: id, message: "live one" })
+    const live = await collectTurn(b, id)
+    expect(cursorGap(live, last)).toBeUndefined()
+    for (const m of live) expect(metaProblems(m, false)).toEqual([])
+    expect((await collectTurn(a, id)).map(unflag)).toEqual(live)
+  })
+
+  it("complete: resuming from a mid-way cursor replays exactly the later events, then live ones", async () => {
+    const d = shared()
+    const a = await d.connect("a")
+    const { id, log } = await sessionWithTurns(a, 2)
+    const k = Math.floor(log.length / 2)
+    const from = cursorOf(log[k]!)
+    const b = await d.connect("b")
+    const { data, replayed, attached } = await attachAndReplay(b, { activeSessionId: id, resumeCursor: from })
+    expect(attachProblems(data, { id, clientId: b.hello!["clientId"] })).toEqual([])
+    const expected = log.slice(k + 1)
+    expect(data["replay"]).toMatchObject({ status: "complete", eventCount: expected.length })
+    expect(attached["replay"]).toEqual(data["replay"])
+    expect(data["snapshot"]["messages"]).toEqual([])
+    expect(b.all.filter((m) => m["type"]?.startsWith("session_snapshot_")).map(describeMsg)).toEqual([])
+    for (const m of replayed) expect(metaProblems(m, true)).toEqual([])
+    expect(replayed.map(unflag)).toEqual(expected)
+    await a.ok({ type: "prompt", activeSessionId: id, message: "after resume" })
+    const live = await collectTurn(b, id)
+    for (const m of live) expect(metaProblems(m, false)).toEqual([])
+    expect(cursorGap([...replayed, ...live], from)).toBeUndefined()
+    // No duplicates anywhere on b's connection.
+    const seen = b.sequenced(id).map((m) => `${cursorOf(m).generation}:${cursorOf(m).sequence}`)
+    expect(new Set(seen).size).toBe(seen.length)
+
+    // Resuming at the very last event: complete, nothing to replay.
+    const c = await d.connect("c")
+    const lastNow = cursorOf(live[live.length - 1]!)
+    const r = await attachAndReplay(c, { activeSessionId: id, resumeCursor: lastNow })
+    expect(r.data["replay"]["status"]).toBe("complete")
+    expect(r.data["replay"]["eventCount"] ?? 0).toBe(0)
+    expect(r.replayed).toEqual([])
+    await sleep(100)
+    expect(c.sequenced(id)).toEqual([])
+  })
+
+  it("cursor_ahead: a cursor past the last event gets the baseline", async () => {
+    const d = shared()
+    const a = await d.connect("a")
+    const { id, log } = await sessionWithTurns(a, 1)
+    const last = cursorOf(log[log.length - 1]!)
+    for (const ahead of [{ generation: last.generation, sequence: last.sequence + 10 }, { generation: last.generation + 3, sequence: 0 }]) {
+      const b = await d.connect("b")
+      const { data, replayed, attached } = await attachAndReplay(b, { activeSessionId: id, resumeCursor: ahead })
+      expect(attachProblems(data, { id, clientId: b.hello!["clientId"] })).toEqual([])
+      expect(data["replay"]).toMatchObject({ status: "unavailable", reason: "cursor_ahead" })
+      expect(attached["replay"]).toEqual(data["replay"])
+      expect(replayed.map(unflag)).toEqual(log)
+      for (const m of replayed) expect(metaProblems(m, true)).toEqual([])
+      b.close()
+    }
+  })
+
+  it("cursor_unknown and resume across a generation boundary after a checkpoint", async () => {
+    const d = shared()
+    const a = await d.connect("a")
+    const { id } = await sessionWithTurns(a, 1)
+    const cp = await a.ok({ type: "checkpoint", activeSessionId: id }, 20_000)
+    expect(cp["generation"]).toBe(2)
+    await a.ok({ type: "prompt", activeSessionId: id, message: "in gen two" })
+    await collectTurn(a, id)
+    const full = a.sequenced(id).map(unflag)
+    expect(cursorGap(full)).toBeUndefined()
+    const gen1 = full.filter((m) => cursorOf(m).generation === 1)
+    const afterCp = full.filter((m) => cursorOf(m).generation === 2)
+    expect(full.length).toBe(gen1.length + afterCp.length)
+    const lastGen1 = cursorOf(gen1[gen1.length - 1]!)
+    expect(cursorOf(afterCp[0]!)).toEqual({ generation: 2, sequence: 0 })
+
+    // A sequence past the end of generation 1 names no event.
+    const b = await d.connect("b")
+    const unknown = await attachAndReplay(b, { activeSessionId: id, resumeCursor: { generation: 1, sequence: lastGen1.sequence + 3 } })
+    expect(unknown.data["replay"]).toMatchObject({ status: "unavailable", reason: "cursor_unknown" })
+    // Baseline: the generation-2 snapshot (state at the checkpoint), then generation 2's events.
+    const snap = unknown.data["snapshot"]
+    expect(snap["cursor"]).toEqual(lastGen1)
+    expect(snap["messageCount"]).toBe(2)
+    expect(snap["messages"].map((m: Msg) => m["content"])).toEqual(["turn 0 a b", "echo: turn 0 a b"])
+    expect(unknown.replayed.map(unflag)).toEqual(afterCp)
+    for (const m of unknown.replayed) expect(metaProblems(m, true)).toEqual([])
+
+    // Resuming from generation 1's last event: complete, starting at (2,0).
+    const c = await d.connect("c")
+    const resumed = await attachAndReplay(c, { activeSessionId: id, resumeCursor: lastGen1 })
+    expect(resumed.data["replay"]).toMatchObject({ status: "complete", eventCount: afterCp.length })
+    expect(resumed.replayed.map(unflag)).toEqual(afterCp)
+    // And from a mid-way cursor of generation 1.
+    const e = await d.connect("e")
+    const r2 = await attachAndReplay(e, { activeSessionId: id, resumeCursor: cursorOf(gen1[2]!) })
+    expect(r2.data["replay"]["status"]).toBe("complete")
+    expect(r2.replayed.map(unflag)).toEqual(full.slice(3))
+  }, 30_000)
+
+  it("partial / cursor_expired once the cursor's generation is pruned (retainGenerations 4)", async () => {
+    const d = shared()
+    const a = await d.connect("a")
+    const { id, log } = await sessionWithTurns(a, 1)
+    const gen1 = cursorOf(log[3]!)
+    for (let g = 2; g <= 6; g++) {
+      const cp = await a.ok({ type: "checkpoint", activeSessionId: id }, 20_000)
+      expect(cp["generation"]).toBe(g)
+      await a.ok({ type: "prompt", activeSessionId: id, message: `gen ${g}` })
+      const t = await collectTurn(a, id)
+      expect(cursorOf(t[t.length - 1]!).generation).toBe(g)
+    }
+    expect(cursorGap(a.sequenced(id))).toBeUndefined()
+    const lastOf: Array<Cursor> = [] // last cursor of each generation, index = generation
+    for (const m of a.sequenced(id)) lastOf[cursorOf(m).generation] = cursorOf(m)
+    const transcript = await allMessages(a, id)
+    expect(transcript.length).toBe(12)
+    const gen6Events = a.sequenced(id).filter((m) => cursorOf(m).generation === 6).map(unflag)
+
+    // Generations 3..6 are retained; 1 and 2 are pruned.
+    for (const cursor of [gen1, lastOf[2]!]) {
+      const b = await d.connect("b")
+      const r = await attachAndReplay(b, { activeSessionId: id, resumeCursor: cursor })
+      expect(r.data["replay"], `resume from ${JSON.stringify(cursor)}`).toMatchObject({ status: "partial", reason: "cursor_expired" })
+      expect(r.data["snapshot"]["cursor"]).toEqual(lastOf[5])
+      expect(r.data["snapshot"]["messages"]).toEqual(transcript.slice(0, 10))
+      expect(r.data["snapshot"]["messageCount"]).toBe(10)
+      expect(r.replayed.map(unflag)).toEqual(gen6Events)
+      b.close()
+    }
+    // Chunked: the baseline travels with purpose "resync".
+    const cc = await d.connect("chunked")
+    const r = await attachAndReplay(cc, { activeSessionId: id, resumeCursor: gen1, capabilities: ["chunked_snapshot", "event_sequence"] })
+    expect(r.data["replay"]).toMatchObject({ status: "partial", reason: "cursor_expired" })
+    const begin = cc.all.find((m) => m["type"] === "session_snapshot_begin")
+    expect(begin?.["purpose"]).toBe("resync")
+    const chunks = cc.all.filter((m) => m["type"] === "session_snapshot_chunk")
+    expect(chunks.flatMap((m) => m["messages"])).toEqual(transcript.slice(0, 10))
+    // A cursor in a retained generation (3) is still complete.
+    const k = await d.connect("kept")
+    const kept = await attachAndReplay(k, { activeSessionId: id, resumeCursor: lastOf[3]! })
+    expect(kept.data["replay"]["status"]).toBe("complete")
+    expect(cursorOf(kept.replayed[0]!)).toEqual({ generation: 4, sequence: 0 })
+    expect(cursorGap(kept.replayed, lastOf[3])).toBeUndefined()
+  }, 45_000)
+
+  it("slim_attach leaves out state and messages", async () => {
+    const d = shared()
+    const a = await d.connect("a")
+    const { id } = await sessionWithTurns(a, 1)
+    await a.ok({ type: "checkpoint", activeSessionId: id }, 20_000)
+    const b = await d.connect("b")
+    const { data, attached } = await attachAndReplay(b, { activeSessionId: id, capabilities: ["slim_attach", "event_sequence", "attach_snapshot", "some_future_cap"] })
+    expect(attachProblems(data, { id, clientId: b.hello!["clientId"], slim: true })).toEqual([])
+    expect(data["snapshot"]["messageCount"]).toBe(2)
+    expect(data["snapshot"]["messages"].length).toBe(2)
+    expect(summaryProblems(attached["state"])).toEqual([])
+  })
+
+  it("attaching twice on one connection replaces the attachment (events once)", async () => {
+    const d = shared()
+    const a = await d.connect("a")
+    const { id } = await createSession(a)
+    await attachAndReplay(a, { activeSessionId: id })
+    const second = await attachAndReplay(a, { activeSessionId: id })
+    a.drain()
+    const mark = a.all.length
+    await a.ok({ type: "prompt", activeSessionId: id, message: "once" })
+    await collectTurn(a, id)
+    await sleep(200)
+    const got = a.all.slice(mark).filter(isSequenced)
+    const keys = got.map((m) => `${cursorOf(m).generation}:${cursorOf(m).sequence}`)
+    expect(new Set(keys).size, got.map(describeMsg).join(", ")).toBe(keys.length)
+    expect(cursorGap(got, second.data["lastEventCursor"])).toBeUndefined()
+  })
+})

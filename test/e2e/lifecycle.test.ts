@@ -1,0 +1,162 @@
+/**
+ * Process lifecycle of the real daemon (PROTOCOL.md sections 1, 2 and 8): `--socket`, `shutdown`,
+ * SIGTERM/SIGINT, and a refused second start. Every test here starts (and stops) daemons of its
+ * own.
+ *
+ * Needs `npm run build` first.
+ */
+import * as fs from "node:fs"
+import * as path from "node:path"
+import { afterAll, afterEach, describe, expect, it } from "vitest"
+import {
+  cleanupAllDaemons,
+  collectTurn,
+  createSession,
+  cursorGap,
+  type Daemon,
+  freshStateDir,
+  isEvent,
+  modeOf,
+  type Msg,
+  removeTempRoots,
+  sleep,
+  startDaemon,
+  useDaemon,
+  waitGone
+} from "./harness.js"
+
+afterEach(async () => {
+  await cleanupAllDaemons()
+})
+afterAll(() => removeTempRoots())
+
+const unflag = (m: Msg): Msg => {
+  const { replayed: _r, ...meta } = m["meta"] ?? {}
+  return { ...m, meta }
+}
+
+/** Tries to start a daemon on a state dir; a started one is cleaned up at once. */
+const tryStart = async (stateDir: string): Promise<{ started: boolean; error: string }> => {
+  let started: Daemon | undefined
+  let error = ""
+  try {
+    started = await startDaemon({ stateDir })
+  } catch (e) {
+    error = String(e)
+  }
+  if (started !== undefined) await started.cleanup()
+  return { started: started !== undefined, error }
+}
+
+describe("process lifecycle", () => {
+  it("creates the --socket directory 0700 and listens there, 0600", async () => {
+    const stateDir = freshStateDir()
+    const sockDir = path.join(path.dirname(stateDir), "sockdir", "nested")
+    const sock = path.join(sockDir, "a.sock")
+    const d = await useDaemon({ stateDir, socket: sock })
+    expect(modeOf(sockDir).toString(8)).toBe("700")
+    expect(modeOf(sock).toString(8)).toBe("600")
+    expect(fs.existsSync(path.join(stateDir, "agentd.sock"))).toBe(false)
+    const c = await d.connect()
+    expect(await c.ok({ type: "ping" })).toEqual({ pong: true })
+  }, 30_000)
+
+  it("shutdown answers {} then daemon_closing, and the daemon exits 0 leaving no worker", async () => {
+    const d = await useDaemon()
+    const c = await d.connect()
+    const { id, data } = await createSession(c)
+    d.recordWorkers(data["state"])
+    await c.ok({ type: "prompt", activeSessionId: id, message: "x" })
+    const st = await c.ok({ type: "get_state", activeSessionId: id })
+    d.recordWorkers(st)
+    const workers = d.workerProcesses()
+    const sid = c.sendCommand({ type: "shutdown" })
+    const r = await c.response(sid)
+    expect(r).toMatchObject({ command: "shutdown", success: true, data: {} })
+    const closing = await c.waitFor((m) => m["type"] === "daemon_closing", 10_000)
+    expect(closing).toEqual({ type: "daemon_closing", reason: "shutdown" })
+    expect(c.all.indexOf(r)).toBeLessThan(c.all.indexOf(closing))
+    await Promise.race([d.exited, sleep(15_000)])
+    expect(d.running, "daemon still running 15 s after shutdown").toBe(false)
+    expect(d.exitCode, d.output).toBe(0)
+    expect(await waitGone([...workers, ...d.recordedWorkerPids], 3_000)).toEqual([])
+  }, 30_000)
+  it("SIGTERM and SIGINT stop the daemon gracefully with exit 0, no worker left, clients disconnected", async () => {
+    // Both signals at once, each on a daemon of its own.
+    await Promise.all((["SIGTERM", "SIGINT"] as const).map(async (sig) => {
+      const d = await useDaemon()
+      const c = await d.connect()
+      const { id, data } = await createSession(c)
+      d.recordWorkers(data["state"])
+      await c.ok({ type: "attach", activeSessionId: id })
+      await c.ok({ type: "prompt", activeSessionId: id, message: "hi" })
+      await collectTurn(c, id)
+      d.recordWorkers(await c.ok({ type: "status" }))
+      const procs = d.workerProcesses()
+      expect(procs.length).toBeGreaterThan(0)
+      const { code, signal } = await d.stop(sig)
+      expect({ sig, code, signal }, d.output).toEqual({ sig, code: 0, signal: null })
+      expect(await waitGone([...procs, ...d.recordedWorkerPids], 3_000), `${sig}: workers left`).toEqual([])
+      expect(await c.waitClosed(2_000), `${sig}: client connection still open`).toBe(true)
+    }))
+  }, 45_000)
+
+  it("a refused second start does not disturb the running daemon's turn or event log", async () => {
+    const d = await useDaemon()
+    const a = await d.connect("a")
+    const { id } = await createSession(a)
+    await a.ok({ type: "attach", activeSessionId: id })
+    await a.ok({ type: "prompt", activeSessionId: id, message: "/sleep 2000" })
+    await a.waitFor(isEvent("tool_execution_start"), 10_000)
+    const second = await tryStart(d.stateDir)
+    expect(second.started, "a second daemon must not start on the same socket").toBe(false)
+    // The running turn is undisturbed.
+    const turn = await collectTurn(a, id, 10_000)
+    expect(turn.filter(isEvent("turn_interrupted"))).toEqual([])
+    expect(turn.some(isEvent("agent_end"))).toBe(true)
+    const log = a.sequenced(id).map(unflag)
+    expect(cursorGap(log)).toBeUndefined()
+    // After a clean restart the durable log is exactly what the client saw, nothing more.
+    await d.stop("SIGTERM")
+    const d2 = await useDaemon({ stateDir: d.stateDir })
+    const b = await d2.connect("b")
+    const att = await b.ok({ type: "attach", activeSessionId: id })
+    expect(att["lastEventCursor"]).toEqual(log[log.length - 1]!["meta"].cursor)
+    await b.waitFor((m) => m["type"] === "session_attached")
+    const replayed: Array<Msg> = []
+    while (replayed.length < log.length) {
+      replayed.push(await b.waitFor((m) => m["type"] === "session_event" || m["type"] === "session_status", 5_000))
+    }
+    expect(replayed.map(unflag)).toEqual(log)
+  }, 40_000)
+
+  // Not literally required by PROTOCOL.md, but a daemon that refuses to start because another
+  // one is listening must not change that daemon's state dir. (An earlier build bumped the
+  // persisted supervisor generation and deleted <stateDir>/snapshot-cache/*, the live daemon's
+  // spilled snapshot chunks, before it probed the socket.)
+  it("a refused second start leaves the state dir alone (supervisor generation, spilled snapshot cache)", async () => {
+    const d = await useDaemon()
+    const a = await d.connect("a")
+    const { id } = await createSession(a)
+    await a.ok({ type: "attach", activeSessionId: id })
+    // > memoryCacheBytes (4 MiB), so the checkpoint's chunks spill to snapshot-cache/.
+    await a.ok({ type: "prompt", activeSessionId: id, message: "/bulk 5000000" })
+    await collectTurn(a, id, 30_000)
+    await a.ok({ type: "checkpoint", activeSessionId: id }, 30_000)
+    const cacheDir = path.join(d.stateDir, "snapshot-cache")
+    const listCache = (): Array<string> => (fs.existsSync(cacheDir) ? fs.readdirSync(cacheDir, { recursive: true }).map(String).sort() : [])
+    const genFile = path.join(d.stateDir, "supervisor-generation")
+    const readGen = (): string | undefined => (fs.existsSync(genFile) ? fs.readFileSync(genFile, "utf8") : undefined)
+    const cacheBefore = listCache()
+    const genBefore = readGen()
+    const second = await tryStart(d.stateDir)
+    expect(second.started).toBe(false)
+    expect(listCache(), "the live daemon's snapshot-cache entries").toEqual(cacheBefore)
+    expect(readGen(), "the persisted supervisor generation").toEqual(genBefore)
+    // Observable on the wire: the next real start is exactly +1.
+    const gen = d.hello!["supervisorGeneration"] as number
+    await d.stop("SIGTERM")
+    const d2 = await useDaemon({ stateDir: d.stateDir })
+    expect(d2.hello!["supervisorGeneration"], "generation after stop + start, with a refused start in between").toBe(gen + 1)
+  }, 60_000)
+})

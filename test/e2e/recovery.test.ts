@@ -1,0 +1,274 @@
+/**
+ * Crash recovery against the real daemon (PROTOCOL.md sections 4 and 6): a worker SIGKILLed
+ * mid-turn, and the daemon SIGKILLed and restarted in the same state dir, with clients that
+ * reconnect and resume by cursor.
+ *
+ * Needs `npm run build` first.
+ */
+import { afterAll, afterEach, describe, expect, it } from "vitest"
+import {
+  cleanupAllDaemons,
+  type Client,
+  collectTurn,
+  collectUntil,
+  compareCursor,
+  createSession,
+  type Cursor,
+  cursorGap,
+  cursorOf,
+  describeMsg,
+  isAlive,
+  isEvent,
+  isIdleStatus,
+  isSequenced,
+  metaProblems,
+  type Msg,
+  removeTempRoots,
+  sleep,
+  useDaemon,
+  waitGone
+} from "./harness.js"
+
+afterEach(async () => {
+  await cleanupAllDaemons()
+})
+afterAll(() => removeTempRoots())
+
+const unflag = (m: Msg): Msg => {
+  const { replayed: _r, ...meta } = m["meta"] ?? {}
+  return { ...m, meta }
+}
+
+const key = (m: Msg): string => `${cursorOf(m).generation}:${cursorOf(m).sequence}`
+
+/** Attaches and consumes the replayed events (up to the attach-time last cursor). */
+const attach = async (c: Client, command: Msg): Promise<{ data: Msg; replayed: Array<Msg> }> => {
+  const data = await c.ok({ type: "attach", ...command }, 30_000)
+  const id = command["activeSessionId"] as string
+  await c.waitFor((m) => m["type"] === "session_attached" && m["activeSessionId"] === id, 30_000)
+  const replayed: Array<Msg> = []
+  const last = data["lastEventCursor"] as Cursor | undefined
+  // complete: `eventCount` events follow; a baseline: the events after the snapshot's cursor
+  // (those of the current generation), up to the attach-time last event.
+  const snapCursor = data["snapshot"]?.cursor as Cursor | undefined
+  const noneExpected = data["replay"]?.status === "complete"
+    ? (data["replay"]?.eventCount ?? 0) === 0
+    : last === undefined || (snapCursor !== undefined && compareCursor(last, snapCursor) <= 0)
+  if (last !== undefined && !noneExpected) {
+    for (;;) {
+      const m = await c.waitFor((x) => isSequenced(x) && x["activeSessionId"] === id, 10_000, "replayed events")
+      replayed.push(m)
+      if (compareCursor(cursorOf(m), last) >= 0) break
+    }
+  }
+  return { data, replayed }
+}
+
+describe("worker crash", () => {
+  it("SIGKILL of the worker during a /sleep turn: recovering → turn_interrupted → ready; next prompt works; resume is complete", async () => {
+    const d = await useDaemon()
+    const a = await d.connect("a")
+    const { id } = await createSession(a)
+    await attach(a, { activeSessionId: id })
+    await a.ok({ type: "prompt", activeSessionId: id, message: "before the crash" })
+    await collectTurn(a, id)
+
+    // b follows too, and disconnects mid-turn remembering its last cursor.
+    const b = await d.connect("b")
+    await attach(b, { activeSessionId: id })
+
+    const st = await a.ok({ type: "get_state", activeSessionId: id })
+    d.recordWorkers(st)
+    const status = await a.ok({ type: "status" })
+    d.recordWorkers(status)
+    const pid = st["workerPid"] as number
+    expect(Number.isInteger(pid)).toBe(true)
+    expect((status["workers"] as Array<Msg>).find((w) => w["activeSessionId"] === id)?.["pid"]).toBe(pid)
+    expect(isAlive(pid)).toBe(true)
+
+    await a.ok({ type: "prompt", activeSessionId: id, message: "/sleep 1500" })
+    await a.waitFor(isEvent("tool_execution_start"), 10_000)
+    await b.waitFor(isEvent("tool_execution_start"), 10_000)
+    const bLast = cursorOf(b.sequenced(id).pop()!)
+    b.close()
+    process.kill(pid, "SIGKILL")
+
+    // The attached client sees the crash sequence, in order.
+    const seen = await collectUntil(a, id, (m) => m["type"] === "session_status" && m["state"]?.worker === "ready" && a.sequenced(id).some(isEvent("turn_interrupted")), 20_000)
+    const iRecovering = seen.findIndex((m) => m["type"] === "session_status" && m["state"]?.worker === "recovering")
+    const iInterrupted = seen.findIndex(isEvent("turn_interrupted"))
+    const iReady = seen.findIndex((m, i) => i > iInterrupted && m["type"] === "session_status" && m["state"]?.worker === "ready")
+    expect(iRecovering, seen.map(describeMsg).join(", ")).toBeGreaterThanOrEqual(0)
+    expect(iInterrupted, seen.map(describeMsg).join(", ")).toBeGreaterThan(iRecovering)
+    expect(iReady, seen.map(describeMsg).join(", ")).toBeGreaterThan(iInterrupted)
+    expect(seen[iInterrupted]!["event"]).toEqual({ type: "turn_interrupted", reason: "worker_crashed" })
+    expect(seen.some(isEvent("agent_end"))).toBe(false)
+    expect(seen.some(isEvent("tool_execution_end"))).toBe(false)
+    // After turn_interrupted the session is idle (a busy:false status closes the turn).
+    expect(seen.slice(iInterrupted + 1).some(isIdleStatus)).toBe(true)
+    expect(cursorGap(a.sequenced(id))).toBeUndefined()
+    for (const m of seen) expect(metaProblems(m, false)).toEqual([])
+
+    // A new worker, the old one gone; the transcript before the crash survived.
+    expect(await waitGone([pid], 3_000)).toEqual([])
+    const st2 = await a.ok({ type: "get_state", activeSessionId: id })
+    d.recordWorkers(st2)
+    expect(st2["worker"]).toBe("ready")
+    expect(st2["busy"]).toBe(false)
+    expect(st2["restarts"]).toBeGreaterThanOrEqual(1)
+    expect(st2["workerPid"]).not.toBe(pid)
+    expect(isAlive(st2["workerPid"])).toBe(true)
+    const msgs = (await a.ok({ type: "get_messages", activeSessionId: id }))["messages"] as Array<Msg>
+    expect(msgs.slice(0, 2).map((m) => m["content"])).toEqual(["before the crash", "echo: before the crash"])
+
+    // The next prompt works.
+    await a.ok({ type: "prompt", activeSessionId: id, message: "after the crash" })
+    const next = await collectTurn(a, id, 15_000)
+    expect(next.some(isEvent("agent_end"))).toBe(true)
+    expect(cursorGap(a.sequenced(id))).toBeUndefined()
+    const msgs2 = (await a.ok({ type: "get_messages", activeSessionId: id }))["messages"] as Array<Msg>
+    expect(msgs2.slice(-2).map((m) => m["content"])).toEqual(["after the crash", "echo: after the crash"])
+
+    // b reconnects with its last cursor: complete, exactly what a saw after it.
+    const b2 = await d.connect("b2")
+    const expected = a.sequenced(id).filter((m) => compareCursor(cursorOf(m), bLast) > 0).map(unflag)
+    const { data, replayed } = await attach(b2, { activeSessionId: id, resumeCursor: bLast })
+    expect(data["replay"]).toMatchObject({ status: "complete", eventCount: expected.length })
+    expect(replayed.map(unflag)).toEqual(expected)
+    expect(cursorGap(replayed, bLast)).toBeUndefined()
+    const keys = replayed.map(key)
+    expect(new Set(keys).size).toBe(keys.length)
+    for (const m of replayed) expect(metaProblems(m, true)).toEqual([])
+  }, 45_000)
+
+  it("a prompt sent while the worker recovers waits and runs once it is ready", async () => {
+    const d = await useDaemon()
+    const a = await d.connect("a")
+    const { id } = await createSession(a)
+    await attach(a, { activeSessionId: id })
+    await a.ok({ type: "prompt", activeSessionId: id, message: "warm" })
+    await collectTurn(a, id)
+    const st = await a.ok({ type: "get_state", activeSessionId: id })
+    d.recordWorkers(st)
+    process.kill(st["workerPid"] as number, "SIGKILL")
+    await a.waitFor((m) => m["type"] === "session_status" && m["state"]?.worker === "recovering", 10_000)
+    const r = await a.request({ type: "prompt", activeSessionId: id, message: "while recovering" }, 20_000)
+    expect(r["success"], JSON.stringify(r)).toBe(true)
+    expect(r["data"]).toEqual({ accepted: true })
+    let sawUser = false
+    const turn = await collectUntil(a, id, (m) => {
+      if (isEvent("message_end")(m) && m["event"]["message"]["content"] === "while recovering") sawUser = true
+      return sawUser && isIdleStatus(m)
+    }, 20_000)
+    expect(turn.filter(isEvent("turn_interrupted"))).toEqual([])
+    expect(turn.some(isEvent("agent_end"))).toBe(true)
+    expect(cursorGap(a.sequenced(id))).toBeUndefined()
+    const msgs = (await a.ok({ type: "get_messages", activeSessionId: id }))["messages"] as Array<Msg>
+    expect(msgs.map((m) => m["content"])).toEqual(["warm", "echo: warm", "while recovering", "echo: while recovering"])
+  }, 40_000)
+})
+
+describe("daemon crash", () => {
+  it("SIGKILL of the daemon: workers exit within 2 s; restart: generation +1, resume complete, busy session interrupted", async () => {
+    const d1 = await useDaemon()
+    const gen1 = d1.hello!["supervisorGeneration"] as number
+    const a = await d1.connect("a")
+    const { id: idle } = await createSession(a, { name: "idle" })
+    const { id: busy } = await createSession(a, { name: "busy" })
+    await attach(a, { activeSessionId: idle })
+    await attach(a, { activeSessionId: busy })
+    await a.ok({ type: "prompt", activeSessionId: idle, message: "idle turn" })
+    await collectTurn(a, idle)
+    await a.ok({ type: "prompt", activeSessionId: busy, message: "busy warmup" })
+    await collectTurn(a, busy)
+    await a.ok({ type: "prompt", activeSessionId: busy, message: "/sleep 10000" })
+    await a.waitFor((m) => isEvent("tool_execution_start")(m) && m["activeSessionId"] === busy, 10_000)
+    const messagesBefore = (await a.ok({ type: "get_messages", activeSessionId: idle }))["messages"]
+    const status = await a.ok({ type: "status" })
+    d1.recordWorkers(status)
+    const workerPids = (status["workers"] as Array<Msg>).map((w) => w["pid"] as number)
+    expect(workerPids.length).toBeGreaterThanOrEqual(2)
+    const allWorkers = d1.workerProcesses()
+    const lastIdle = cursorOf(a.sequenced(idle).pop()!)
+    const lastBusy = cursorOf(a.sequenced(busy).pop()!)
+
+    await d1.sigkill()
+    // Every worker process of the dead daemon is gone within 2 s.
+    const survivors = await waitGone([...new Set([...workerPids, ...allWorkers])], 2_000)
+    expect(survivors, "worker pids alive 2 s after the daemon's SIGKILL").toEqual([])
+
+    // Restart in the same state dir (the stale socket must be replaced).
+    const d2 = await useDaemon({ stateDir: d1.stateDir })
+    expect(d2.hello!["supervisorGeneration"]).toBe(gen1 + 1)
+    const c = await d2.connect("c")
+    expect(c.hello!["supervisorGeneration"]).toBe(gen1 + 1)
+    const list = (await c.ok({ type: "list" }))["sessions"] as Array<Msg>
+    expect(list.map((s) => s["activeSessionId"]).sort()).toEqual([idle, busy].sort())
+
+    // The idle session: resume with the old cursor is complete and nothing is lost.
+    const r1 = await attach(c, { activeSessionId: idle, resumeCursor: lastIdle })
+    expect(r1.data["replay"]["status"]).toBe("complete")
+    expect(cursorGap(r1.replayed, lastIdle)).toBeUndefined()
+    expect((await c.ok({ type: "get_messages", activeSessionId: idle }))["messages"]).toEqual(messagesBefore)
+
+    // The busy session: resume is complete and shows turn_interrupted{daemon_restarted}, then idle.
+    const r2 = await attach(c, { activeSessionId: busy, resumeCursor: lastBusy })
+    expect(r2.data["replay"]["status"]).toBe("complete")
+    let got = [...r2.replayed]
+    if (!got.some(isEvent("turn_interrupted")) || !got.some(isIdleStatus)) {
+      let interrupted = got.some(isEvent("turn_interrupted"))
+      got = got.concat(
+        await collectUntil(c, busy, (m) => {
+          if (isEvent("turn_interrupted")(m)) interrupted = true
+          return interrupted && isIdleStatus(m)
+        }, 15_000)
+      )
+    }
+    expect(cursorGap(got, lastBusy)).toBeUndefined()
+    const keys = got.map(key)
+    expect(new Set(keys).size).toBe(keys.length)
+    const ti = got.find(isEvent("turn_interrupted"))!
+    expect(ti["event"]).toEqual({ type: "turn_interrupted", reason: "daemon_restarted" })
+    expect(got.slice(got.indexOf(ti) + 1).some(isIdleStatus)).toBe(true)
+    expect(got.some(isEvent("agent_end"))).toBe(false)
+    for (const m of got) expect(metaProblems(m, undefined)).toEqual([])
+
+    // Both sessions work after the restart (idle ones restored on demand).
+    for (const sid of [idle, busy]) {
+      await c.ok({ type: "prompt", activeSessionId: sid, message: `after restart ${sid}` })
+      const turn = await collectTurn(c, sid, 20_000)
+      expect(turn.some(isEvent("agent_end"))).toBe(true)
+      expect(cursorGap(c.sequenced(sid), sid === idle ? lastIdle : lastBusy)).toBeUndefined()
+    }
+    d2.recordWorkers(await c.ok({ type: "status" }))
+    expect(d2.recordedWorkerPids.size).toBeGreaterThanOrEqual(2)
+    expect(workerPids.filter(isAlive), "old workers must stay dead").toEqual([])
+  }, 60_000)
+
+  it("a client reconnecting after a daemon restart resumes with no gap and no duplicate while turns continue", async () => {
+    const d1 = await useDaemon()
+    const a = await d1.connect("a")
+    const { id } = await createSession(a)
+    await attach(a, { activeSessionId: id })
+    for (let i = 0; i < 3; i++) {
+      await a.ok({ type: "prompt", activeSessionId: id, message: `turn ${i}` })
+      await collectTurn(a, id)
+    }
+    await a.ok({ type: "checkpoint", activeSessionId: id }, 20_000)
+    await a.ok({ type: "prompt", activeSessionId: id, message: "gen two" })
+    await collectTurn(a, id)
+    const history = a.sequenced(id).map(unflag)
+    const mid = cursorOf(history[Math.floor(history.length / 3)]!)
+    await d1.sigkill()
+    await sleep(100)
+    const d2 = await useDaemon({ stateDir: d1.stateDir })
+    const b = await d2.connect("b")
+    const { data, replayed } = await attach(b, { activeSessionId: id, resumeCursor: mid })
+    expect(data["replay"]["status"]).toBe("complete")
+    expect(replayed.map(unflag)).toEqual(history.filter((m) => compareCursor(cursorOf(m), mid) > 0))
+    await b.ok({ type: "prompt", activeSessionId: id, message: "new daemon" })
+    const live = await collectTurn(b, id, 20_000)
+    expect(cursorGap([...replayed, ...live], mid)).toBeUndefined()
+    for (const m of live) expect(metaProblems(m, false)).toEqual([])
+  }, 45_000)
+})
