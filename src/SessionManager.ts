@@ -129,6 +129,9 @@ interface Session {
   busy: boolean
   /** Resolved at the end of the running turn. */
   turnEnded: Deferred.Deferred<void>
+  /** The running (or last) turn's id, and how the last turn ended. */
+  turnId: string
+  lastTurnEnd: "agent_end" | Protocol.InterruptReason | undefined
   restarts: number
   crashTimes: Array<number>
   attachments: Set<Attachment>
@@ -295,6 +298,9 @@ export const make = Effect.gen(function*() {
               yield* flushEvents
               yield* record(s, true, event.type === "tool_execution_start" ? "tool_start" : "tool_end")
             } else if (event.type === "agent_end" || event.type === "turn_interrupted") {
+              s.lastTurnEnd = event.type === "agent_end"
+                ? "agent_end"
+                : (event as Extract<Protocol.AgentEvent, { type: "turn_interrupted" }>).reason
               yield* flushEvents
               // During a restore the `ready` status that follows is the turn's idle status.
               yield* endTurn(s, !loading.value)
@@ -914,6 +920,8 @@ export const make = Effect.gen(function*() {
         ready: yield* Deferred.make<void, CommandError>(),
         busy: false,
         turnEnded: yield* Deferred.make<void>(),
+        turnId: "",
+        lastTurnEnd: undefined,
         restarts: 0,
         crashTimes: [],
         attachments: new Set(),
@@ -979,7 +987,8 @@ export const make = Effect.gen(function*() {
           }
           yield* record(s, true, "prompt")
           yield* publishStatus(s)
-          yield* worker.send({ type: "prompt", turnId: `t-${randomUUID()}`, message: cmd.message })
+          s.turnId = `t-${randomUUID()}`
+          yield* worker.send({ type: "prompt", turnId: s.turnId, message: cmd.message })
         }))
       }))
       if (Either.isLeft(started)) {
@@ -1116,8 +1125,12 @@ export const make = Effect.gen(function*() {
       Effect.gen(function*() {
         const s = yield* get(cmd.activeSessionId)
         if (!s.busy || s.worker === undefined || s.workerState !== "ready") return { aborted: false }
-        yield* s.worker.send({ type: "abort" })
-        return { aborted: true }
+        // The turn may end by itself before the abort reaches the worker: answer with how it
+        // actually ended.
+        const ended = s.turnEnded
+        yield* s.worker.send({ type: "abort", turnId: s.turnId })
+        yield* Deferred.await(ended)
+        return { aborted: s.lastTurnEnd === "aborted" }
       }),
     getState: (id) => Effect.map(get(id), summary),
     getMessages: (cmd) =>

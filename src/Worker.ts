@@ -70,11 +70,16 @@ class Pipe {
   }
 }
 
+interface RunningTurn {
+  readonly turnId: string
+  readonly fiber: Fiber.RuntimeFiber<void, never>
+}
+
 interface LoadedSession {
   readonly activeSessionId: string
   readonly engine: EngineSession
   readonly messages: Array<AgentMessage>
-  turn: Fiber.RuntimeFiber<void, never> | undefined
+  turn: RunningTurn | undefined
 }
 
 /** Loads the latest complete transcript and folds the logged events after it. */
@@ -122,18 +127,25 @@ export const run = (pipe: Pipe) =>
 
     const emit = (event: AgentEvent) => pipe.send({ type: "worker_event", event })
 
-    const runTurn = (s: LoadedSession, turnId: string, message: string) =>
-      s.engine.runTurn({ turnId, message, history: s.messages }).pipe(
+    const runTurn = (s: LoadedSession, turnId: string, message: string) => {
+      // Once agent_end is on its way the turn is over: an abort landing after it must not add
+      // a turn_interrupted (a turn ends with exactly one of the two).
+      let ended = false
+      return s.engine.runTurn({ turnId, message, history: s.messages }).pipe(
         Stream.runForEach((event) => {
           foldEvent(s.messages, event)
+          if (event.type === "agent_end") ended = true
           return emit(event)
         }),
-        Effect.catchAll((e) => fail(e.message)),
-        Effect.onInterrupt(() => emit({ type: "turn_interrupted", reason: "aborted" })),
+        Effect.catchAll((e) =>
+          Effect.zipRight(fail(e.message), emit({ type: "turn_interrupted", reason: "aborted" }))
+        ),
+        Effect.onInterrupt(() => (ended ? Effect.void : emit({ type: "turn_interrupted", reason: "aborted" }))),
         Effect.ensuring(Effect.sync(() => {
-          s.turn = undefined
+          if (s.turn?.turnId === turnId) s.turn = undefined
         }))
       )
+    }
 
     const handle = (frame: WorkerProtocol.SupervisorFrame): Effect.Effect<void> => {
       switch (frame.type) {
@@ -163,17 +175,21 @@ export const run = (pipe: Pipe) =>
           return Effect.gen(function*() {
             const s = session
             if (s === undefined) return yield* fail("no session is loaded")
-            if (s.turn !== undefined) return yield* fail("a turn is already running")
-            s.turn = Effect.runFork(runTurn(s, frame.turnId, frame.message))
+            // The supervisor sends a prompt only once the previous turn's end was logged; the
+            // previous fiber may still be finishing (its last write, its clean-up): let it.
+            if (s.turn !== undefined) yield* Fiber.await(s.turn.fiber)
+            s.turn = { turnId: frame.turnId, fiber: Effect.runFork(runTurn(s, frame.turnId, frame.message)) }
           })
-        case "abort":
-          return session?.turn === undefined ? Effect.void : Fiber.interrupt(session.turn).pipe(Effect.asVoid)
+        case "abort": {
+          const turn = session?.turn
+          return turn === undefined || turn.turnId !== frame.turnId ? Effect.void : Effect.asVoid(Fiber.interrupt(turn.fiber))
+        }
         case "checkpoint":
           return Effect.gen(function*() {
             const s = session
             if (s === undefined) return yield* fail("no session is loaded")
             // A checkpoint is the state between turns: wait for a running turn to end.
-            if (s.turn !== undefined) yield* Fiber.await(s.turn)
+            if (s.turn !== undefined) yield* Fiber.await(s.turn.fiber)
             const base = { activeSessionId: s.activeSessionId, snapshotId: frame.snapshotId }
             const chunks = chunkMessages(s.activeSessionId, frame.snapshotId, s.messages, frame.targetChunkBytes)
             yield* pipe.send({

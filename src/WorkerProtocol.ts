@@ -50,8 +50,8 @@ export const Load = Tagged("load", {
 /** Starts a turn. */
 export const RunPrompt = Tagged("prompt", { turnId: Schema.String, message: Schema.String })
 
-/** Aborts the running turn, if any. */
-export const AbortTurn = Tagged("abort", {})
+/** Aborts the turn `turnId` if it is still running (a turn that already ended is left alone). */
+export const AbortTurn = Tagged("abort", { turnId: Schema.String })
 
 /** Streams the session state as a checkpoint snapshot. */
 export const TakeCheckpoint = Tagged("checkpoint", {

@@ -27,7 +27,8 @@ import {
   removeTempRoots,
   sharedDaemon,
   sleep,
-  summaryProblems
+  summaryProblems,
+  waitIdle
 } from "./harness.js"
 
 afterEach(async () => {
@@ -196,44 +197,133 @@ describe("echo engine turns as seen by an attached client", () => {
     expect(r.replayed.map(unflag)).toEqual(c.sequenced(id).filter((m) => cursorOf(m).generation === 2).map(unflag))
   }, 20_000)
 
-  it("back-to-back turns: a prompt sent on the busy:false status is accepted; prompt+abort races end each turn exactly once", async () => {
+  it("back-to-back turns: a prompt sent on the busy:false status is accepted at once", async () => {
     const d = shared()
     const c = await d.connect()
     const { id } = await createSession(c)
     await attachAndReplay(c, { activeSessionId: id })
-    // 1. The busy:false status means a new prompt is welcome at once.
     for (let i = 0; i < 8; i++) {
       const r = await c.request({ type: "prompt", activeSessionId: id, message: `quick ${i}` })
       expect(r["success"], `turn ${i}: ${JSON.stringify(r)}`).toBe(true)
       await collectTurn(c, id)
     }
-    // 2. Abort sent right behind the prompt (same write), at varying moments of the turn.
-    for (let i = 0; i < 8; i++) {
+    expect(cursorGap(c.sequenced(id))).toBeUndefined()
+  })
+
+  it("only one turn at a time: of simultaneous prompts exactly one is accepted, the others get session_busy (also right after create)", async () => {
+    const d = shared()
+    const ctl = await d.connect("ctl")
+    // Right after create, while the worker may still be starting: the first prompt reserves the session.
+    const created = await ctl.ok({ type: "create" })
+    const id0 = created["activeSessionId"] as string
+    const p1 = nextId("p")
+    const p2 = nextId("p")
+    await ctl.sendRaw(
+      `${JSON.stringify({ type: "prompt", id: p1, activeSessionId: id0, message: "first" })}\n${JSON.stringify({ type: "prompt", id: p2, activeSessionId: id0, message: "second" })}\n`
+    )
+    expect((await ctl.response(p1))["success"]).toBe(true)
+    const r2 = await ctl.response(p2)
+    expect(r2["error"]?.code, JSON.stringify(r2)).toBe("session_busy")
+    // Eight clients prompt one idle session at the same moment.
+    const { id } = await createSession(ctl)
+    await ctl.ok({ type: "prompt", activeSessionId: id, message: "warm" })
+    await waitIdle(ctl, id)
+    const clients = await Promise.all(Array.from({ length: 8 }, (_, i) => d.connect(`p${i}`)))
+    const answers = await Promise.all(clients.map((c, i) => c.request({ type: "prompt", activeSessionId: id, message: `from ${i}` })))
+    const accepted = answers.filter((r) => r["success"] === true)
+    expect(accepted.length, answers.map((r) => JSON.stringify(r["data"] ?? r["error"]?.code)).join(", ")).toBe(1)
+    expect(answers.filter((r) => r["error"]?.code === "session_busy").length).toBe(7)
+    await waitIdle(ctl, id)
+    const users = ((await ctl.ok({ type: "get_messages", activeSessionId: id }))["messages"] as Array<Msg>).filter((m) => m["role"] === "user")
+    expect(users.map((m) => m["content"]).filter((x) => x.startsWith("from ")).length).toBe(1)
+  })
+
+  /** Runs `rounds` prompt+abort pairs (one write each) and returns the abort answers and the log. */
+  const promptAbortRounds = async (rounds: number): Promise<{ aborted: Array<boolean>; log: Array<Msg>; id: string; c: Client }> => {
+    const d = shared()
+    const c = await d.connect()
+    const { id } = await createSession(c)
+    await attachAndReplay(c, { activeSessionId: id })
+    const start = c.all.length
+    const messages = ["hi there", "/sleep 0", "/bulk 100000", "/sleep 30"]
+    const aborted: Array<boolean> = []
+    for (let i = 0; i < rounds; i++) {
       const pid = nextId("p")
       const aid = nextId("a")
-      const prompt = JSON.stringify({ type: "prompt", id: pid, activeSessionId: id, message: `/sleep ${i * 20}` })
+      const prompt = JSON.stringify({ type: "prompt", id: pid, activeSessionId: id, message: messages[i % messages.length] })
       const abort = JSON.stringify({ type: "abort", id: aid, activeSessionId: id })
       await c.sendRaw(`${prompt}\n${abort}\n`)
-      expect((await c.response(pid))["success"]).toBe(true)
+      const p = await c.response(pid)
+      expect(p["success"], `round ${i}: ${JSON.stringify(p)}`).toBe(true)
       const ab = await c.response(aid)
-      expect(ab["success"], JSON.stringify(ab)).toBe(true)
-      const turn = await collectTurn(c, id)
-      const ends = turn.filter((m) => isEvent("agent_end")(m) || isEvent("turn_interrupted")(m))
-      expect(ends.length, `turn ${i}: ${turn.map(describeMsg).join(", ")}`).toBe(1)
-      // `aborted: true` means the turn was cut: it ends with turn_interrupted{aborted}, not agent_end.
-      if (ab["data"]["aborted"] === true) {
-        expect(ends[0]!["event"], `turn ${i} (/sleep ${i * 20}), abort said aborted:true: ${turn.map(describeMsg).join(", ")}`).toEqual({ type: "turn_interrupted", reason: "aborted" })
+      aborted.push(ab["data"]?.aborted === true)
+      // Wait for the daemon to call the session idle again before the next round.
+      for (let k = 0; k < 400; k++) {
+        const st = await c.ok({ type: "get_state", activeSessionId: id })
+        if (st["busy"] === false) break
+        await sleep(10)
       }
     }
-    await sleep(100)
-    // Nothing trails the last turn, and the log is contiguous.
-    expect(c.received((m) => isSequenced(m)).length).toBe(c.sequenced(id).length)
-    expect(cursorGap(c.sequenced(id))).toBeUndefined()
+    await sleep(300)
+    return { aborted, log: c.all.slice(start).filter((m) => isSequenced(m) && m["activeSessionId"] === id), id, c }
+  }
+
+  /** Splits a session's log into turns: each ends at agent_end / turn_interrupted and its busy:false status. */
+  const turnGrammarProblems = (log: ReadonlyArray<Msg>): { problems: Array<string>; terminals: Array<Msg> } => {
+    const problems: Array<string> = []
+    const terminals: Array<Msg> = []
+    let inTurn = false // between agent_start and its terminal event
+    let awaitingIdle: Msg | undefined // a terminal event whose busy:false has not come yet
+    for (const m of log) {
+      const where = describeMsg(m)
+      if (m["type"] === "session_event") {
+        const t = m["event"]["type"]
+        if (awaitingIdle !== undefined) {
+          problems.push(`no busy:false status between ${describeMsg(awaitingIdle)} and ${where}`)
+          awaitingIdle = undefined
+        }
+        if (t === "agent_start") {
+          if (inTurn) problems.push(`${where}: a second agent_start before the turn ended`)
+          inTurn = true
+        } else if (t === "agent_end" || t === "turn_interrupted") {
+          if (t === "agent_end" && !inTurn) problems.push(`${where}: agent_end without agent_start (after an interruption?)`)
+          inTurn = false
+          terminals.push(m)
+          awaitingIdle = m
+        } else if (!inTurn) problems.push(`${where} outside a turn`)
+      } else if (m["type"] === "session_status" && m["state"]?.busy === false) {
+        if (inTurn) problems.push(`${where}: busy:false while a turn runs`)
+        awaitingIdle = undefined
+      }
+    }
+    if (awaitingIdle !== undefined) problems.push(`no busy:false after ${describeMsg(awaitingIdle)}`)
+    return { problems, terminals }
+  }
+
+  // A regression guard: an abort landing near a turn boundary used to be forwarded to a worker
+  // that was done, answer `aborted: true`, and surface as a stray turn_interrupted.
+  it("prompt+abort races keep the turn grammar of section 4: one end per turn, then busy:false, no agent_end after turn_interrupted", async () => {
+    const rounds = 40
+    const { log, id, c } = await promptAbortRounds(rounds)
+    const { problems, terminals } = turnGrammarProblems(log)
+    expect(problems.slice(0, 6)).toEqual([])
+    expect(terminals.length, "one ending per accepted prompt").toBe(rounds)
+    expect(cursorGap(log)).toBeUndefined()
     const st = await c.ok({ type: "get_state", activeSessionId: id })
     expect(st["busy"]).toBe(false)
-    const msgs = (await c.ok({ type: "get_messages", activeSessionId: id }))["messages"] as Array<Msg>
-    expect(msgs.filter((m) => m["role"] === "user").length).toBe(16)
-  }, 40_000)
+  }, 60_000)
+
+  it("abort's `aborted` matches what happened: true exactly when the turn ends with turn_interrupted{aborted}", async () => {
+    const rounds = 40
+    const { aborted, log } = await promptAbortRounds(rounds)
+    const { terminals } = turnGrammarProblems(log)
+    expect(terminals.length, "one ending per accepted prompt").toBe(rounds)
+    const mismatches = terminals.flatMap((t, i) => {
+      const interrupted = t["event"]["type"] === "turn_interrupted"
+      return interrupted === aborted[i] ? [] : [`round ${i}: abort said aborted:${aborted[i]}, turn ended with ${describeMsg(t)}`]
+    })
+    expect(mismatches).toEqual([])
+  }, 60_000)
 
 })
 
