@@ -9,6 +9,7 @@ import * as Options from "@effect/cli/Options"
 import * as NodeContext from "@effect/platform-node/NodeContext"
 import * as NodeRuntime from "@effect/platform-node/NodeRuntime"
 import * as Effect from "effect/Effect"
+import * as Logger from "effect/Logger"
 import * as Option from "effect/Option"
 import * as path from "node:path"
 import * as Daemon from "../Daemon.js"
@@ -49,7 +50,10 @@ const serve = Command.make(
         socketPath: DaemonConfig.resolveSocketPath(dir, Option.getOrUndefined(opts.socket)),
         ...Option.match(opts.engine, { onNone: () => ({}), onSome: (engine) => ({ engine }) }),
         ...Option.match(opts.maxWorkers, { onNone: () => ({}), onSome: (maxWorkers) => ({ maxWorkers }) })
-      })
+      }).pipe(
+        // The daemon logs to stderr (section 8); stdout stays free.
+        Effect.provide(Logger.replace(Logger.defaultLogger, Logger.prettyLogger({ stderr: true, colors: false })))
+      )
     })
 ).pipe(Command.withDescription("Run the daemon in the foreground (logs to stderr)."))
 
@@ -118,5 +122,5 @@ cli(process.argv).pipe(
     })
   ),
   Effect.provide(NodeContext.layer),
-  NodeRuntime.runMain({ disableErrorReporting: false })
+  NodeRuntime.runMain({ disableErrorReporting: false, disablePrettyLogger: true })
 )

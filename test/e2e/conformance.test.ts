@@ -1,7 +1,8 @@
 /**
  * Wire conformance of the real daemon (PROTOCOL.md sections 1-3, docs/protocol.md section 9):
  * handshake, file modes, every command's success shape, every error code reachable from the
- * socket, framing, half-close, bad input, and process lifecycle.
+ * socket, framing, half-close, bad input, logging, and a refused second daemon. Most tests share
+ * one daemon (each on sessions of its own); lifecycle.test.ts has the ones that stop daemons.
  *
  * Needs `npm run build` first (it drives `dist/src/bin/agentd.js serve`).
  */
@@ -605,9 +606,8 @@ describe("framing", () => {
     expect(await c.ok({ type: "ping" })).toEqual({ pong: true })
     expect(d.running).toBe(true)
   }, 30_000)
-  // KNOWN VIOLATION (section 8: `serve` "logs to stderr"): the daemon's log lines (Effect's
-  // default logger, e.g. "INFO ... agentd listening at ...") go to stdout; stderr stays empty.
-  it.fails("logs to stderr, never to stdout (section 8): the shared daemon after all the traffic above", async () => {
+  // Section 8: `serve` "logs to stderr" (Effect's default logger writes to stdout).
+  it("logs to stderr, never to stdout (section 8): the shared daemon after all the traffic above", async () => {
     const d = shared()
     const c = await d.connect()
     const { id } = await createSession(c)
