@@ -151,15 +151,21 @@ export const waitIdleProcesses = async (pids: ReadonlyArray<number>, quietMs = 6
   return false
 }
 
-/** VmRSS of a process in bytes (NaN when it is gone). */
-export const rssOf = (pid: number): number => {
+/** A `kB` field of /proc/<pid>/status in bytes (NaN when the process is gone). */
+const statusBytes = (pid: number, field: "VmRSS" | "VmHWM"): number => {
   try {
-    const m = /VmRSS:\s+(\d+)\s+kB/.exec(fs.readFileSync(`/proc/${pid}/status`, "utf8"))
+    const m = new RegExp(`${field}:\\s+(\\d+)\\s+kB`).exec(fs.readFileSync(`/proc/${pid}/status`, "utf8"))
     return m === null ? NaN : Number(m[1]) * 1024
   } catch {
     return NaN
   }
 }
+
+/** VmRSS of a process in bytes (NaN when it is gone). */
+export const rssOf = (pid: number): number => statusBytes(pid, "VmRSS")
+
+/** VmHWM (peak RSS over the process's life) in bytes (NaN when it is gone). */
+export const hwmOf = (pid: number): number => statusBytes(pid, "VmHWM")
 
 /** Samples a process's RSS every `everyMs` until stopped; returns the samples' max and count. */
 export const sampleRss = (pid: number, everyMs = 20): { stop: () => { peak: number; samples: number } } => {
@@ -270,7 +276,17 @@ export class Client {
     if (bytes === 0) return
     if (this.rawHook !== undefined) {
       let head = parts[0]!
-      if (head.length < PREFIX_BYTES && parts.length > 1) head = Buffer.concat(parts).subarray(0, PREFIX_BYTES)
+      if (head.length < PREFIX_BYTES && parts.length > 1) {
+        // Only the first bytes: never join a whole (possibly huge) line for its prefix.
+        const first: Array<Buffer> = []
+        let n = 0
+        for (const part of parts) {
+          first.push(part)
+          n += part.length
+          if (n >= PREFIX_BYTES) break
+        }
+        head = Buffer.concat(first)
+      }
       if (this.rawHook(head.toString("utf8", 0, Math.min(head.length, PREFIX_BYTES)), bytes)) return
     }
     const line = parts.length === 1 ? parts[0]! : Buffer.concat(parts, bytes)

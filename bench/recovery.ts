@@ -1,8 +1,8 @@
 /**
  * Recovery latency: a session's worker is SIGKILLed and the time until the session is `ready`
  * again is measured, as an attached client sees it (`session_status` worker `recovering`, then
- * `ready` with a new workerPid), with a ~1 MB transcript (20 kills) and a ~50 MB one (6 kills,
- * to stay within the time budget). Baseline in the same run: a bare `node -e 0` spawn-to-exit
+ * `ready` with a new workerPid), with a ~1 MB transcript (one `/bulk 1000000` turn, 20 kills) and a ~51 MB one (5 more turns
+ * of `/bulk 10000000`, 6 kills, to stay within the time budget). Baseline in the same run: a bare `node -e 0` spawn-to-exit
  * (median of 20), the floor of anything that starts a Node process.
  *
  * Settings: AGENTD_MAX_RESTARTS=1000 and AGENTD_RESTART_WINDOW_MS=1, so every kill is measured
@@ -33,9 +33,11 @@ import {
 } from "./daemonHarness.js"
 import { percentiles } from "./report.js"
 
-const BULK_BYTES = 1_000_000
-const SMALL_TURNS = 1 // ~1 MB
-const LARGE_TURNS = 50 // ~50 MB
+/** The small transcript: one turn of `/bulk 1000000` (~1 MB). */
+const SMALL_BULK = 1_000_000
+/** The large one: the small one plus 5 turns of `/bulk 10000000` (~51 MB). */
+const LARGE_EXTRA_TURNS = 5
+const LARGE_BULK = 10_000_000
 const SMALL_KILLS = 20
 const LARGE_KILLS = 6
 const PAUSE_MS = 100
@@ -97,10 +99,10 @@ const measure = async (daemon: Daemon, client: Client, id: string, kills: number
   return { samples, firstStatus }
 }
 
-/** Adds `turns` turns of `/bulk BULK_BYTES`, then checkpoints. */
-const grow = async (client: Client, id: string, turns: number) => {
+/** Adds `turns` turns of `/bulk <bytes>`, then checkpoints. */
+const grow = async (client: Client, id: string, turns: number, bytes: number) => {
   for (let i = 0; i < turns; i++) {
-    await runTurn(client, id, `/bulk ${BULK_BYTES}`)
+    await runTurn(client, id, `/bulk ${bytes}`)
     client.drain()
   }
   await client.ok({ type: "checkpoint", activeSessionId: id }, 120_000)
@@ -108,7 +110,7 @@ const grow = async (client: Client, id: string, turns: number) => {
 }
 
 export default async function recovery(): Promise<void> {
-  // Baseline first, on a quiet machine, after one warm-up spawn.
+  // Baseline first, before the daemon and its workers run, after one warm-up spawn.
   await spawnToExit()
   const base: Array<number> = []
   for (let i = 0; i < BASELINE_SPAWNS; i++) base.push(await spawnToExit())
@@ -131,13 +133,13 @@ export default async function recovery(): Promise<void> {
       await waitReady(client, id)
 
       let t = nowMs()
-      await grow(client, id, SMALL_TURNS)
+      await grow(client, id, 1, SMALL_BULK)
       const buildSmall = nowMs() - t
       t = nowMs()
-      const { samples: small, firstStatus: smallFirst } = await measure(daemon, client, id, SMALL_KILLS, 2 * SMALL_TURNS)
+      const { samples: small, firstStatus: smallFirst } = await measure(daemon, client, id, SMALL_KILLS, 2)
       const s = percentiles(small)
       printLatency({
-        what: `recovery after SIGKILL of the worker, ~${(SMALL_TURNS * BULK_BYTES / 1e6).toFixed(0)} MB transcript (${SMALL_KILLS} kills)`,
+        what: `recovery after SIGKILL of the worker, ~${(SMALL_BULK / 1e6).toFixed(0)} MB transcript (${SMALL_KILLS} kills)`,
         median: s.median,
         p95: s.p95,
         baselineMedian: baseline.median,
@@ -147,29 +149,29 @@ export default async function recovery(): Promise<void> {
 
       const killSmall = nowMs() - t
       t = nowMs()
-      await grow(client, id, LARGE_TURNS - SMALL_TURNS)
+      await grow(client, id, LARGE_EXTRA_TURNS, LARGE_BULK)
       const buildLarge = nowMs() - t
       t = nowMs()
-      const { samples: large, firstStatus: largeFirst } = await measure(daemon, client, id, LARGE_KILLS, 2 * LARGE_TURNS)
+      const { samples: large, firstStatus: largeFirst } = await measure(daemon, client, id, LARGE_KILLS, 2 * (1 + LARGE_EXTRA_TURNS))
       const killLarge = nowMs() - t
       const l = percentiles(large)
       printLatency({
-        what: `recovery after SIGKILL of the worker, ~${(LARGE_TURNS * BULK_BYTES / 1e6).toFixed(0)} MB transcript (${LARGE_KILLS} kills, fewer to fit the time)`,
+        what: `recovery after SIGKILL of the worker, ~${((SMALL_BULK + LARGE_EXTRA_TURNS * LARGE_BULK) / 1e6).toFixed(0)} MB transcript (${LARGE_KILLS} kills, fewer to fit the time)`,
         median: l.median,
         p95: l.p95,
         baselineMedian: baseline.median,
         baselineName: `node -e 0 spawn-to-exit, median of ${BASELINE_SPAWNS}`
       })
       console.log(
-        `  samples (ms): 1 MB [${small.map((x) => x.toFixed(0)).join(" ")}]; 50 MB [${large.map((x) => x.toFixed(0)).join(" ")}]`
+        `  samples (ms): 1 MB [${small.map((x) => x.toFixed(0)).join(" ")}]; 51 MB [${large.map((x) => x.toFixed(0)).join(" ")}]`
       )
       console.log(
         `  of which kill -> "recovering" status, median: 1 MB ${percentiles(smallFirst).median.toFixed(0)} ms, ` +
-          `50 MB ${percentiles(largeFirst).median.toFixed(0)} ms`
+          `51 MB ${percentiles(largeFirst).median.toFixed(0)} ms`
       )
       const sec = (ms: number) => (ms / 1000).toFixed(1)
       console.log(
-        `  phases (s): build 1 MB ${sec(buildSmall)}, kills ${sec(killSmall)}; build 50 MB ${sec(buildLarge)}, kills ${sec(killLarge)}`
+        `  phases (s): build 1 MB ${sec(buildSmall)}, kills ${sec(killSmall)}; build 51 MB ${sec(buildLarge)}, kills ${sec(killLarge)}`
       )
     }
   )

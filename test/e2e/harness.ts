@@ -537,6 +537,16 @@ export class Daemon {
     for (const p of processesWithEnv("AGENTD_E2E_MARK", this.mark)) killQuietly(p, "SIGKILL")
     await waitGone([...victims], 3_000)
     liveDaemons.delete(this)
+    // Its temp root goes too, unless another daemon of this process still runs on it (restarts).
+    const root = path.dirname(this.stateDir)
+    if (tempRoots.has(root) && ![...liveDaemons].some((d) => d.running && path.dirname(d.stateDir) === root)) {
+      try {
+        fs.rmSync(root, { recursive: true, force: true })
+      } catch {
+        // best effort
+      }
+      tempRoots.delete(root)
+    }
   }
 }
 

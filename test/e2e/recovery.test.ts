@@ -245,6 +245,42 @@ describe("daemon crash", () => {
     expect(workerPids.filter(isAlive), "old workers must stay dead").toEqual([])
   }, 60_000)
 
+  it("SIGKILL of the daemon mid-stream: every event a client saw is durable (resume is complete, never cursor_ahead) and identical after restart", async () => {
+    const d1 = await useDaemon()
+    const a = await d1.connect("a")
+    const { id } = await createSession(a, { config: { tokenDelayMs: 2 } })
+    await attach(a, { activeSessionId: id })
+    const words = Array.from({ length: 2000 }, (_, i) => `w${i}`).join(" ")
+    await a.ok({ type: "prompt", activeSessionId: id, message: words })
+    // Kill it while deltas stream.
+    await a.waitFor((m) => isEvent("message_update")(m) && m["event"]["delta"] === " w150", 20_000)
+    await d1.sigkill()
+    await sleep(50)
+    const seen = a.sequenced(id).map(unflag)
+    const lastSeen = cursorOf(seen[seen.length - 1]!)
+    const d2 = await useDaemon({ stateDir: d1.stateDir })
+    const b = await d2.connect("b")
+    const r = await attach(b, { activeSessionId: id, resumeCursor: lastSeen })
+    expect(r.data["replay"]["status"], `resume from the last event seen before the crash (${JSON.stringify(lastSeen)})`).toBe("complete")
+    // A fresh baseline holds exactly what a saw, then the interruption.
+    const c = await d2.connect("c")
+    const base = await attach(c, { activeSessionId: id })
+    const all = base.replayed.map(unflag)
+    expect(all.slice(0, seen.length)).toEqual(seen)
+    let interrupted = all.slice(seen.length).some(isEvent("turn_interrupted"))
+    if (!interrupted) {
+      await collectUntil(c, id, (m) => {
+        if (isEvent("turn_interrupted")(m)) interrupted = true
+        return interrupted && isIdleStatus(m)
+      }, 15_000)
+    }
+    const after = c.sequenced(id).map(unflag).slice(seen.length)
+    const ti = after.find(isEvent("turn_interrupted"))
+    expect(ti?.["event"]).toEqual({ type: "turn_interrupted", reason: "daemon_restarted" })
+    expect(after.some(isEvent("agent_end"))).toBe(false)
+    expect(cursorGap(c.sequenced(id))).toBeUndefined()
+  }, 60_000)
+
   it("a client reconnecting after a daemon restart resumes with no gap and no duplicate while turns continue", async () => {
     const d1 = await useDaemon()
     const a = await d1.connect("a")
