@@ -8,19 +8,16 @@
 import { afterAll, afterEach, describe, expect, it } from "vitest"
 import {
   cleanupAllDaemons,
-  type Client,
   collectTurn,
   collectUntil,
   compareCursor,
   createSession,
-  type Cursor,
   cursorGap,
   cursorOf,
   describeMsg,
   isAlive,
   isEvent,
   isIdleStatus,
-  isSequenced,
   metaProblems,
   type Msg,
   removeTempRoots,
@@ -28,6 +25,7 @@ import {
   useDaemon,
   waitGone
 } from "./harness.js"
+import { attachAndReplay } from "./attach.js"
 
 afterEach(async () => {
   await cleanupAllDaemons()
@@ -42,27 +40,7 @@ const unflag = (m: Msg): Msg => {
 const key = (m: Msg): string => `${cursorOf(m).generation}:${cursorOf(m).sequence}`
 
 /** Attaches and consumes the replayed events (up to the attach-time last cursor). */
-const attach = async (c: Client, command: Msg): Promise<{ data: Msg; replayed: Array<Msg> }> => {
-  const data = await c.ok({ type: "attach", ...command }, 30_000)
-  const id = command["activeSessionId"] as string
-  await c.waitFor((m) => m["type"] === "session_attached" && m["activeSessionId"] === id, 30_000)
-  const replayed: Array<Msg> = []
-  const last = data["lastEventCursor"] as Cursor | undefined
-  // complete: `eventCount` events follow; a baseline: the events after the snapshot's cursor
-  // (those of the current generation), up to the attach-time last event.
-  const snapCursor = data["snapshot"]?.cursor as Cursor | undefined
-  const noneExpected = data["replay"]?.status === "complete"
-    ? (data["replay"]?.eventCount ?? 0) === 0
-    : last === undefined || (snapCursor !== undefined && compareCursor(last, snapCursor) <= 0)
-  if (last !== undefined && !noneExpected) {
-    for (;;) {
-      const m = await c.waitFor((x) => isSequenced(x) && x["activeSessionId"] === id, 10_000, "replayed events")
-      replayed.push(m)
-      if (compareCursor(cursorOf(m), last) >= 0) break
-    }
-  }
-  return { data, replayed }
-}
+const attach = attachAndReplay
 
 describe("worker crash", () => {
   it("SIGKILL of the worker during a /sleep turn: recovering → turn_interrupted → ready; next prompt works; resume is complete", async () => {
