@@ -60,12 +60,16 @@ type LoggedBody =
   | { readonly type: "session_status"; readonly state: SessionSummary }
   | { readonly type: "session_closed"; readonly reason: string }
 
-const wireLine = (activeSessionId: string, body: LoggedBody, cursor: Cursor.Cursor, emittedAt: number, replayed: boolean) =>
-  JSON.stringify({
-    ...body,
-    activeSessionId,
-    meta: replayed ? { cursor, emittedAt, replayed: true } : { cursor, emittedAt }
-  }) + "\n"
+/**
+ * The wire line of a sequenced message. Built around one `JSON.stringify` of the body: spreading
+ * the body into a new object per event cost several times more on the live path (profiled).
+ */
+const wireLine = (activeSessionId: string, body: LoggedBody, cursor: Cursor.Cursor, emittedAt: number, replayed: boolean) => {
+  const json = JSON.stringify(body)
+  return `${json.slice(0, -1)},"activeSessionId":${JSON.stringify(activeSessionId)},"meta":{"cursor":{"generation":${cursor.generation},"sequence":${cursor.sequence}},"emittedAt":${emittedAt}${
+    replayed ? ",\"replayed\":true" : ""
+  }}}\n`
+}
 
 /** One connection's subscription to one session. */
 class Attachment {
