@@ -92,7 +92,7 @@ class Attachment {
   ) {}
 
   /** Called by publish, synchronously, for every new event. */
-  onLive(cursor: Cursor.Cursor, line: string) {
+  onLive(cursor: Cursor.Cursor, line: Uint8Array) {
     if (this.mode !== "live" || this.detached) return
     if (this.outbox.queuedBytes > this.limit) {
       this.mode = "paused"
@@ -243,10 +243,11 @@ export const make = Effect.gen(function*() {
       for (let i = 0; i < bodies.length; i++) {
         const body = bodies[i]!
         const cursor = cursors[i]!
-        const line = wireLine(s.meta.activeSessionId, body, cursor, emittedAt, false)
+        // Encoded once, shared by every attached client.
+        const line = Buffer.from(wireLine(s.meta.activeSessionId, body, cursor, emittedAt, false), "utf8")
         s.lastCursor = cursor
         s.generationEvents++
-        s.generationBytes += line.length
+        s.generationBytes += line.byteLength
         for (const a of s.attachments) a.onLive(cursor, line)
       }
     })).pipe(Effect.orDie)

@@ -132,10 +132,15 @@ export const run = (pipe: Pipe) =>
       // a turn_interrupted (a turn ends with exactly one of the two).
       let ended = false
       return s.engine.runTurn({ turnId, message, history: s.messages }).pipe(
-        Stream.runForEach((event) => {
-          foldEvent(s.messages, event)
-          if (event.type === "agent_end") ended = true
-          return emit(event)
+        // One pipe write per chunk of events the engine has ready, not one per event.
+        Stream.runForEachChunk((events) => {
+          let frames = ""
+          for (const event of events) {
+            foldEvent(s.messages, event)
+            if (event.type === "agent_end") ended = true
+            frames += WorkerProtocol.encodeFrame({ type: "worker_event", event })
+          }
+          return pipe.sendRaw(frames)
         }),
         Effect.catchAll((e) =>
           Effect.zipRight(fail(e.message), emit({ type: "turn_interrupted", reason: "aborted" }))

@@ -67,12 +67,21 @@ export class Outbox {
     this.writing = true
     const batch = this.items
     this.items = []
+    // Runs of lines are joined as text and encoded once; pre-encoded chunks are kept as they are.
+    const buffers: Array<Uint8Array> = []
+    let text = ""
+    for (const item of batch) {
+      if (typeof item === "string") {
+        text += item
+        continue
+      }
+      if (text.length > 0) buffers.push(Buffer.from(text, "utf8"))
+      text = ""
+      buffers.push(item)
+    }
+    if (text.length > 0) buffers.push(Buffer.from(text, "utf8"))
     let size = 0
-    const buffers = batch.map((item) => {
-      const buf = typeof item === "string" ? Buffer.from(item, "utf8") : item
-      size += buf.byteLength
-      return buf
-    })
+    for (const buf of buffers) size += buf.byteLength
     const data = buffers.length === 1 ? buffers[0]! : Buffer.concat(buffers, size)
     // The byte count drops only when the kernel has taken the batch: that is what bounds memory.
     this.socket.write(data, () => {
