@@ -24,16 +24,13 @@ import {
   useDaemon,
   waitGone
 } from "./harness.js"
+import { unflag } from "./attach.js"
 
 afterEach(async () => {
   await cleanupAllDaemons()
 })
 afterAll(() => removeTempRoots())
 
-const unflag = (m: Msg): Msg => {
-  const { replayed: _r, ...meta } = m["meta"] ?? {}
-  return { ...m, meta }
-}
 
 /** Tries to start a daemon on a state dir; a started one is cleaned up at once. */
 const tryStart = async (stateDir: string): Promise<{ started: boolean; error: string }> => {

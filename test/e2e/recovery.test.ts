@@ -25,17 +25,13 @@ import {
   useDaemon,
   waitGone
 } from "./harness.js"
-import { attachAndReplay } from "./attach.js"
+import { attachAndReplay, unflag } from "./attach.js"
 
 afterEach(async () => {
   await cleanupAllDaemons()
 })
 afterAll(() => removeTempRoots())
 
-const unflag = (m: Msg): Msg => {
-  const { replayed: _r, ...meta } = m["meta"] ?? {}
-  return { ...m, meta }
-}
 
 const key = (m: Msg): string => `${cursorOf(m).generation}:${cursorOf(m).sequence}`
 
