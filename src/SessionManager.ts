@@ -248,6 +248,8 @@ export const make = Effect.gen(function*() {
         s.lastCursor = cursor
         s.generationEvents++
         s.generationBytes += line.byteLength
+        // Counted once logged, so the count never runs ahead of what get_messages can read.
+        if (body.type === "session_event" && body.event.type === "message_end") s.messageCount++
         for (const a of s.attachments) a.onLive(cursor, line)
       }
     })).pipe(Effect.orDie)
@@ -297,7 +299,6 @@ export const make = Effect.gen(function*() {
         switch (frame.type) {
           case "worker_event": {
             const event = frame["event"] as { readonly type: string; readonly toolCallId?: string }
-            if (event.type === "message_end") s.messageCount++
             events.push({ type: "session_event", event })
             if (event.type === "tool_execution_start" || event.type === "tool_execution_end") {
               yield* flushEvents
