@@ -104,6 +104,10 @@ describe("Protocol.decodeCommandLine", () => {
     const badCursor = decodeErr(`{"type":"attach","id":"a","activeSessionId":"s","resumeCursor":{"generation":0,"sequence":-1}}`)
     assert.strictEqual(badCursor.code, "invalid_command")
     assert.match(badCursor.message, /resumeCursor/)
+    // A `__proto__` key is dropped, never assigned as a prototype.
+    const proto = decodeOk(`{"type":"create","id":"e","env":{"__proto__":"x","TERM":"t"}}`)
+    assert.deepStrictEqual(proto.command, { type: "create", env: { TERM: "t" } })
+    assert.strictEqual(Object.getPrototypeOf((proto.command as { env: object }).env), Object.prototype)
     const badLimit = decodeErr(`{"type":"get_messages","activeSessionId":"s","limit":1001}`)
     assert.match(badLimit.message, /`limit`/)
     const noType = decodeErr(`{"id":"q"}`)
