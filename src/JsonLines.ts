@@ -143,13 +143,6 @@ export const encodeBatch = (values: Iterable<unknown>): Uint8Array => {
   return Buffer.from(text, "utf8")
 }
 
-/** Joins already encoded lines (strings with their `\n`) into one buffer. */
-export const joinEncoded = (lines: Iterable<string>): Uint8Array => {
-  let text = ""
-  for (const line of lines) text += line
-  return Buffer.from(text, "utf8")
-}
-
 /**
  * A Stream transform from values to bytes that batches: every chunk of values that is
  * available at once becomes one buffer (one write), instead of one write per line.

@@ -34,7 +34,7 @@ import type { AgentMessage, CommandOf, ErrorCode, SessionSummary, WorkerState } 
 import { RecoveryJournal } from "./RecoveryJournal.js"
 import { type SessionMeta, SessionStore } from "./SessionStore.js"
 import { ChunkBuilder, SnapshotCache } from "./SnapshotCache.js"
-import { nextRestart, WorkerCrashed, WorkerPool, type WorkerProcess } from "./WorkerPool.js"
+import { defaultRestartPolicy, nextRestart, WorkerCrashed, WorkerPool, type WorkerProcess } from "./WorkerPool.js"
 import type * as WorkerProtocol from "./WorkerProtocol.js"
 
 /** A command failed with one of the documented error codes. */
@@ -197,9 +197,9 @@ export const make = Effect.gen(function*() {
   /** connectionId -> its attachments. */
   const connections = new Map<string, Map<string, Attachment>>()
   const restartPolicy = {
+    ...defaultRestartPolicy,
     maxRestarts: config.maxRestarts,
-    restartWindowMs: config.restartWindowMs,
-    backoffBaseMs: 100
+    restartWindowMs: config.restartWindowMs
   }
 
   const fork = <A, E>(effect: Effect.Effect<A, E>) => FiberSet.run(fibers, effect).pipe(Effect.asVoid)

@@ -20,11 +20,6 @@ import {
   Tagged
 } from "./Protocol.js"
 
-/** The name of the environment variable that names the recovery journal of a restore. */
-export const RECOVERY_JOURNAL_ENV = "AGENTD_WORKER_RECOVERY_JOURNAL"
-/** The name of the environment variable that names the session a worker restores. */
-export const RESTORE_SESSION_ENV = "AGENTD_RESTORE_SESSION_ID"
-
 // Supervisor -> worker ---------------------------------------------------------------------------
 
 /** Makes this worker the worker of a session: fresh, or restored from its files. */
