@@ -45,10 +45,21 @@ import * as Cursor from "./Cursor.js"
 /** An event as the log sees it: an opaque JSON object (the supervisor gives it meaning). */
 export type EventData = { readonly [key: string]: unknown }
 
+/**
+ * An event its caller already serialized: `json` must be the text of one JSON object. The file
+ * layer writes it as it is, unchecked, so that a caller holding an event's JSON (the supervisor,
+ * which receives events as JSON from its workers) does not parse and serialize it again.
+ */
+export class EncodedEvent {
+  constructor(readonly json: string) {}
+}
+
 /** One logged event with the cursor the log assigned to it. */
 export interface EventRecord {
   readonly cursor: Cursor.Cursor
   readonly event: EventData
+  /** The event's JSON text as it was logged. */
+  readonly json: string
 }
 
 /** A consistent view of one session's log, taken at one moment. */
@@ -95,7 +106,7 @@ export interface EventLogService {
    * is durable. Cursors are `{1, 0}` for a session's first event, then `sequence + 1` within a
    * generation. If the caller is interrupted while waiting, the event may still be logged.
    */
-  readonly append: (sessionId: string, event: EventData) => Effect.Effect<Cursor.Cursor, EventLogError>
+  readonly append: (sessionId: string, event: EventData | EncodedEvent) => Effect.Effect<Cursor.Cursor, EventLogError>
   /**
    * Appends several events as one unit: they get consecutive cursors in array order (no other
    * append falls between them), share one write and one fsync, and the call returns their cursors
@@ -103,7 +114,7 @@ export interface EventLogService {
    */
   readonly appendAll: (
     sessionId: string,
-    events: ReadonlyArray<EventData>
+    events: ReadonlyArray<EventData | EncodedEvent>
   ) => Effect.Effect<ReadonlyArray<Cursor.Cursor>, EventLogError>
   /**
    * The events strictly after `after` (all retained events when absent), in cursor order, across
@@ -175,8 +186,12 @@ export const sanitizeSessionId = (sessionId: string): Either.Either<string, Even
   return Either.right(out)
 }
 
+const isObject = (u: unknown): u is { readonly [key: string]: unknown } =>
+  typeof u === "object" && u !== null && !Array.isArray(u)
+
 /** The event as JSON text, or why it cannot be logged. */
-const serializeSync = (sessionId: string, event: EventData): string | EventLogError => {
+const serializeSync = (sessionId: string, event: EventData | EncodedEvent): string | EventLogError => {
+  if (event instanceof EncodedEvent) return event.json
   if (typeof event !== "object" || event === null || Array.isArray(event)) {
     return fail("InvalidEvent", sessionId, "an event must be a JSON object")
   }
@@ -187,21 +202,31 @@ const serializeSync = (sessionId: string, event: EventData): string | EventLogEr
   }
 }
 
-const serialize = (sessionId: string, event: EventData): Effect.Effect<string, EventLogError> =>
+/** Like {@link serializeSync}, and an {@link EncodedEvent} is checked too (the memory layer's). */
+const serializeChecked = (sessionId: string, event: EventData | EncodedEvent): Effect.Effect<string, EventLogError> =>
   Effect.suspend(() => {
+    if (event instanceof EncodedEvent) {
+      let value: unknown
+      try {
+        value = JSON.parse(event.json)
+      } catch (cause) {
+        return Effect.fail(fail("InvalidEvent", sessionId, `an encoded event is not JSON: ${String(cause)}`, cause))
+      }
+      if (!isObject(value)) return Effect.fail(fail("InvalidEvent", sessionId, "an event must be a JSON object"))
+    }
     const json = serializeSync(sessionId, event)
     return typeof json === "string" ? Effect.succeed(json) : Effect.fail(json)
   })
 
-/** One record line, built by hand: the event is already JSON and cursors are plain integers. */
-const recordLine = (cursor: Cursor.Cursor, eventJson: string): string =>
-  `{"cursor":{"generation":${cursor.generation},"sequence":${cursor.sequence}},"event":${eventJson}}\n`
+/** A record line up to its event, built by hand: cursors are plain integers. */
+const recordOpen = (cursor: Cursor.Cursor): string =>
+  `{"cursor":{"generation":${cursor.generation},"sequence":${cursor.sequence}},"event":`
+
+/** One record line: the event is already JSON text. */
+const recordLine = (cursor: Cursor.Cursor, eventJson: string): string => `${recordOpen(cursor)}${eventJson}}\n`
 
 const headerLine = (generation: number, after: Option.Option<Cursor.Cursor>): string =>
   JSON.stringify({ segment: Option.isSome(after) ? { generation, after: after.value } : { generation } }) + "\n"
-
-const isObject = (u: unknown): u is { readonly [key: string]: unknown } =>
-  typeof u === "object" && u !== null && !Array.isArray(u)
 
 const isCursor = (u: unknown): u is Cursor.Cursor =>
   isObject(u) && Number.isSafeInteger(u["generation"]) && (u["generation"] as number) >= 1 &&
@@ -217,7 +242,11 @@ const parseRecord = (text: string, generation: number): EventRecord | undefined 
   }
   if (!isObject(value) || !isCursor(value["cursor"]) || !isObject(value["event"])) return undefined
   if (value["cursor"].generation !== generation) return undefined
-  return { cursor: Cursor.make(value["cursor"].generation, value["cursor"].sequence), event: value["event"] }
+  const cursor = Cursor.make(value["cursor"].generation, value["cursor"].sequence)
+  // Lines this module wrote hold the event's text after a fixed prefix: take it as it is.
+  const open = recordOpen(cursor)
+  const json = text.startsWith(open) && text.endsWith("}") ? text.slice(open.length, -1) : JSON.stringify(value["event"])
+  return { cursor, event: value["event"], json }
 }
 
 /** Parses a header line; `undefined` when it is not the header of `generation`. */
@@ -688,7 +717,7 @@ export const make = (options: { readonly root: string }): Effect.Effect<EventLog
      * order), then waits for the group commit. If the caller is interrupted while waiting, the
      * flusher still writes the record.
      */
-    const appendTo = (h: Handle, sessionId: string, event: EventData) =>
+    const appendTo = (h: Handle, sessionId: string, event: EventData | EncodedEvent) =>
       Effect.async<Cursor.Cursor, EventLogError>((resume) => {
         if (h.dead !== undefined) return resume(Effect.fail(h.dead))
         const json = serializeSync(sessionId, event)
@@ -702,7 +731,7 @@ export const make = (options: { readonly root: string }): Effect.Effect<EventLog
     // `Effect.fn`: a span cost ~40 µs of CPU per call here, more than the whole rest of an append,
     // and kept throughput under the 20x goal. Each write is traced instead, as `EventLog.flush`
     // (one span per group commit).
-    const append = (sessionId: string, event: EventData): Effect.Effect<Cursor.Cursor, EventLogError> => {
+    const append = (sessionId: string, event: EventData | EncodedEvent): Effect.Effect<Cursor.Cursor, EventLogError> => {
       const h = handles.get(sessionId)
       return h !== undefined
         ? appendTo(h, sessionId, event)
@@ -710,7 +739,7 @@ export const make = (options: { readonly root: string }): Effect.Effect<EventLog
     }
 
     const appendAll = Effect.fn("EventLog.appendAll")(
-      function*(sessionId: string, events: ReadonlyArray<EventData>) {
+      function*(sessionId: string, events: ReadonlyArray<EventData | EncodedEvent>) {
         if (events.length === 0) return []
         const jsons: Array<string> = []
         for (const event of events) {
@@ -967,8 +996,8 @@ export const makeMemory: Effect.Effect<EventLogService> = Effect.sync(() => {
   const toRecords = (generation: number, lines: ReadonlyArray<string>, fromSequence: number): Array<EventRecord> =>
     lines.slice(fromSequence).map((text) => parseRecord(text, generation)!)
 
-  const append = Effect.fnUntraced(function*(sessionId: string, event: EventData) {
-    const json = yield* serialize(sessionId, event)
+  const append = Effect.fnUntraced(function*(sessionId: string, event: EventData | EncodedEvent) {
+    const json = yield* serializeChecked(sessionId, event)
     const s = yield* sessionFor(sessionId)
     ensureFirst(s)
     const lines = s.segments.get(s.generation)!
@@ -980,9 +1009,9 @@ export const makeMemory: Effect.Effect<EventLogService> = Effect.sync(() => {
     return cursor
   })
   const appendAll = Effect.fn("EventLog.appendAll")(
-    function*(sessionId: string, events: ReadonlyArray<EventData>) {
+    function*(sessionId: string, events: ReadonlyArray<EventData | EncodedEvent>) {
       if (events.length === 0) return []
-      const jsons = yield* Effect.forEach(events, (event) => serialize(sessionId, event))
+      const jsons = yield* Effect.forEach(events, (event) => serializeChecked(sessionId, event))
       const s = yield* sessionFor(sessionId)
       ensureFirst(s)
       const lines = s.segments.get(s.generation)!

@@ -27,7 +27,7 @@ import { randomUUID } from "node:crypto"
 import * as path from "node:path"
 import * as Cursor from "./Cursor.js"
 import { DaemonConfig } from "./DaemonConfig.js"
-import { EventLog, type EventRecord } from "./EventLog.js"
+import { EncodedEvent, EventLog, type EventRecord } from "./EventLog.js"
 import type { Outbox } from "./internal/outbox.js"
 import * as Protocol from "./Protocol.js"
 import type { AgentMessage, CommandOf, ErrorCode, SessionSummary, WorkerState } from "./Protocol.js"
@@ -61,14 +61,49 @@ type LoggedBody =
   | { readonly type: "session_closed"; readonly reason: string }
 
 /**
- * The wire line of a sequenced message. Built around one `JSON.stringify` of the body: spreading
- * the body into a new object per event cost several times more on the live path (profiled).
+ * A sequenced message before it has a cursor: the JSON text of its {@link LoggedBody} without
+ * the closing brace. It is built once and is the start of both its log record and its wire line,
+ * so an agent event is serialized once, by the worker, and never parsed on the live path.
  */
-const wireLine = (activeSessionId: string, body: LoggedBody, cursor: Cursor.Cursor, emittedAt: number, replayed: boolean) => {
+interface Outgoing {
+  readonly open: string
+  /** For a `session_event`, the agent event's type. */
+  readonly eventType?: string
+}
+
+/** A worker's event, from its JSON text. */
+const eventMessage = (eventType: string, eventJson: string): Outgoing => ({
+  open: `{"type":"session_event","event":${eventJson}`,
+  eventType
+})
+
+/** A message the supervisor makes itself (status, closed, an interruption it reports). */
+const bodyMessage = (body: LoggedBody): Outgoing => {
   const json = JSON.stringify(body)
-  return `${json.slice(0, -1)},"activeSessionId":${JSON.stringify(activeSessionId)},"meta":{"cursor":{"generation":${cursor.generation},"sequence":${cursor.sequence}},"emittedAt":${emittedAt}${
+  return body.type === "session_event" ? { open: json.slice(0, -1), eventType: body.event.type } : { open: json.slice(0, -1) }
+}
+
+/** The log record of a message: its body and when it was emitted (`emittedAt` last). */
+const logged = (m: Outgoing, emittedAt: number) => new EncodedEvent(`${m.open},"emittedAt":${emittedAt}}`)
+
+const EMITTED_AT = `,"emittedAt":`
+
+/** The wire line of a message: its body, then `activeSessionId` and `meta`. */
+const wireLine = (sessionJson: string, open: string, cursor: Cursor.Cursor, emittedAt: number, replayed: boolean) =>
+  `${open},"activeSessionId":${sessionJson},"meta":{"cursor":{"generation":${cursor.generation},"sequence":${cursor.sequence}},"emittedAt":${emittedAt}${
     replayed ? ",\"replayed\":true" : ""
   }}}\n`
+
+/** The wire line of a logged record (replay, catch-up), from its text: `emittedAt` moves into meta. */
+const wireLineOfRecord = (sessionJson: string, r: EventRecord, replayed: boolean) => {
+  const emittedAt = r.event["emittedAt"]
+  const at = r.json.lastIndexOf(EMITTED_AT)
+  if (typeof emittedAt === "number" && at > 0 && r.json.slice(at + EMITTED_AT.length, -1) === String(emittedAt)) {
+    return wireLine(sessionJson, r.json.slice(0, at), r.cursor, emittedAt, replayed)
+  }
+  // Not in the shape `logged` writes: rebuild it from the parsed record.
+  const { emittedAt: _, ...body } = r.event
+  return wireLine(sessionJson, JSON.stringify(body).slice(0, -1), r.cursor, typeof emittedAt === "number" ? emittedAt : 0, replayed)
 }
 
 /** One connection's subscription to one session. */
@@ -91,16 +126,19 @@ class Attachment {
     readonly attachCursor: Cursor.Cursor | undefined
   ) {}
 
-  /** Called by publish, synchronously, for every new event. */
-  onLive(cursor: Cursor.Cursor, line: Uint8Array) {
+  /**
+   * Called by publish, synchronously, for every batch of new events (`lines`, the last one at
+   * `last`). A client over its limit is paused before the batch and later resumed from the log.
+   */
+  onLive(last: Cursor.Cursor, lines: Uint8Array) {
     if (this.mode !== "live" || this.detached) return
     if (this.outbox.queuedBytes > this.limit) {
       this.mode = "paused"
       this.signal()
       return
     }
-    this.outbox.offer(line)
-    this.delivered = cursor
+    this.outbox.offer(lines)
+    this.delivered = last
   }
 
   signal() {
@@ -234,27 +272,30 @@ export const make = Effect.gen(function*() {
   // ------------------------------------------------------------------------------------------
 
   /** Appends messages to the log (one group commit) and hands them to live attachments. */
-  const publishAll = (s: Session, bodies: ReadonlyArray<LoggedBody>) =>
+  const publishAll = (s: Session, messages: ReadonlyArray<Outgoing>) =>
     s.publishLock.withPermits(1)(Effect.gen(function*() {
-      if (bodies.length === 0) return
+      if (messages.length === 0) return
       const emittedAt = Date.now()
       // One write and one fsync for the batch; cursors follow the array order.
-      const cursors = yield* log.appendAll(s.meta.activeSessionId, bodies.map((body) => ({ ...body, emittedAt })))
-      for (let i = 0; i < bodies.length; i++) {
-        const body = bodies[i]!
-        const cursor = cursors[i]!
-        // Encoded once, shared by every attached client.
-        const line = Buffer.from(wireLine(s.meta.activeSessionId, body, cursor, emittedAt, false), "utf8")
-        s.lastCursor = cursor
-        s.generationEvents++
-        s.generationBytes += line.byteLength
+      const cursors = yield* log.appendAll(s.meta.activeSessionId, messages.map((m) => logged(m, emittedAt)))
+      const sessionJson = JSON.stringify(s.meta.activeSessionId)
+      let text = ""
+      for (let i = 0; i < messages.length; i++) {
+        const m = messages[i]!
+        text += wireLine(sessionJson, m.open, cursors[i]!, emittedAt, false)
         // Counted once logged, so the count never runs ahead of what get_messages can read.
-        if (body.type === "session_event" && body.event.type === "message_end") s.messageCount++
-        for (const a of s.attachments) a.onLive(cursor, line)
+        if (m.eventType === "message_end") s.messageCount++
       }
+      // Encoded once for the whole batch, shared by every attached client.
+      const lines = Buffer.from(text, "utf8")
+      const last = cursors[cursors.length - 1]!
+      s.lastCursor = last
+      s.generationEvents += messages.length
+      s.generationBytes += lines.byteLength
+      for (const a of s.attachments) a.onLive(last, lines)
     })).pipe(Effect.orDie)
 
-  const publish = (s: Session, body: LoggedBody) => publishAll(s, [body])
+  const publish = (s: Session, body: LoggedBody) => publishAll(s, [bodyMessage(body)])
 
   const publishStatus = (s: Session) => publish(s, { type: "session_status", state: summary(s) })
 
@@ -286,9 +327,14 @@ export const make = Effect.gen(function*() {
     })
 
   /** Handles the frames of one batch, in order; consecutive events are logged together. */
-  const handleFrames = (s: Session, worker: WorkerProcess, frames: ReadonlyArray<unknown>, loading: { value: boolean }) =>
+  const handleFrames = (
+    s: Session,
+    worker: WorkerProcess,
+    frames: ReadonlyArray<WorkerProtocol.ReceivedFrame>,
+    loading: { value: boolean }
+  ) =>
     Effect.gen(function*() {
-      let events: Array<LoggedBody> = []
+      let events: Array<Outgoing> = []
       const flushEvents = Effect.suspend(() => {
         const batch = events
         events = []
@@ -298,15 +344,15 @@ export const make = Effect.gen(function*() {
         const frame = raw as { readonly type: string; readonly [k: string]: unknown }
         switch (frame.type) {
           case "worker_event": {
-            const event = frame["event"] as { readonly type: string; readonly toolCallId?: string }
-            events.push({ type: "session_event", event })
-            if (event.type === "tool_execution_start" || event.type === "tool_execution_end") {
+            const { eventJson, eventType } = raw as WorkerProtocol.EventFrame
+            events.push(eventMessage(eventType, eventJson))
+            if (eventType === "tool_execution_start" || eventType === "tool_execution_end") {
               yield* flushEvents
-              yield* record(s, true, event.type === "tool_execution_start" ? "tool_start" : "tool_end")
-            } else if (event.type === "agent_end" || event.type === "turn_interrupted") {
-              s.lastTurnEnd = event.type === "agent_end"
+              yield* record(s, true, eventType === "tool_execution_start" ? "tool_start" : "tool_end")
+            } else if (eventType === "agent_end" || eventType === "turn_interrupted") {
+              s.lastTurnEnd = eventType === "agent_end"
                 ? "agent_end"
-                : (event as Extract<Protocol.AgentEvent, { type: "turn_interrupted" }>).reason
+                : (JSON.parse(eventJson) as Extract<Protocol.AgentEvent, { type: "turn_interrupted" }>).reason
               yield* flushEvents
               // During a restore the `ready` status that follows is the turn's idle status.
               yield* endTurn(s, !loading.value)
@@ -698,6 +744,7 @@ export const make = Effect.gen(function*() {
     Effect.gen(function*() {
       const s = a.session
       const id = s.meta.activeSessionId
+      const sessionJson = JSON.stringify(id)
       while (!a.detached && !a.outbox.isClosed) {
         const target = s.lastCursor
         if (target === undefined || (a.delivered !== undefined && !Cursor.isBefore(a.delivered, target))) {
@@ -720,9 +767,8 @@ export const make = Effect.gen(function*() {
             Effect.gen(function*() {
               if (a.detached) return yield* Effect.interrupt
               if (a.outbox.queuedBytes >= a.limit) yield* a.outbox.awaitBelow(a.limit)
-              const { emittedAt, ...body } = r.event as unknown as LoggedBody & { emittedAt: number }
               const replayed = a.resumed || (a.attachCursor !== undefined && !Cursor.isAfter(r.cursor, a.attachCursor))
-              a.outbox.offer(wireLine(id, body, r.cursor, emittedAt, replayed))
+              a.outbox.offer(wireLineOfRecord(sessionJson, r, replayed))
               a.delivered = r.cursor
             })
           ),

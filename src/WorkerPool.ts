@@ -51,7 +51,7 @@ const HIGH_WATER_BYTES = 4 * 1024 * 1024
 /** A running worker process. */
 export class WorkerProcess {
   private readonly decoder = new LineDecoder(Number.MAX_SAFE_INTEGER)
-  private frames: Array<unknown> = []
+  private frames: Array<WorkerProtocol.ReceivedFrame> = []
   private queuedBytes = 0
   private ended = false
   private wake: (() => void) | undefined
@@ -72,7 +72,7 @@ export class WorkerProcess {
       for (const item of this.decoder.push(chunk)) {
         if (typeof item !== "string") continue
         try {
-          this.frames.push(JSON.parse(item))
+          this.frames.push(WorkerProtocol.readWorkerLine(item))
           this.queuedBytes += item.length
         } catch {
           console.error(`[worker ${this.pid}] unreadable frame dropped: ${item.slice(0, 200)}`)
@@ -103,10 +103,11 @@ export class WorkerProcess {
 
   /**
    * Every frame received and not yet taken, waiting for at least one; an empty array means
-   * the pipe closed (the worker is gone or going). Frames are JSON values, trusted as
-   * WorkerProtocol frames: the supervisor treats agent events as opaque.
+   * the pipe closed (the worker is gone or going). Event frames come as
+   * {@link WorkerProtocol.EventFrame} (the supervisor treats agent events as opaque JSON text);
+   * other frames as JSON values, trusted as WorkerProtocol frames.
    */
-  readonly takeFrames: Effect.Effect<Array<unknown>> = Effect.async<Array<unknown>>((resume) => {
+  readonly takeFrames: Effect.Effect<Array<WorkerProtocol.ReceivedFrame>> = Effect.async((resume) => {
     const deliver = () => {
       const frames = this.frames
       this.frames = []

@@ -99,5 +99,61 @@ export const decodeWorkerFrame = (line: string): Either.Either<WorkerFrame, stri
 export const decodeSupervisorFrame = (line: string): Either.Either<SupervisorFrame, string> =>
   Either.mapLeft(decodeSupervisor(line), (e) => ParseResult.TreeFormatter.formatErrorSync(e))
 
-/** One frame as a JSON line. */
-export const encodeFrame = (frame: SupervisorFrame | WorkerFrame): string => JSON.stringify(frame) + "\n"
+/**
+ * One frame as a JSON line. A `worker_event` frame is always `{"type":"worker_event","event":
+ * {"type":"<event type>",...}}`, the event's own `type` first, so the supervisor can read the
+ * type and take the event's JSON text as it is ({@link readWorkerLine}).
+ */
+export const encodeFrame = (frame: SupervisorFrame | WorkerFrame): string =>
+  frame.type === "worker_event" ? encodeEventFrame(frame.event) : JSON.stringify(frame) + "\n"
+
+const EVENT_FRAME_OPEN = `{"type":"worker_event","event":`
+const TYPE_KEY = `{"type":"`
+
+/** The `worker_event` frame of one event, as a JSON line (see {@link encodeFrame}). */
+export const encodeEventFrame = (event: AgentEvent): string => {
+  let json = JSON.stringify(event)
+  // Events are built with `type` first; put it first for one that was not.
+  if (!json.startsWith(TYPE_KEY)) json = JSON.stringify(Object.assign({ type: event.type }, event))
+  return `${EVENT_FRAME_OPEN}${json}}\n`
+}
+
+/** A `worker_event` frame as the supervisor reads it: the event's type and its JSON text. */
+export interface EventFrame {
+  readonly type: "worker_event"
+  readonly eventType: string
+  /** The event exactly as the worker serialized it. */
+  readonly eventJson: string
+}
+
+/** A line from a worker, as the supervisor holds it: an event frame, or another frame's JSON value. */
+export type ReceivedFrame = EventFrame | { readonly type?: unknown; readonly [key: string]: unknown }
+
+const isRecord = (u: unknown): u is Record<string, unknown> => typeof u === "object" && u !== null && !Array.isArray(u)
+
+/**
+ * Reads one line from a worker. An event frame is not parsed: its type is read from its fixed
+ * prefix and its JSON text is kept as it is, to be logged and sent to clients without being
+ * parsed and serialized again on the supervisor's hottest path. The text is trusted as JSON: it
+ * comes from the worker's own `JSON.stringify` over a private pipe, and a line only counts once
+ * its newline has arrived, so a worker killed mid-write leaves no torn frame. Any other line is
+ * parsed (and throws if it is not JSON); other frames are trusted as WorkerProtocol frames.
+ */
+export const readWorkerLine = (line: string): ReceivedFrame => {
+  if (line.startsWith(EVENT_FRAME_OPEN + TYPE_KEY) && line.endsWith("}}")) {
+    const start = EVENT_FRAME_OPEN.length + TYPE_KEY.length
+    const end = line.indexOf("\"", start)
+    // An escape inside the type would need decoding: leave such a line to JSON.parse.
+    const escaped = line.lastIndexOf("\\", end) >= start
+    if (end > start && !escaped) {
+      return { type: "worker_event", eventType: line.slice(start, end), eventJson: line.slice(EVENT_FRAME_OPEN.length, -1) }
+    }
+  }
+  const value: unknown = JSON.parse(line)
+  if (!isRecord(value)) return {}
+  const event = value["event"]
+  if (value["type"] === "worker_event" && isRecord(event) && typeof event["type"] === "string") {
+    return { type: "worker_event", eventType: event["type"], eventJson: JSON.stringify(event) }
+  }
+  return value
+}

@@ -69,7 +69,10 @@ for (const impl of implementations) {
       const records = yield* readAll("s")
       assert.deepStrictEqual(
         records,
-        range(5).map((i) => ({ cursor: Cursor.make(1, i), event: { type: "e", i, nested: { ok: true } } }))
+        range(5).map((i) => {
+          const event = { type: "e", i, nested: { ok: true } }
+          return { cursor: Cursor.make(1, i), event, json: JSON.stringify(event) }
+        })
       )
       assert.deepStrictEqual(yield* log.lastCursor("s"), Option.some(Cursor.make(1, 4)))
       assert.deepStrictEqual(cursors(yield* readAll("s", Cursor.make(1, 2))), ["1:3", "1:4"])
@@ -95,6 +98,18 @@ for (const impl of implementations) {
       yield* log.append("s", event)
       event.list.push(3)
       assert.deepStrictEqual((yield* readAll("s"))[0]!.event, { list: [1, 2], text: "línea\nnueva \u2028 \"q\"" })
+    }))
+
+    test("an EncodedEvent is logged as its text, and read back as that text and its value", Effect.gen(function*() {
+      const log = yield* EventLog.EventLog
+      // Key order and spacing as the caller wrote them, which JSON.stringify would not reproduce.
+      const json = `{"z":1, "a":{"text":"l\\u00ednea \\"q\\""},"emittedAt":5}`
+      const cursor = yield* log.appendAll("s", [new EventLog.EncodedEvent(json), { plain: true }])
+      assert.deepStrictEqual(cursor, [Cursor.make(1, 0), Cursor.make(1, 1)])
+      const [encoded, plain] = yield* readAll("s")
+      assert.strictEqual(encoded!.json, json)
+      assert.deepStrictEqual(encoded!.event, { z: 1, a: { text: "línea \"q\"" }, emittedAt: 5 })
+      assert.strictEqual(plain!.json, `{"plain":true}`)
     }))
 
     test("startGeneration begins g+1; cursors restart at 0; reads cross generations", Effect.gen(function*() {

@@ -212,4 +212,37 @@ describe("WorkerProtocol", () => {
     assert.match(Either.isLeft(bad) ? bad.left : "", /pid/)
     assert.isTrue(Either.isLeft(WorkerProtocol.decodeSupervisorFrame("not json")))
   })
+
+  it("an event frame carries the event's type first and is read without parsing its event", () => {
+    // Built with `type` last: the encoder still puts it first.
+    const event = { messageId: "m", delta: "a \"b\"\n", type: "message_update" } as unknown as Protocol.AgentEvent
+    const line = WorkerProtocol.encodeFrame({ type: "worker_event", event })
+    assert.isTrue(line.startsWith(`{"type":"worker_event","event":{"type":"message_update",`))
+    const read = WorkerProtocol.readWorkerLine(line.slice(0, -1)) as WorkerProtocol.EventFrame
+    assert.strictEqual(read.eventType, "message_update")
+    assert.deepStrictEqual(JSON.parse(read.eventJson), event)
+    assert.strictEqual(read.eventJson, JSON.stringify(JSON.parse(line).event))
+    // Still a plain JSON line that the schema decodes.
+    assert.isTrue(Either.isRight(WorkerProtocol.decodeWorkerFrame(line)))
+  })
+
+  it.prop("readWorkerLine gives every event frame's type and exact event", [Arbitrary.make(WorkerProtocol.WorkerEvent)], ([frame]) => {
+    const read = WorkerProtocol.readWorkerLine(WorkerProtocol.encodeFrame(frame).slice(0, -1)) as WorkerProtocol.EventFrame
+    assert.strictEqual(read.type, "worker_event")
+    assert.strictEqual(read.eventType, frame.event.type)
+    assert.deepStrictEqual(JSON.parse(read.eventJson), JSON.parse(JSON.stringify(frame.event)))
+  }, { fastCheck: { numRuns: 200 } })
+
+  it("lines off the fast path are parsed: other key orders, escaped types, other frames", () => {
+    const reordered = WorkerProtocol.readWorkerLine(`{"event":{"delta":"x","type":"message_update"},"type":"worker_event"}`)
+    assert.deepStrictEqual(reordered, { type: "worker_event", eventType: "message_update", eventJson: `{"delta":"x","type":"message_update"}` })
+    const escaped = WorkerProtocol.readWorkerLine(`{"type":"worker_event","event":{"type":"agent\\u005fend"}}`)
+    assert.deepStrictEqual(escaped, { type: "worker_event", eventType: "agent_end", eventJson: `{"type":"agent_end"}` })
+    assert.deepStrictEqual(WorkerProtocol.readWorkerLine(`{"type":"worker_ready","pid":3,"messageCount":0}`), {
+      type: "worker_ready",
+      pid: 3,
+      messageCount: 0
+    })
+    assert.throws(() => WorkerProtocol.readWorkerLine(`{"type":"worker_event","event":{"type":"x"`))
+  })
 })
