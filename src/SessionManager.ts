@@ -315,11 +315,13 @@ export const make = Effect.gen(function*() {
   const endTurn = (s: Session, publishIdle: boolean) =>
     Effect.gen(function*() {
       if (!s.busy) return
-      s.busy = false
-      // Taken now: a prompt accepted while this ends installs its own deferred.
       const ended = s.turnEnded
       yield* record(s, false, "turn_end")
-      if (publishIdle) yield* publishStatus(s)
+      // The session stays busy until its idle status is out: a prompt accepted earlier would
+      // start the next turn before this one's `busy: false` (and get_state would run ahead of
+      // the events).
+      if (publishIdle) yield* publish(s, { type: "session_status", state: { ...summary(s), busy: false } })
+      s.busy = false
       yield* Deferred.succeed(ended, undefined)
       if (publishIdle && (s.generationEvents >= config.checkpointEvents || s.generationBytes >= config.checkpointBytes)) {
         yield* fork(Effect.ignoreLogged(checkpointSession(s)))

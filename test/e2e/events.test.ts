@@ -210,6 +210,43 @@ describe("echo engine turns as seen by an attached client", () => {
     expect(cursorGap(c.sequenced(id))).toBeUndefined()
   })
 
+  it("a prompt racing a turn's end starts the next turn only after that turn's busy:false status", async () => {
+    const d = shared()
+    const watcher = await d.connect("watcher")
+    const prompter = await d.connect("prompter")
+    const { id } = await createSession(watcher)
+    await attachAndReplay(watcher, { activeSessionId: id })
+    // Prompts back to back, each sent the moment the previous answer arrives: many land while
+    // a turn is ending (logged agent_end, idle status not yet out).
+    let accepted = 0
+    let busy = 0
+    while (accepted < 12) {
+      const r = await prompter.request({ type: "prompt", activeSessionId: id, message: `race ${accepted}` })
+      if (r["success"] === true) accepted++
+      else {
+        expect(r["error"]?.code, JSON.stringify(r)).toBe("session_busy")
+        busy++
+      }
+    }
+    await waitIdle(prompter, id)
+    const settled = () => {
+      const all = watcher.sequenced(id)
+      const ends = all.filter(isEvent("agent_end"))
+      return ends.length === accepted && isIdleStatus(all[all.length - 1]!)
+    }
+    for (let i = 0; i < 300 && !settled(); i++) await sleep(20)
+    expect(settled(), "the watcher saw every turn end, then an idle status").toBe(true)
+    const events = watcher.sequenced(id)
+    expect(cursorGap(events)).toBeUndefined()
+    // Each turn's end is followed by its own busy:false status before the next turn's busy:true.
+    const statuses = events.filter((m) => m["type"] === "session_status" || isEvent("agent_end")(m))
+    for (const [i, m] of statuses.entries()) {
+      if (!isEvent("agent_end")(m)) continue
+      const next = statuses[i + 1]
+      expect(next?.["state"]?.busy, `after the agent_end at ${JSON.stringify(cursorOf(m))} (${busy} prompts refused)`).toBe(false)
+    }
+  })
+
   it("only one turn at a time: of simultaneous prompts exactly one is accepted, the others get session_busy (also right after create)", async () => {
     const d = shared()
     const ctl = await d.connect("ctl")
