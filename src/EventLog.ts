@@ -466,6 +466,24 @@ const headerLength = (sid: string, fd: number, file: string): Effect.Effect<numb
     return nl + 1
   })
 
+/**
+ * Where the history stood when `generation` began (its header's `after`); `None` when the
+ * header says nothing or cannot be read (the caller then reads the segments themselves).
+ */
+const segmentStart = (sid: string, file: string, generation: number): Effect.Effect<Option.Option<Cursor.Cursor>> =>
+  Effect.acquireUseRelease(
+    fsOpen(sid, file, "r"),
+    (fd) =>
+      Effect.gen(function*() {
+        const buffer = Buffer.allocUnsafe(4096)
+        const n = yield* fsRead(sid, fd, buffer, buffer.length, 0)
+        const nl = buffer.subarray(0, n).indexOf(0x0a)
+        if (nl === -1) return Option.none()
+        return parseHeader(buffer.toString("utf8", 0, nl), generation)?.after ?? Option.none()
+      }),
+    fsCloseQuiet
+  ).pipe(Effect.orElseSucceed(() => Option.none()))
+
 /** Opens a session's log from disk (or an empty handle when it has none yet). */
 const openHandle = (root: string, sessionId: string): Effect.Effect<Handle, EventLogError> =>
   Effect.gen(function*() {
@@ -890,7 +908,14 @@ export const make = (options: { readonly root: string }): Effect.Effect<EventLog
             const generation = h.segments.find((g) => g >= minGeneration)
             if (generation === undefined) return Stream.empty
             const fromSequence = after !== undefined && generation === after.generation ? after.sequence + 1 : 0
-            return Stream.concat(segmentStream(h, generation, fromSequence), from(generation + 1))
+            const whole = Stream.concat(segmentStream(h, generation, fromSequence), from(generation + 1))
+            const later = h.segments.find((g) => g > generation)
+            if (fromSequence === 0 || later === undefined) return whole
+            // A cursor at the end of a finished generation (a checkpoint's cursor, which is
+            // where a restore starts): the next segment's header says so, and the finished one,
+            // possibly megabytes, need not be read at all.
+            return Stream.unwrap(Effect.map(segmentStart(sessionId, segmentPath(h, later), later), (start) =>
+              Option.isSome(start) && !Cursor.isBefore(after!, start.value) ? from(later) : whole))
           })
         return from(after?.generation ?? 1)
       })).pipe(Stream.withSpan("EventLog.read"))

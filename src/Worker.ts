@@ -16,7 +16,10 @@ import * as Fiber from "effect/Fiber"
 import * as Layer from "effect/Layer"
 import * as Option from "effect/Option"
 import * as Stream from "effect/Stream"
+import * as fs from "node:fs"
 import * as net from "node:net"
+import * as os from "node:os"
+import * as path from "node:path"
 import * as Cursor from "./Cursor.js"
 import { Engine, type EngineSession, foldEvent } from "./Engine.js"
 import * as EchoEngine from "./engines/EchoEngine.js"
@@ -115,8 +118,70 @@ const restoreTranscript = (activeSessionId: string, restore: NonNullable<LoadFra
     ))
   )
 
+const WARM_UP_PREFIX = "agentd-worker-warm-up-"
+
+/** Removes the warm-up dirs of workers that were killed during their warm-up (named by pid). */
+const sweepWarmUpDirs = (): void => {
+  for (const entry of fs.readdirSync(os.tmpdir())) {
+    if (!entry.startsWith(WARM_UP_PREFIX)) continue
+    const pid = Number(entry.slice(WARM_UP_PREFIX.length).split("-")[0])
+    if (!Number.isSafeInteger(pid) || pid <= 0 || isAlive(pid)) continue
+    fs.rmSync(path.join(os.tmpdir(), entry), { recursive: true, force: true })
+  }
+}
+
+const isAlive = (pid: number): boolean => {
+  try {
+    process.kill(pid, 0)
+    return true
+  } catch (e) {
+    // EPERM: it exists, it is someone else's.
+    return (e as NodeJS.ErrnoException).code === "EPERM"
+  }
+}
+
+/**
+ * Runs the restore path once, on a scratch session in a temp dir, before this worker is needed.
+ * A warm spare exists to make restores fast, and the first run of that code in a process pays
+ * for compiling it: a cold restore of a 1 MB transcript took ~100-150 ms, most of it there.
+ * Best effort: a failure only means the first real restore runs cold.
+ */
+const warmUpRestore: Effect.Effect<void> = Effect.gen(function*() {
+  yield* Effect.sync(sweepWarmUpDirs)
+  const dir = yield* Effect.acquireRelease(
+    Effect.sync(() => fs.mkdtempSync(path.join(os.tmpdir(), `${WARM_UP_PREFIX}${process.pid}-`))),
+    (dir) => Effect.sync(() => fs.rmSync(dir, { recursive: true, force: true }))
+  )
+  const restore = {
+    journalPath: path.join(dir, "recovery.jsonl"),
+    storeRoot: path.join(dir, "sessions"),
+    eventLogRoot: path.join(dir, "events")
+  }
+  const activeSessionId = "warm-up"
+  const message = (id: string): AgentMessage => ({ id, role: "assistant", content: "warm-up", timestamp: Date.now() })
+  const messageEnd = (id: string) => ({ type: "session_event", event: { type: "message_end", message: message(id) }, emittedAt: 0 })
+  // A session as a supervisor leaves it: a checkpoint, events after it, a journal record.
+  yield* Effect.gen(function*() {
+    const store = yield* SessionStore.SessionStore
+    const log = yield* EventLog.EventLog
+    const journal = yield* RecoveryJournal.RecoveryJournal
+    yield* store.create({ activeSessionId, sessionId: activeSessionId, engine: "echo", telemetry: false, createdAt: new Date().toISOString() })
+    const first = yield* log.append(activeSessionId, messageEnd("m0"))
+    yield* log.startGeneration(activeSessionId)
+    yield* store.writeSnapshot(activeSessionId, { snapshotId: "warm-up~g2", generation: 2, cursor: first, messageCount: 1 }, [message("m0")])
+    yield* log.appendAll(activeSessionId, [messageEnd("m1"), messageEnd("m2")])
+    yield* journal.record({ activeSessionId, sessionId: activeSessionId, busy: false, operation: "warm_up" })
+  }).pipe(Effect.provide(Layer.mergeAll(
+    SessionStore.layer({ root: restore.storeRoot }),
+    EventLog.layer({ root: restore.eventLogRoot }),
+    RecoveryJournal.layer({ path: restore.journalPath })
+  )))
+  const restored = yield* restoreTranscript(activeSessionId, restore)
+  if (restored.messages.length !== 3) yield* Effect.logDebug(`warm-up restore found ${restored.messages.length} messages`)
+}).pipe(Effect.scoped, Effect.ignore)
+
 /** The worker's main program over an already open pipe. */
-export const run = (pipe: Pipe) =>
+export const run = (pipe: Pipe, options: { readonly warmUp?: boolean } = {}) =>
   Effect.gen(function*() {
     const engines = yield* Engine
     let session: LoadedSession | undefined
@@ -217,6 +282,7 @@ export const run = (pipe: Pipe) =>
       }
     }
 
+    if (options.warmUp === true) yield* warmUpRestore
     yield* pipe.send({ type: "worker_ready", pid: process.pid, messageCount: 0 })
     yield* Effect.promise(() =>
       pipe.lines((line) => {
@@ -235,7 +301,8 @@ export const run = (pipe: Pipe) =>
 /** The worker process entry: fd 3 is the pipe; exits when the supervisor goes away. */
 export const main = (): void => {
   const pipe = new Pipe(3)
-  Effect.runPromiseExit(run(pipe).pipe(Effect.provide(EchoEngine.layer))).then((exit) => {
+  const warmUp = process.argv.includes(WorkerProtocol.WARM_UP_FLAG)
+  Effect.runPromiseExit(run(pipe, { warmUp }).pipe(Effect.provide(EchoEngine.layer))).then((exit) => {
     if (Exit.isFailure(exit)) console.error(Cause.pretty(exit.cause))
     // The supervisor is gone (or we failed): a worker never outlives its pipe.
     process.exit(Exit.isSuccess(exit) ? 0 : 1)

@@ -221,13 +221,14 @@ export const make = (options: WorkerPoolOptions = {}) =>
       })
     }
 
-    const spawnWorker = (env: Readonly<Record<string, string>> | undefined) =>
+    /** A spare also warms up its restore path before it reports ready (see `Worker.warmUpRestore`). */
+    const spawnWorker = (env: Readonly<Record<string, string>> | undefined, spare = false) =>
       Effect.gen(function*() {
         if (closing) return yield* new WorkerSpawnError({ message: "the daemon is stopping" })
         const exited = yield* Deferred.make<WorkerExit>()
         const child = yield* Effect.try({
           try: () =>
-            spawn(process.execPath, [...execArgv, entry], {
+            spawn(process.execPath, [...execArgv, entry, ...(spare ? [WorkerProtocol.WARM_UP_FLAG] : [])], {
               stdio: ["ignore", "pipe", "pipe", "pipe"],
               env: env === undefined ? process.env : { ...process.env, ...env }
             }),
@@ -254,7 +255,7 @@ export const make = (options: WorkerPoolOptions = {}) =>
     const startSpare = () => {
       if (options.warmSpare === false || closing) return
       // Memoized and started now: the process boots while nobody waits for it.
-      const started = Effect.runSync(Effect.cached(Effect.flatMap(spawnWorker(undefined), awaitReady)))
+      const started = Effect.runSync(Effect.cached(Effect.flatMap(spawnWorker(undefined, true), awaitReady)))
       Effect.runFork(Effect.ignore(started))
       spare = started
     }
@@ -273,7 +274,9 @@ export const make = (options: WorkerPoolOptions = {}) =>
         if (env === undefined && spare !== undefined) {
           const taken = spare
           spare = undefined
-          startSpare()
+          // Spawning is synchronous and takes milliseconds: let the caller send the taken
+          // worker its `load` first (a restore waits for it), then start the next spare.
+          setImmediate(startSpare)
           worker = yield* Effect.orElseSucceed(taken, () => undefined)
           // A spare that died meanwhile is no use: fall through to a fresh spawn.
           if (worker !== undefined && (worker.child.exitCode !== null || worker.child.signalCode !== null)) {

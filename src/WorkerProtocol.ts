@@ -20,6 +20,9 @@ import {
   Tagged
 } from "./Protocol.js"
 
+/** The worker argument that asks it to warm up its restore path before it reports ready (the pool's spare). */
+export const WARM_UP_FLAG = "--warm-up"
+
 // Supervisor -> worker ---------------------------------------------------------------------------
 
 /** Makes this worker the worker of a session: fresh, or restored from its files. */

@@ -451,6 +451,25 @@ describe("EventLog (file only)", () => {
       assert.strictEqual(error.reason, "Corrupt")
     }))
 
+  it.scoped("a read from the last cursor of a finished generation does not read that generation", () =>
+    Effect.gen(function*() {
+      const root = yield* tempDir
+      yield* withLog(root, Effect.gen(function*() {
+        const log = yield* EventLog.EventLog
+        for (const i of range(3)) yield* log.append("s", { i })
+        yield* log.startGeneration("s")
+        yield* log.append("s", { i: 3 })
+      }))
+      // Generation 1's records are made unreadable: only a reader that opens them can notice.
+      const file = segment(root, "s", 1)
+      fs.writeFileSync(file, fs.readFileSync(file, "utf8").replace("\"sequence\":1", "\"sequence\":5"))
+      yield* withLog(root, Effect.gen(function*() {
+        assert.deepStrictEqual(cursors(yield* readAll("s", Cursor.make(1, 2))), ["2:0"])
+        assert.deepStrictEqual(cursors(yield* readAll("s", Cursor.make(1, 99))), ["2:0"])
+        assert.strictEqual((yield* Effect.flip(readAll("s", Cursor.make(1, 0)))).reason, "Corrupt")
+      }))
+    }))
+
   it.scoped("prune deletes the files; remove can archive the directory", () =>
     Effect.gen(function*() {
       const root = yield* tempDir

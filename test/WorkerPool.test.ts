@@ -1,6 +1,9 @@
 import { assert, describe, it } from "@effect/vitest"
 import * as Deferred from "effect/Deferred"
 import * as Effect from "effect/Effect"
+import { spawnSync } from "node:child_process"
+import * as fs from "node:fs"
+import * as os from "node:os"
 import * as path from "node:path"
 import { fileURLToPath } from "node:url"
 import * as WorkerPool from "../src/WorkerPool.js"
@@ -71,6 +74,21 @@ describe("WorkerPool", () => {
       for (const pid of pids) {
         assert.throws(() => process.kill(pid, 0), /ESRCH/, `worker ${pid} still alive`)
       }
+    }), 30_000)
+
+  it.live("the spare warms up in a temp dir it removes, and sweeps the dirs of workers killed while warming up", () =>
+    Effect.gen(function*() {
+      // A dir left by a worker that died mid warm-up (a pid that has exited).
+      const dead = spawnSync(process.execPath, ["-e", "0"]).pid
+      const stale = fs.mkdtempSync(path.join(os.tmpdir(), `agentd-worker-warm-up-${dead}-`))
+      const spare = yield* withPool((pool) =>
+        Effect.gen(function*() {
+          const worker = yield* pool.acquire("s-warm")
+          const mine = fs.readdirSync(os.tmpdir()).filter((e) => e.startsWith(`agentd-worker-warm-up-${worker.pid}-`))
+          assert.deepStrictEqual(mine, [], "the warm-up dir is gone once the spare reports ready")
+          return worker.pid
+        }), true)
+      assert.isFalse(fs.existsSync(stale), `${stale} was not swept by worker ${spare}`)
     }), 30_000)
 
   it("restart policy: immediate first restart, exponential backoff, failed past maxRestarts", () => {

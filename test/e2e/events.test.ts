@@ -266,13 +266,14 @@ describe("echo engine turns as seen by an attached client", () => {
     await ctl.ok({ type: "prompt", activeSessionId: id, message: "warm" })
     await waitIdle(ctl, id)
     const clients = await Promise.all(Array.from({ length: 8 }, (_, i) => d.connect(`p${i}`)))
-    const answers = await Promise.all(clients.map((c, i) => c.request({ type: "prompt", activeSessionId: id, message: `from ${i}` })))
+    // A turn that lasts, so that "at the same moment" holds on a loaded machine too.
+    const answers = await Promise.all(clients.map((c) => c.request({ type: "prompt", activeSessionId: id, message: "/sleep 400" })))
     const accepted = answers.filter((r) => r["success"] === true)
     expect(accepted.length, answers.map((r) => JSON.stringify(r["data"] ?? r["error"]?.code)).join(", ")).toBe(1)
     expect(answers.filter((r) => r["error"]?.code === "session_busy").length).toBe(7)
     await waitIdle(ctl, id)
     const users = ((await ctl.ok({ type: "get_messages", activeSessionId: id }))["messages"] as Array<Msg>).filter((m) => m["role"] === "user")
-    expect(users.map((m) => m["content"]).filter((x) => x.startsWith("from ")).length).toBe(1)
+    expect(users.filter((m) => m["content"] === "/sleep 400").length).toBe(1)
   })
 
   /** Runs `rounds` prompt+abort pairs (one write each) and returns the abort answers and the log. */
