@@ -706,7 +706,8 @@ export const make = (options: { readonly root: string }): Effect.Effect<EventLog
           }
           h.queue = []
           yield* h.lock.withPermits(1)(writeBatch(h, batch)).pipe(
-            Effect.withSpan("EventLog.flush", { attributes: { sessionId: h.sessionId, ops: batch.length } })
+            // No stack trace: capturing one per group commit cost ~3% of the append path (profiled).
+            Effect.withSpan("EventLog.flush", { attributes: { sessionId: h.sessionId, ops: batch.length }, captureStackTrace: false })
           )
           // Let the appenders just acknowledged run first: most append again at once, and their
           // records then join the next write instead of waiting for the one after it.
