@@ -20,6 +20,8 @@ import * as path from "node:path"
 import { DaemonConfig, type DaemonConfigShape } from "./DaemonConfig.js"
 import * as DaemonConfigModule from "./DaemonConfig.js"
 import * as DaemonServer from "./DaemonServer.js"
+import { Engine, EngineError } from "./Engine.js"
+import * as EchoEngine from "./engines/EchoEngine.js"
 import * as EventLog from "./EventLog.js"
 import * as Fsx from "./internal/fsx.js"
 import * as RecoveryJournal from "./RecoveryJournal.js"
@@ -67,6 +69,24 @@ export const supervisorInfoLayer: Layer.Layer<
   })
 )
 
+/**
+ * The engines the workers run (`create` checks a session's engine and config against them),
+ * once the configured default engine is found among them: checked before the state dir is
+ * touched, so `serve --engine <unknown>` changes nothing.
+ */
+const enginesLayer: Layer.Layer<Engine, EngineError, DaemonConfig> = Layer.effectDiscard(
+  Effect.gen(function*() {
+    const config = yield* DaemonConfig
+    const engines = yield* Engine
+    if (!engines.names.includes(config.engine)) {
+      return yield* new EngineError({
+        reason: "unknown_engine",
+        message: `unknown engine \`${config.engine}\` (known: ${engines.names.join(", ")})`
+      })
+    }
+  })
+).pipe(Layer.provideMerge(EchoEngine.layer))
+
 /** The storage layers over the state dir and supervisor generation. */
 const storageLayer = Layer.unwrapEffect(
   Effect.gen(function*() {
@@ -90,7 +110,7 @@ export const DaemonLive = (
   config: Partial<DaemonConfigShape> = {}
 ): Layer.Layer<DaemonServer.DaemonServer | SessionManager.SessionManager, unknown> => {
   const configLayer = DaemonConfigModule.layer(config)
-  const info = supervisorInfoLayer.pipe(Layer.provideMerge(configLayer))
+  const info = supervisorInfoLayer.pipe(Layer.provideMerge(enginesLayer), Layer.provideMerge(configLayer))
   const storage = storageLayer.pipe(Layer.provideMerge(info))
   const manager = SessionManager.layer.pipe(Layer.provideMerge(storage))
   return DaemonServer.layer.pipe(Layer.provideMerge(manager))

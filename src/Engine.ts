@@ -31,9 +31,15 @@ export interface EngineSession {
   readonly runTurn: (input: TurnInput) => Stream.Stream<AgentEvent, EngineError>
 }
 
-/** The engines a worker can run, by name. */
+/**
+ * The engines a worker can run, by name. The supervisor holds the same service to check a
+ * session's engine and config at `create`, so that a bad config is an `invalid_command` there
+ * rather than a worker that fails to load again and again.
+ */
 export class Engine extends Context.Tag("agentd/Engine")<Engine, {
   readonly names: ReadonlyArray<string>
+  /** Checks that `name` is known and `config` is valid for it, without starting anything. */
+  readonly validate: (name: string, config: Readonly<Record<string, unknown>>) => Effect.Effect<void, EngineError>
   readonly make: (name: string, config: Readonly<Record<string, unknown>>) => Effect.Effect<EngineSession, EngineError>
 }>() {}
 

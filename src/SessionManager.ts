@@ -27,6 +27,7 @@ import { randomUUID } from "node:crypto"
 import * as path from "node:path"
 import * as Cursor from "./Cursor.js"
 import { DaemonConfig } from "./DaemonConfig.js"
+import { Engine } from "./Engine.js"
 import { EncodedEvent, EventLog, type EventRecord } from "./EventLog.js"
 import type { Outbox } from "./internal/outbox.js"
 import * as Protocol from "./Protocol.js"
@@ -223,6 +224,7 @@ const internal = (what: string) => (e: { readonly message: string }) =>
 
 export const make = Effect.gen(function*() {
   const config = yield* DaemonConfig
+  const engines = yield* Engine
   const info = yield* SupervisorInfo
   const log = yield* EventLog
   const store = yield* SessionStore
@@ -993,9 +995,14 @@ export const make = Effect.gen(function*() {
   const create = (cmd: CommandOf<"create">) =>
     Effect.gen(function*() {
       const engine = cmd.engine ?? config.engine
-      if (engine !== "echo") {
-        return yield* new CommandError({ code: "invalid_command", message: `Invalid \`create\` command: \`engine\`: unknown engine \`${engine}\` (known: echo)` })
-      }
+      yield* engines.validate(engine, cmd.config ?? {}).pipe(
+        Effect.mapError((e) =>
+          new CommandError({
+            code: "invalid_command",
+            message: `Invalid \`create\` command: \`${e.reason === "unknown_engine" ? "engine" : "config"}\`: ${e.message}`
+          })
+        )
+      )
       const activeSessionId = `s-${randomUUID()}`
       const meta: SessionMeta = {
         activeSessionId,
@@ -1222,5 +1229,5 @@ export const make = Effect.gen(function*() {
 export const layer: Layer.Layer<
   SessionManager,
   never,
-  DaemonConfig | SupervisorInfo | EventLog | SessionStore | RecoveryJournal | SnapshotCache | WorkerPool
+  DaemonConfig | Engine | SupervisorInfo | EventLog | SessionStore | RecoveryJournal | SnapshotCache | WorkerPool
 > = Layer.scoped(SessionManager, make)

@@ -85,6 +85,10 @@ describe("EchoEngine", () => {
       assert.strictEqual(bad.reason, "invalid_config")
       const unknown = yield* Effect.flip(engine.make("gpt", {}))
       assert.strictEqual(unknown.reason, "unknown_engine")
+      // validate says the same without making a session.
+      assert.strictEqual((yield* Effect.flip(engine.validate("echo", { tokenDelayMs: "x" }))).reason, "invalid_config")
+      assert.strictEqual((yield* Effect.flip(engine.validate("gpt", {}))).reason, "unknown_engine")
+      yield* engine.validate("echo", { tokenDelayMs: 5 })
     }).pipe(Effect.provide(EchoEngine.layer)))
 
   it.effect("folding the events yields the transcript", () =>

@@ -6,6 +6,7 @@
 import * as Args from "@effect/cli/Args"
 import * as Command from "@effect/cli/Command"
 import * as Options from "@effect/cli/Options"
+import * as ValidationError from "@effect/cli/ValidationError"
 import * as NodeContext from "@effect/platform-node/NodeContext"
 import * as NodeRuntime from "@effect/platform-node/NodeRuntime"
 import * as Effect from "effect/Effect"
@@ -116,9 +117,20 @@ cli(process.argv).pipe(
           process.exitCode = 1
           return
         }
+        if (error._tag === "EngineError") {
+          // `serve --engine` naming an engine that does not exist: a usage error.
+          console.error(`agentd: ${(error as unknown as { message: string }).message}`)
+          process.exitCode = 2
+          return
+        }
       }
-      // @effect/cli has already printed what was wrong with the command line.
-      process.exitCode = 2
+      if (ValidationError.isValidationError(error)) {
+        // @effect/cli has already printed what was wrong with the command line.
+        process.exitCode = 2
+        return
+      }
+      console.error(`agentd: ${error instanceof Error ? error.message : String(error)}`)
+      process.exitCode = 1
     })
   ),
   Effect.provide(NodeContext.layer),

@@ -108,11 +108,12 @@ const makeSession = (config: EchoConfig): EngineSession => ({
     })
 })
 
+const unknown = (name: string) =>
+  Effect.fail(new EngineError({ reason: "unknown_engine", message: `unknown engine \`${name}\` (known: echo)` }))
+
 /** The engines built into agentd (today: `echo`). */
 export const layer: Layer.Layer<Engine> = Layer.succeed(Engine, {
   names: ["echo"],
-  make: (name, config) =>
-    name === "echo"
-      ? Effect.map(readConfig(config), makeSession)
-      : Effect.fail(new EngineError({ reason: "unknown_engine", message: `unknown engine \`${name}\`` }))
+  validate: (name, config) => name === "echo" ? Effect.asVoid(readConfig(config)) : unknown(name),
+  make: (name, config) => name === "echo" ? Effect.map(readConfig(config), makeSession) : unknown(name)
 })

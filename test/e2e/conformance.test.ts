@@ -356,6 +356,16 @@ describe("error codes", () => {
     const e8 = await rawRequest(c, `{"type":"create","id":"e8","name":null}`, "e8")
     expectError(e8, "invalid_command", "e8", "create")
     expect(e8["error"].message).toContain("name")
+    // An engine or engine config the workers would refuse is refused at create: no session is
+    // made (a worker could never load it; it used to crash-loop until `failed`).
+    const before = ((await c.ok({ type: "list" }))["sessions"] as Array<unknown>).length
+    const e8b = await rawRequest(c, `{"type":"create","id":"e8b","config":{"tokenDelayMs":-1}}`, "e8b")
+    expectError(e8b, "invalid_command", "e8b", "create")
+    expect(e8b["error"].message).toContain("tokenDelayMs")
+    const e8c = await rawRequest(c, `{"type":"create","id":"e8c","engine":"gpt"}`, "e8c")
+    expectError(e8c, "invalid_command", "e8c", "create")
+    expect(e8c["error"].message).toContain("unknown engine")
+    expect(((await c.ok({ type: "list" }))["sessions"] as Array<unknown>).length).toBe(before)
     const e9 = await rawRequest(c, `{"type":"prompt","id":"e9","activeSessionId":"x"}`, "e9")
     expectError(e9, "invalid_command", "e9", "prompt")
     expect(e9["error"].message).toContain("message")

@@ -64,6 +64,21 @@ describe("server (e2e)", () => {
     expect((await client.ok({ type: "ping" }))["pong"]).toBe(true)
   }, 40_000)
 
+  it("serve --engine with an unknown engine exits 2 with a clear message and leaves no state dir", () => {
+    const stateDir = freshStateDir()
+    try {
+      const run = spawnSync(process.execPath, [DAEMON_BIN, "serve", "--state-dir", stateDir, "--engine", "nope"], {
+        encoding: "utf8",
+        timeout: 20_000
+      })
+      expect(run.status).toBe(2)
+      expect(run.stderr).toContain("unknown engine `nope` (known: echo)")
+      expect(fs.existsSync(stateDir)).toBe(false)
+    } finally {
+      fs.rmSync(path.dirname(stateDir), { recursive: true, force: true })
+    }
+  }, 30_000)
+
   it("a client that stops reading while 100 MB stream is paused, then resumed from its cursor with nothing lost", async () => {
     // No automatic checkpoints: each would re-snapshot the growing transcript, which is not
     // what this test is about.
