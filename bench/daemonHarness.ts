@@ -19,6 +19,7 @@ import * as net from "node:net"
 import * as os from "node:os"
 import * as path from "node:path"
 import { fileURLToPath } from "node:url"
+import { cpuTicksOf, descendantsOf, isAlive, killQuietly, processesWithEnv } from "../test/support/procfs.js"
 
 const here = path.dirname(fileURLToPath(import.meta.url))
 /** The built daemon: dist/src/bin/agentd.js (from dist/bench, or from bench/ when run with tsx). */
@@ -39,91 +40,10 @@ export const nowMs = (): number => Number(process.hrtime.bigint()) / 1e6
 export type Msg = Record<string, any>
 
 // ---------------------------------------------------------------------------------------------
-// /proc helpers
+// /proc helpers (the shared ones are in test/support/procfs.ts)
 // ---------------------------------------------------------------------------------------------
 
-export const isAlive = (pid: number): boolean => {
-  try {
-    const stat = fs.readFileSync(`/proc/${pid}/stat`, "utf8")
-    const state = stat.slice(stat.lastIndexOf(")") + 2).split(" ")[0]
-    return state !== "Z" && state !== "X"
-  } catch {
-    return false
-  }
-}
-
-const listPids = (): Array<number> => {
-  try {
-    return fs.readdirSync("/proc").filter((d) => /^\d+$/.test(d)).map(Number)
-  } catch {
-    return []
-  }
-}
-
-const parentOf = (pid: number): number | undefined => {
-  try {
-    const stat = fs.readFileSync(`/proc/${pid}/stat`, "utf8")
-    return Number(stat.slice(stat.lastIndexOf(")") + 2).split(" ")[1])
-  } catch {
-    return undefined
-  }
-}
-
-/** Every live descendant of `root`. */
-export const descendantsOf = (root: number): Array<number> => {
-  const parents = new Map<number, number>()
-  for (const pid of listPids()) {
-    const ppid = parentOf(pid)
-    if (ppid !== undefined) parents.set(pid, ppid)
-  }
-  const out: Array<number> = []
-  const frontier = [root]
-  while (frontier.length > 0) {
-    const p = frontier.pop()!
-    for (const [pid, ppid] of parents) {
-      if (ppid === p && !out.includes(pid)) {
-        out.push(pid)
-        frontier.push(pid)
-      }
-    }
-  }
-  return out.filter(isAlive)
-}
-
-/** Live processes whose environment holds `KEY=value` (only ours are readable anyway). */
-const processesWithEnv = (key: string, value: string): Array<number> => {
-  const needle = Buffer.from(`${key}=${value}\0`)
-  const out: Array<number> = []
-  for (const pid of listPids()) {
-    if (pid === process.pid) continue
-    try {
-      if (fs.readFileSync(`/proc/${pid}/environ`).indexOf(needle) >= 0) out.push(pid)
-    } catch {
-      // gone, or not ours
-    }
-  }
-  return out.filter(isAlive)
-}
-
-const killQuietly = (pid: number, signal: NodeJS.Signals): void => {
-  try {
-    process.kill(pid, signal)
-  } catch {
-    // already gone
-  }
-}
-
-/** CPU ticks (utime + stime) of a process, or undefined when it is gone. */
-const cpuTicksOf = (pid: number): number | undefined => {
-  try {
-    const stat = fs.readFileSync(`/proc/${pid}/stat`, "utf8")
-    const fields = stat.slice(stat.lastIndexOf(")") + 2).split(" ")
-    // Fields 14 and 15 of stat(5); the slice starts at field 3.
-    return Number(fields[11]) + Number(fields[12])
-  } catch {
-    return undefined
-  }
-}
+export { descendantsOf, isAlive }
 
 /**
  * Waits until every process in `pids` is idle: blocked in epoll_wait and using no CPU over

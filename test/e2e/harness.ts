@@ -19,6 +19,9 @@ import * as os from "node:os"
 import * as path from "node:path"
 import { fileURLToPath } from "node:url"
 import { afterAll, afterEach, beforeAll, onTestFinished } from "vitest"
+import { descendantsOf, isAlive, killQuietly, processesWithEnv } from "../support/procfs.js"
+
+export { isAlive }
 
 // ---------------------------------------------------------------------------------------------
 // Paths and constants
@@ -82,18 +85,6 @@ export const describeMsg = (m: Msg): string => {
   }
 }
 
-/** Is `pid` a live (non-zombie) process? */
-export const isAlive = (pid: number): boolean => {
-  try {
-    const stat = fs.readFileSync(`/proc/${pid}/stat`, "utf8")
-    // Field 3 (after the parenthesised comm, which may contain spaces) is the state.
-    const state = stat.slice(stat.lastIndexOf(")") + 2).split(" ")[0]
-    return state !== "Z" && state !== "X"
-  } catch {
-    return false
-  }
-}
-
 /** Waits until none of `pids` is alive; returns the ones still alive at the deadline. */
 export const waitGone = async (pids: ReadonlyArray<number>, timeoutMs: number): Promise<Array<number>> => {
   const deadline = Date.now() + timeoutMs
@@ -101,69 +92,6 @@ export const waitGone = async (pids: ReadonlyArray<number>, timeoutMs: number): 
     const alive = pids.filter(isAlive)
     if (alive.length === 0 || Date.now() >= deadline) return alive
     await sleep(25)
-  }
-}
-
-const readProcParent = (pid: number): number | undefined => {
-  try {
-    const stat = fs.readFileSync(`/proc/${pid}/stat`, "utf8")
-    const fields = stat.slice(stat.lastIndexOf(")") + 2).split(" ")
-    return Number(fields[1])
-  } catch {
-    return undefined
-  }
-}
-
-const listPids = (): Array<number> => {
-  try {
-    return fs.readdirSync("/proc").filter((d) => /^\d+$/.test(d)).map(Number)
-  } catch {
-    return []
-  }
-}
-
-/** Every live descendant of `root` (children, grandchildren...). */
-export const descendantsOf = (root: number): Array<number> => {
-  const parents = new Map<number, number>()
-  for (const pid of listPids()) {
-    const ppid = readProcParent(pid)
-    if (ppid !== undefined) parents.set(pid, ppid)
-  }
-  const out: Array<number> = []
-  const frontier = [root]
-  while (frontier.length > 0) {
-    const p = frontier.pop()!
-    for (const [pid, ppid] of parents) {
-      if (ppid === p && !out.includes(pid)) {
-        out.push(pid)
-        frontier.push(pid)
-      }
-    }
-  }
-  return out.filter(isAlive)
-}
-
-/** Every live process whose environment contains `KEY=value`. */
-export const processesWithEnv = (key: string, value: string): Array<number> => {
-  const needle = Buffer.from(`${key}=${value}\0`)
-  const out: Array<number> = []
-  for (const pid of listPids()) {
-    if (pid === process.pid) continue
-    try {
-      const env = fs.readFileSync(`/proc/${pid}/environ`)
-      if (env.indexOf(needle) >= 0) out.push(pid)
-    } catch {
-      // gone, or not ours
-    }
-  }
-  return out.filter(isAlive)
-}
-
-const killQuietly = (pid: number, signal: NodeJS.Signals): void => {
-  try {
-    process.kill(pid, signal)
-  } catch {
-    // already gone
   }
 }
 
