@@ -38,6 +38,13 @@ import { ChunkBuilder, SnapshotCache } from "./SnapshotCache.js"
 import { defaultRestartPolicy, nextRestart, WorkerCrashed, WorkerPool, type WorkerProcess } from "./WorkerPool.js"
 import type * as WorkerProtocol from "./WorkerProtocol.js"
 
+/**
+ * Events of one worker read are logged and sent in batches of about this many bytes (one write,
+ * one fsync, one encode for every client). A slow client is checked against its outbox limit
+ * between batches, so it can go past the limit by one batch (or one larger event).
+ */
+const PUBLISH_BATCH_BYTES = 256 * 1024
+
 /** A command failed with one of the documented error codes. */
 export class CommandError extends Data.TaggedError("CommandError")<{
   readonly code: ErrorCode
@@ -318,13 +325,16 @@ export const make = Effect.gen(function*() {
     Effect.gen(function*() {
       if (!s.busy) return
       const ended = s.turnEnded
-      yield* record(s, false, "turn_end")
       // The session stays busy until its idle status is out: a prompt accepted earlier would
       // start the next turn before this one's `busy: false` (and get_state would run ahead of
-      // the events).
-      if (publishIdle) yield* publish(s, { type: "session_status", state: { ...summary(s), busy: false } })
-      s.busy = false
-      yield* Deferred.succeed(ended, undefined)
+      // the events). Even if logging fails, the turn is over: never leave the session busy.
+      yield* Effect.gen(function*() {
+        yield* record(s, false, "turn_end")
+        if (publishIdle) yield* publish(s, { type: "session_status", state: { ...summary(s), busy: false } })
+      }).pipe(Effect.ensuring(Effect.suspend(() => {
+        s.busy = false
+        return Deferred.succeed(ended, undefined)
+      })))
       if (publishIdle && (s.generationEvents >= config.checkpointEvents || s.generationBytes >= config.checkpointBytes)) {
         yield* fork(Effect.ignoreLogged(checkpointSession(s)))
       }
@@ -339,9 +349,11 @@ export const make = Effect.gen(function*() {
   ) =>
     Effect.gen(function*() {
       let events: Array<Outgoing> = []
+      let eventBytes = 0
       const flushEvents = Effect.suspend(() => {
         const batch = events
         events = []
+        eventBytes = 0
         return publishAll(s, batch)
       })
       for (const raw of frames) {
@@ -350,6 +362,9 @@ export const make = Effect.gen(function*() {
           case "worker_event": {
             const { eventJson, eventType } = raw as WorkerProtocol.EventFrame
             events.push(eventMessage(eventType, eventJson))
+            eventBytes += eventJson.length
+            // A client is paused between batches: the cap bounds how far past its limit it gets.
+            if (eventBytes >= PUBLISH_BATCH_BYTES) yield* flushEvents
             if (eventType === "tool_execution_start" || eventType === "tool_execution_end") {
               yield* flushEvents
               yield* record(s, true, eventType === "tool_execution_start" ? "tool_start" : "tool_end")

@@ -120,13 +120,23 @@ const restoreTranscript = (activeSessionId: string, restore: NonNullable<LoadFra
 
 const WARM_UP_PREFIX = "agentd-worker-warm-up-"
 
-/** Removes the warm-up dirs of workers that were killed during their warm-up (named by pid). */
+/**
+ * Removes the warm-up dirs that workers killed during their warm-up left (named by pid): only
+ * this user's, only of dead pids; anything in the way is skipped.
+ */
 const sweepWarmUpDirs = (): void => {
+  const uid = process.getuid?.()
   for (const entry of fs.readdirSync(os.tmpdir())) {
     if (!entry.startsWith(WARM_UP_PREFIX)) continue
     const pid = Number(entry.slice(WARM_UP_PREFIX.length).split("-")[0])
     if (!Number.isSafeInteger(pid) || pid <= 0 || isAlive(pid)) continue
-    fs.rmSync(path.join(os.tmpdir(), entry), { recursive: true, force: true })
+    const dir = path.join(os.tmpdir(), entry)
+    try {
+      if (uid !== undefined && fs.lstatSync(dir).uid !== uid) continue
+      fs.rmSync(dir, { recursive: true, force: true })
+    } catch {
+      // gone meanwhile, or not ours to remove
+    }
   }
 }
 
@@ -147,11 +157,24 @@ const isAlive = (pid: number): boolean => {
  * Best effort: a failure only means the first real restore runs cold.
  */
 const warmUpRestore: Effect.Effect<void> = Effect.gen(function*() {
-  yield* Effect.sync(sweepWarmUpDirs)
+  yield* Effect.try(sweepWarmUpDirs)
   const dir = yield* Effect.acquireRelease(
-    Effect.sync(() => fs.mkdtempSync(path.join(os.tmpdir(), `${WARM_UP_PREFIX}${process.pid}-`))),
-    (dir) => Effect.sync(() => fs.rmSync(dir, { recursive: true, force: true }))
-  )
+    Effect.try(() => {
+      const dir = fs.mkdtempSync(path.join(os.tmpdir(), `${WARM_UP_PREFIX}${process.pid}-`))
+      // The pool stops a spare with SIGTERM, possibly right now: remove the dir on the way out.
+      const onTerm = () => {
+        fs.rmSync(dir, { recursive: true, force: true })
+        process.exit(0)
+      }
+      process.once("SIGTERM", onTerm)
+      return { dir, onTerm }
+    }),
+    ({ dir, onTerm }) =>
+      Effect.try(() => {
+        process.off("SIGTERM", onTerm)
+        fs.rmSync(dir, { recursive: true, force: true })
+      }).pipe(Effect.ignore)
+  ).pipe(Effect.map(({ dir }) => dir))
   const restore = {
     journalPath: path.join(dir, "recovery.jsonl"),
     storeRoot: path.join(dir, "sessions"),
@@ -178,7 +201,11 @@ const warmUpRestore: Effect.Effect<void> = Effect.gen(function*() {
   )))
   const restored = yield* restoreTranscript(activeSessionId, restore)
   if (restored.messages.length !== 3) yield* Effect.logDebug(`warm-up restore found ${restored.messages.length} messages`)
-}).pipe(Effect.scoped, Effect.ignore)
+}).pipe(
+  Effect.scoped,
+  // Whatever went wrong (a missing TMPDIR, a full disk), the spare is still a worker.
+  Effect.catchAllCause((cause) => Effect.logDebug("warm-up skipped", cause))
+)
 
 /** The worker's main program over an already open pipe. */
 export const run = (pipe: Pipe, options: { readonly warmUp?: boolean } = {}) =>

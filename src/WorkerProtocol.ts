@@ -140,7 +140,8 @@ const isRecord = (u: unknown): u is Record<string, unknown> => typeof u === "obj
  * parsed and serialized again on the supervisor's hottest path. The text is trusted as JSON: it
  * comes from the worker's own `JSON.stringify` over a private pipe, and a line only counts once
  * its newline has arrived, so a worker killed mid-write leaves no torn frame. Any other line is
- * parsed (and throws if it is not JSON); other frames are trusted as WorkerProtocol frames.
+ * parsed (and throws if it is not JSON, or is an event frame without an event); other frames
+ * are trusted as WorkerProtocol frames.
  */
 export const readWorkerLine = (line: string): ReceivedFrame => {
   if (line.startsWith(EVENT_FRAME_OPEN + TYPE_KEY) && line.endsWith("}}")) {
@@ -154,8 +155,12 @@ export const readWorkerLine = (line: string): ReceivedFrame => {
   }
   const value: unknown = JSON.parse(line)
   if (!isRecord(value)) return {}
-  const event = value["event"]
-  if (value["type"] === "worker_event" && isRecord(event) && typeof event["type"] === "string") {
+  if (value["type"] === "worker_event") {
+    const event = value["event"]
+    if (!isRecord(event) || typeof event["type"] !== "string") {
+      // Never logged: an event without a type is no AgentEvent (and the log would hold `undefined`).
+      throw new Error("a worker_event frame whose event is not an object with a string `type`")
+    }
     return { type: "worker_event", eventType: event["type"], eventJson: JSON.stringify(event) }
   }
   return value

@@ -244,5 +244,9 @@ describe("WorkerProtocol", () => {
       messageCount: 0
     })
     assert.throws(() => WorkerProtocol.readWorkerLine(`{"type":"worker_event","event":{"type":"x"`))
+    // An event frame without an event object with a string type is refused, never passed on.
+    for (const bad of [`{"type":"worker_event"}`, `{"type":"worker_event","event":{"type":7}}`, `{"type":"worker_event","event":[1]}`]) {
+      assert.throws(() => WorkerProtocol.readWorkerLine(bad), /worker_event/)
+    }
   })
 })

@@ -91,6 +91,26 @@ describe("WorkerPool", () => {
       assert.isFalse(fs.existsSync(stale), `${stale} was not swept by worker ${spare}`)
     }), 30_000)
 
+  it.live("a spare whose warm-up cannot run (TMPDIR missing) still starts and serves", () =>
+    Effect.gen(function*() {
+      const saved = process.env["TMPDIR"]
+      // The spare is spawned when the pool starts, with this process's environment.
+      const missing = path.join(os.tmpdir(), "agentd-no-such-dir", "tmp")
+      process.env["TMPDIR"] = missing
+      const result = yield* withPool((pool) =>
+        Effect.gen(function*() {
+          if (saved === undefined) delete process.env["TMPDIR"]
+          else process.env["TMPDIR"] = saved
+          const worker = yield* pool.acquire("s-no-tmp")
+          // The spare itself (not a fresh spawn after it died): it has the missing TMPDIR.
+          assert.include(fs.readFileSync(`/proc/${worker.pid}/environ`, "utf8"), `TMPDIR=${missing}\0`)
+          yield* worker.send({ type: "load", activeSessionId: "s-no-tmp", engine: "echo" })
+          yield* worker.send({ type: "prompt", turnId: "t", message: "still here" })
+          return yield* takeUntil(worker, (f) => f.eventType === "agent_end")
+        }), true)
+      assert.isDefined(result.found)
+    }), 30_000)
+
   it("restart policy: immediate first restart, exponential backoff, failed past maxRestarts", () => {
     const policy = { maxRestarts: 3, restartWindowMs: 60_000, backoffBaseMs: 100 }
     const at = (times: Array<number>, now: number) => WorkerPool.nextRestart(policy, times, now)
