@@ -382,8 +382,9 @@ export const make = Effect.gen(function*() {
             yield* flushEvents
             if (loading.value) {
               loading.value = false
+              // Like busy: get_state says ready only once the `ready` status is logged.
+              yield* publish(s, { type: "session_status", state: { ...summary(s), worker: "ready" } })
               s.workerState = "ready"
-              yield* publishStatus(s)
               yield* Deferred.succeed(s.ready, undefined)
             }
             break

@@ -151,7 +151,8 @@ const isAlive = (pid: number): boolean => {
 }
 
 /**
- * Runs the restore path once, on a scratch session in a temp dir, before this worker is needed.
+ * Runs the restore path once, on a scratch session in a temp dir, while this worker waits to be
+ * needed.
  * A warm spare exists to make restores fast, and the first run of that code in a process pays
  * for compiling it: a cold restore of a 1 MB transcript took ~100-150 ms, most of it there.
  * Best effort: a failure only means the first real restore runs cold.
@@ -309,11 +310,18 @@ export const run = (pipe: Pipe, options: { readonly warmUp?: boolean } = {}) =>
       }
     }
 
-    if (options.warmUp === true) yield* warmUpRestore
     yield* pipe.send({ type: "worker_ready", pid: process.pid, messageCount: 0 })
+    // The warm-up runs while nobody needs this worker: the first frame interrupts it (its
+    // scratch dir is removed on the way) and is handled once it has stopped.
+    let warmUp = options.warmUp === true ? Effect.runFork(warmUpRestore) : undefined
     yield* Effect.promise(() =>
       pipe.lines((line) => {
         const decoded = WorkerProtocol.decodeSupervisorFrame(line)
+        if (warmUp !== undefined) {
+          const fiber = warmUp
+          warmUp = undefined
+          queue = queue.then(() => Effect.runPromise(Fiber.interrupt(fiber))).then(() => {})
+        }
         queue = queue.then(() =>
           Effect.runPromiseExit(
             Either.isLeft(decoded) ? fail(`bad frame: ${decoded.left}`) : handle(decoded.right)

@@ -221,7 +221,7 @@ export const make = (options: WorkerPoolOptions = {}) =>
       })
     }
 
-    /** A spare also warms up its restore path before it reports ready (see `Worker.warmUpRestore`). */
+    /** A spare also warms up its restore path while it waits (see `Worker.warmUpRestore`). */
     const spawnWorker = (env: Readonly<Record<string, string>> | undefined, spare = false) =>
       Effect.gen(function*() {
         if (closing) return yield* new WorkerSpawnError({ message: "the daemon is stopping" })

@@ -20,7 +20,7 @@ import {
   Tagged
 } from "./Protocol.js"
 
-/** The worker argument that asks it to warm up its restore path before it reports ready (the pool's spare). */
+/** The worker argument that asks it to warm up its restore path while it waits for its first frame (the pool's spare). */
 export const WARM_UP_FLAG = "--warm-up"
 
 // Supervisor -> worker ---------------------------------------------------------------------------

@@ -84,8 +84,11 @@ describe("WorkerPool", () => {
       const spare = yield* withPool((pool) =>
         Effect.gen(function*() {
           const worker = yield* pool.acquire("s-warm")
-          const mine = fs.readdirSync(os.tmpdir()).filter((e) => e.startsWith(`agentd-worker-warm-up-${worker.pid}-`))
-          assert.deepStrictEqual(mine, [], "the warm-up dir is gone once the spare reports ready")
+          // Left alone, the spare sweeps first, then warms up and removes its own dir.
+          const mine = () => fs.readdirSync(os.tmpdir()).filter((e) => e.startsWith(`agentd-worker-warm-up-${worker.pid}-`))
+          for (let i = 0; i < 400 && fs.existsSync(stale); i++) yield* Effect.sleep("25 millis")
+          for (let i = 0; i < 400 && mine().length > 0; i++) yield* Effect.sleep("25 millis")
+          assert.deepStrictEqual(mine(), [], "the warm-up dir is gone once the warm-up is over")
           return worker.pid
         }), true)
       assert.isFalse(fs.existsSync(stale), `${stale} was not swept by worker ${spare}`)

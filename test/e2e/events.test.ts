@@ -45,6 +45,9 @@ describe("echo engine turns as seen by an attached client", () => {
     const d = shared()
     const c = await d.connect()
     const { id } = await createSession(c)
+    // create answers while the worker starts; once get_state says ready, its `ready` status is
+    // logged and belongs to the attach baseline.
+    await waitIdle(c, id)
     const { data, replayed } = await attachAndReplay(c, { activeSessionId: id })
     const start = c.all.length
     const pr = await c.request({ type: "prompt", activeSessionId: id, message: "hello   big\tworld" })
