@@ -100,7 +100,10 @@ const storageLayer = Layer.unwrapEffect(
         cacheRoot: path.join(config.stateDir, "snapshot-cache", String(info.generation)),
         memoryCacheBytes: config.memoryCacheBytes
       }).pipe(Layer.provide(NodeFileSystem.layer)),
-      WorkerPool.layer({ warmSpare: config.warmSpare })
+      WorkerPool.layer({
+        warmSpare: config.warmSpare,
+        ...(config.workerEntry === undefined ? {} : { workerEntry: config.workerEntry })
+      })
     )
   })
 )

@@ -37,6 +37,11 @@ export interface DaemonConfigShape {
   readonly clientEnvKeys: ReadonlyArray<string>
   /** Keep a started worker ready for the next session or restore. */
   readonly warmSpare: boolean
+  /**
+   * The worker program to spawn; by default this package's `bin/worker.js` next to the module
+   * that spawns it. The bundled CLI names the worker bundled next to it.
+   */
+  readonly workerEntry?: string
 }
 
 /** The configuration of the running daemon. */

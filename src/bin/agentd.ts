@@ -13,6 +13,7 @@ import * as Effect from "effect/Effect"
 import * as Logger from "effect/Logger"
 import * as Option from "effect/Option"
 import * as path from "node:path"
+import { fileURLToPath } from "node:url"
 import * as Daemon from "../Daemon.js"
 import * as DaemonConfig from "../DaemonConfig.js"
 import * as Client from "./client.js"
@@ -49,6 +50,8 @@ const serve = Command.make(
       yield* Daemon.serve({
         stateDir: dir,
         socketPath: DaemonConfig.resolveSocketPath(dir, Option.getOrUndefined(opts.socket)),
+        // Next to this file, whether it is the compiled module or the bundle (see package.json).
+        workerEntry: fileURLToPath(new URL("./worker.js", import.meta.url)),
         ...Option.match(opts.engine, { onNone: () => ({}), onSome: (engine) => ({ engine }) }),
         ...Option.match(opts.maxWorkers, { onNone: () => ({}), onSome: (maxWorkers) => ({ maxWorkers }) })
       }).pipe(
