@@ -12,6 +12,7 @@
  * it exits; an exit the supervisor did not ask for fails with WorkerCrashed, which runs the
  * restore effect (replacement worker, same activeSessionId, `recovering` then `ready`).
  */
+import * as Cause from "effect/Cause"
 import * as Chunk from "effect/Chunk"
 import * as Context from "effect/Context"
 import * as Data from "effect/Data"
@@ -468,8 +469,35 @@ export const make = Effect.gen(function*() {
   const supervise = (s: Session, worker: WorkerProcess): Effect.Effect<void> =>
     pump(s, worker).pipe(
       Effect.catchTag("WorkerCrashed", (crash) => restore(s, crash)),
-      Effect.catchAllCause((cause) => Effect.logError(`session ${s.meta.activeSessionId} supervisor`, cause))
+      Effect.catchAllCause((cause) => failSession(s, worker, cause))
     )
+
+  /**
+   * The supervisor of a session failed for another reason than its worker's exit: its events
+   * cannot be logged (a full disk, an unwritable state dir). The session is `failed`, never
+   * left busy or starting: the worker stops, a running turn ends for everyone waiting on it,
+   * prompts get `session_failed` until `retry_worker`.
+   */
+  const failSession = (s: Session, worker: WorkerProcess, cause: Cause.Cause<unknown>) =>
+    Effect.gen(function*() {
+      const id = s.meta.activeSessionId
+      yield* Effect.logError(`session ${id} failed: its supervisor stopped`, cause)
+      if (s.worker === worker) s.worker = undefined
+      if (!s.closed) s.workerState = "failed"
+      s.lastTurnEnd = "worker_crashed"
+      yield* fork(Effect.asVoid(worker.stop()))
+      const failure = new CommandError({
+        code: "session_failed",
+        message: `Session \`${id}\` failed: ${Cause.squash(cause) instanceof Error ? (Cause.squash(cause) as Error).message : "its events could not be logged"}; use retry_worker.`
+      })
+      yield* Deferred.fail(s.ready, failure)
+      if (s.busy) {
+        s.busy = false
+        yield* Deferred.succeed(s.turnEnded, undefined)
+      }
+      // Tell attached clients if the log takes it; it may well not.
+      yield* Effect.catchAllCause(publishStatus(s), () => Effect.void)
+    })
 
   /** The restore effect: a replacement worker under the same activeSessionId. */
   const restore = (s: Session, crash: WorkerCrashed) =>

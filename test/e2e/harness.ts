@@ -324,6 +324,11 @@ export interface StartOptions {
   readonly socket?: string
   readonly extraArgs?: ReadonlyArray<string>
   readonly env?: Readonly<Record<string, string>>
+  /**
+   * Runs the daemon (and its workers) under `ulimit -f` with SIGXFSZ ignored: writes past this
+   * many KiB fail with EFBIG (a full disk, as far as the daemon can tell).
+   */
+  readonly fileSizeLimitKiB?: number
 }
 
 const liveDaemons = new Set<Daemon>()
@@ -525,7 +530,15 @@ export const startDaemon = async (options: StartOptions = {}): Promise<Daemon> =
   // on a shared machine have been seen to `pkill -f` (observed: SIGTERM to daemons mid-start).
   const entry = path.join(path.dirname(stateDir), `daemon-under-test-${mark.slice(0, 8)}.js`)
   if (!fs.existsSync(entry)) fs.symlinkSync(DAEMON_BIN, entry)
-  const proc = spawn(process.execPath, [entry, "serve", "--state-dir", stateDir, ...socketArgs, ...(options.extraArgs ?? [])], {
+  const argv = [entry, "serve", "--state-dir", stateDir, ...socketArgs, ...(options.extraArgs ?? [])]
+  const limit = options.fileSizeLimitKiB
+  const proc = spawn(limit === undefined ? process.execPath : "/bin/sh", limit === undefined ? argv : [
+    "-c",
+    // /bin/sh (dash) counts `ulimit -f` in 512-byte blocks; an ignored signal stays ignored across exec.
+    `ulimit -f ${Math.ceil(limit * 2)} && trap '' XFSZ && exec "$0" "$@"`,
+    process.execPath,
+    ...argv
+  ], {
     cwd: path.dirname(stateDir),
     env,
     stdio: ["ignore", "pipe", "pipe"],

@@ -79,6 +79,33 @@ describe("server (e2e)", () => {
     }
   }, 30_000)
 
+  it("an event log that cannot be written (EFBIG) fails the session, never leaves it busy; the daemon serves on", async () => {
+    const daemon = await useDaemon({ fileSizeLimitKiB: 2048 })
+    const c = await daemon.connect()
+    const { id } = await createSession(c)
+    const { id: other } = await createSession(c)
+    await waitIdle(c, id)
+    // 4 MB of deltas into a segment that cannot pass 2 MiB.
+    expect((await c.request({ type: "prompt", activeSessionId: id, message: "/bulk 4000000" }))["success"]).toBe(true)
+    let state: Record<string, unknown> = {}
+    for (let i = 0; i < 300; i++) {
+      state = await c.ok({ type: "get_state", activeSessionId: id })
+      if (state["worker"] === "failed") break
+      await sleep(50)
+    }
+    expect(state).toMatchObject({ worker: "failed", busy: false })
+    const prompt = await c.request({ type: "prompt", activeSessionId: id, message: "again" })
+    expect(prompt["error"]?.code, JSON.stringify(prompt)).toBe("session_failed")
+    expect((await c.ok({ type: "abort", activeSessionId: id }))["aborted"]).toBe(false)
+    expect(daemon.stderr).toContain(`session ${id} failed`)
+    // Everything else goes on: other sessions, other commands.
+    expect((await c.ok({ type: "ping" }))["pong"]).toBe(true)
+    await waitIdle(c, other)
+    expect((await c.request({ type: "prompt", activeSessionId: other, message: "still fine" }))["success"]).toBe(true)
+    await waitIdle(c, other)
+    expect((await c.ok({ type: "get_state", activeSessionId: other }))["messageCount"]).toBe(2)
+  }, 60_000)
+
   it("a client that stops reading while 100 MB stream is paused, then resumed from its cursor with nothing lost", async () => {
     // No automatic checkpoints: each would re-snapshot the growing transcript, which is not
     // what this test is about.
