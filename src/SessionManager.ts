@@ -178,6 +178,8 @@ interface Session {
   /** Resolved when the worker state leaves starting/recovering. */
   ready: Deferred.Deferred<void, CommandError>
   busy: boolean
+  /** The running turn's end (agent_end or turn_interrupted) has been received; its idle status is on its way. */
+  turnEnding: boolean
   /** Resolved at the end of the running turn. */
   turnEnded: Deferred.Deferred<void>
   /** The running (or last) turn's id, and how the last turn ended. */
@@ -370,6 +372,7 @@ export const make = Effect.gen(function*() {
               yield* flushEvents
               yield* record(s, true, eventType === "tool_execution_start" ? "tool_start" : "tool_end")
             } else if (eventType === "agent_end" || eventType === "turn_interrupted") {
+              s.turnEnding = true
               s.lastTurnEnd = eventType === "agent_end"
                 ? "agent_end"
                 : (JSON.parse(eventJson) as Extract<Protocol.AgentEvent, { type: "turn_interrupted" }>).reason
@@ -1019,6 +1022,7 @@ export const make = Effect.gen(function*() {
         workerState,
         ready: yield* Deferred.make<void, CommandError>(),
         busy: false,
+        turnEnding: false,
         turnEnded: yield* Deferred.make<void>(),
         turnId: "",
         lastTurnEnd: undefined,
@@ -1077,11 +1081,15 @@ export const make = Effect.gen(function*() {
   const prompt = (cmd: CommandOf<"prompt">) =>
     Effect.gen(function*() {
       const s = yield* get(cmd.activeSessionId)
+      // A turn whose end is out is over for the client that saw it: its prompt waits for the
+      // turn's idle status (and the prompts that wait with it race for the session).
+      if (s.busy && s.turnEnding) yield* Deferred.await(s.turnEnded)
       if (s.busy) {
         return yield* new CommandError({ code: "session_busy", message: `Session \`${s.meta.activeSessionId}\` is running a turn.` })
       }
       // Taken before any wait, so a second prompt meanwhile gets session_busy.
       s.busy = true
+      s.turnEnding = false
       s.turnEnded = yield* Deferred.make<void>()
       const started = yield* Effect.either(Effect.gen(function*() {
         yield* ensureWorker(s)

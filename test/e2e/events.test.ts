@@ -213,6 +213,27 @@ describe("echo engine turns as seen by an attached client", () => {
     expect(cursorGap(c.sequenced(id))).toBeUndefined()
   })
 
+  it("a prompt sent the moment agent_end arrives is accepted (it waits for the turn's idle status)", async () => {
+    const d = shared()
+    const c = await d.connect()
+    const { id } = await createSession(c)
+    await attachAndReplay(c, { activeSessionId: id })
+    await c.ok({ type: "prompt", activeSessionId: id, message: "turn 0" })
+    for (let i = 1; i <= 8; i++) {
+      await c.waitFor((m) => m["activeSessionId"] === id && isEvent("agent_end")(m), 15_000, `agent_end of turn ${i - 1}`)
+      const r = await c.request({ type: "prompt", activeSessionId: id, message: `turn ${i}` })
+      expect(r["success"], `turn ${i}: ${JSON.stringify(r)}`).toBe(true)
+    }
+    await collectTurn(c, id)
+    await waitIdle(c, id)
+    const all = c.sequenced(id)
+    expect(cursorGap(all)).toBeUndefined()
+    // Every agent_end is followed by its own busy:false status before the next busy:true.
+    const marks = all.filter((m) => m["type"] === "session_status" || isEvent("agent_end")(m))
+    for (const [i, m] of marks.entries()) if (isEvent("agent_end")(m)) expect(marks[i + 1]?.["state"]?.busy).toBe(false)
+    expect(all.filter(isEvent("agent_end"))).toHaveLength(9)
+  })
+
   it("a prompt racing a turn's end starts the next turn only after that turn's busy:false status", async () => {
     const d = shared()
     const watcher = await d.connect("watcher")
