@@ -140,6 +140,14 @@ const sweepWarmUpDirs = (): void => {
   }
 }
 
+const removeQuietly = (dir: string): void => {
+  try {
+    fs.rmSync(dir, { recursive: true, force: true, maxRetries: 2 })
+  } catch {
+    // a file operation still in flight; the next attempt or the next spare's sweep gets it
+  }
+}
+
 const isAlive = (pid: number): boolean => {
   try {
     process.kill(pid, 0)
@@ -162,19 +170,25 @@ const warmUpRestore: Effect.Effect<void> = Effect.gen(function*() {
   const dir = yield* Effect.acquireRelease(
     Effect.try(() => {
       const dir = fs.mkdtempSync(path.join(os.tmpdir(), `${WARM_UP_PREFIX}${process.pid}-`))
-      // The pool stops a spare with SIGTERM, possibly right now: remove the dir on the way out.
-      const onTerm = () => {
-        fs.rmSync(dir, { recursive: true, force: true })
-        process.exit(0)
-      }
+      // Removed however the process ends: at exit, and on the pool's SIGTERM (a spare is
+      // stopped that way, possibly mid warm-up).
+      const onExit = () => removeQuietly(dir)
+      const onTerm = () => process.exit(0)
+      process.on("exit", onExit)
       process.once("SIGTERM", onTerm)
-      return { dir, onTerm }
+      return { dir, onExit, onTerm }
     }),
-    ({ dir, onTerm }) =>
-      Effect.try(() => {
+    ({ dir, onExit, onTerm }) =>
+      Effect.sync(() => {
         process.off("SIGTERM", onTerm)
-        fs.rmSync(dir, { recursive: true, force: true })
-      }).pipe(Effect.ignore)
+        removeQuietly(dir)
+        // An interrupted warm-up may still have file operations in flight that recreate
+        // parts of the dir: remove it once more when they are surely done.
+        setTimeout(() => {
+          removeQuietly(dir)
+          process.off("exit", onExit)
+        }, 2000).unref()
+      })
   ).pipe(Effect.map(({ dir }) => dir))
   const restore = {
     journalPath: path.join(dir, "recovery.jsonl"),
@@ -312,15 +326,15 @@ export const run = (pipe: Pipe, options: { readonly warmUp?: boolean } = {}) =>
 
     yield* pipe.send({ type: "worker_ready", pid: process.pid, messageCount: 0 })
     // The warm-up runs while nobody needs this worker: the first frame interrupts it (its
-    // scratch dir is removed on the way) and is handled once it has stopped.
+    // scratch dir is removed on the way).
     let warmUp = options.warmUp === true ? Effect.runFork(warmUpRestore) : undefined
     yield* Effect.promise(() =>
       pipe.lines((line) => {
         const decoded = WorkerProtocol.decodeSupervisorFrame(line)
         if (warmUp !== undefined) {
-          const fiber = warmUp
+          // Not waited for: the frame is handled while the warm-up winds down.
+          Effect.runFork(Fiber.interrupt(warmUp))
           warmUp = undefined
-          queue = queue.then(() => Effect.runPromise(Fiber.interrupt(fiber))).then(() => {})
         }
         queue = queue.then(() =>
           Effect.runPromiseExit(

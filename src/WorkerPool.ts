@@ -17,6 +17,7 @@ import * as Effect from "effect/Effect"
 import * as Layer from "effect/Layer"
 import * as Schema from "effect/Schema"
 import { type ChildProcess, spawn } from "node:child_process"
+import * as fs from "node:fs"
 import type * as net from "node:net"
 import { fileURLToPath } from "node:url"
 import { LineDecoder } from "./JsonLines.js"
@@ -186,7 +187,14 @@ export class WorkerPool extends Context.Tag("agentd/WorkerPool")<WorkerPool, {
   readonly live: Effect.Effect<ReadonlyArray<WorkerProcess>>
 }>() {}
 
-const defaultEntry = () => fileURLToPath(new URL("./bin/worker.js", import.meta.url))
+/**
+ * `bin/worker.js` next to this module; when this module is bundled into the CLI
+ * (`dist/src/bin/agentd.js`, scripts/bundle.mjs), the worker bundle is right next to it.
+ */
+const defaultEntry = () => {
+  const compiled = fileURLToPath(new URL("./bin/worker.js", import.meta.url))
+  return fs.existsSync(compiled) ? compiled : fileURLToPath(new URL("./worker.js", import.meta.url))
+}
 
 /** Waits for the first frame of a new worker (`worker_ready`), or its death. */
 const awaitReady = (worker: WorkerProcess): Effect.Effect<WorkerProcess, WorkerSpawnError> =>

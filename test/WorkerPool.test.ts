@@ -94,6 +94,23 @@ describe("WorkerPool", () => {
       assert.isFalse(fs.existsSync(stale), `${stale} was not swept by worker ${spare}`)
     }), 30_000)
 
+  it.live("a spare loaded in the middle of its warm-up serves at once and still removes its warm-up dir", () =>
+    Effect.gen(function*() {
+      const left = yield* withPool((pool) =>
+        Effect.gen(function*() {
+          // Taken the moment it is ready: its warm-up has just begun.
+          const worker = yield* pool.acquire("s-early")
+          yield* worker.send({ type: "load", activeSessionId: "s-early", engine: "echo" })
+          yield* worker.send({ type: "prompt", turnId: "t", message: "early" })
+          const { found } = yield* takeUntil(worker, (f) => f.eventType === "agent_end")
+          assert.isDefined(found)
+          const mine = () => fs.readdirSync(os.tmpdir()).filter((e) => e.startsWith(`agentd-worker-warm-up-${worker.pid}-`))
+          for (let i = 0; i < 200 && mine().length > 0; i++) yield* Effect.sleep("25 millis")
+          return mine()
+        }), true)
+      assert.deepStrictEqual(left, [])
+    }), 30_000)
+
   it.live("a spare whose warm-up cannot run (TMPDIR missing) still starts and serves", () =>
     Effect.gen(function*() {
       const saved = process.env["TMPDIR"]
