@@ -503,10 +503,17 @@ const distStamp = (): number => {
   return newest
 }
 
-/** A fresh temp root; the state dir is `<root>/state` and does not exist yet. */
-export const freshStateDir = (): string => path.join(fs.mkdtempSync(path.join(os.tmpdir(), "ade2e-")), "state")
-
 const tempRoots = new Set<string>()
+
+/**
+ * A fresh temp root; the state dir is `<root>/state` and does not exist yet. The root is
+ * removed by `removeTempRoots` (each file's afterAll) once no daemon runs in it.
+ */
+export const freshStateDir = (): string => {
+  const root = fs.mkdtempSync(path.join(os.tmpdir(), "ade2e-"))
+  tempRoots.add(root)
+  return path.join(root, "state")
+}
 
 /** Starts `agentd serve` and waits until its socket greets with `daemon_hello`. */
 export const startDaemon = async (options: StartOptions = {}): Promise<Daemon> => {
