@@ -1083,7 +1083,11 @@ export const make = Effect.gen(function*() {
       const s = yield* get(cmd.activeSessionId)
       // A turn whose end is out is over for the client that saw it: its prompt waits for the
       // turn's idle status (and the prompts that wait with it race for the session).
-      if (s.busy && s.turnEnding) yield* Deferred.await(s.turnEnded)
+      if (s.busy && s.turnEnding) {
+        yield* Deferred.await(s.turnEnded)
+        // Killed meanwhile: the session is gone.
+        if (s.closed) return yield* Effect.fail(notFound(s.meta.activeSessionId))
+      }
       if (s.busy) {
         return yield* new CommandError({ code: "session_busy", message: `Session \`${s.meta.activeSessionId}\` is running a turn.` })
       }
