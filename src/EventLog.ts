@@ -31,6 +31,7 @@ import * as FiberId from "effect/FiberId"
 import * as FiberSet from "effect/FiberSet"
 import * as Layer from "effect/Layer"
 import * as Option from "effect/Option"
+import { isRecord } from "effect/Predicate"
 import * as Runtime from "effect/Runtime"
 import type * as Scope from "effect/Scope"
 import * as Stream from "effect/Stream"
@@ -186,9 +187,6 @@ export const sanitizeSessionId = (sessionId: string): Either.Either<string, Even
   return Either.right(out)
 }
 
-const isObject = (u: unknown): u is { readonly [key: string]: unknown } =>
-  typeof u === "object" && u !== null && !Array.isArray(u)
-
 /** The event as JSON text, or why it cannot be logged. */
 const serializeSync = (sessionId: string, event: EventData | EncodedEvent): string | EventLogError => {
   if (event instanceof EncodedEvent) return event.json
@@ -212,7 +210,7 @@ const serializeChecked = (sessionId: string, event: EventData | EncodedEvent): E
       } catch (cause) {
         return Effect.fail(fail("InvalidEvent", sessionId, `an encoded event is not JSON: ${String(cause)}`, cause))
       }
-      if (!isObject(value)) return Effect.fail(fail("InvalidEvent", sessionId, "an event must be a JSON object"))
+      if (!isRecord(value)) return Effect.fail(fail("InvalidEvent", sessionId, "an event must be a JSON object"))
     }
     const json = serializeSync(sessionId, event)
     return typeof json === "string" ? Effect.succeed(json) : Effect.fail(json)
@@ -229,7 +227,7 @@ const headerLine = (generation: number, after: Option.Option<Cursor.Cursor>): st
   JSON.stringify({ segment: Option.isSome(after) ? { generation, after: after.value } : { generation } }) + "\n"
 
 const isCursor = (u: unknown): u is Cursor.Cursor =>
-  isObject(u) && Number.isSafeInteger(u["generation"]) && (u["generation"] as number) >= 1 &&
+  isRecord(u) && Number.isSafeInteger(u["generation"]) && (u["generation"] as number) >= 1 &&
   Number.isSafeInteger(u["sequence"]) && (u["sequence"] as number) >= 0
 
 /** Parses a record line; `undefined` when it is not a well-formed record of `generation`. */
@@ -240,7 +238,7 @@ const parseRecord = (text: string, generation: number): EventRecord | undefined 
   } catch {
     return undefined
   }
-  if (!isObject(value) || !isCursor(value["cursor"]) || !isObject(value["event"])) return undefined
+  if (!isRecord(value) || !isCursor(value["cursor"]) || !isRecord(value["event"])) return undefined
   if (value["cursor"].generation !== generation) return undefined
   const cursor = Cursor.make(value["cursor"].generation, value["cursor"].sequence)
   // Lines this module wrote hold the event's text after a fixed prefix: take it as it is.
@@ -257,7 +255,7 @@ const parseHeader = (text: string, generation: number): { readonly after: Option
   } catch {
     return undefined
   }
-  if (!isObject(value) || !isObject(value["segment"]) || value["segment"]["generation"] !== generation) return undefined
+  if (!isRecord(value) || !isRecord(value["segment"]) || value["segment"]["generation"] !== generation) return undefined
   const after = value["segment"]["after"]
   if (after === undefined) return { after: Option.none() }
   return isCursor(after) ? { after: Option.some(Cursor.make(after.generation, after.sequence)) } : undefined
@@ -270,7 +268,7 @@ const parseHeader = (text: string, generation: number): { readonly after: Option
 type Callback<A> = (err: NodeJS.ErrnoException | null, value: A) => void
 
 const errnoCode = (cause: unknown): string | undefined =>
-  isObject(cause) && typeof cause["code"] === "string" ? cause["code"] : undefined
+  isRecord(cause) && typeof cause["code"] === "string" ? cause["code"] : undefined
 
 const io = <A>(sessionId: string, what: string, run: (cb: Callback<A>) => void): Effect.Effect<A, EventLogError> =>
   Effect.async<A, EventLogError>((resume) => {

@@ -8,6 +8,7 @@
 import * as Arr from "effect/Array"
 import * as Either from "effect/Either"
 import * as ParseResult from "effect/ParseResult"
+import { isRecord } from "effect/Predicate"
 import * as Schema from "effect/Schema"
 import { Cursor } from "./Cursor.js"
 
@@ -475,9 +476,6 @@ const salvageId = (line: string): string | null => {
     return null
   }
 }
-
-const isRecord = (u: unknown): u is Record<string, unknown> =>
-  typeof u === "object" && u !== null && !Array.isArray(u)
 
 const describe = (u: unknown): string => (u === null ? "null" : Array.isArray(u) ? "an array" : `a ${typeof u}`)
 

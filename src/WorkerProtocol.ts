@@ -7,6 +7,7 @@
  */
 import * as Either from "effect/Either"
 import * as ParseResult from "effect/ParseResult"
+import { isRecord } from "effect/Predicate"
 import * as Schema from "effect/Schema"
 import {
   AgentEvent,
@@ -131,8 +132,6 @@ export interface EventFrame {
 
 /** A line from a worker, as the supervisor holds it: an event frame, or another frame's JSON value. */
 export type ReceivedFrame = EventFrame | { readonly type?: unknown; readonly [key: string]: unknown }
-
-const isRecord = (u: unknown): u is Record<string, unknown> => typeof u === "object" && u !== null && !Array.isArray(u)
 
 /**
  * Reads one line from a worker. An event frame is not parsed: its type is read from its fixed
