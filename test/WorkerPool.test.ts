@@ -87,7 +87,14 @@ describe("WorkerPool", () => {
           // Left alone, the spare sweeps first, then warms up and removes its own dir.
           const mine = () => fs.readdirSync(os.tmpdir()).filter((e) => e.startsWith(`agentd-worker-warm-up-${worker.pid}-`))
           for (let i = 0; i < 400 && fs.existsSync(stale); i++) yield* Effect.sleep("25 millis")
-          for (let i = 0; i < 400 && mine().length > 0; i++) yield* Effect.sleep("25 millis")
+          // Its own dir is made just after the sweep: wait until it has come and gone (a warm-up
+          // takes ~100 ms; one not seen within 2 s came and went between two looks).
+          let seen = false
+          for (let i = 0; i < 400; i++) {
+            if (mine().length > 0) seen = true
+            else if (seen || i >= 80) break
+            yield* Effect.sleep("25 millis")
+          }
           assert.deepStrictEqual(mine(), [], "the warm-up dir is gone once the warm-up is over")
           return worker.pid
         }), true)
