@@ -19,6 +19,7 @@ import * as net from "node:net"
 import * as os from "node:os"
 import * as path from "node:path"
 import { fileURLToPath } from "node:url"
+import { Inbox } from "../test/support/inbox.js"
 import { cpuTicksOf, descendantsOf, isAlive, killQuietly, processesWithEnv } from "../test/support/procfs.js"
 
 const here = path.dirname(fileURLToPath(import.meta.url))
@@ -133,12 +134,12 @@ export class Client {
   closed = false
   private parts: Array<Buffer> = []
   private partsBytes = 0
-  private pending: Array<Msg> = []
-  private waiters: Array<{ pred: (m: Msg) => boolean; resolve: (m: Msg) => void; reject: (e: Error) => void }> = []
   private recent: Array<string> = []
+  private readonly inbox: Inbox<Msg>
   private nextId = 0
 
   constructor(readonly socket: net.Socket, readonly label: string) {
+    this.inbox = new Inbox(label, () => `closed=${this.closed}; last: ${this.recent.join(", ")}`)
     socket.on("data", (data: Buffer) => this.onData(data))
     socket.on("error", (e) => {
       this.error = e
@@ -146,7 +147,7 @@ export class Client {
     socket.on("close", () => {
       this.closed = true
       // Nothing more will arrive: fail every wait now rather than at its timeout.
-      for (const w of this.waiters.splice(0)) w.reject(new Error(`[${this.label}] the connection closed; last: ${this.recent.join(", ")}`))
+      this.inbox.failWaits(new Error(`[${this.label}] the connection closed; last: ${this.recent.join(", ")}`))
     })
   }
 
@@ -219,13 +220,7 @@ export class Client {
     }
     this.recent.push(describe(msg))
     if (this.recent.length > 12) this.recent.shift()
-    const i = this.waiters.findIndex((w) => w.pred(msg))
-    if (i >= 0) {
-      const [w] = this.waiters.splice(i, 1)
-      w!.resolve(msg)
-    } else {
-      this.pending.push(msg)
-    }
+    this.inbox.deliver(msg)
   }
 
   send(obj: unknown): void {
@@ -253,36 +248,18 @@ export class Client {
   }
 
   waitFor(pred: (m: Msg) => boolean, timeoutMs = DEFAULT_WAIT_MS, what = "message"): Promise<Msg> {
-    const i = this.pending.findIndex(pred)
-    if (i >= 0) return Promise.resolve(this.pending.splice(i, 1)[0]!)
-    if (this.closed) return Promise.reject(new Error(`[${this.label}] the connection is closed (waiting for ${what}); last: ${this.recent.join(", ")}`))
-    return new Promise((resolve, reject) => {
-      const waiter = {
-        pred,
-        resolve: (m: Msg) => {
-          clearTimeout(timer)
-          resolve(m)
-        },
-        reject: (e: Error) => {
-          clearTimeout(timer)
-          reject(new Error(`${e.message} (waiting for ${what})`))
-        }
-      }
-      const timer = setTimeout(() => {
-        this.waiters = this.waiters.filter((w) => w !== waiter)
-        reject(
-          new Error(
-            `[${this.label}] timed out after ${timeoutMs} ms waiting for ${what}; closed=${this.closed}; last: ${this.recent.join(", ")}`
-          )
-        )
-      }, timeoutMs)
-      this.waiters.push(waiter)
-    })
+    // Nothing more will arrive on a closed connection: only what is already queued can match.
+    if (this.closed) {
+      const taken = this.inbox.take(pred)
+      if (taken !== undefined) return Promise.resolve(taken)
+      return Promise.reject(new Error(`[${this.label}] the connection is closed (waiting for ${what}); last: ${this.recent.join(", ")}`))
+    }
+    return this.inbox.waitFor(pred, timeoutMs, what)
   }
 
   /** Forgets every queued message. */
   drain(): void {
-    this.pending = []
+    this.inbox.drain()
   }
 
   close(): void {

@@ -19,6 +19,7 @@ import * as os from "node:os"
 import * as path from "node:path"
 import { fileURLToPath } from "node:url"
 import { afterAll, afterEach, beforeAll, onTestFinished } from "vitest"
+import { Inbox } from "../support/inbox.js"
 import { descendantsOf, isAlive, killQuietly, processesWithEnv } from "../support/procfs.js"
 
 export { isAlive }
@@ -119,8 +120,7 @@ export class Client {
   readonly badLines: Array<string> = []
   /** Byte length (without `\n`) of the line each message came on. */
   readonly lineBytes = new WeakMap<Msg, number>()
-  private pending: Array<Msg> = []
-  private waiters: Array<{ pred: (m: Msg) => boolean; resolve: (m: Msg) => void }> = []
+  private readonly inbox: Inbox<Msg>
   private chunks: Array<Buffer> = []
   private closedFlag = false
   private endWaiters: Array<() => void> = []
@@ -128,6 +128,8 @@ export class Client {
   hello: Msg | undefined
 
   constructor(readonly socket: net.Socket, readonly label: string) {
+    this.inbox = new Inbox(label, () =>
+      `closed=${this.closedFlag}; ${this.all.length} received, last: ${this.all.slice(-15).map(describeMsg).join(", ")}`)
     socket.on("data", (data: Buffer) => this.onData(data))
     socket.on("end", () => {
       this.flushTail()
@@ -210,13 +212,7 @@ export class Client {
     }
     this.lineBytes.set(msg, line.length)
     this.all.push(msg)
-    const i = this.waiters.findIndex((w) => w.pred(msg))
-    if (i >= 0) {
-      const [w] = this.waiters.splice(i, 1)
-      w!.resolve(msg)
-    } else {
-      this.pending.push(msg)
-    }
+    this.inbox.deliver(msg)
   }
 
   /** Writes one JSON value as a line. */
@@ -262,28 +258,7 @@ export class Client {
    * `timeoutMs` for one to arrive.
    */
   waitFor(pred: (m: Msg) => boolean, timeoutMs = DEFAULT_WAIT_MS, what = "message"): Promise<Msg> {
-    const i = this.pending.findIndex(pred)
-    if (i >= 0) return Promise.resolve(this.pending.splice(i, 1)[0]!)
-    return new Promise((resolve, reject) => {
-      const waiter = {
-        pred,
-        resolve: (m: Msg) => {
-          clearTimeout(timer)
-          resolve(m)
-        }
-      }
-      const timer = setTimeout(() => {
-        this.waiters = this.waiters.filter((w) => w !== waiter)
-        const recent = this.all.slice(-15).map(describeMsg).join(", ")
-        reject(
-          new Error(
-            `[${this.label}] timed out after ${timeoutMs} ms waiting for ${what}; closed=${this.closedFlag}; ` +
-              `${this.all.length} received, last: ${recent}`
-          )
-        )
-      }, timeoutMs)
-      this.waiters.push(waiter)
-    })
+    return this.inbox.waitFor(pred, timeoutMs, what)
   }
 
   /** Returns (without consuming) every message received so far that matches. */
@@ -298,7 +273,7 @@ export class Client {
 
   /** Clears the pending queue (the `all` log is kept). */
   drain(): void {
-    this.pending = []
+    this.inbox.drain()
   }
 
   /** Ends the write side (half-close). */
