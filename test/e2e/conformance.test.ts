@@ -7,10 +7,10 @@
  * Needs `npm run build` first (it drives `dist/src/bin/agentd.js serve`).
  */
 import * as fs from "node:fs"
-import { afterAll, afterEach, describe, expect, it } from "vitest"
+import { describe, expect, it } from "vitest"
 import {
   agentMessageProblems,
-  cleanupAllDaemons,
+  cleanUpAfterTests,
   Client,
   collectTurn,
   createSession,
@@ -24,18 +24,13 @@ import {
   modeOf,
   type Msg,
   PROTOCOL,
-  removeTempRoots,
   sharedDaemon,
   sleep,
   startDaemon,
   summaryProblems
 } from "./harness.js"
 
-afterEach(async () => {
-  // Safety net: useDaemon's onTestFinished already cleaned up; this catches anything left.
-  await cleanupAllDaemons()
-})
-afterAll(() => removeTempRoots())
+cleanUpAfterTests()
 
 /**
  * The daemon most tests share (each works on sessions of its own); tests that stop, crash or

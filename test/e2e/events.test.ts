@@ -5,12 +5,12 @@
  *
  * Needs `npm run build` first.
  */
-import { afterAll, afterEach, describe, expect, it } from "vitest"
+import { describe, expect, it } from "vitest"
 import { attachAndReplay, attachProblems, unflag } from "./attach.js"
 import {
   agentMessageProblems,
   allMessages,
-  cleanupAllDaemons,
+  cleanUpAfterTests,
   type Client,
   collectTurn,
   createSession,
@@ -22,19 +22,15 @@ import {
   isIdleStatus,
   isSequenced,
   metaProblems,
-  nextId,
   type Msg,
-  removeTempRoots,
+  nextId,
   sharedDaemon,
   sleep,
   summaryProblems,
   waitIdle
 } from "./harness.js"
 
-afterEach(async () => {
-  await cleanupAllDaemons()
-})
-afterAll(() => removeTempRoots())
+cleanUpAfterTests()
 
 /** One daemon for the whole file: every test works on sessions of its own. */
 const shared = sharedDaemon()

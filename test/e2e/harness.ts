@@ -611,6 +611,16 @@ export const cleanupAllDaemons = async (all = false): Promise<void> => {
   await Promise.all([...liveDaemons].filter((d) => all || !d.shared).map((d) => d.cleanup()))
 }
 
+/**
+ * Registers, for the calling test file, the clean-up every e2e file needs: after each test the
+ * daemons it left (a safety net: `useDaemon` already cleans up its own), after the file the
+ * temp roots.
+ */
+export const cleanUpAfterTests = (): void => {
+  afterEach(() => cleanupAllDaemons())
+  afterAll(() => removeTempRoots())
+}
+
 /** Removes the temp roots of daemons that are gone (best effort). */
 export const removeTempRoots = (): void => {
   if ([...liveDaemons].some((d) => d.running)) return

@@ -7,9 +7,9 @@
  */
 import * as fs from "node:fs"
 import * as path from "node:path"
-import { afterAll, afterEach, describe, expect, it } from "vitest"
+import { describe, expect, it } from "vitest"
 import {
-  cleanupAllDaemons,
+  cleanUpAfterTests,
   collectTurn,
   createSession,
   cursorGap,
@@ -18,7 +18,6 @@ import {
   isEvent,
   modeOf,
   type Msg,
-  removeTempRoots,
   sleep,
   startDaemon,
   useDaemon,
@@ -26,10 +25,7 @@ import {
 } from "./harness.js"
 import { unflag } from "./attach.js"
 
-afterEach(async () => {
-  await cleanupAllDaemons()
-})
-afterAll(() => removeTempRoots())
+cleanUpAfterTests()
 
 
 /** Tries to start a daemon on a state dir; a started one is cleaned up at once. */

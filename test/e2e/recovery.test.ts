@@ -5,9 +5,9 @@
  *
  * Needs `npm run build` first.
  */
-import { afterAll, afterEach, describe, expect, it } from "vitest"
+import { describe, expect, it } from "vitest"
 import {
-  cleanupAllDaemons,
+  cleanUpAfterTests,
   collectTurn,
   collectUntil,
   compareCursor,
@@ -20,17 +20,13 @@ import {
   isIdleStatus,
   metaProblems,
   type Msg,
-  removeTempRoots,
   sleep,
   useDaemon,
   waitGone
 } from "./harness.js"
 import { attachAndReplay, unflag } from "./attach.js"
 
-afterEach(async () => {
-  await cleanupAllDaemons()
-})
-afterAll(() => removeTempRoots())
+cleanUpAfterTests()
 
 
 const key = (m: Msg): string => `${cursorOf(m).generation}:${cursorOf(m).sequence}`

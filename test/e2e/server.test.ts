@@ -7,6 +7,7 @@ import * as path from "node:path"
 import { spawnSync } from "node:child_process"
 import { describe, expect, it } from "vitest"
 import {
+  cleanUpAfterTests,
   createSession,
   cursorGap,
   DAEMON_BIN,
@@ -16,6 +17,8 @@ import {
   useDaemon,
   waitIdle
 } from "./harness.js"
+
+cleanUpAfterTests()
 
 const rssKb = (pid: number): number => {
   const status = fs.readFileSync(`/proc/${pid}/status`, "utf8")
@@ -65,18 +68,15 @@ describe("server (e2e)", () => {
   }, 40_000)
 
   it("serve --engine with an unknown engine exits 2 with a clear message and leaves no state dir", () => {
+    // Its temp root goes with the file's other temp roots (cleanUpAfterTests).
     const stateDir = freshStateDir()
-    try {
-      const run = spawnSync(process.execPath, [DAEMON_BIN, "serve", "--state-dir", stateDir, "--engine", "nope"], {
-        encoding: "utf8",
-        timeout: 20_000
-      })
-      expect(run.status).toBe(2)
-      expect(run.stderr).toContain("unknown engine `nope` (known: echo)")
-      expect(fs.existsSync(stateDir)).toBe(false)
-    } finally {
-      fs.rmSync(path.dirname(stateDir), { recursive: true, force: true })
-    }
+    const run = spawnSync(process.execPath, [DAEMON_BIN, "serve", "--state-dir", stateDir, "--engine", "nope"], {
+      encoding: "utf8",
+      timeout: 20_000
+    })
+    expect(run.status).toBe(2)
+    expect(run.stderr).toContain("unknown engine `nope` (known: echo)")
+    expect(fs.existsSync(stateDir)).toBe(false)
   }, 30_000)
 
   it("an event log that cannot be written (EFBIG) fails the session, never leaves it busy; the daemon serves on", async () => {

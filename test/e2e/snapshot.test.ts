@@ -6,11 +6,11 @@
  */
 import * as fs from "node:fs"
 import * as path from "node:path"
-import { afterAll, afterEach, describe, expect, it } from "vitest"
+import { describe, expect, it } from "vitest"
 import { attachAndReplay, attachProblems, unflag } from "./attach.js"
 import {
   allMessages,
-  cleanupAllDaemons,
+  cleanUpAfterTests,
   collectTurn,
   collectUntil,
   createSession,
@@ -24,16 +24,12 @@ import {
   isSequenced,
   metaProblems,
   type Msg,
-  removeTempRoots,
   sharedDaemon,
   sleep,
   waitGone
 } from "./harness.js"
 
-afterEach(async () => {
-  await cleanupAllDaemons()
-})
-afterAll(() => removeTempRoots())
+cleanUpAfterTests()
 
 /** One daemon for the whole file: every test works on sessions of its own. */
 const shared = sharedDaemon()

@@ -6,6 +6,7 @@
 import { describe, expect, it } from "vitest"
 import {
   allMessages,
+  cleanUpAfterTests,
   collectTurn,
   collectUntil,
   createSession,
@@ -16,6 +17,8 @@ import {
   useDaemon,
   waitIdle
 } from "./harness.js"
+
+cleanUpAfterTests()
 
 describe("workers (e2e)", () => {
   it("a worker SIGKILLed in the middle of a /bulk stream is restored with every logged event", async () => {
