@@ -455,14 +455,26 @@ const recoverSegment = (sid: string, fd: number, file: string, generation: numbe
     return { size: end, count: result.count, last: result.last, bytes: end - headerEnd }
   })
 
-const headerLength = (sid: string, fd: number, file: string): Effect.Effect<number, EventLogError> =>
+/**
+ * The segment's header line (`text` without its `\n`, `bytes` with it); `undefined` when none
+ * ends within 4 KiB.
+ */
+const readHeaderLine = (
+  sid: string,
+  fd: number
+): Effect.Effect<{ readonly text: string; readonly bytes: number } | undefined, EventLogError> =>
   Effect.gen(function*() {
     const buffer = Buffer.allocUnsafe(4096)
     const n = yield* fsRead(sid, fd, buffer, buffer.length, 0)
     const nl = buffer.subarray(0, n).indexOf(0x0a)
-    if (nl === -1) return yield* Effect.fail(fail("Corrupt", sid, `${file} has an oversized segment header`))
-    return nl + 1
+    return nl === -1 ? undefined : { text: buffer.toString("utf8", 0, nl), bytes: nl + 1 }
   })
+
+const headerLength = (sid: string, fd: number, file: string): Effect.Effect<number, EventLogError> =>
+  Effect.flatMap(readHeaderLine(sid, fd), (line) =>
+    line === undefined
+      ? Effect.fail(fail("Corrupt", sid, `${file} has an oversized segment header`))
+      : Effect.succeed(line.bytes))
 
 /**
  * Where the history stood when `generation` began (its header's `after`); `None` when the
@@ -472,13 +484,8 @@ const segmentStart = (sid: string, file: string, generation: number): Effect.Eff
   Effect.acquireUseRelease(
     fsOpen(sid, file, "r"),
     (fd) =>
-      Effect.gen(function*() {
-        const buffer = Buffer.allocUnsafe(4096)
-        const n = yield* fsRead(sid, fd, buffer, buffer.length, 0)
-        const nl = buffer.subarray(0, n).indexOf(0x0a)
-        if (nl === -1) return Option.none()
-        return parseHeader(buffer.toString("utf8", 0, nl), generation)?.after ?? Option.none()
-      }),
+      Effect.map(readHeaderLine(sid, fd), (line) =>
+        (line === undefined ? undefined : parseHeader(line.text, generation)?.after) ?? Option.none()),
     fsCloseQuiet
   ).pipe(Effect.orElseSucceed(() => Option.none()))
 
