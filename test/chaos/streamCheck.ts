@@ -181,6 +181,8 @@ export class SessionStream {
   resyncs = 0
   /** Sequenced events received. */
   events = 0
+  /** The replay status (and reason) of the last successful attach. */
+  lastReplayStatus: string | undefined
   /** Recent messages, for failure output. */
   private readonly recent: Array<string> = []
   /** Called for every sequenced event accepted (drivers watch their turns through it). */
@@ -239,6 +241,7 @@ export class SessionStream {
     const data = r["data"] as Msg
     const replay = data["replay"] as Msg
     const lastAtAttach = data["lastEventCursor"] as Cursor | undefined
+    this.lastReplayStatus = replay["reason"] === undefined ? replay["status"] : `${replay["status"]}/${replay["reason"]}`
     if (replay["status"] === "complete") {
       const from = phase.resumeCursor
       if (from === undefined) this.fail("replay decision", "replay complete for an attach without a resume cursor")

@@ -1,0 +1,196 @@
+/**
+ * The daemon under chaos: the real built `agentd serve` over one state dir, which a run may
+ * SIGKILL and start again. Every process it spawns carries `AGENTD_CHAOS_MARK` in its
+ * environment, so clean-up (and the orphan check) finds them all, whatever their parent.
+ */
+import { type ChildProcess, spawn } from "node:child_process"
+import { randomUUID } from "node:crypto"
+import * as fs from "node:fs"
+import * as net from "node:net"
+import * as os from "node:os"
+import * as path from "node:path"
+import { fileURLToPath } from "node:url"
+import { descendantsOf, isAlive, killQuietly, processesWithEnv } from "../support/procfs.js"
+
+const here = path.dirname(fileURLToPath(import.meta.url))
+export const DAEMON_BIN = process.env["AGENTD_CHAOS_BIN"] ?? path.resolve(here, "..", "..", "dist", "src", "bin", "agentd.js")
+
+export const sleep = (ms: number): Promise<void> => new Promise((resolve) => setTimeout(resolve, ms))
+
+const live = new Set<ChaosDaemon>()
+let hooked = false
+const installExitHook = () => {
+  if (hooked) return
+  hooked = true
+  process.on("exit", () => {
+    for (const d of live) d.killAllSync()
+  })
+  for (const signal of ["SIGINT", "SIGTERM"] as const) {
+    process.once(signal, () => {
+      for (const d of live) d.killAllSync()
+      process.exit(130)
+    })
+  }
+}
+
+export class ChaosDaemon {
+  private proc: ChildProcess | undefined
+  private exitInfo: { code: number | null; signal: NodeJS.Signals | null } | undefined
+  private exited: Promise<void> = Promise.resolve()
+  private readonly log: Array<string> = []
+  readonly mark = randomUUID()
+  readonly root: string
+  readonly stateDir: string
+  readonly socketPath: string
+  starts = 0
+
+  constructor(private readonly env: Readonly<Record<string, string>>) {
+    this.root = fs.mkdtempSync(path.join(os.tmpdir(), "agentd-chaos-"))
+    this.stateDir = path.join(this.root, "state")
+    this.socketPath = path.join(this.stateDir, "agentd.sock")
+    live.add(this)
+    installExitHook()
+  }
+
+  get pid(): number | undefined {
+    return this.proc?.pid
+  }
+
+  get running(): boolean {
+    return this.proc !== undefined && this.exitInfo === undefined
+  }
+
+  /** How the last daemon process ended, if it did. */
+  get exit(): { code: number | null; signal: NodeJS.Signals | null } | undefined {
+    return this.exitInfo
+  }
+
+  logTail(chars = 4000): string {
+    return this.log.join("").slice(-chars)
+  }
+
+  /** Starts `agentd serve` over the state dir and waits for its hello. */
+  async start(): Promise<void> {
+    if (!fs.existsSync(DAEMON_BIN)) throw new Error(`${DAEMON_BIN} does not exist: run \`npm run build\` first`)
+    const env: Record<string, string> = {}
+    for (const [k, v] of Object.entries(process.env)) {
+      if (v === undefined || k.startsWith("AGENTD_") || k === "NODE_OPTIONS" || k.startsWith("VITEST")) continue
+      env[k] = v
+    }
+    Object.assign(env, this.env, { AGENTD_CHAOS_MARK: this.mark })
+    const proc = spawn(process.execPath, [DAEMON_BIN, "serve", "--state-dir", this.stateDir], {
+      cwd: this.root,
+      env,
+      stdio: ["ignore", "pipe", "pipe"],
+      detached: true
+    })
+    this.proc = proc
+    this.exitInfo = undefined
+    this.starts++
+    const keep = (d: string) => {
+      this.log.push(d)
+      if (this.log.length > 600) this.log.splice(0, 300)
+    }
+    proc.stderr?.setEncoding("utf8")
+    proc.stderr?.on("data", keep)
+    proc.stdout?.setEncoding("utf8")
+    proc.stdout?.on("data", (d: string) => keep(`[stdout] ${d}`))
+    this.exited = new Promise((resolve) => {
+      proc.once("exit", (code, signal) => {
+        this.exitInfo = { code, signal }
+        resolve()
+      })
+    })
+    const deadline = Date.now() + 20_000
+    while (Date.now() < deadline) {
+      if (!this.running) throw new Error(`daemon exited during start-up (${JSON.stringify(this.exitInfo)}):\n${this.logTail()}`)
+      if (await this.greets()) return
+      await sleep(30)
+    }
+    throw new Error(`daemon did not greet within 20 s:\n${this.logTail()}`)
+  }
+
+  /** Does a daemon answer on the socket with a hello naming this process? */
+  private greets(): Promise<boolean> {
+    return new Promise((resolve) => {
+      if (!fs.existsSync(this.socketPath)) return resolve(false)
+      const socket = net.createConnection({ path: this.socketPath })
+      let buf = ""
+      const done = (ok: boolean) => {
+        socket.destroy()
+        resolve(ok)
+      }
+      socket.setEncoding("utf8")
+      socket.on("data", (d: string) => {
+        buf += d
+        const nl = buf.indexOf("\n")
+        if (nl < 0) return
+        try {
+          done(JSON.parse(buf.slice(0, nl))["supervisorPid"] === this.proc?.pid)
+        } catch {
+          done(false)
+        }
+      })
+      socket.on("error", () => done(false))
+      setTimeout(() => done(false), 3_000)
+    })
+  }
+
+  /** SIGKILLs the daemon (only the daemon: its workers must notice and go by themselves). */
+  async kill(): Promise<void> {
+    if (!this.running) return
+    killQuietly(this.proc!.pid!, "SIGKILL")
+    await this.exited
+  }
+
+  /** Waits for the daemon to exit by itself (after `shutdown`); false at the timeout. */
+  async waitExit(timeoutMs: number): Promise<boolean> {
+    if (!this.running) return true
+    await Promise.race([this.exited, sleep(timeoutMs)])
+    return !this.running
+  }
+
+  /** Every live process that carries this run's mark (daemon, workers, spares). */
+  markedProcesses(): Array<number> {
+    return processesWithEnv("AGENTD_CHAOS_MARK", this.mark)
+  }
+
+  /** Marked processes that are not the current daemon or one of its descendants. */
+  orphans(): Array<number> {
+    const ours = new Set<number>()
+    if (this.running) {
+      ours.add(this.proc!.pid!)
+      for (const p of descendantsOf(this.proc!.pid!)) ours.add(p)
+    }
+    return this.markedProcesses().filter((p) => !ours.has(p))
+  }
+
+  /** Worker processes of the current daemon. */
+  workers(): Array<number> {
+    return this.running ? descendantsOf(this.proc!.pid!) : []
+  }
+
+  killAllSync(): void {
+    if (this.running) {
+      try {
+        process.kill(-this.proc!.pid!, "SIGKILL")
+      } catch {
+        // no such group
+      }
+    }
+    for (const p of this.markedProcesses()) killQuietly(p, "SIGKILL")
+  }
+
+  /** Kills everything of this run and removes its temp dir (keeps it when `keep`). */
+  async cleanup(keep = false): Promise<void> {
+    this.killAllSync()
+    await Promise.race([this.exited, sleep(5_000)])
+    const deadline = Date.now() + 3_000
+    while (Date.now() < deadline && this.markedProcesses().some(isAlive)) {
+      for (const p of this.markedProcesses()) killQuietly(p, "SIGKILL")
+      await sleep(25)
+    }
+    live.delete(this)
+    if (!keep) fs.rmSync(this.root, { recursive: true, force: true })
+  }
+}

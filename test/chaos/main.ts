@@ -1,0 +1,118 @@
+/**
+ * `npm run chaos -- [--seed S] [--seconds N] [--faults K] [--kinds a,b] [--runs R] [--verbose] [--keep]`
+ * `npm run chaos -- --regressions` runs every seed of seeds.json.
+ *
+ * Each run starts the real built daemon, loads it, injects faults and checks the protocol's
+ * promises (run.ts). A failed run prints its seed, its settings, the fault schedule up to the
+ * failure and the first violated invariant, and exits 1. The same seed makes the same choices
+ * again (the timing of real processes still differs from run to run).
+ */
+import * as fs from "node:fs"
+import * as path from "node:path"
+import { fileURLToPath } from "node:url"
+import { FAULT_KINDS, type FaultKind, runChaos, type RunResult } from "./run.js"
+
+const here = path.dirname(fileURLToPath(import.meta.url))
+
+interface RegressionSeed {
+  readonly seed: number
+  readonly seconds: number
+  readonly faults: number
+  readonly kinds?: ReadonlyArray<FaultKind>
+  /** What the seed found when it was recorded (the defect and the invariant it broke). */
+  readonly found: string
+}
+
+const usage = () => {
+  console.error(
+    "usage: npm run chaos -- [--seed S] [--seconds N] [--faults K] [--kinds " + FAULT_KINDS.join(",") +
+      "] [--runs R] [--verbose] [--keep] | --regressions"
+  )
+  process.exit(2)
+}
+
+const parse = (argv: ReadonlyArray<string>) => {
+  const out: Record<string, string | boolean> = {}
+  for (let i = 0; i < argv.length; i++) {
+    const a = argv[i]!
+    if (!a.startsWith("--")) usage()
+    const key = a.slice(2)
+    if (["verbose", "keep", "regressions"].includes(key)) out[key] = true
+    else {
+      const v = argv[++i]
+      if (v === undefined) usage()
+      out[key] = v!
+    }
+  }
+  return out
+}
+
+const int = (v: string | boolean | undefined, fallback: number): number => {
+  if (v === undefined) return fallback
+  const n = Number(v)
+  if (!Number.isFinite(n) || n < 0) usage()
+  return n
+}
+
+const kindsOf = (v: string | boolean | undefined): ReadonlyArray<FaultKind> | undefined => {
+  if (typeof v !== "string") return undefined
+  const kinds = v.split(",").map((k) => k.trim()).filter((k) => k.length > 0)
+  for (const k of kinds) if (!(FAULT_KINDS as ReadonlyArray<string>).includes(k)) usage()
+  return kinds as Array<FaultKind>
+}
+
+const report = (r: RunResult, seconds: number): void => {
+  const counts = Object.entries(r.counts).sort().map(([k, n]) => `${k} ${n}`).join(", ")
+  const stats = Object.entries(r.stats).map(([k, n]) => `${k} ${n}`).join(", ")
+  if (r.violation === undefined) {
+    console.log(`seed ${r.seed}: PASS (${seconds} s; faults: ${counts || "none"}; ${stats})`)
+  } else {
+    console.log(`seed ${r.seed}: FAIL\n  first violated invariant: ${r.violation.invariant}\n  ${r.violation.details}`)
+    console.log(`  settings: ${JSON.stringify(r.settings)}`)
+    console.log(`  faults: ${counts || "none"}; ${stats}`)
+    console.log(`  fault schedule up to the failure:`)
+    const lines = r.schedule.length > 80 ? ["...", ...r.schedule.slice(-80)] : r.schedule
+    for (const l of lines) console.log(`    ${l}`)
+    console.log(`  daemon log tail:\n${r.daemonLog.split("\n").slice(-25).map((l) => `    ${l}`).join("\n")}`)
+    console.log(`  state dir kept: ${r.stateDir}`)
+    console.log(`  reproduce: npm run chaos -- --seed ${r.seed} --seconds ${seconds}`)
+  }
+  for (const n of r.notes.slice(0, 10)) console.log(`  note: ${n}`)
+}
+
+const main = async () => {
+  const args = parse(process.argv.slice(2))
+  if (args["regressions"] === true) {
+    const seeds = JSON.parse(fs.readFileSync(path.join(here, "seeds.json"), "utf8")) as { seeds: Array<RegressionSeed> }
+    let failed = 0
+    for (const s of seeds.seeds) {
+      console.log(`\n# regression seed ${s.seed} (found: ${s.found})`)
+      const r = await runChaos({ seed: s.seed, seconds: s.seconds, faults: s.faults, ...(s.kinds ? { kinds: s.kinds } : {}) })
+      report(r, s.seconds)
+      if (r.violation !== undefined) failed++
+    }
+    console.log(`\n${seeds.seeds.length - failed} of ${seeds.seeds.length} regression seeds green`)
+    process.exit(failed === 0 ? 0 : 1)
+  }
+  const seconds = int(args["seconds"], 60)
+  const faults = int(args["faults"], Math.max(10, Math.round(seconds * 0.8)))
+  const runs = int(args["runs"], 1)
+  const kinds = kindsOf(args["kinds"])
+  let seed = args["seed"] === undefined ? Math.floor(Math.random() * 2 ** 31) : int(args["seed"], 0)
+  let failed = 0
+  for (let i = 0; i < runs; i++, seed++) {
+    const r = await runChaos({
+      seed,
+      seconds,
+      faults,
+      ...(kinds ? { kinds } : {}),
+      verbose: args["verbose"] === true,
+      keep: args["keep"] === true
+    })
+    report(r, seconds)
+    if (r.violation !== undefined) failed++
+  }
+  process.exit(failed === 0 ? 0 : 1)
+}
+
+await main()

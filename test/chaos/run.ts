@@ -1,0 +1,773 @@
+/**
+ * One chaos run: the real daemon under load from several connections, faults at random moments
+ * (all drawn from one seed), and the protocol's promises checked continuously and at the end.
+ *
+ * Load: one driver per session prompts continuously (plain text, long word lists, `/bulk`,
+ * `/sleep`), sometimes the very moment its turn's `agent_end` arrives; observers attach,
+ * detach, resume, drop their socket and stop reading; commanders race `checkpoint`, `abort`,
+ * `kill`, `retry_worker` and prompts against the drivers.
+ *
+ * Continuously: every command answered within its bound (the watchdog), every accepted prompt
+ * of a driver ends, every client's events in cursor order, once, with no gap that a resync
+ * explains not (streamCheck.ts), the daemon answers `ping`, no orphan worker after a daemon
+ * kill. At the end: every session idle and ready again, every client's folded transcript equal
+ * to `get_messages`, the jumps checked against every event seen, then a daemon SIGKILL whose
+ * successor must resume every client completely and serve the same transcripts, then a clean
+ * `shutdown` that leaves no process behind.
+ */
+import { type Answer, ChaosClient } from "./client.js"
+import { ChaosDaemon, sleep } from "./daemon.js"
+import { Rng } from "./rng.js"
+import { compareCursor, type Cursor, fmtCursor, type Msg, Truth, Violation } from "./streamCheck.js"
+
+export const FAULT_KINDS = [
+  "worker_kill",
+  "worker_kill_mid_turn",
+  "worker_kill_mid_checkpoint",
+  "worker_kill_starting",
+  "daemon_kill",
+  "client_drop",
+  "client_pause",
+  "attach_churn",
+  "checkpoint",
+  "abort",
+  "prompt_race",
+  "kill_session",
+  "retry_worker",
+  "spawn_fail"
+] as const
+export type FaultKind = typeof FAULT_KINDS[number]
+
+const WEIGHTS: Record<FaultKind, number> = {
+  worker_kill: 3,
+  worker_kill_mid_turn: 3,
+  worker_kill_mid_checkpoint: 3,
+  worker_kill_starting: 2,
+  daemon_kill: 1,
+  client_drop: 3,
+  client_pause: 4,
+  attach_churn: 3,
+  checkpoint: 5,
+  abort: 3,
+  prompt_race: 3,
+  kill_session: 1,
+  retry_worker: 2,
+  spawn_fail: 1
+}
+
+export interface RunOptions {
+  readonly seed: number
+  readonly seconds: number
+  /** Faults to inject over the run (spread at random). */
+  readonly faults: number
+  /** The fault kinds drawn from (default: all). */
+  readonly kinds?: ReadonlyArray<FaultKind>
+  /** Print the fault schedule as it happens. */
+  readonly verbose?: boolean
+  /** Keep the state dir for inspection. */
+  readonly keep?: boolean
+}
+
+export interface RunResult {
+  readonly seed: number
+  readonly violation: Violation | undefined
+  readonly schedule: ReadonlyArray<string>
+  readonly counts: Readonly<Record<string, number>>
+  readonly settings: Readonly<Record<string, string>>
+  readonly stats: Readonly<Record<string, number>>
+  readonly notes: ReadonlyArray<string>
+  readonly daemonLog: string
+  readonly stateDir: string
+}
+
+/** The daemon's settings for a run: tiny thresholds so checkpoints and pruning never stop. */
+const drawSettings = (rng: Rng, sessions: number): Record<string, string> => ({
+  AGENTD_CHECKPOINT_EVENTS: String(rng.int(1, 50)),
+  AGENTD_RETAIN_GENERATIONS: String(rng.int(1, 2)),
+  AGENTD_OUTBOX_BYTES: String(rng.pick([16 * 1024, 64 * 1024, 256 * 1024])),
+  AGENTD_MAX_WORKERS: String(Math.max(1, sessions + rng.int(-2, 1))),
+  AGENTD_TARGET_CHUNK_BYTES: String(rng.pick([2048, 16384, 65536])),
+  AGENTD_MEMORY_CACHE_BYTES: String(rng.pick([32 * 1024, 1024 * 1024])),
+  AGENTD_WARM_SPARE: rng.chance(0.7) ? "1" : "0"
+})
+
+const WORDS = ["alpha", "beta", "gamma", "delta", "kappa", "lambda", "sigma", "omega", "tau", "rho", "phi", "chi"]
+
+const words = (rng: Rng, n: number): string => {
+  const out: Array<string> = []
+  for (let i = 0; i < n; i++) out.push(`${rng.pick(WORDS)}${i % 7}`)
+  return out.join(" ")
+}
+
+/** A prompt and how long its turn may take at most (beyond the usual bound). */
+const drawPrompt = (rng: Rng): { text: string; extraMs: number } => {
+  switch (rng.weighted({ plain: 5, long: 3, bulk: 2, sleep: 3 })) {
+    case "plain":
+      return { text: words(rng, rng.int(1, 20)), extraMs: 0 }
+    case "long":
+      return { text: words(rng, rng.chance(0.15) ? 10_000 : rng.int(200, 3000)), extraMs: 0 }
+    case "bulk":
+      return { text: `/bulk ${rng.int(1000, 400_000)}`, extraMs: 0 }
+    default: {
+      const ms = rng.chance(0.15) ? rng.int(6000, 9000) : rng.int(10, 2500)
+      return { text: `/sleep ${ms}`, extraMs: ms }
+    }
+  }
+}
+
+const CAPABILITY_SETS: ReadonlyArray<ReadonlyArray<string> | undefined> = [
+  undefined,
+  ["attach_snapshot", "event_sequence"],
+  ["attach_snapshot", "event_sequence", "chunked_snapshot"],
+  ["attach_snapshot", "event_sequence", "slim_attach", "chunked_snapshot"],
+  ["event_sequence", "slim_attach"]
+]
+
+/** How long an accepted prompt's turn may take to end (it may first wait for a worker). */
+const TURN_BOUND_MS = 45_000
+/** How long a session may take to be idle again at the end. */
+const SETTLE_BOUND_MS = 30_000
+
+/** A session of the run and its driver's bookkeeping. */
+interface SessionCtl {
+  readonly id: string
+  readonly truth: Truth
+  readonly driver: ChaosClient
+  killed: boolean
+  /** A bad NODE_OPTIONS was given as launchEnv: its next spawns fail. */
+  poisoned: boolean
+  /** Turn ends (agent_end, turn_interrupted) and idle statuses the driver saw. */
+  ends: number
+  idleAfterEnds: number
+  inTurn: boolean
+  workerPid: number | undefined
+  workerState: string | undefined
+  accepted: number
+  done: Promise<void>
+}
+
+export const runChaos = async (options: RunOptions): Promise<RunResult> => {
+  const rng = new Rng(options.seed)
+  const sessionCount = rng.int(3, 4)
+  const settings = drawSettings(rng, sessionCount)
+  const kinds = options.kinds ?? FAULT_KINDS
+  const weights = Object.fromEntries(kinds.map((k) => [k, WEIGHTS[k]])) as Record<FaultKind, number>
+  const daemon = new ChaosDaemon(settings)
+  const t0 = Date.now()
+  const schedule: Array<string> = []
+  const notes: Array<string> = []
+  const counts: Record<string, number> = {}
+  const stats = { turnsAccepted: 0, turnsEnded: 0, daemonRestarts: 0, resyncs: 0, events: 0, commands: 0 }
+  const truths = new Map<string, Truth>()
+  const truthOf = (id: string) => {
+    let t = truths.get(id)
+    if (t === undefined) truths.set(id, t = new Truth(id))
+    return t
+  }
+  const sessions = new Map<string, SessionCtl>()
+  const clients: Array<ChaosClient> = []
+  let violation: Violation | undefined
+  let stopFaults = false
+  let stopLoad = false
+  /** Set while the daemon is down on purpose: nothing can be answered then. */
+  let daemonDown = false
+  const stamp = () => `${((Date.now() - t0) / 1000).toFixed(2)}s`
+  const log = (line: string) => {
+    schedule.push(`${stamp()} ${line}`)
+    if (options.verbose === true) console.log(`  ${stamp()} ${line}`)
+  }
+  const fail = (v: Violation) => {
+    if (violation === undefined) {
+      violation = v
+      log(`VIOLATION ${v.message}`)
+    }
+  }
+  const check = (invariant: string, ok: boolean, details: () => string) => {
+    if (!ok) throw new Violation(invariant, details())
+  }
+  /** Runs an async task of the run; a violation it throws fails the run, anything else too. */
+  const task = (what: string, f: () => Promise<void>): Promise<void> =>
+    f().catch((e) => fail(e instanceof Violation ? e : new Violation("harness", `${what}: ${e instanceof Error ? e.stack ?? e.message : String(e)}`)))
+  const stopped = () => violation !== undefined
+
+  const newClient = (label: string) => {
+    const c = new ChaosClient(label, () => daemon.socketPath, truthOf)
+    c.onViolation = fail
+    clients.push(c)
+    return c
+  }
+  /** Which sessions each client wants to be attached to (the maintenance loop keeps them attached). */
+  const wanted = new Map<ChaosClient, Set<string>>()
+  const attaching = new Set<string>()
+  const reconnectAt = new Map<ChaosClient, number>()
+
+  const send = async (c: ChaosClient, command: Msg): Promise<Answer> => {
+    stats.commands++
+    return c.send(command)
+  }
+
+  /** Checks an error response's code is one the situation allows. */
+  const expectCodes = (r: Answer, command: string, allowed: ReadonlyArray<string>) => {
+    if (r === undefined || r["success"] === true) return
+    const code = r["error"]?.code as string
+    if (code === "internal") {
+      notes.push(`${stamp()} ${command} answered internal: ${r["error"]?.message}`)
+      return
+    }
+    check("error codes", allowed.includes(code), () => `${command} answered ${code}: ${r["error"]?.message}`)
+  }
+
+  const attach = async (c: ChaosClient, id: string, crng: Rng, resume: boolean) => {
+    const key = `${c.label}/${id}`
+    if (attaching.has(key) || !c.connected) return
+    attaching.add(key)
+    try {
+      const s = c.stream(id)
+      const cursor: Cursor | undefined = resume && !s.attached && s.fold !== undefined ? s.last : undefined
+      const caps = crng.pick(CAPABILITY_SETS)
+      const r = await send(c, { type: "attach", activeSessionId: id, ...(caps ? { capabilities: caps } : {}), ...(cursor ? { resumeCursor: cursor } : {}) })
+      if (r !== undefined && r["success"] !== true) {
+        const code = r["error"]?.code
+        const ctl = sessions.get(id)
+        if (code === "session_not_found" && (ctl === undefined || ctl.killed)) wanted.get(c)?.delete(id)
+        else expectCodes(r, "attach", [])
+      }
+    } finally {
+      attaching.delete(key)
+    }
+  }
+
+  /** Reconnects dropped clients and re-attaches what they want to follow. */
+  const maintain = async () => {
+    const crng = rng.fork()
+    while (!stopped()) {
+      await sleep(100)
+      if (daemonDown) continue
+      for (const c of clients) {
+        if (!c.connected) {
+          if ((reconnectAt.get(c) ?? 0) > Date.now()) continue
+          try {
+            await c.connect()
+          } catch {
+            continue
+          }
+        }
+        for (const id of wanted.get(c) ?? []) {
+          const ctl = sessions.get(id)
+          if (ctl?.killed === true) continue
+          // Drivers always resume from their cursor (the final check relies on it); observers mostly.
+          const resume = c.label.startsWith("driver") || crng.chance(0.8)
+          if (!c.stream(id).attached) void task(`attach ${c.label}`, () => attach(c, id, crng, resume))
+        }
+      }
+    }
+  }
+
+  /** Every command answered within its bound; the jumps against the truth; ping. */
+  const watchdog = async () => {
+    let lastJumpCheck = Date.now()
+    while (!stopped()) {
+      await sleep(200)
+      if (daemonDown) continue
+      const now = Date.now()
+      for (const c of clients) {
+        const late = c.overdue(now)
+        if (late !== undefined) {
+          const ctl = late.activeSessionId === undefined ? undefined : sessions.get(late.activeSessionId)
+          fail(new Violation(
+            "every command answered",
+            `${late.type} ${late.id}${late.activeSessionId ? ` on session ${late.activeSessionId}` : ""} unanswered after ${late.waitedMs} ms ` +
+              `(pending on ${c.label}: ${c.describePending()})` +
+              (ctl ? `; session last seen busy-turn=${ctl.inTurn} worker=${ctl.workerState} ends=${ctl.ends} idle-after=${ctl.idleAfterEnds}` : "")
+          ))
+          return
+        }
+      }
+      if (now - lastJumpCheck > 2000) {
+        lastJumpCheck = now
+        try {
+          for (const t of truths.values()) t.checkJumps()
+        } catch (e) {
+          if (e instanceof Violation) fail(e)
+          else throw e
+        }
+      }
+    }
+  }
+
+  const pinger = async (c: ChaosClient) => {
+    while (!stopped() && !stopFaults) {
+      await sleep(500)
+      if (daemonDown || !c.connected) continue
+      const r = await send(c, { type: "ping" })
+      if (r !== undefined) check("ping", r["success"] === true && r["data"]?.pong === true, () => `ping answered ${JSON.stringify(r)}`)
+    }
+  }
+
+  // ------------------------------------------------------------------------------------------
+  // Sessions and their drivers
+  // ------------------------------------------------------------------------------------------
+
+  const commanders: Array<ChaosClient> = []
+  /** A commander with nothing in flight if there is one (commands run one at a time per connection). */
+  const freeCommander = (): ChaosClient => commanders.find((c) => c.connected && c.pendingCount === 0) ?? rng.pick(commanders)
+
+  const waitUntil = async (cond: () => boolean, timeoutMs: number): Promise<boolean> => {
+    const deadline = Date.now() + timeoutMs
+    while (!cond()) {
+      if (stopped() || Date.now() > deadline) return cond()
+      await sleep(15)
+    }
+    return true
+  }
+
+  const driverLoop = async (ctl: SessionCtl, drng: Rng) => {
+    const d = ctl.driver
+    let immediate = false
+    while (!stopped() && !stopLoad && !ctl.killed) {
+      if (daemonDown || !d.connected || !d.stream(ctl.id).settled) {
+        await sleep(50)
+        continue
+      }
+      if (!immediate) {
+        // Wait for the previous turn's idle status (it may already be there).
+        if (!await waitUntil(() => ctl.idleAfterEnds >= ctl.ends || ctl.killed || daemonDown, SETTLE_BOUND_MS)) {
+          throw new Violation("busy:false after every turn", `session ${ctl.id}: turn end #${ctl.ends} seen but no busy:false status after it within ${SETTLE_BOUND_MS} ms`)
+        }
+      }
+      const { text, extraMs } = drawPrompt(drng)
+      const endsBefore = ctl.ends
+      const resyncsBefore = d.stream(ctl.id).resyncs
+      const r = await send(d, { type: "prompt", activeSessionId: ctl.id, message: text })
+      immediate = false
+      if (r === undefined) {
+        await sleep(100)
+        continue
+      }
+      if (r["success"] !== true) {
+        const code = r["error"]?.code as string
+        if (code === "session_not_found" && ctl.killed) return
+        expectCodes(r, "prompt", ["session_busy", "session_failed"])
+        if (code === "session_failed" && drng.chance(0.5) && !ctl.poisoned) {
+          expectCodes(await send(d, { type: "retry_worker", activeSessionId: ctl.id }), "retry_worker", ["session_not_found"])
+        }
+        await sleep(drng.int(20, 300))
+        continue
+      }
+      ctl.accepted++
+      stats.turnsAccepted++
+      const ended = await waitUntil(
+        () => ctl.ends > endsBefore || ctl.killed || d.stream(ctl.id).resyncs > resyncsBefore,
+        TURN_BOUND_MS + extraMs
+      )
+      if (!ended && !daemonDown && d.connected) {
+        throw new Violation(
+          "every accepted prompt ends",
+          `session ${ctl.id}: prompt "${text.slice(0, 40)}" accepted at turn-end count ${endsBefore}, no agent_end/turn_interrupted within ${TURN_BOUND_MS + extraMs} ms ` +
+            `(driver saw last ${fmtCursor(d.stream(ctl.id).last)}, in-turn ${ctl.inTurn}, worker ${ctl.workerState})`
+        )
+      }
+      if (!ended) continue
+      stats.turnsEnded++
+      // Sometimes prompt again the moment agent_end arrives, before the turn's idle status.
+      immediate = drng.chance(0.35)
+      if (!immediate) await sleep(drng.int(0, 50))
+    }
+  }
+
+  const addSession = async (via: ChaosClient): Promise<void> => {
+    const r = await send(via, { type: "create", name: `chaos-${sessions.size}` })
+    if (r === undefined) return
+    if (r["success"] !== true) return expectCodes(r, "create", [])
+    const id = r["data"]["activeSessionId"] as string
+    const driver = newClient(`driver-${sessions.size}`)
+    const ctl: SessionCtl = {
+      id,
+      truth: truthOf(id),
+      driver,
+      killed: false,
+      poisoned: false,
+      ends: 0,
+      idleAfterEnds: 0,
+      inTurn: false,
+      workerPid: undefined,
+      workerState: undefined,
+      accepted: 0,
+      done: Promise.resolve()
+    }
+    sessions.set(id, ctl)
+    driver.stream(id).onEvent = (m) => {
+      stats.events++
+      if (m["type"] === "session_event") {
+        const t = m["event"]?.type
+        if (t === "agent_start") ctl.inTurn = true
+        if (t === "agent_end" || t === "turn_interrupted") {
+          ctl.inTurn = false
+          ctl.ends++
+        }
+      } else if (m["type"] === "session_status") {
+        const st = m["state"] as Msg
+        ctl.workerState = st["worker"]
+        ctl.workerPid = st["workerPid"]
+        if (st["busy"] === false) ctl.idleAfterEnds = ctl.ends
+      }
+    }
+    await driver.connect()
+    wanted.set(driver, new Set([id]))
+    await attach(driver, id, rng, false)
+    // Observers follow some sessions.
+    for (const o of observers) if (rng.chance(0.5)) wanted.get(o)!.add(id)
+    ctl.done = task(`driver of ${id}`, () => driverLoop(ctl, rng.fork()))
+  }
+
+  // ------------------------------------------------------------------------------------------
+  // Faults
+  // ------------------------------------------------------------------------------------------
+
+  const liveSessions = () => [...sessions.values()].filter((s) => !s.killed)
+
+  const killPid = (pid: number | undefined, what: string) => {
+    if (pid === undefined) return log(`  (${what}: no pid known)`)
+    try {
+      process.kill(pid, "SIGKILL")
+      log(`  SIGKILL ${what} pid ${pid}`)
+    } catch {
+      log(`  (${what}: pid ${pid} already gone)`)
+    }
+  }
+
+  const restartDaemon = async (why: string) => {
+    daemonDown = true
+    log(`daemon SIGKILL (${why})`)
+    await daemon.kill()
+    for (const c of clients) c.drop()
+    await sleep(rng.int(0, 500))
+    await daemon.start()
+    stats.daemonRestarts++
+    daemonDown = false
+    log(`daemon restarted, pid ${daemon.pid}`)
+    // The killed daemon's workers must notice and go.
+    void task("orphan check", async () => {
+      const deadline = Date.now() + 5_000
+      while (Date.now() < deadline && daemon.orphans().length > 0) await sleep(100)
+      const left = daemon.orphans()
+      check("no orphan worker", left.length === 0 || daemonDown, () => `processes of a killed daemon still alive 5 s after it: ${left.join(", ")}`)
+    })
+  }
+
+  const fault = async (kind: FaultKind, frng: Rng) => {
+    counts[kind] = (counts[kind] ?? 0) + 1
+    const live = liveSessions()
+    if (live.length === 0) return
+    const ctl = frng.pick(live)
+    const sid = ctl.id.slice(0, 12)
+    switch (kind) {
+      case "worker_kill": {
+        const pids = daemon.workers()
+        log(`worker_kill: any of ${pids.length} worker processes`)
+        if (pids.length > 0) killPid(frng.pick(pids), "worker")
+        return
+      }
+      case "worker_kill_mid_turn": {
+        log(`worker_kill_mid_turn ${sid}`)
+        if (await waitUntil(() => ctl.inTurn, 3000)) await sleep(frng.int(0, 80))
+        return killPid(ctl.workerPid, `worker of ${sid} (in turn: ${ctl.inTurn})`)
+      }
+      case "worker_kill_mid_checkpoint": {
+        const c = freeCommander()
+        log(`worker_kill_mid_checkpoint ${sid} via ${c.label}`)
+        void task("checkpoint", async () => expectCodes(await send(c, { type: "checkpoint", activeSessionId: ctl.id }), "checkpoint", ["session_not_found", "session_failed"]))
+        await sleep(frng.int(0, 40))
+        return killPid(ctl.workerPid, `worker of ${sid}`)
+      }
+      case "worker_kill_starting": {
+        // Make the session start a worker (kill the one it has, or wake it by a prompt), then
+        // kill the new one while it loads.
+        const c = freeCommander()
+        const before = ctl.workerPid
+        log(`worker_kill_starting ${sid} (worker ${ctl.workerState}, pid ${before})`)
+        if (ctl.workerState === "passivated") void task("prompt", async () => expectCodes(await send(c, { type: "prompt", activeSessionId: ctl.id, message: "wake" }), "prompt", ["session_busy", "session_failed", "session_not_found"]))
+        else killPid(before, `worker of ${sid}`)
+        const probe = commanders.find((x) => x !== c && x.connected && x.pendingCount === 0)
+        if (probe === undefined) return
+        const deadline = Date.now() + 3000
+        while (Date.now() < deadline && !stopped()) {
+          const r = await send(probe, { type: "get_state", activeSessionId: ctl.id })
+          if (r === undefined || r["success"] !== true) return
+          const st = r["data"] as Msg
+          if ((st["worker"] === "starting" || st["worker"] === "recovering") && typeof st["workerPid"] === "number" && st["workerPid"] !== before) {
+            return killPid(st["workerPid"], `${st["worker"]} worker of ${sid}`)
+          }
+          if (st["worker"] === "ready" && st["workerPid"] !== before) return log(`  (${sid} was ready again before its new worker could be killed)`)
+        }
+        return
+      }
+      case "daemon_kill":
+        return restartDaemon("fault")
+      case "client_drop": {
+        const o = frng.pick(observers)
+        const delay = frng.int(0, 2000)
+        log(`client_drop ${o.label}, back in ${delay} ms`)
+        reconnectAt.set(o, Date.now() + delay)
+        o.drop()
+        return
+      }
+      case "client_pause": {
+        const o = frng.pick(observers)
+        const ms = frng.int(200, 5000)
+        log(`client_pause ${o.label} for ${ms} ms`)
+        o.pause()
+        void task("resume", async () => {
+          await sleep(ms)
+          o.resume()
+        })
+        return
+      }
+      case "attach_churn": {
+        const o = frng.pick(observers)
+        const w = wanted.get(o)!
+        if (w.has(ctl.id) && frng.chance(0.5)) {
+          w.delete(ctl.id)
+          log(`detach ${o.label} from ${sid}`)
+          void task("detach", async () => expectCodes(await send(o, { type: "detach", activeSessionId: ctl.id }), "detach", ["session_not_found"]))
+        } else if (w.has(ctl.id) && o.stream(ctl.id).attached) {
+          log(`re-attach ${o.label} to ${sid} on the same connection`)
+          void task("re-attach", () => attach(o, ctl.id, frng, false))
+        } else {
+          w.add(ctl.id)
+          log(`attach ${o.label} to ${sid}`)
+        }
+        return
+      }
+      case "checkpoint": {
+        const c = freeCommander()
+        log(`checkpoint ${sid} via ${c.label}`)
+        void task("checkpoint", async () => {
+          const r = await send(c, { type: "checkpoint", activeSessionId: ctl.id })
+          expectCodes(r, "checkpoint", ["session_not_found", "session_failed"])
+          if (r?.["success"] === true) check("checkpoint result", Number.isInteger(r["data"]?.generation) && typeof r["data"]?.snapshotId === "string", () => JSON.stringify(r["data"]))
+        })
+        return
+      }
+      case "abort": {
+        const c = freeCommander()
+        log(`abort ${sid} via ${c.label} (in turn: ${ctl.inTurn})`)
+        void task("abort", async () => expectCodes(await send(c, { type: "abort", activeSessionId: ctl.id }), "abort", ["session_not_found"]))
+        return
+      }
+      case "prompt_race": {
+        const c = freeCommander()
+        log(`prompt_race ${sid} via ${c.label}`)
+        void task("prompt", async () => expectCodes(await send(c, { type: "prompt", activeSessionId: ctl.id, message: words(frng, frng.int(1, 50)) }), "prompt", ["session_busy", "session_failed", "session_not_found"]))
+        return
+      }
+      case "retry_worker": {
+        const c = freeCommander()
+        log(`retry_worker ${sid} via ${c.label}`)
+        void task("retry_worker", async () => expectCodes(await send(c, { type: "retry_worker", activeSessionId: ctl.id }), "retry_worker", ["session_not_found"]))
+        return
+      }
+      case "kill_session": {
+        const c = freeCommander()
+        log(`kill_session ${sid} via ${c.label}, and a new session`)
+        ctl.killed = true
+        void task("kill", async () => {
+          const r = await send(c, { type: "kill", activeSessionId: ctl.id })
+          expectCodes(r, "kill", [])
+          await addSession(c)
+        })
+        return
+      }
+      case "spawn_fail": {
+        // The session's next worker spawns fail (a bad NODE_OPTIONS in its launchEnv); its
+        // worker is killed (or it is passivated) so that a spawn comes; healed a few seconds later.
+        const c = freeCommander()
+        const healIn = frng.int(2000, 8000)
+        log(`spawn_fail ${sid} via ${c.label}, healed in ${healIn} ms`)
+        ctl.poisoned = true
+        void task("spawn_fail", async () => {
+          const r = await send(c, { type: "attach", activeSessionId: ctl.id, launchEnv: { NODE_OPTIONS: "--no-such-chaos-option" } })
+          if (r?.["success"] === true) {
+            expectCodes(await send(c, { type: "detach", activeSessionId: ctl.id }), "detach", ["session_not_found"])
+            killPid(ctl.workerPid, `worker of poisoned ${sid}`)
+          }
+          await sleep(healIn)
+          await heal(ctl, c)
+        })
+        return
+      }
+    }
+  }
+
+  /** Gives a poisoned session a good launchEnv again, and a worker if it failed. */
+  const heal = async (ctl: SessionCtl, c: ChaosClient) => {
+    if (!ctl.poisoned || ctl.killed) return
+    const r = await send(c, { type: "attach", activeSessionId: ctl.id, launchEnv: {} })
+    if (r?.["success"] !== true) return
+    ctl.poisoned = false
+    log(`healed ${ctl.id.slice(0, 12)}`)
+    await send(c, { type: "detach", activeSessionId: ctl.id })
+    const st = await send(c, { type: "get_state", activeSessionId: ctl.id })
+    if (st?.["data"]?.worker === "failed") expectCodes(await send(c, { type: "retry_worker", activeSessionId: ctl.id }), "retry_worker", ["session_not_found"])
+  }
+
+  // ------------------------------------------------------------------------------------------
+  // The run
+  // ------------------------------------------------------------------------------------------
+
+  const observers: Array<ChaosClient> = []
+  let background: Array<Promise<void>> = []
+  try {
+    await daemon.start()
+    log(`daemon pid ${daemon.pid}, ${sessionCount} sessions, settings ${JSON.stringify(settings)}`)
+    for (let i = 0; i < 3; i++) {
+      const c = newClient(`cmd-${i}`)
+      await c.connect()
+      commanders.push(c)
+    }
+    for (let i = 0; i < 3; i++) {
+      const o = newClient(`obs-${i}`)
+      await o.connect()
+      wanted.set(o, new Set())
+      observers.push(o)
+    }
+    const ping = newClient("pinger")
+    await ping.connect()
+    for (let i = 0; i < sessionCount; i++) await addSession(commanders[0]!)
+    background = [task("watchdog", watchdog), task("maintain", maintain), task("pinger", () => pinger(ping))]
+
+    // Faults at random moments over the run.
+    const frng = rng.fork()
+    const end = t0 + options.seconds * 1000
+    const meanGap = (options.seconds * 1000) / Math.max(1, options.faults)
+    let injected = 0
+    while (!stopped() && Date.now() < end && injected < options.faults) {
+      await sleep(Math.min(frng.exp(meanGap), end - Date.now()))
+      if (stopped() || Date.now() >= end) break
+      await task("fault", () => fault(frng.weighted(weights), frng))
+      injected++
+    }
+    while (!stopped() && Date.now() < end) await sleep(100)
+    stopFaults = true
+    if (!stopped()) await settle()
+  } catch (e) {
+    fail(e instanceof Violation ? e : new Violation("harness", e instanceof Error ? e.stack ?? e.message : String(e)))
+  } finally {
+    stopFaults = true
+    stopLoad = true
+    const daemonLog = daemon.logTail()
+    for (const c of clients) c.drop()
+    // A failed run keeps its state dir for inspection.
+    await daemon.cleanup(options.keep === true || violation !== undefined)
+    await Promise.race([Promise.all(background), sleep(2000)])
+    for (const c of clients) for (const s of c.streams.values()) stats.resyncs += s.resyncs
+    return {
+      seed: options.seed,
+      violation,
+      schedule,
+      counts,
+      settings,
+      stats,
+      notes,
+      daemonLog,
+      stateDir: daemon.stateDir
+    }
+  }
+
+  /**
+   * The end of the run: load stops, every session must be idle and ready again, every client's
+   * view must equal the daemon's transcript, and a killed-and-restarted daemon must resume them.
+   */
+  async function settle(): Promise<void> {
+    log("settling: load stops")
+    stopLoad = true
+    for (const o of observers) o.resume()
+    reconnectAt.clear()
+    const c = commanders[0]!
+    await waitUntil(() => commanders.every((x) => x.pendingCount === 0), 60_000)
+    await Promise.all(liveSessions().map((s) => s.done))
+    if (stopped()) return
+    for (const ctl of liveSessions()) await heal(ctl, c)
+    // Every session idle and ready (a failed one is retried once).
+    for (const ctl of liveSessions()) {
+      const deadline = Date.now() + SETTLE_BOUND_MS
+      let retried = false
+      for (;;) {
+        const r = await send(c, { type: "get_state", activeSessionId: ctl.id })
+        check("daemon reachable", r !== undefined, () => "the connection dropped while settling")
+        check("live session exists", r!["success"] === true, () => `get_state ${ctl.id}: ${JSON.stringify(r!["error"])}`)
+        const st = r!["data"] as Msg
+        if (st["busy"] === false && (st["worker"] === "ready" || st["worker"] === "passivated")) break
+        if (st["worker"] === "failed" && !retried) {
+          retried = true
+          expectCodes(await send(c, { type: "retry_worker", activeSessionId: ctl.id }), "retry_worker", [])
+        }
+        check("no session left busy or not ready", Date.now() < deadline, () => `session ${ctl.id} after ${SETTLE_BOUND_MS} ms: ${JSON.stringify(st)}`)
+        await sleep(100)
+      }
+    }
+    for (const ctl of sessions.values()) {
+      if (!ctl.killed) continue
+      const r = await send(c, { type: "get_state", activeSessionId: ctl.id })
+      check("killed session gone", r?.["success"] === false && r["error"]?.code === "session_not_found", () => `get_state of killed ${ctl.id}: ${JSON.stringify(r)}`)
+    }
+    await compareViews("after the run")
+    const orphans = daemon.orphans()
+    check("no orphan worker", orphans.length === 0, () => `processes not under the daemon: ${orphans.join(", ")}`)
+
+    // The journal and the event log reopen: a killed daemon's successor resumes every client.
+    await restartDaemon("final restart check")
+    await waitUntil(() => clients.every((x) => x.connected), 15_000)
+    for (const ctl of liveSessions()) {
+      const s = ctl.driver.stream(ctl.id)
+      const settled = await waitUntil(() => s.settled, 20_000)
+      check("resume after a daemon restart", settled, () => `driver of ${ctl.id} not re-attached`)
+      check("cursors stay valid across daemon restarts", s.lastReplayStatus === "complete", () => `driver of ${ctl.id} resumed from ${fmtCursor(s.last)}: replay ${s.lastReplayStatus}`)
+    }
+    await compareViews("after a daemon restart")
+    const list = await send(c, { type: "list" })
+    const listed = new Set(((list?.["data"]?.sessions ?? []) as Array<Msg>).map((x) => x["activeSessionId"]))
+    for (const ctl of sessions.values()) {
+      check("sessions survive a restart", listed.has(ctl.id) === !ctl.killed, () => `${ctl.id} (killed ${ctl.killed}) listed: ${listed.has(ctl.id)}`)
+    }
+    const r = await send(c, { type: "shutdown" })
+    check("shutdown", r?.["success"] === true, () => `shutdown answered ${JSON.stringify(r)}`)
+    check("shutdown exits 0", await daemon.waitExit(15_000) && daemon.exit?.code === 0, () => `daemon after shutdown: ${JSON.stringify(daemon.exit)}`)
+    const deadline = Date.now() + 5_000
+    while (Date.now() < deadline && daemon.markedProcesses().length > 0) await sleep(100)
+    check("no process left after shutdown", daemon.markedProcesses().length === 0, () => `still alive: ${daemon.markedProcesses().join(", ")}`)
+    log("settled: every check passed")
+  }
+
+  /** Every attached client, caught up, folds the transcript the daemon serves; no gap anywhere. */
+  async function compareViews(when: string): Promise<void> {
+    const c = commanders[0]!
+    for (const ctl of liveSessions()) {
+      const st = await send(c, { type: "get_state", activeSessionId: ctl.id })
+      const last = st?.["data"]?.lastEventCursor as Cursor | undefined
+      const messages: Array<Msg> = []
+      for (;;) {
+        const r = await send(c, { type: "get_messages", activeSessionId: ctl.id, offset: messages.length, limit: 1000 })
+        check("get_messages", r?.["success"] === true, () => `get_messages ${ctl.id}: ${JSON.stringify(r)}`)
+        const page = r!["data"]["messages"] as Array<Msg>
+        messages.push(...page)
+        if (page.length === 0 || messages.length >= r!["data"]["total"]) break
+      }
+      check("messageCount", messages.length === st?.["data"]?.messageCount, () => `${ctl.id}: get_messages has ${messages.length}, messageCount ${st?.["data"]?.messageCount}`)
+      for (const o of clients) {
+        const s = o.streams.get(ctl.id)
+        if (s === undefined || !s.attached) continue
+        const caughtUp = await waitUntil(() => s.settled && last !== undefined && s.last !== undefined && compareCursor(s.last, last) >= 0, 20_000)
+        check("every event delivered", caughtUp, () => `${o.label} on ${ctl.id} ${when}: last ${fmtCursor(s.last)}, the session's ${fmtCursor(last)}, settled ${s.settled}`)
+        const fold = s.fold ?? []
+        const diff = fold.findIndex((m, i) => m.id !== messages[i]?.["id"] || m.content !== messages[i]?.["content"] || m.role !== messages[i]?.["role"])
+        check(
+          "transcript = fold of the events",
+          fold.length === messages.length && diff < 0,
+          () => `${o.label} on ${ctl.id} ${when}: folded ${fold.length} messages, the daemon serves ${messages.length}; first difference at ${diff < 0 ? Math.min(fold.length, messages.length) : diff}`
+        )
+      }
+    }
+    for (const t of truths.values()) t.checkJumps(true)
+  }
+}
