@@ -10,7 +10,8 @@
 import * as fs from "node:fs"
 import * as path from "node:path"
 import { fileURLToPath } from "node:url"
-import { FAULT_KINDS, type FaultKind, runChaos, type RunResult } from "./run.js"
+import { describeResult } from "./report.js"
+import { FAULT_KINDS, type FaultKind, runChaos } from "./run.js"
 
 const here = path.dirname(fileURLToPath(import.meta.url))
 
@@ -19,6 +20,8 @@ interface RegressionSeed {
   readonly seconds: number
   readonly faults: number
   readonly kinds?: ReadonlyArray<FaultKind>
+  readonly settings?: Readonly<Record<string, string>>
+  readonly promptAtEnd?: number
   /** What the seed found when it was recorded (the defect and the invariant it broke). */
   readonly found: string
 }
@@ -26,10 +29,12 @@ interface RegressionSeed {
 const usage = () => {
   console.error(
     "usage: npm run chaos -- [--seed S] [--seconds N] [--faults K] [--kinds " + FAULT_KINDS.join(",") +
-      "] [--runs R] [--verbose] [--keep] | --regressions"
+      "] [--set AGENTD_X=V]... [--prompt-at-end P] [--runs R] [--verbose] [--keep] | --regressions"
   )
   process.exit(2)
 }
+
+const settings: Record<string, string> = {}
 
 const parse = (argv: ReadonlyArray<string>) => {
   const out: Record<string, string | boolean> = {}
@@ -38,7 +43,13 @@ const parse = (argv: ReadonlyArray<string>) => {
     if (!a.startsWith("--")) usage()
     const key = a.slice(2)
     if (["verbose", "keep", "regressions"].includes(key)) out[key] = true
-    else {
+    else if (key === "set") {
+      // --set AGENTD_X=V, repeatable: a daemon setting instead of the drawn one.
+      const v = argv[++i]
+      const eq = v?.indexOf("=") ?? -1
+      if (v === undefined || eq <= 0) usage()
+      settings[v!.slice(0, eq)] = v!.slice(eq + 1)
+    } else {
       const v = argv[++i]
       if (v === undefined) usage()
       out[key] = v!
@@ -61,25 +72,6 @@ const kindsOf = (v: string | boolean | undefined): ReadonlyArray<FaultKind> | un
   return kinds as Array<FaultKind>
 }
 
-const report = (r: RunResult, seconds: number): void => {
-  const counts = Object.entries(r.counts).sort().map(([k, n]) => `${k} ${n}`).join(", ")
-  const stats = Object.entries(r.stats).map(([k, n]) => `${k} ${n}`).join(", ")
-  if (r.violation === undefined) {
-    console.log(`seed ${r.seed}: PASS (${seconds} s; faults: ${counts || "none"}; ${stats})`)
-  } else {
-    console.log(`seed ${r.seed}: FAIL\n  first violated invariant: ${r.violation.invariant}\n  ${r.violation.details}`)
-    console.log(`  settings: ${JSON.stringify(r.settings)}`)
-    console.log(`  faults: ${counts || "none"}; ${stats}`)
-    console.log(`  fault schedule up to the failure:`)
-    const lines = r.schedule.length > 80 ? ["...", ...r.schedule.slice(-80)] : r.schedule
-    for (const l of lines) console.log(`    ${l}`)
-    console.log(`  daemon log tail:\n${r.daemonLog.split("\n").slice(-25).map((l) => `    ${l}`).join("\n")}`)
-    console.log(`  state dir kept: ${r.stateDir}`)
-    console.log(`  reproduce: npm run chaos -- --seed ${r.seed} --seconds ${seconds}`)
-  }
-  for (const n of r.notes.slice(0, 10)) console.log(`  note: ${n}`)
-}
-
 const main = async () => {
   const args = parse(process.argv.slice(2))
   if (args["regressions"] === true) {
@@ -87,8 +79,15 @@ const main = async () => {
     let failed = 0
     for (const s of seeds.seeds) {
       console.log(`\n# regression seed ${s.seed} (found: ${s.found})`)
-      const r = await runChaos({ seed: s.seed, seconds: s.seconds, faults: s.faults, ...(s.kinds ? { kinds: s.kinds } : {}) })
-      report(r, s.seconds)
+      const r = await runChaos({
+        seed: s.seed,
+        seconds: s.seconds,
+        faults: s.faults,
+        ...(s.kinds ? { kinds: s.kinds } : {}),
+        ...(s.settings ? { settings: s.settings } : {}),
+        ...(s.promptAtEnd === undefined ? {} : { promptAtEnd: s.promptAtEnd })
+      })
+      console.log(describeResult(r, { seconds: s.seconds, faults: s.faults, kinds: s.kinds, settings: s.settings ?? {}, promptAtEnd: s.promptAtEnd }))
       if (r.violation !== undefined) failed++
     }
     console.log(`\n${seeds.seeds.length - failed} of ${seeds.seeds.length} regression seeds green`)
@@ -98,6 +97,8 @@ const main = async () => {
   const faults = int(args["faults"], Math.max(10, Math.round(seconds * 0.8)))
   const runs = int(args["runs"], 1)
   const kinds = kindsOf(args["kinds"])
+  const promptAtEnd = args["prompt-at-end"] === undefined ? undefined : Number(args["prompt-at-end"])
+  if (promptAtEnd !== undefined && !(promptAtEnd >= 0 && promptAtEnd <= 1)) usage()
   let seed = args["seed"] === undefined ? Math.floor(Math.random() * 2 ** 31) : int(args["seed"], 0)
   let failed = 0
   for (let i = 0; i < runs; i++, seed++) {
@@ -107,9 +108,11 @@ const main = async () => {
       faults,
       ...(kinds ? { kinds } : {}),
       verbose: args["verbose"] === true,
-      keep: args["keep"] === true
+      keep: args["keep"] === true,
+      settings,
+      ...(promptAtEnd === undefined ? {} : { promptAtEnd })
     })
-    report(r, seconds)
+    console.log(describeResult(r, { seconds, faults, kinds, settings, promptAtEnd }))
     if (r.violation !== undefined) failed++
   }
   process.exit(failed === 0 ? 0 : 1)

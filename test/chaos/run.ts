@@ -66,6 +66,10 @@ export interface RunOptions {
   readonly verbose?: boolean
   /** Keep the state dir for inspection. */
   readonly keep?: boolean
+  /** How often a driver prompts the moment its turn's agent_end arrives (default 0.35). */
+  readonly promptAtEnd?: number
+  /** Daemon settings (`AGENTD_*`) that replace the drawn ones. */
+  readonly settings?: Readonly<Record<string, string>>
 }
 
 export interface RunResult {
@@ -78,6 +82,8 @@ export interface RunResult {
   readonly notes: ReadonlyArray<string>
   readonly daemonLog: string
   readonly stateDir: string
+  /** After a violation: every session's state as a fresh connection sees it, and what each driver saw last. */
+  readonly postMortem: ReadonlyArray<string>
 }
 
 /** The daemon's settings for a run: tiny thresholds so checkpoints and pruning never stop. */
@@ -149,7 +155,7 @@ interface SessionCtl {
 export const runChaos = async (options: RunOptions): Promise<RunResult> => {
   const rng = new Rng(options.seed)
   const sessionCount = rng.int(3, 4)
-  const settings = drawSettings(rng, sessionCount)
+  const settings = { ...drawSettings(rng, sessionCount), ...options.settings }
   const kinds = options.kinds ?? FAULT_KINDS
   const weights = Object.fromEntries(kinds.map((k) => [k, WEIGHTS[k]])) as Record<FaultKind, number>
   const daemon = new ChaosDaemon(settings)
@@ -370,7 +376,7 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
       if (!ended) continue
       stats.turnsEnded++
       // Sometimes prompt again the moment agent_end arrives, before the turn's idle status.
-      immediate = drng.chance(0.35)
+      immediate = drng.chance(options.promptAtEnd ?? 0.35)
       if (!immediate) await sleep(drng.int(0, 50))
     }
   }
@@ -655,6 +661,7 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
   } finally {
     stopFaults = true
     stopLoad = true
+    const postMortem = violation === undefined || !daemon.running ? [] : await inspect()
     const daemonLog = daemon.logTail()
     for (const c of clients) c.drop()
     // A failed run keeps its state dir for inspection.
@@ -670,8 +677,29 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
       stats,
       notes,
       daemonLog,
+      postMortem,
       stateDir: daemon.stateDir
     }
+  }
+
+  /** What a fresh connection sees of every session after a violation (each answer bounded). */
+  async function inspect(): Promise<Array<string>> {
+    const out: Array<string> = []
+    const c = new ChaosClient("post-mortem", () => daemon.socketPath, truthOf)
+    try {
+      await c.connect(3000)
+      for (const ctl of sessions.values()) {
+        const r = await Promise.race([c.send({ type: "get_state", activeSessionId: ctl.id }), sleep(3000).then(() => "no answer in 3 s")])
+        const st = typeof r === "string" ? r : JSON.stringify(r?.["data"] ?? r?.["error"])
+        out.push(`${ctl.id}${ctl.killed ? " (killed)" : ""}: get_state ${st}`)
+        out.push(`  its driver saw last: ${ctl.driver.stream(ctl.id).recentMessages().join(", ")}`)
+      }
+    } catch (e) {
+      out.push(`post-mortem connection failed: ${String(e)}`)
+    } finally {
+      c.drop()
+    }
+    return out
   }
 
   /**

@@ -207,6 +207,11 @@ export class SessionStream {
     throw new Violation(invariant, `[${this.label} / ${this.activeSessionId}] ${what}; last messages: ${this.recent.join(", ")}`)
   }
 
+  /** The last few messages received, described. */
+  recentMessages(): ReadonlyArray<string> {
+    return this.recent
+  }
+
   private note(m: Msg): void {
     this.recent.push(describeMsg(m))
     if (this.recent.length > 12) this.recent.shift()
