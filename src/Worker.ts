@@ -104,7 +104,10 @@ const restoreTranscript = (activeSessionId: string, restore: NonNullable<LoadFra
       Stream.runForEach((record) =>
         Effect.sync(() => {
           foldedEvents++
-          foldEvent(messages, record.event as { type: string })
+          // A log record holds the wire body (`session_event`, `session_status`, ...); the agent
+          // event is inside a `session_event`.
+          const body = record.event as { readonly type: string; readonly event?: { readonly type: string } }
+          if (body.type === "session_event" && body.event !== undefined) foldEvent(messages, body.event)
         })
       )
     )

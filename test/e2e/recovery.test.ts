@@ -20,6 +20,7 @@ import {
   isIdleStatus,
   metaProblems,
   type Msg,
+  allMessages,
   sleep,
   useDaemon,
   waitGone
@@ -136,6 +137,34 @@ describe("worker crash", () => {
     const msgs = (await a.ok({ type: "get_messages", activeSessionId: id }))["messages"] as Array<Msg>
     expect(msgs.map((m) => m["content"])).toEqual(["warm", "echo: warm", "while recovering", "echo: while recovering"])
   }, 40_000)
+
+  it("a restored worker holds the whole transcript: a checkpoint after a crash keeps every message (found by the chaos harness)", async () => {
+    // The restore folded the logged events after the snapshot as if they were agent events, so
+    // it folded none: the next checkpoint wrote a snapshot without the generation's messages.
+    const d = await useDaemon({ env: { AGENTD_CHECKPOINT_EVENTS: "1000000" } })
+    const a = await d.connect("a")
+    const { id } = await createSession(a)
+    await attach(a, { activeSessionId: id })
+    for (const text of ["first words", "second words"]) {
+      await a.ok({ type: "prompt", activeSessionId: id, message: text })
+      await collectTurn(a, id)
+    }
+    const before = await allMessages(a, id)
+    expect(before.length).toBe(4)
+    const st = await a.ok({ type: "get_state", activeSessionId: id })
+    d.recordWorkers(st)
+    process.kill(st["workerPid"] as number, "SIGKILL")
+    await collectUntil(a, id, (m) => m["type"] === "session_status" && m["state"]?.worker === "ready", 20_000)
+    await a.ok({ type: "checkpoint", activeSessionId: id }, 20_000)
+    await a.ok({ type: "prompt", activeSessionId: id, message: "third words" })
+    await collectTurn(a, id)
+    const after = await allMessages(a, id)
+    expect(after.map((m) => m["content"])).toEqual([...before.map((m) => m["content"]), "third words", "echo: third words"])
+    // A fresh client's baseline (the new generation's snapshot) holds them too.
+    const b = await d.connect("b")
+    const { data } = await attach(b, { activeSessionId: id })
+    expect((data["snapshot"]["messages"] as Array<Msg>).map((m) => m["content"])).toEqual(before.map((m) => m["content"]))
+  })
 })
 
 describe("daemon crash", () => {
