@@ -426,7 +426,7 @@ const readRange = (sid: string, fd: number, start: number, end: number): Effect.
  * Recovers the newest segment after a crash: drops a torn tail (bytes after the last `\n`) and
  * then any last lines that fail to parse, until the last line is a valid record or the header.
  */
-const recoverSegment = (sid: string, fd: number, file: string, generation: number) =>
+const recoverSegment = (sid: string, fd: number, file: string, generation: number, repair: boolean) =>
   Effect.gen(function*() {
     const size = yield* fsFstatSize(sid, fd)
     let end = size
@@ -447,7 +447,7 @@ const recoverSegment = (sid: string, fd: number, file: string, generation: numbe
         else end = start
       }
     }
-    if (end < size) {
+    if (end < size && repair) {
       yield* fsTruncate(sid, fd, end)
       yield* fsDataSync(sid, fd)
     }
@@ -490,7 +490,7 @@ const segmentStart = (sid: string, file: string, generation: number): Effect.Eff
   ).pipe(Effect.orElseSucceed(() => Option.none()))
 
 /** Opens a session's log from disk (or an empty handle when it has none yet). */
-const openHandle = (root: string, sessionId: string): Effect.Effect<Handle, EventLogError> =>
+const openHandle = (root: string, sessionId: string, readOnly: boolean): Effect.Effect<Handle, EventLogError> =>
   Effect.gen(function*() {
     const name = sanitizeSessionId(sessionId)
     if (name._tag === "Left") return yield* Effect.fail(name.left)
@@ -516,8 +516,9 @@ const openHandle = (root: string, sessionId: string): Effect.Effect<Handle, Even
       Effect.catchIf(isNotFound, () => Effect.succeed<Array<string>>([]))
     )
     for (const entry of names) {
-      // A segment creation cut by a crash: it was never acknowledged, the temp file is garbage.
-      if (entry.endsWith(".tmp")) yield* fsUnlink(sessionId, path.join(h.eventsDir, entry))
+      // A segment creation cut by a crash: it was never acknowledged, the temp file is garbage
+      // (to a reader it may be the writer's segment being made: left alone).
+      if (entry.endsWith(".tmp") && !readOnly) yield* fsUnlink(sessionId, path.join(h.eventsDir, entry))
       const match = SEGMENT_NAME.exec(entry)
       if (match !== null) h.segments.push(Number(match[1]))
     }
@@ -525,8 +526,9 @@ const openHandle = (root: string, sessionId: string): Effect.Effect<Handle, Even
     const newest = h.segments[h.segments.length - 1]
     if (newest === undefined) return h
     const file = segmentPath(h, newest)
-    const fd = yield* fsOpen(sessionId, file, "r+")
-    const recovered = yield* recoverSegment(sessionId, fd, file, newest).pipe(Effect.tapError(() => fsCloseQuiet(fd)))
+    const fd = yield* fsOpen(sessionId, file, readOnly ? "r" : "r+")
+    // A reader stops before a torn tail (the writer's write in flight); only the writer repairs.
+    const recovered = yield* recoverSegment(sessionId, fd, file, newest, !readOnly).pipe(Effect.tapError(() => fsCloseQuiet(fd)))
     h.fd = fd
     h.generation = newest
     h.size = recovered.size
@@ -584,9 +586,12 @@ const createSession = (root: string, h: Handle) =>
  * flusher fiber per busy session takes everything queued, writes it in one write, fdatasyncs and
  * only then acknowledges those appends; appends that arrive meanwhile form the next batch.
  */
-export const make = (options: { readonly root: string }): Effect.Effect<EventLogService, EventLogError, Scope.Scope> =>
+export const make = (options: EventLogOptions): Effect.Effect<EventLogService, EventLogError, Scope.Scope> =>
   Effect.gen(function*() {
     const root = path.resolve(options.root)
+    const readOnly = options.readOnly === true
+    const refuseWrite = (sessionId: string) =>
+      Effect.fail(fail("Closed", sessionId, "this event log was opened read-only (a reader in another process than its writer)"))
     yield* mkdirPrivate("", root)
 
     const handles = new Map<string, Handle>()
@@ -630,7 +635,7 @@ export const make = (options: { readonly root: string }): Effect.Effect<EventLog
         const deferred = Deferred.unsafeMake<Handle, EventLogError>(FiberId.none)
         opening.set(sessionId, deferred)
         // Uninterruptible: other fibers may be waiting on this opening.
-        return openHandle(root, sessionId).pipe(
+        return openHandle(root, sessionId, readOnly).pipe(
           Effect.exit,
           Effect.flatMap((exit) => {
             opening.delete(sessionId)
@@ -756,6 +761,7 @@ export const make = (options: { readonly root: string }): Effect.Effect<EventLog
     // and kept throughput under the 20x goal. Each write is traced instead, as `EventLog.flush`
     // (one span per group commit).
     const append = (sessionId: string, event: EventData | EncodedEvent): Effect.Effect<Cursor.Cursor, EventLogError> => {
+      if (readOnly) return refuseWrite(sessionId)
       const h = handles.get(sessionId)
       return h !== undefined
         ? appendTo(h, sessionId, event)
@@ -764,6 +770,7 @@ export const make = (options: { readonly root: string }): Effect.Effect<EventLog
 
     const appendAll = Effect.fn("EventLog.appendAll")(
       function*(sessionId: string, events: ReadonlyArray<EventData | EncodedEvent>) {
+        if (readOnly) return yield* refuseWrite(sessionId)
         if (events.length === 0) return []
         const jsons: Array<string> = []
         for (const event of events) {
@@ -796,6 +803,7 @@ export const make = (options: { readonly root: string }): Effect.Effect<EventLog
     )
 
     const startGeneration = Effect.fn("EventLog.startGeneration")(function*(sessionId: string) {
+      if (readOnly) return yield* refuseWrite(sessionId)
       const h = yield* handleFor(sessionId)
       return yield* Effect.async<number, EventLogError>((resume) => {
         if (h.dead !== undefined) return resume(Effect.fail(h.dead))
@@ -934,6 +942,7 @@ export const make = (options: { readonly root: string }): Effect.Effect<EventLog
       })).pipe(Stream.withSpan("EventLog.readGeneration"))
 
     const prune = Effect.fn("EventLog.prune")(function*(sessionId: string, keepFromGeneration: number) {
+      if (readOnly) return yield* refuseWrite(sessionId)
       const h = yield* handleFor(sessionId)
       return yield* h.lock.withPermits(1)(Effect.gen(function*() {
         const keep = Math.min(keepFromGeneration, h.generation)
@@ -951,6 +960,7 @@ export const make = (options: { readonly root: string }): Effect.Effect<EventLog
 
     const remove = Effect.fn("EventLog.remove")(
       function*(sessionId: string, options?: { readonly archiveTo?: string }) {
+        if (readOnly) return yield* refuseWrite(sessionId)
         const h = yield* handleFor(sessionId)
         yield* h.lock.withPermits(1)(Effect.gen(function*() {
           yield* kill(h, fail("Closed", sessionId, "the session's event log was removed"))
@@ -984,8 +994,20 @@ export const make = (options: { readonly root: string }): Effect.Effect<EventLog
     })
   })
 
+/** Where the file-backed log lives, and whether this process writes it. */
+export interface EventLogOptions {
+  readonly root: string
+  /**
+   * A reader in another process than the log's writer (a worker restoring its session while
+   * the supervisor appends): segments are opened read-only, never repaired (a torn tail is the
+   * writer's write in flight, and a `.tmp` segment the one it is creating), and every write
+   * fails.
+   */
+  readonly readOnly?: boolean
+}
+
 /** The file-backed event log under `options.root` (created 0700 if missing). */
-export const layer = (options: { readonly root: string }): Layer.Layer<EventLog, EventLogError> =>
+export const layer = (options: EventLogOptions): Layer.Layer<EventLog, EventLogError> =>
   Layer.scoped(EventLog, make(options))
 
 // ---------------------------------------------------------------------------------------------

@@ -117,7 +117,8 @@ const restoreTranscript = (activeSessionId: string, restore: NonNullable<LoadFra
   }).pipe(
     Effect.provide(Layer.mergeAll(
       SessionStore.layer({ root: restore.storeRoot }),
-      EventLog.layer({ root: restore.eventLogRoot })
+      // The supervisor may be appending meanwhile: read, never repair.
+      EventLog.layer({ root: restore.eventLogRoot, readOnly: true })
     ))
   )
 

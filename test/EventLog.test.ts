@@ -437,6 +437,33 @@ describe("EventLog (file only)", () => {
       assert.deepStrictEqual(fs.readdirSync(path.join(root, "s", "events")).sort(), ["1.jsonl", "2.jsonl"])
     }))
 
+  it.scoped("a read-only reader (another process than the writer) never repairs: it reads up to a torn tail, leaves the writer's files alone, refuses writes", () =>
+    Effect.gen(function*() {
+      const root = yield* tempDir
+      yield* withLog(root, Effect.gen(function*() {
+        const log = yield* EventLog.EventLog
+        for (const i of range(3)) yield* log.append("s", { i })
+      }))
+      // The writer's append in flight, and its next segment being created.
+      const file = segment(root, "s", 1)
+      fs.appendFileSync(file, "{\"cursor\":{\"generation\":1,\"sequence\":3},\"ev")
+      const tmp = path.join(root, "s", "events", "2.jsonl.tmp")
+      fs.writeFileSync(tmp, "{\"segm")
+      const before = fs.readFileSync(file)
+      yield* Effect.provide(
+        Effect.gen(function*() {
+          const log = yield* EventLog.EventLog
+          assert.deepStrictEqual((yield* readAll("s")).map((r) => r.event), range(3).map((i) => ({ i })))
+          const refused = yield* Effect.flip(log.append("s", { i: 9 }))
+          assert.strictEqual(refused.reason, "Closed")
+          assert.strictEqual((yield* Effect.flip(log.startGeneration("s"))).reason, "Closed")
+        }),
+        EventLog.layer({ root, readOnly: true })
+      )
+      assert.deepStrictEqual(fs.readFileSync(file), before)
+      assert.isTrue(fs.existsSync(tmp))
+    }))
+
   it.scoped("a corrupt record fails every read that reaches it (never skipped); a read from the end of its generation does not reach it", () =>
     Effect.gen(function*() {
       const root = yield* tempDir

@@ -107,7 +107,30 @@ export class ChaosDaemon {
       if (await this.greets()) return
       await sleep(30)
     }
-    throw new Error(`daemon did not greet within 20 s:\n${this.logTail()}`)
+    throw new Error(`daemon did not greet within 20 s (${this.diagnose()}):\n${this.logTail()}`)
+  }
+
+  /** What the daemon process is doing (for a start that hangs). */
+  private diagnose(): string {
+    const pid = this.proc?.pid
+    if (pid === undefined) return "no process"
+    const read = (f: string) => {
+      try {
+        return fs.readFileSync(f, "utf8").trim()
+      } catch {
+        return "?"
+      }
+    }
+    const state = /State:\s+(.*)/.exec(read(`/proc/${pid}/status`))?.[1] ?? "?"
+    const children = descendantsOf(pid).map((c) => `${c}:${/State:\s+(\S+)/.exec(read(`/proc/${c}/status`))?.[1] ?? "?"}`)
+    let socket = "absent"
+    try {
+      socket = `present, mode ${(fs.statSync(this.socketPath).mode & 0o777).toString(8)}`
+    } catch {
+      // absent
+    }
+    return `pid ${pid} state ${state}, wchan ${read(`/proc/${pid}/wchan`)}, socket ${socket}, children [${children.join(", ")}], ` +
+      `other processes of the run [${this.orphans().filter((p) => p !== pid).join(", ")}]`
   }
 
   /** Does a daemon answer on the socket with a hello naming this process? */
