@@ -20,9 +20,11 @@ import * as Deferred from "effect/Deferred"
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
 import * as Either from "effect/Either"
+import * as FiberMap from "effect/FiberMap"
 import * as FiberSet from "effect/FiberSet"
 import * as Layer from "effect/Layer"
 import * as Option from "effect/Option"
+import * as Queue from "effect/Queue"
 import * as Stream from "effect/Stream"
 import { randomUUID } from "node:crypto"
 import * as path from "node:path"
@@ -36,7 +38,7 @@ import type { AgentMessage, CommandOf, ErrorCode, SessionSummary, WorkerState } 
 import { RecoveryJournal } from "./RecoveryJournal.js"
 import { type SessionMeta, SessionStore } from "./SessionStore.js"
 import { ChunkBuilder, SnapshotCache } from "./SnapshotCache.js"
-import { defaultRestartPolicy, nextRestart, WorkerCrashed, WorkerPool, type WorkerProcess } from "./WorkerPool.js"
+import { defaultRestartPolicy, nextRestart, WorkerCrashed, type WorkerExit, WorkerPool, type WorkerProcess } from "./WorkerPool.js"
 import type * as WorkerProtocol from "./WorkerProtocol.js"
 
 /**
@@ -45,6 +47,9 @@ import type * as WorkerProtocol from "./WorkerProtocol.js"
  * between batches, so it can go past the limit by one batch (or one larger event).
  */
 const PUBLISH_BATCH_BYTES = 256 * 1024
+
+/** More than the readers of one session's baseline at any one time. */
+const READ_GATE_PERMITS = 1_000_000
 
 /** A command failed with one of the documented error codes. */
 export class CommandError extends Data.TaggedError("CommandError")<{
@@ -157,6 +162,99 @@ class Attachment {
   }
 }
 
+/** How a turn ended. */
+type TurnEnd = "agent_end" | Protocol.InterruptReason
+
+/** A prompt that reserved the session (it is busy) and waits to start its turn. */
+interface PendingPrompt {
+  readonly message: string
+  readonly reply: Deferred.Deferred<{ accepted: true }, CommandError>
+}
+
+type CheckpointReply = Deferred.Deferred<{ generation: number; snapshotId: string }, CommandError>
+
+/**
+ * Where a session's lifecycle stands. One fiber (the session's entity) owns it; every change
+ * settles the requests that can no longer complete where it leads.
+ */
+type Phase =
+  /** A worker is being acquired and loaded (`epoch` names the attempt), or a restart waits for its backoff. */
+  | {
+    readonly _tag: "Starting"
+    readonly worker: WorkerProcess | undefined
+    readonly state: "starting" | "recovering"
+    readonly epoch: number
+  }
+  | { readonly _tag: "Idle"; readonly worker: WorkerProcess }
+  | {
+    readonly _tag: "Running"
+    readonly worker: WorkerProcess
+    readonly turnId: string
+    /** Aborts answered at the turn's end, with how it ended. */
+    readonly aborts: Array<Deferred.Deferred<{ aborted: boolean }, CommandError>>
+  }
+  | {
+    readonly _tag: "Checkpointing"
+    readonly worker: WorkerProcess
+    readonly snapshotId: string
+    readonly generation: number
+    readonly waiters: Array<CheckpointReply>
+    /** The worker's snapshot has begun (its cache entry exists). */
+    began: boolean
+  }
+  | { readonly _tag: "Passivated" }
+  | { readonly _tag: "Failed" }
+  | { readonly _tag: "Closed" }
+
+type RestoreSpec = Extract<WorkerProtocol.SupervisorFrame, { readonly type: "load" }>["restore"]
+
+/** What the entity of a session takes from its mailbox: commands, its worker's frames and exit, timers. */
+type Input =
+  | { readonly _tag: "Prompt"; readonly message: string; readonly reply: PendingPrompt["reply"] }
+  | { readonly _tag: "Abort"; readonly reply: Deferred.Deferred<{ aborted: boolean }, CommandError> }
+  | { readonly _tag: "Checkpoint"; readonly reply: CheckpointReply }
+  | { readonly _tag: "Retry"; readonly reply: Deferred.Deferred<SessionSummary, CommandError> }
+  | { readonly _tag: "Kill"; readonly reply: Deferred.Deferred<{}, CommandError> }
+  | { readonly _tag: "Passivate" }
+  /** At daemon start: the session was running a turn when the last daemon died. */
+  | { readonly _tag: "Restore" }
+  | { readonly _tag: "Acquired"; readonly epoch: number; readonly worker: WorkerProcess; readonly restore: RestoreSpec }
+  | { readonly _tag: "AcquireFailed"; readonly epoch: number; readonly message: string }
+  | { readonly _tag: "RestartDue"; readonly epoch: number }
+  | {
+    readonly _tag: "Frames"
+    readonly worker: WorkerProcess
+    readonly frames: ReadonlyArray<WorkerProtocol.ReceivedFrame>
+    readonly handled: Deferred.Deferred<void>
+  }
+  | { readonly _tag: "Exited"; readonly worker: WorkerProcess; readonly exit: WorkerExit }
+
+type AnyFrame = { readonly type: string; readonly [k: string]: unknown }
+
+/** The worker process of a phase, if it has one. */
+const workerOf = (phase: Phase): WorkerProcess | undefined =>
+  phase._tag === "Idle" || phase._tag === "Running" || phase._tag === "Checkpointing" || phase._tag === "Starting"
+    ? phase.worker
+    : undefined
+
+/** The worker state a phase shows to clients. */
+const workerStateOf = (phase: Phase): WorkerState => {
+  switch (phase._tag) {
+    case "Starting":
+      return phase.state
+    case "Idle":
+    case "Running":
+    case "Checkpointing":
+      return "ready"
+    case "Passivated":
+      return "passivated"
+    case "Failed":
+      return "failed"
+    case "Closed":
+      return "closed"
+  }
+}
+
 /** A session's state in the supervisor. */
 interface Session {
   meta: SessionMeta
@@ -173,33 +271,34 @@ interface Session {
   generationEvents: number
   generationBytes: number
   lastCursor: Cursor.Cursor | undefined
-  worker: WorkerProcess | undefined
-  workerState: WorkerState
-  /** Resolved when the worker state leaves starting/recovering. */
-  ready: Deferred.Deferred<void, CommandError>
-  busy: boolean
-  /** The running turn's end (agent_end or turn_interrupted) has been received; its idle status is on its way. */
-  turnEnding: boolean
-  /** Resolved at the end of the running turn. */
-  turnEnded: Deferred.Deferred<void>
-  /** The running (or last) turn's id, and how the last turn ended. */
-  turnId: string
-  lastTurnEnd: "agent_end" | Protocol.InterruptReason | undefined
-  restarts: number
-  crashTimes: Array<number>
   attachments: Set<Attachment>
   /** Serializes appends so cursors are published in order. */
   publishLock: Effect.Semaphore
-  /** Serializes lifecycle changes (start, checkpoint, passivate, kill). */
-  lifecycle: Effect.Semaphore
+  /** Readers of the current generation take one permit; a checkpoint's completion takes them all. */
+  readGate: Effect.Semaphore
   lastUsed: number
   launchEnv: Record<string, string> | undefined
   clientEnv: Record<string, string> | undefined
-  /** The worker's checkpoint being received: its cache entry and where to resolve. */
-  incomingSnapshot: { readonly snapshotId: string; readonly done: Deferred.Deferred<void, CommandError> } | undefined
   /** The snapshot cache entry of the current generation, if built. */
   snapshotId: string | undefined
   closed: boolean
+  // The lifecycle: read by anyone, changed only by the session's entity.
+  phase: Phase
+  /** Bumped at every worker start and stop: inputs of an older attempt are ignored. */
+  epoch: number
+  mailbox: Queue.Queue<Input>
+  pendingPrompt: PendingPrompt | undefined
+  /** A turn cut by a crash (of the worker or the daemon) whose `turn_interrupted` is owed. */
+  cutTurn: Protocol.InterruptReason | undefined
+  lastTurnEnd: TurnEnd | undefined
+  /** Checkpoints asked for, run when the session is next idle (during a turn: at its end). */
+  checkpointWaiters: Array<CheckpointReply>
+  /** An automatic checkpoint is due (one mark, however many turns asked). */
+  checkpointDue: boolean
+  passivationWanted: boolean
+  retryWaiters: Array<Deferred.Deferred<SessionSummary, CommandError>>
+  restarts: number
+  crashTimes: Array<number>
 }
 
 const snapshotIdOf = (s: Session, generation: number) => `${s.meta.activeSessionId}~g${generation}`
@@ -242,6 +341,8 @@ export const make = Effect.gen(function*() {
   const cache = yield* SnapshotCache
   const pool = yield* WorkerPool
   const fibers = yield* FiberSet.make()
+  /** Each session's entity fiber, by activeSessionId. */
+  const entities = yield* FiberMap.make<string>()
   const runtime = yield* Effect.runtime<never>()
   const sessions = new Map<string, Session>()
   /** connectionId -> its attachments. */
@@ -262,13 +363,14 @@ export const make = Effect.gen(function*() {
       engine: s.meta.engine,
       createdAt: s.meta.createdAt,
       messageCount: s.messageCount,
-      busy: s.busy,
-      worker: s.workerState,
+      busy: s.phase._tag === "Running" || s.pendingPrompt !== undefined || s.cutTurn !== undefined,
+      worker: workerStateOf(s.phase),
       restarts: s.restarts,
       telemetry: s.meta.telemetry
     }
     if (s.meta.name !== undefined) out.name = s.meta.name
-    if (s.worker !== undefined) out.workerPid = s.worker.pid
+    const worker = workerOf(s.phase)
+    if (worker !== undefined) out.workerPid = worker.pid
     if (s.lastCursor !== undefined) out.lastEventCursor = s.lastCursor
     return out
   }
@@ -321,35 +423,203 @@ export const make = Effect.gen(function*() {
     }).pipe(Effect.catchAll((e) => Effect.logError(`journal: ${e.message}`)))
 
   // ------------------------------------------------------------------------------------------
-  // Workers
+  // The session entity: one fiber owns the lifecycle and takes every input from one mailbox
   // ------------------------------------------------------------------------------------------
 
-  const endTurn = (s: Session, publishIdle: boolean) =>
-    Effect.gen(function*() {
-      if (!s.busy) return
-      const ended = s.turnEnded
-      // The session stays busy until its idle status is out: a prompt accepted earlier would
-      // start the next turn before this one's `busy: false` (and get_state would run ahead of
-      // the events). Even if logging fails, the turn is over: never leave the session busy.
-      yield* Effect.gen(function*() {
-        yield* record(s, false, "turn_end")
-        if (publishIdle) yield* publish(s, { type: "session_status", state: { ...summary(s), busy: false } })
-      }).pipe(Effect.ensuring(Effect.suspend(() => {
-        s.busy = false
-        return Deferred.succeed(ended, undefined)
-      })))
-      if (publishIdle && (s.generationEvents >= config.checkpointEvents || s.generationBytes >= config.checkpointBytes)) {
-        yield* fork(Effect.ignoreLogged(checkpointSession(s)))
-      }
+  const workerEnv = (s: Session): Record<string, string> | undefined =>
+    s.launchEnv === undefined && s.clientEnv === undefined ? undefined : { ...s.clientEnv, ...s.launchEnv }
+
+  /**
+   * Hands an input to the session's entity. Checked and offered in one synchronous step: once
+   * the entity has closed the session nothing more is offered, so nothing waits forever.
+   */
+  const send = <A>(s: Session, make: (reply: Deferred.Deferred<A, CommandError>) => Input) =>
+    Effect.flatMap(Deferred.make<A, CommandError>(), (reply) =>
+      Effect.suspend(() => {
+        if (s.closed) return Effect.fail(notFound(s.meta.activeSessionId))
+        s.mailbox.unsafeOffer(make(reply))
+        return Deferred.await(reply)
+      }))
+
+  /** Posts an input that needs no answer (from the session's own fibers). */
+  const post = (s: Session, input: Input) =>
+    Effect.sync(() => {
+      if (!s.closed) s.mailbox.unsafeOffer(input)
     })
 
-  /** Handles the frames of one batch, in order; consecutive events are logged together. */
-  const handleFrames = (
-    s: Session,
-    worker: WorkerProcess,
-    frames: ReadonlyArray<WorkerProtocol.ReceivedFrame>,
-    loading: { value: boolean }
-  ) =>
+  const failed = (s: Session, message: string) => new CommandError({ code: "session_failed", message })
+
+  /**
+   * Starts a worker for the session (a new session, a wake-up, a restore): the acquisition runs
+   * beside the entity, which stays free to answer; its outcome comes back through the mailbox.
+   */
+  const startWorker = (s: Session, worker: WorkerState & ("starting" | "recovering"), restoring: boolean) =>
+    Effect.gen(function*() {
+      const epoch = ++s.epoch
+      const before = summary(s).worker
+      s.phase = { _tag: "Starting", worker: undefined, state: worker, epoch }
+      if (before !== worker) yield* publishStatus(s)
+      const restore = restoring
+        ? {
+          journalPath: info.journalPath,
+          storeRoot: info.storeRoot,
+          eventLogRoot: info.eventLogRoot,
+          ...(s.cutTurn === undefined ? {} : { interruptedReason: s.cutTurn })
+        }
+        : undefined
+      yield* fork(
+        Effect.gen(function*() {
+          yield* passivateBeyondLimit(s)
+          return yield* pool.acquire(s.meta.activeSessionId, workerEnv(s))
+        }).pipe(
+          Effect.matchEffect({
+            onFailure: (error) => post(s, { _tag: "AcquireFailed", epoch, message: error.message }),
+            onSuccess: (w) => post(s, { _tag: "Acquired", epoch, worker: w, restore })
+          })
+        )
+      )
+    })
+
+  /** Pumps a worker's frames to the entity until the pipe closes, then reports the exit. */
+  const pump = (s: Session, worker: WorkerProcess) =>
+    Effect.gen(function*() {
+      while (true) {
+        const frames = yield* worker.takeFrames
+        if (frames.length === 0) break
+        // Waits until the entity has handled them: the worker's pipe is the backpressure.
+        const handled = yield* Deferred.make<void>()
+        yield* post(s, { _tag: "Frames", worker, frames, handled })
+        if (s.closed) break
+        yield* Deferred.await(handled)
+      }
+      const exit = yield* Deferred.await(worker.exited)
+      yield* post(s, { _tag: "Exited", worker, exit })
+    })
+
+  /** The turn is over: its end is out, the journal says idle, the idle status follows. */
+  const endTurn = (s: Session, how: TurnEnd, publishIdle: boolean) =>
+    Effect.gen(function*() {
+      const phase = s.phase
+      const aborts = phase._tag === "Running" ? phase.aborts : []
+      s.cutTurn = undefined
+      s.lastTurnEnd = how
+      if (phase._tag === "Running") s.phase = { _tag: "Idle", worker: phase.worker }
+      yield* record(s, false, "turn_end")
+      if (publishIdle) yield* publishStatus(s)
+      for (const a of aborts) yield* Deferred.succeed(a, { aborted: how === "aborted" })
+      if (s.generationEvents >= config.checkpointEvents || s.generationBytes >= config.checkpointBytes) s.checkpointDue = true
+    })
+
+  /** Starts the turn of the reserved prompt (the session is Idle). */
+  const startTurn = (s: Session, worker: WorkerProcess, prompt: PendingPrompt) =>
+    Effect.gen(function*() {
+      s.pendingPrompt = undefined
+      const turnId = `t-${randomUUID()}`
+      s.phase = { _tag: "Running", worker, turnId, aborts: [] }
+      s.lastUsed = Date.now()
+      yield* record(s, true, "prompt")
+      yield* publishStatus(s)
+      yield* worker.send({ type: "prompt", turnId, message: prompt.message })
+      yield* Deferred.succeed(prompt.reply, { accepted: true as const })
+    })
+
+  /** Asks the worker for its state: the first step of a checkpoint (the rest comes as frames). */
+  const beginCheckpoint = (s: Session, worker: WorkerProcess) =>
+    Effect.gen(function*() {
+      const generation = s.generation + 1
+      const snapshotId = snapshotIdOf(s, generation)
+      const waiters = s.checkpointWaiters
+      s.checkpointWaiters = []
+      s.checkpointDue = false
+      s.phase = { _tag: "Checkpointing", worker, snapshotId, generation, waiters, began: false }
+      yield* record(s, false, "snapshot_begin")
+      yield* worker.send({ type: "checkpoint", snapshotId, targetChunkBytes: config.targetChunkBytes })
+    })
+
+  /**
+   * The worker's snapshot is complete in the cache: the transcript is written from it and the
+   * log moves on to the new generation, in one step of the entity (no event can come between
+   * the snapshot's cursor and the new generation).
+   */
+  const completeCheckpoint = (s: Session, phase: Extract<Phase, { _tag: "Checkpointing" }>) =>
+    s.readGate.withPermits(READ_GATE_PERMITS)(Effect.gen(function*() {
+      const { generation, snapshotId } = phase
+      const snapshotCursor = s.lastCursor
+      const messageCount = (yield* cache.info(snapshotId).pipe(Effect.mapError(internal("snapshot")))).meta.messageCount
+      const written = yield* store.writeSnapshot(
+        s.meta.activeSessionId,
+        { snapshotId, generation, messageCount, ...(snapshotCursor === undefined ? {} : { cursor: snapshotCursor }) },
+        entryMessages(snapshotId)
+      ).pipe(Effect.mapError(internal("transcript")))
+      yield* log.startGeneration(s.meta.activeSessionId).pipe(Effect.mapError(internal("event log")))
+      const previous = s.snapshotId
+      s.generation = generation
+      s.snapshotCursor = snapshotCursor
+      s.baseMessageCount = messageCount
+      s.generationEvents = 0
+      s.generationBytes = 0
+      s.snapshotId = snapshotId
+      if (previous !== undefined) yield* Effect.ignore(cache.dispose(previous))
+      yield* record(s, false, "snapshot_end", written.path)
+      const keepFrom = generation - config.retainGenerations + 1
+      if (keepFrom > 1) {
+        yield* Effect.ignoreLogged(log.prune(s.meta.activeSessionId, keepFrom))
+        yield* Effect.ignoreLogged(store.pruneSnapshots(s.meta.activeSessionId, keepFrom))
+      }
+      return { generation, snapshotId }
+    }))
+
+  /** A snapshot frame of the running checkpoint; returns true when the checkpoint is over. */
+  const snapshotFrame = (s: Session, phase: Extract<Phase, { _tag: "Checkpointing" }>, frame: AnyFrame) =>
+    Effect.gen(function*() {
+      if (frame["snapshotId"] !== phase.snapshotId) {
+        yield* Effect.logWarning(`unexpected snapshot frame ${frame.type} from ${s.meta.activeSessionId}`)
+        return false
+      }
+      const id = phase.snapshotId
+      const outcome = yield* Effect.either(Effect.gen(function*(): Effect.fn.Return<{ generation: number; snapshotId: string } | undefined, CommandError> {
+        switch (frame.type) {
+          case "session_snapshot_begin":
+            phase.began = true
+            yield* cache.create(id, {
+              activeSessionId: s.meta.activeSessionId,
+              messageCount: frame["messageCount"] as number,
+              targetChunkBytes: frame["targetChunkBytes"] as number,
+              cursor: s.lastCursor
+            }).pipe(Effect.mapError(internal("snapshot cache")))
+            return undefined
+          case "session_snapshot_chunk":
+            yield* cache.appendChunk(id, Buffer.from(JSON.stringify(frame) + "\n")).pipe(Effect.mapError(internal("snapshot cache")))
+            return undefined
+          case "session_snapshot_end":
+            yield* cache.markComplete(id, {
+              chunkCount: frame["chunkCount"] as number,
+              lastEventSequence: s.lastCursor?.sequence ?? -1,
+              lastEventCursor: s.lastCursor
+            }).pipe(Effect.mapError(internal("snapshot cache")))
+            return yield* completeCheckpoint(s, phase)
+          default:
+            return yield* new CommandError({ code: "internal", message: `the worker could not snapshot: ${JSON.stringify(frame["error"])}` })
+        }
+      }))
+      if (Either.isRight(outcome)) {
+        const done = outcome.right
+        if (done === undefined) return false
+        s.phase = { _tag: "Idle", worker: phase.worker }
+        for (const w of phase.waiters) yield* Deferred.succeed(w, done)
+        return true
+      }
+      s.phase = { _tag: "Idle", worker: phase.worker }
+      yield* Effect.ignore(cache.markFailed(id, outcome.left.message))
+      for (const w of phase.waiters) yield* Deferred.fail(w, outcome.left)
+      return true
+    })
+
+  /**
+   * The worker's frames, in order; consecutive events are logged together, in batches of about
+   * PUBLISH_BATCH_BYTES (a slow client is checked against its limit between batches).
+   */
+  const onFrames = (s: Session, frames: ReadonlyArray<WorkerProtocol.ReceivedFrame>) =>
     Effect.gen(function*() {
       let events: Array<Outgoing> = []
       let eventBytes = 0
@@ -360,46 +630,48 @@ export const make = Effect.gen(function*() {
         return publishAll(s, batch)
       })
       for (const raw of frames) {
-        const frame = raw as { readonly type: string; readonly [k: string]: unknown }
+        const frame = raw as AnyFrame
+        const phase = s.phase
         switch (frame.type) {
           case "worker_event": {
             const { eventJson, eventType } = raw as WorkerProtocol.EventFrame
             events.push(eventMessage(eventType, eventJson))
             eventBytes += eventJson.length
-            // A client is paused between batches: the cap bounds how far past its limit it gets.
             if (eventBytes >= PUBLISH_BATCH_BYTES) yield* flushEvents
             if (eventType === "tool_execution_start" || eventType === "tool_execution_end") {
               yield* flushEvents
               yield* record(s, true, eventType === "tool_execution_start" ? "tool_start" : "tool_end")
             } else if (eventType === "agent_end" || eventType === "turn_interrupted") {
-              s.turnEnding = true
-              s.lastTurnEnd = eventType === "agent_end"
+              yield* flushEvents
+              const how: TurnEnd = eventType === "agent_end"
                 ? "agent_end"
                 : (JSON.parse(eventJson) as Extract<Protocol.AgentEvent, { type: "turn_interrupted" }>).reason
-              yield* flushEvents
-              // During a restore the `ready` status that follows is the turn's idle status.
-              yield* endTurn(s, !loading.value)
+              // A restored worker reports the turn its predecessor was cut in: the `ready`
+              // status that follows is that turn's idle status.
+              if (phase._tag === "Running") yield* endTurn(s, how, true)
+              else if (s.cutTurn !== undefined) yield* endTurn(s, how, false)
             }
             break
           }
           case "worker_ready": {
             yield* flushEvents
-            if (loading.value) {
-              loading.value = false
-              // Like busy: get_state says ready only once the `ready` status is logged.
-              yield* publish(s, { type: "session_status", state: { ...summary(s), worker: "ready" } })
-              s.workerState = "ready"
-              yield* Deferred.succeed(s.ready, undefined)
+            if (phase._tag === "Starting" && phase.worker !== undefined) {
+              // The turn cut by a crash ends before the worker is ready, whatever the worker said.
+              if (s.cutTurn !== undefined) {
+                yield* publish(s, { type: "session_event", event: { type: "turn_interrupted", reason: s.cutTurn } as Protocol.AgentEvent })
+                yield* endTurn(s, s.cutTurn, false)
+              }
+              s.phase = { _tag: "Idle", worker: phase.worker }
+              yield* publishStatus(s)
+              for (const w of s.retryWaiters.splice(0)) yield* Deferred.succeed(w, summary(s))
             }
             break
           }
           case "worker_error": {
             yield* flushEvents
-            yield* Effect.logWarning(`worker ${worker.pid} of ${s.meta.activeSessionId}: ${String(frame["message"])}`)
-            if (loading.value) {
-              // A worker that cannot load its session is as good as crashed.
-              worker.child.kill("SIGKILL")
-            }
+            yield* Effect.logWarning(`worker of ${s.meta.activeSessionId}: ${String(frame["message"])}`)
+            // A worker that cannot load its session is as good as crashed.
+            if (phase._tag === "Starting" && phase.worker !== undefined) phase.worker.child.kill("SIGKILL")
             break
           }
           case "session_snapshot_begin":
@@ -407,235 +679,286 @@ export const make = Effect.gen(function*() {
           case "session_snapshot_end":
           case "session_snapshot_failed": {
             yield* flushEvents
-            yield* handleSnapshotFrame(s, frame)
+            if (phase._tag === "Checkpointing") yield* snapshotFrame(s, phase, frame)
+            else yield* Effect.logWarning(`snapshot frame ${frame.type} of ${s.meta.activeSessionId} outside a checkpoint`)
             break
           }
           default:
-            yield* Effect.logWarning(`worker ${worker.pid}: unknown frame ${frame.type}`)
+            yield* Effect.logWarning(`worker of ${s.meta.activeSessionId}: unknown frame ${frame.type}`)
         }
       }
       yield* flushEvents
     })
 
-  /** Pumps a worker's frames until it exits; an exit nobody asked for is a WorkerCrashed. */
-  const pump = (s: Session, worker: WorkerProcess) =>
-    Effect.gen(function*() {
-      const loading = { value: true }
-      while (true) {
-        const frames = yield* worker.takeFrames
-        if (frames.length === 0) break
-        yield* handleFrames(s, worker, frames, loading)
-      }
-      const exit = yield* Deferred.await(worker.exited)
-      if (s.worker === worker) s.worker = undefined
-      if (worker.stopping || s.closed) return
-      return yield* new WorkerCrashed({
-        activeSessionId: s.meta.activeSessionId,
-        pid: worker.pid,
-        exitCode: exit.code,
-        signal: exit.signal
-      })
-    })
-
-  const workerEnv = (s: Session): Record<string, string> | undefined =>
-    s.launchEnv === undefined && s.clientEnv === undefined ? undefined : { ...s.clientEnv, ...s.launchEnv }
-
-  /** Starts a worker for the session and supervises it (restores it after each crash). */
-  const startWorker = (s: Session, interruptedReason: "worker_crashed" | "daemon_restarted" | undefined, restoring: boolean) =>
-    Effect.gen(function*() {
-      yield* passivateBeyondLimit(s)
-      const worker = yield* pool.acquire(s.meta.activeSessionId, workerEnv(s)).pipe(
-        Effect.mapError(internal("worker"))
-      )
-      s.worker = worker
-      const load: WorkerProtocol.SupervisorFrame = {
-        type: "load",
-        activeSessionId: s.meta.activeSessionId,
-        engine: s.meta.engine,
-        ...(s.meta.config === undefined ? {} : { config: s.meta.config as Record<string, unknown> }),
-        ...(restoring
-          ? {
-            restore: {
-              journalPath: info.journalPath,
-              storeRoot: info.storeRoot,
-              eventLogRoot: info.eventLogRoot,
-              ...(interruptedReason === undefined ? {} : { interruptedReason })
-            }
-          }
-          : {})
-      }
-      yield* worker.send(load)
-      yield* fork(supervise(s, worker))
-    })
-
-  /** Runs the pump; on WorkerCrashed, the restore effect. */
-  const supervise = (s: Session, worker: WorkerProcess): Effect.Effect<void> =>
-    pump(s, worker).pipe(
-      Effect.catchTag("WorkerCrashed", (crash) => restore(s, crash)),
-      Effect.catchAllCause((cause) => failSession(s, worker, cause))
-    )
-
-  /**
-   * The supervisor of a session failed for another reason than its worker's exit: its events
-   * cannot be logged (a full disk, an unwritable state dir). The session is `failed`, never
-   * left busy or starting: the worker stops, a running turn ends for everyone waiting on it,
-   * prompts get `session_failed` until `retry_worker`.
-   */
-  const failSession = (s: Session, worker: WorkerProcess, cause: Cause.Cause<unknown>) =>
-    Effect.gen(function*() {
-      const id = s.meta.activeSessionId
-      yield* Effect.logError(`session ${id} failed: its supervisor stopped`, cause)
-      if (s.worker === worker) s.worker = undefined
-      if (!s.closed) s.workerState = "failed"
-      s.lastTurnEnd = "worker_crashed"
-      yield* fork(Effect.asVoid(worker.stop()))
-      const failure = new CommandError({
-        code: "session_failed",
-        message: `Session \`${id}\` failed: ${Cause.squash(cause) instanceof Error ? (Cause.squash(cause) as Error).message : "its events could not be logged"}; use retry_worker.`
-      })
-      yield* Deferred.fail(s.ready, failure)
-      if (s.busy) {
-        s.busy = false
-        yield* Deferred.succeed(s.turnEnded, undefined)
-      }
-      // Tell attached clients if the log takes it; it may well not.
-      yield* Effect.catchAllCause(publishStatus(s), () => Effect.void)
-    })
-
-  /** The restore effect: a replacement worker under the same activeSessionId. */
-  const restore = (s: Session, crash: WorkerCrashed) =>
+  /** The worker exited without being asked to: the typed failure that triggers the restore. */
+  const onCrash = (s: Session, crash: WorkerCrashed) =>
     Effect.gen(function*() {
       yield* Effect.logWarning(crash.message)
+      const phase = s.phase
+      if (phase._tag === "Running") s.cutTurn = "worker_crashed"
+      if (phase._tag === "Checkpointing") {
+        // The checkpoint is taken again from the replacement worker.
+        if (phase.began) yield* Effect.ignore(cache.markFailed(phase.snapshotId, "the worker crashed"))
+        s.checkpointWaiters = [...phase.waiters, ...s.checkpointWaiters]
+      }
+      if (phase._tag === "Running") for (const a of phase.aborts) yield* Deferred.succeed(a, { aborted: false })
       const now = Date.now()
       s.crashTimes = s.crashTimes.filter((t) => now - t < restartPolicy.restartWindowMs)
       s.crashTimes.push(now)
       s.restarts++
       const decision = nextRestart(restartPolicy, s.crashTimes, now)
-      if (s.workerState !== "recovering") {
-        s.workerState = "recovering"
-        s.ready = yield* Deferred.make<void, CommandError>()
-        yield* publishStatus(s)
-      }
       if (decision._tag === "failed") {
-        s.workerState = "failed"
-        if (s.busy) {
-          yield* publish(s, { type: "session_event", event: { type: "turn_interrupted", reason: "worker_crashed" } as Protocol.AgentEvent })
-          s.busy = false
-          const ended = s.turnEnded
-          yield* record(s, false, "failed")
-          yield* Deferred.succeed(ended, undefined)
-        }
-        yield* publishStatus(s)
-        yield* Deferred.fail(s.ready, new CommandError({ code: "session_failed", message: `Session \`${s.meta.activeSessionId}\` failed: its worker crashed ${s.crashTimes.length} times within ${restartPolicy.restartWindowMs} ms.` }))
-        return
+        return yield* failSession(s, `its worker crashed ${s.crashTimes.length} times within ${restartPolicy.restartWindowMs} ms`)
       }
-      if (decision.delayMs > 0) yield* Effect.sleep(Duration.millis(decision.delayMs))
-      if (s.closed) return
-      yield* startWorker(s, "worker_crashed", true).pipe(
-        Effect.catchAll((e) =>
-          Effect.gen(function*() {
-            yield* Effect.logError(`restore of ${s.meta.activeSessionId}: ${e.message}`)
-            s.workerState = "failed"
-            yield* publishStatus(s)
-            yield* Deferred.fail(s.ready, e)
-          })
-        )
-      )
+      const epoch = ++s.epoch
+      s.phase = { _tag: "Starting", worker: undefined, state: "recovering", epoch }
+      yield* publishStatus(s)
+      // The first restart is immediate; later ones back off (a Schedule on the Clock).
+      yield* fork(Effect.zipRight(Effect.sleep(Duration.millis(decision.delayMs)), post(s, { _tag: "RestartDue", epoch })))
     })
 
-  /** Makes sure the session has a worker (starting one for a passivated or failed-over session). */
-  const ensureWorker = (s: Session) =>
+  /**
+   * The session cannot run: its worker keeps crashing or cannot be spawned, or its events
+   * cannot be logged. Every request waiting on a worker is answered; a cut turn ends; the
+   * session is `failed` until `retry_worker`.
+   */
+  const failSession = (s: Session, why: string) =>
     Effect.gen(function*() {
-      s.lastUsed = Date.now()
-      if (s.workerState === "failed") {
-        return yield* new CommandError({ code: "session_failed", message: `Session \`${s.meta.activeSessionId}\` has failed; use retry_worker.` })
+      const phase = s.phase
+      const worker = workerOf(phase)
+      s.epoch++
+      s.phase = { _tag: "Failed" }
+      if (phase._tag === "Running") {
+        s.cutTurn = "worker_crashed"
+        for (const a of phase.aborts) yield* Deferred.succeed(a, { aborted: false })
       }
-      if (s.workerState === "passivated" || (s.worker === undefined && s.workerState === "ready")) {
-        yield* s.lifecycle.withPermits(1)(Effect.gen(function*() {
-          if (s.workerState !== "passivated" && s.worker !== undefined) return
-          s.workerState = "starting"
-          s.ready = yield* Deferred.make<void, CommandError>()
-          yield* publishStatus(s)
-          yield* startWorker(s, undefined, true)
+      if (phase._tag === "Checkpointing") s.checkpointWaiters = [...phase.waiters, ...s.checkpointWaiters]
+      if (worker !== undefined) yield* fork(Effect.asVoid(worker.stop()))
+      const error = failed(s, `Session \`${s.meta.activeSessionId}\` failed: ${why}; use retry_worker.`)
+      yield* answerWaiting(s, error)
+      if (s.cutTurn !== undefined) {
+        const reason = s.cutTurn
+        yield* Effect.catchAllCause(
+          publish(s, { type: "session_event", event: { type: "turn_interrupted", reason } as Protocol.AgentEvent }),
+          () => Effect.void
+        )
+        s.cutTurn = undefined
+        s.lastTurnEnd = reason
+        yield* record(s, false, "failed")
+      }
+      // Tell attached clients if the log takes it; it may well not.
+      yield* Effect.catchAllCause(publishStatus(s), () => Effect.void)
+    })
+
+  /** Answers every request that waits for a worker with `error`. */
+  const answerWaiting = (s: Session, error: CommandError) =>
+    Effect.gen(function*() {
+      const prompt = s.pendingPrompt
+      s.pendingPrompt = undefined
+      if (prompt !== undefined) yield* Deferred.fail(prompt.reply, error)
+      for (const w of s.checkpointWaiters.splice(0)) yield* Deferred.fail(w, error)
+      for (const w of s.retryWaiters.splice(0)) yield* Deferred.fail(w, error)
+      s.checkpointDue = false
+    })
+
+  /** Idle with work waiting: a checkpoint first (asked during the turn, or due), then a prompt. */
+  const drain = (s: Session) =>
+    Effect.gen(function*() {
+      const phase = s.phase
+      if (phase._tag !== "Idle") return
+      if (s.checkpointWaiters.length > 0 || s.checkpointDue) return yield* beginCheckpoint(s, phase.worker)
+      if (s.pendingPrompt !== undefined) return yield* startTurn(s, phase.worker, s.pendingPrompt)
+      if (s.passivationWanted) {
+        s.passivationWanted = false
+        if (s.generationEvents > 0) {
+          // Checkpoint first; passivation is asked again once it is done.
+          s.checkpointDue = true
+          s.passivationWanted = true
+          return yield* beginCheckpoint(s, phase.worker)
+        }
+        s.epoch++
+        s.phase = { _tag: "Passivated" }
+        yield* fork(Effect.asVoid(phase.worker.stop()))
+        yield* publishStatus(s)
+      }
+    })
+
+  /** Wakes a passivated session (or retries a failed one): a worker that restores it. */
+  const wake = (s: Session) => startWorker(s, s.phase._tag === "Failed" ? "recovering" : "starting", true)
+
+  const onInput = (s: Session, input: Input): Effect.Effect<void> => {
+    const phase = s.phase
+    switch (input._tag) {
+      case "Prompt": {
+        s.lastUsed = Date.now()
+        if (phase._tag === "Failed") {
+          return Deferred.fail(input.reply, failed(s, `Session \`${s.meta.activeSessionId}\` has failed; use retry_worker.`))
+        }
+        if (phase._tag === "Running" || s.pendingPrompt !== undefined || s.cutTurn !== undefined) {
+          return Deferred.fail(input.reply, new CommandError({ code: "session_busy", message: `Session \`${s.meta.activeSessionId}\` is running a turn.` }))
+        }
+        // Reserved now (busy); runs once the session is idle with a worker.
+        s.pendingPrompt = { message: input.message, reply: input.reply }
+        if (phase._tag === "Passivated") return wake(s)
+        // Said to attached clients at once, as a prompt that runs at once does.
+        return phase._tag === "Idle" ? Effect.void : publishStatus(s)
+      }
+      case "Abort": {
+        // Only a running turn can be aborted; a prompt that has not started yet is not a turn.
+        if (phase._tag !== "Running") return Deferred.succeed(input.reply, { aborted: false })
+        phase.aborts.push(input.reply)
+        return phase.worker.send({ type: "abort", turnId: phase.turnId })
+      }
+      case "Checkpoint": {
+        if (phase._tag === "Failed") {
+          return Deferred.fail(input.reply, failed(s, `Session \`${s.meta.activeSessionId}\` has failed; use retry_worker.`))
+        }
+        if (phase._tag === "Checkpointing") {
+          // The checkpoint under way answers it (its snapshot is the state when it was asked).
+          phase.waiters.push(input.reply)
+          return Effect.void
+        }
+        s.checkpointWaiters.push(input.reply)
+        return phase._tag === "Passivated" ? wake(s) : Effect.void
+      }
+      case "Retry": {
+        if (phase._tag !== "Failed") return Deferred.succeed(input.reply, summary(s))
+        s.crashTimes = []
+        s.retryWaiters.push(input.reply)
+        return wake(s)
+      }
+      case "Passivate": {
+        if (phase._tag === "Idle" && s.pendingPrompt === undefined && s.checkpointWaiters.length === 0) s.passivationWanted = true
+        return Effect.void
+      }
+      case "Kill":
+        return killSession(s, input.reply)
+      case "Acquired": {
+        if (phase._tag !== "Starting" || phase.epoch !== input.epoch) return Effect.asVoid(input.worker.stop())
+        s.phase = { ...phase, worker: input.worker }
+        return Effect.gen(function*() {
+          yield* input.worker.send({
+            type: "load",
+            activeSessionId: s.meta.activeSessionId,
+            engine: s.meta.engine,
+            ...(s.meta.config === undefined ? {} : { config: s.meta.config as Record<string, unknown> }),
+            ...(input.restore === undefined ? {} : { restore: input.restore })
+          })
+          yield* fork(pump(s, input.worker))
+        })
+      }
+      case "AcquireFailed": {
+        if (phase._tag !== "Starting" || phase.epoch !== input.epoch) return Effect.void
+        // A spawn that fails counts as a crash: retried with backoff, then `failed`.
+        return Effect.zipRight(
+          Effect.logError(`no worker for ${s.meta.activeSessionId}: ${input.message}`),
+          onCrash(s, new WorkerCrashed({ activeSessionId: s.meta.activeSessionId, pid: 0, exitCode: null, signal: null }))
+        )
+      }
+      case "Restore":
+        return phase._tag === "Passivated" ? startWorker(s, "recovering", true) : Effect.void
+      case "RestartDue": {
+        if (phase._tag !== "Starting" || phase.epoch !== input.epoch || phase.worker !== undefined) return Effect.void
+        return startWorker(s, "recovering", true)
+      }
+      case "Frames": {
+        if (workerOf(phase) !== input.worker) return Deferred.succeed(input.handled, undefined)
+        return Effect.ensuring(onFrames(s, input.frames), Deferred.succeed(input.handled, undefined))
+      }
+      case "Exited": {
+        if (workerOf(phase) !== input.worker || input.worker.stopping) return Effect.void
+        return onCrash(s, new WorkerCrashed({
+          activeSessionId: s.meta.activeSessionId,
+          pid: input.worker.pid,
+          exitCode: input.exit.code,
+          signal: input.exit.signal
         }))
       }
-      yield* Deferred.await(s.ready)
+    }
+  }
+
+  /** `kill`: closed for everyone, the worker stops, the files move to the archive. */
+  const killSession = (s: Session, reply: Deferred.Deferred<{}, CommandError>) =>
+    Effect.gen(function*() {
+      const id = s.meta.activeSessionId
+      const phase = s.phase
+      const worker = workerOf(phase)
+      yield* Effect.catchAllCause(publish(s, { type: "session_closed", reason: "killed" }), () => Effect.void)
+      s.epoch++
+      s.phase = { _tag: "Closed" }
+      s.closed = true
+      s.cutTurn = undefined
+      for (const a of [...s.attachments]) detachAttachment(a)
+      if (worker !== undefined) yield* fork(Effect.asVoid(worker.stop()))
+      const gone = notFound(id)
+      if (phase._tag === "Running") for (const a of phase.aborts) yield* Deferred.fail(a, gone)
+      if (phase._tag === "Checkpointing") for (const w of phase.waiters) yield* Deferred.fail(w, gone)
+      yield* answerWaiting(s, gone)
+      const archived = yield* Effect.either(Effect.gen(function*() {
+        yield* record(s, false, "closed")
+        yield* Effect.ignoreLogged(journal.forget(id))
+        const dir = yield* store.archive(id).pipe(Effect.mapError(internal("session store")))
+        yield* log.remove(id, { archiveTo: path.join(dir, "events") }).pipe(Effect.mapError(internal("event log")))
+      }))
+      if (s.snapshotId !== undefined) yield* Effect.ignore(cache.dispose(s.snapshotId))
+      sessions.delete(id)
+      if (Either.isLeft(archived)) yield* Deferred.fail(reply, archived.left)
+      else yield* Deferred.succeed(reply, {})
     })
 
-  /** Stops the least recently used idle workers so a new one fits under maxWorkers. */
+  /** The reply of an input, if it has one (to answer it when the session is gone). */
+  const answerGone = (s: Session, input: Input): Effect.Effect<void> => {
+    const gone = notFound(s.meta.activeSessionId)
+    switch (input._tag) {
+      case "Prompt":
+      case "Abort":
+      case "Checkpoint":
+      case "Retry":
+      case "Kill":
+        return Deferred.fail(input.reply as Deferred.Deferred<unknown, CommandError>, gone).pipe(Effect.asVoid)
+      case "Acquired":
+        return Effect.asVoid(input.worker.stop())
+      case "Frames":
+        return Deferred.succeed(input.handled, undefined).pipe(Effect.asVoid)
+      default:
+        return Effect.void
+    }
+  }
+
+  /** Something broke inside a transition (the log refuses writes): the session fails, loudly. */
+  const onDefect = (s: Session, cause: Cause.Cause<unknown>) =>
+    Effect.gen(function*() {
+      yield* Effect.logError(`session ${s.meta.activeSessionId} failed: a transition could not complete`, cause)
+      if (s.closed) return
+      const squashed = Cause.squash(cause)
+      yield* failSession(s, squashed instanceof Error ? squashed.message : "its events could not be logged")
+    }).pipe(Effect.catchAllCause((again) => Effect.logError(`session ${s.meta.activeSessionId}: could not fail cleanly`, again)))
+
+  /** The entity: takes one input at a time; after each, idle work waiting runs. */
+  const runEntity = (s: Session): Effect.Effect<void> =>
+    Effect.gen(function*() {
+      while (!s.closed) {
+        const input = yield* Queue.take(s.mailbox)
+        yield* onInput(s, input).pipe(Effect.catchAllCause((cause) => onDefect(s, cause)))
+        if (!s.closed) yield* drain(s).pipe(Effect.catchAllCause((cause) => onDefect(s, cause)))
+      }
+      // Closed: nothing more is offered; what was offered before is answered.
+      for (const input of yield* Queue.takeAll(s.mailbox)) yield* answerGone(s, input)
+    })
+
+  /** Asks the least recently used idle sessions to passivate so a new worker fits under maxWorkers. */
   const passivateBeyondLimit = (except: Session) =>
     Effect.gen(function*() {
-      const withWorkers = [...sessions.values()].filter((x) => x.worker !== undefined && x !== except)
+      const withWorkers = [...sessions.values()].filter((x) => x !== except && workerOf(x.phase) !== undefined)
       let excess = withWorkers.length + 1 - config.maxWorkers
       if (excess <= 0) return
       const idle = withWorkers
-        .filter((x) => !x.busy && x.workerState === "ready" && x.incomingSnapshot === undefined)
+        .filter((x) => x.phase._tag === "Idle" && x.pendingPrompt === undefined && !x.passivationWanted)
         .sort((a, b) => a.lastUsed - b.lastUsed)
       for (const victim of idle) {
         if (excess-- <= 0) break
-        yield* fork(passivate(victim))
+        yield* post(victim, { _tag: "Passivate" })
       }
-    })
-
-  /** Checkpoint, then stop the worker; the next use restores it. */
-  const passivate = (s: Session) =>
-    Effect.gen(function*() {
-      if (s.generationEvents > 0) yield* Effect.ignoreLogged(checkpointSession(s))
-      yield* s.lifecycle.withPermits(1)(Effect.gen(function*() {
-        const worker = s.worker
-        if (worker === undefined || s.busy) return
-        s.worker = undefined
-        yield* worker.stop()
-        s.workerState = "passivated"
-        yield* publishStatus(s)
-      }))
-    })
-
-  // ------------------------------------------------------------------------------------------
-  // Snapshots and checkpoints
-  // ------------------------------------------------------------------------------------------
-
-  const handleSnapshotFrame = (s: Session, frame: { readonly type: string; readonly [k: string]: unknown }) =>
-    Effect.gen(function*() {
-      const incoming = s.incomingSnapshot
-      if (incoming === undefined || frame["snapshotId"] !== incoming.snapshotId) {
-        return yield* Effect.logWarning(`unexpected snapshot frame ${frame.type} from ${s.meta.activeSessionId}`)
-      }
-      const id = incoming.snapshotId
-      const fail = (message: string) =>
-        Effect.gen(function*() {
-          s.incomingSnapshot = undefined
-          yield* Effect.ignore(cache.markFailed(id, message))
-          yield* Deferred.fail(incoming.done, new CommandError({ code: "internal", message }))
-        })
-      const result = yield* Effect.either(Effect.gen(function*() {
-        switch (frame.type) {
-          case "session_snapshot_begin":
-            yield* cache.create(id, {
-              activeSessionId: s.meta.activeSessionId,
-              messageCount: frame["messageCount"] as number,
-              targetChunkBytes: frame["targetChunkBytes"] as number,
-              cursor: s.lastCursor
-            })
-            return
-          case "session_snapshot_chunk":
-            yield* cache.appendChunk(id, Buffer.from(JSON.stringify(frame) + "\n"))
-            return
-          case "session_snapshot_end": {
-            yield* cache.markComplete(id, {
-              chunkCount: frame["chunkCount"] as number,
-              lastEventSequence: s.lastCursor?.sequence ?? -1,
-              lastEventCursor: s.lastCursor
-            })
-            s.incomingSnapshot = undefined
-            yield* Deferred.succeed(incoming.done, undefined)
-            return
-          }
-          case "session_snapshot_failed":
-            return yield* fail(`the worker could not snapshot: ${JSON.stringify(frame["error"])}`)
-        }
-      }))
-      if (Either.isLeft(result)) yield* fail(result.left.message)
     })
 
   /** Chunks of a snapshot entry as the messages they hold. */
@@ -643,52 +966,6 @@ export const make = Effect.gen(function*() {
     cache.stream(snapshotId).pipe(
       Stream.mapConcat((bytes) => (JSON.parse(Buffer.from(bytes).toString("utf8")) as { messages: Array<unknown> }).messages)
     )
-
-  /**
-   * A new generation: the worker streams its state into the snapshot cache, the transcript is
-   * written from it, then the event log moves on. Never in the middle of a turn.
-   */
-  const checkpointSession = (s: Session): Effect.Effect<{ generation: number; snapshotId: string }, CommandError> =>
-    Effect.gen(function*() {
-      while (s.busy) yield* Deferred.await(s.turnEnded)
-      yield* ensureWorker(s)
-      return yield* s.lifecycle.withPermits(1)(Effect.gen(function*() {
-        // The lifecycle lock may have been taken by a turn start meanwhile.
-        while (s.busy) yield* Deferred.await(s.turnEnded)
-        const worker = s.worker
-        if (worker === undefined) return yield* new CommandError({ code: "internal", message: "no worker to checkpoint" })
-        const generation = s.generation + 1
-        const snapshotId = snapshotIdOf(s, generation)
-        const done = yield* Deferred.make<void, CommandError>()
-        s.incomingSnapshot = { snapshotId, done }
-        yield* record(s, false, "snapshot_begin")
-        yield* worker.send({ type: "checkpoint", snapshotId, targetChunkBytes: config.targetChunkBytes })
-        yield* Deferred.await(done)
-        const snapshotCursor = s.lastCursor
-        const messageCount = (yield* cache.info(snapshotId).pipe(Effect.mapError(internal("snapshot")))).meta.messageCount
-        const written = yield* store.writeSnapshot(
-          s.meta.activeSessionId,
-          { snapshotId, generation, messageCount, ...(snapshotCursor === undefined ? {} : { cursor: snapshotCursor }) },
-          entryMessages(snapshotId)
-        ).pipe(Effect.mapError(internal("transcript")))
-        yield* log.startGeneration(s.meta.activeSessionId).pipe(Effect.mapError(internal("event log")))
-        const previous = s.snapshotId
-        s.generation = generation
-        s.snapshotCursor = snapshotCursor
-        s.baseMessageCount = messageCount
-        s.generationEvents = 0
-        s.generationBytes = 0
-        s.snapshotId = snapshotId
-        if (previous !== undefined) yield* Effect.ignore(cache.dispose(previous))
-        yield* record(s, false, "snapshot_end", written.path)
-        const keepFrom = generation - config.retainGenerations + 1
-        if (keepFrom > 1) {
-          yield* Effect.ignoreLogged(log.prune(s.meta.activeSessionId, keepFrom))
-          yield* Effect.ignoreLogged(store.pruneSnapshots(s.meta.activeSessionId, keepFrom))
-        }
-        return { generation, snapshotId }
-      }))
-    })
 
   /** The messages of the current generation's snapshot, read from its transcript file. */
   const snapshotLines = (s: Session): Stream.Stream<string, CommandError> =>
@@ -844,9 +1121,10 @@ export const make = Effect.gen(function*() {
     return out
   }
 
+  // A baseline (snapshot, its messages, its generation's events) is read under the session's
+  // read gate, which a checkpoint's completion takes whole: a baseline never mixes generations.
   const attach = (connectionId: string, outbox: Outbox, cmd: CommandOf<"attach">) =>
-    Effect.gen(function*() {
-      const s = yield* get(cmd.activeSessionId)
+    Effect.flatMap(get(cmd.activeSessionId), (s) => s.readGate.withPermits(1)(Effect.gen(function*() {
       if (cmd.telemetryDisabled === true && s.meta.telemetry) {
         return yield* new CommandError({
           code: "telemetry_policy_violation",
@@ -938,7 +1216,7 @@ export const make = Effect.gen(function*() {
         yield* catchUp(attachment)
       })
       return { data: data as Protocol.DaemonAttachResult, deliver }
-    })
+    })))
 
   /** Sends begin, every chunk and end (or failed); false when the client must re-attach. */
   const streamSnapshot = (a: Attachment, snapshotId: string, purpose: Protocol.SnapshotPurpose) =>
@@ -1007,7 +1285,7 @@ export const make = Effect.gen(function*() {
   // Commands
   // ------------------------------------------------------------------------------------------
 
-  const newSession = (meta: SessionMeta, workerState: WorkerState): Effect.Effect<Session> =>
+  const newSession = (meta: SessionMeta, phase: Phase): Effect.Effect<Session> =>
     Effect.gen(function*() {
       return {
         meta,
@@ -1018,26 +1296,34 @@ export const make = Effect.gen(function*() {
         generationEvents: 0,
         generationBytes: 0,
         lastCursor: undefined,
-        worker: undefined,
-        workerState,
-        ready: yield* Deferred.make<void, CommandError>(),
-        busy: false,
-        turnEnding: false,
-        turnEnded: yield* Deferred.make<void>(),
-        turnId: "",
-        lastTurnEnd: undefined,
-        restarts: 0,
-        crashTimes: [],
         attachments: new Set(),
         publishLock: yield* Effect.makeSemaphore(1),
-        lifecycle: yield* Effect.makeSemaphore(1),
+        readGate: yield* Effect.makeSemaphore(READ_GATE_PERMITS),
         lastUsed: Date.now(),
         launchEnv: undefined,
         clientEnv: undefined,
-        incomingSnapshot: undefined,
         snapshotId: undefined,
-        closed: false
+        closed: false,
+        phase,
+        epoch: 0,
+        mailbox: yield* Queue.unbounded<Input>(),
+        pendingPrompt: undefined,
+        cutTurn: undefined,
+        lastTurnEnd: undefined,
+        checkpointWaiters: [],
+        checkpointDue: false,
+        passivationWanted: false,
+        retryWaiters: [],
+        restarts: 0,
+        crashTimes: []
       }
+    })
+
+  /** Registers a session and starts its entity. */
+  const register = (s: Session) =>
+    Effect.gen(function*() {
+      sessions.set(s.meta.activeSessionId, s)
+      yield* FiberMap.run(entities, s.meta.activeSessionId, runEntity(s))
     })
 
   const create = (cmd: CommandOf<"create">) =>
@@ -1062,82 +1348,14 @@ export const make = Effect.gen(function*() {
         ...(cmd.config === undefined ? {} : { config: cmd.config as Record<string, unknown> })
       }
       yield* store.create(meta).pipe(Effect.mapError(internal("session store")))
-      const s = yield* newSession(meta, "starting")
+      const s = yield* newSession(meta, { _tag: "Starting", worker: undefined, state: "starting", epoch: 0 })
       s.launchEnv = cmd.launchEnv === undefined ? undefined : { ...cmd.launchEnv }
       s.clientEnv = filterEnv(cmd.env)
-      sessions.set(activeSessionId, s)
       yield* record(s, false, "created")
-      yield* s.lifecycle.withPermits(1)(startWorker(s, undefined, false)).pipe(
-        Effect.catchAll((e) =>
-          Effect.gen(function*() {
-            s.workerState = "failed"
-            yield* Deferred.fail(s.ready, e)
-          })
-        )
-      )
+      // The first worker starts before the entity takes any input (nothing can race it yet).
+      yield* startWorker(s, "starting", false)
+      yield* register(s)
       return { activeSessionId, state: summary(s) }
-    })
-
-  const prompt = (cmd: CommandOf<"prompt">) =>
-    Effect.gen(function*() {
-      const s = yield* get(cmd.activeSessionId)
-      // A turn whose end is out is over for the client that saw it: its prompt waits for the
-      // turn's idle status (and the prompts that wait with it race for the session).
-      if (s.busy && s.turnEnding) {
-        yield* Deferred.await(s.turnEnded)
-        // Killed meanwhile: the session is gone.
-        if (s.closed) return yield* Effect.fail(notFound(s.meta.activeSessionId))
-      }
-      if (s.busy) {
-        return yield* new CommandError({ code: "session_busy", message: `Session \`${s.meta.activeSessionId}\` is running a turn.` })
-      }
-      // Taken before any wait, so a second prompt meanwhile gets session_busy.
-      s.busy = true
-      s.turnEnding = false
-      s.turnEnded = yield* Deferred.make<void>()
-      const started = yield* Effect.either(Effect.gen(function*() {
-        yield* ensureWorker(s)
-        yield* s.lifecycle.withPermits(1)(Effect.gen(function*() {
-          const worker = s.worker
-          if (worker === undefined || s.workerState !== "ready") {
-            return yield* new CommandError({ code: "session_failed", message: `Session \`${s.meta.activeSessionId}\` has no worker.` })
-          }
-          yield* record(s, true, "prompt")
-          yield* publishStatus(s)
-          s.turnId = `t-${randomUUID()}`
-          yield* worker.send({ type: "prompt", turnId: s.turnId, message: cmd.message })
-        }))
-      }))
-      if (Either.isLeft(started)) {
-        s.busy = false
-        yield* Deferred.succeed(s.turnEnded, undefined)
-        return yield* started.left
-      }
-      return { accepted: true as const }
-    })
-
-  const kill = (id: string) =>
-    Effect.gen(function*() {
-      const s = yield* get(id)
-      yield* s.lifecycle.withPermits(1)(Effect.gen(function*() {
-        yield* publish(s, { type: "session_closed", reason: "killed" })
-        s.closed = true
-        for (const a of [...s.attachments]) detachAttachment(a)
-        const worker = s.worker
-        s.worker = undefined
-        s.workerState = "closed"
-        if (worker !== undefined) yield* worker.stop()
-        yield* record(s, false, "closed")
-        yield* Effect.ignoreLogged(journal.forget(id))
-        const archived = yield* store.archive(id).pipe(Effect.mapError(internal("session store")))
-        yield* log.remove(id, { archiveTo: path.join(archived, "events") }).pipe(Effect.mapError(internal("event log")))
-        if (s.snapshotId !== undefined) yield* Effect.ignore(cache.dispose(s.snapshotId))
-        s.busy = false
-        yield* Deferred.succeed(s.turnEnded, undefined)
-        yield* Deferred.fail(s.ready, notFound(id))
-        sessions.delete(id)
-      }))
-      return {}
     })
 
   // ------------------------------------------------------------------------------------------
@@ -1147,7 +1365,7 @@ export const make = Effect.gen(function*() {
   const loadSession = (meta: SessionMeta) =>
     Effect.gen(function*() {
       const id = meta.activeSessionId
-      const s = yield* newSession(meta, "passivated")
+      const s = yield* newSession(meta, { _tag: "Passivated" })
       let status = yield* log.status(id)
       const snapshot = yield* store.latestSnapshot(id)
       if (Option.isSome(snapshot) && snapshot.value.header.generation > status.generation) {
@@ -1182,8 +1400,6 @@ export const make = Effect.gen(function*() {
           })
         )
       )
-      yield* Deferred.succeed(s.ready, undefined)
-      sessions.set(id, s)
       return s
     })
 
@@ -1196,17 +1412,12 @@ export const make = Effect.gen(function*() {
       continue
     }
     const s = loaded.right
-    const rec = latest.get(meta.activeSessionId)
-    if (rec?.busy === true) {
-      // It was running a turn when the daemon died: restore now, the worker reports the cut.
-      s.busy = true
-      s.workerState = "recovering"
-      s.ready = yield* Deferred.make<void, CommandError>()
-      yield* publishStatus(s)
-      yield* startWorker(s, "daemon_restarted", true).pipe(
-        Effect.catchAll((e) => Effect.logError(`restore of ${meta.activeSessionId}: ${e.message}`))
-      )
+    // It was running a turn when the daemon died: restored now, and the cut turn reported.
+    if (latest.get(meta.activeSessionId)?.busy === true) {
+      s.cutTurn = "daemon_restarted"
+      yield* post(s, { _tag: "Restore" })
     }
+    yield* register(s)
   }
 
   return SessionManager.of({
@@ -1221,7 +1432,7 @@ export const make = Effect.gen(function*() {
         sessions: sessions.size,
         workers: live.filter((w) => w.activeSessionId !== undefined).map((w) => {
           const s = sessions.get(w.activeSessionId!)
-          return { pid: w.pid, activeSessionId: w.activeSessionId!, state: s?.workerState ?? "closed", restarts: s?.restarts ?? 0 }
+          return { pid: w.pid, activeSessionId: w.activeSessionId!, state: s === undefined ? "closed" : summary(s).worker, restarts: s?.restarts ?? 0 }
         })
       }
     }),
@@ -1237,47 +1448,32 @@ export const make = Effect.gen(function*() {
         for (const a of [...(connections.get(connectionId)?.values() ?? [])]) detachAttachment(a)
       }),
     attachedCount: (connectionId) => connections.get(connectionId)?.size ?? 0,
-    prompt,
+    prompt: (cmd) =>
+      Effect.flatMap(get(cmd.activeSessionId), (s) =>
+        send<{ accepted: true }>(s, (reply) => ({ _tag: "Prompt", message: cmd.message, reply }))),
     abort: (cmd) =>
-      Effect.gen(function*() {
-        const s = yield* get(cmd.activeSessionId)
-        if (!s.busy || s.worker === undefined || s.workerState !== "ready") return { aborted: false }
-        // The turn may end by itself before the abort reaches the worker: answer with how it
-        // actually ended.
-        const ended = s.turnEnded
-        yield* s.worker.send({ type: "abort", turnId: s.turnId })
-        yield* Deferred.await(ended)
-        return { aborted: s.lastTurnEnd === "aborted" }
-      }),
+      Effect.flatMap(get(cmd.activeSessionId), (s) =>
+        send<{ aborted: boolean }>(s, (reply) => ({ _tag: "Abort", reply }))),
     getState: (id) => Effect.map(get(id), summary),
     getMessages: (cmd) =>
       Effect.gen(function*() {
         const s = yield* get(cmd.activeSessionId)
-        const total = s.messageCount
-        const messages = yield* transcript(s).pipe(
-          Stream.drop(cmd.offset ?? 0),
-          Stream.take(cmd.limit ?? 100),
-          Stream.runCollect
-        )
-        return { messages: Chunk.toReadonlyArray(messages), total }
+        return yield* s.readGate.withPermits(1)(Effect.gen(function*() {
+          const total = s.messageCount
+          const messages = yield* transcript(s).pipe(
+            Stream.drop(cmd.offset ?? 0),
+            Stream.take(cmd.limit ?? 100),
+            Stream.runCollect
+          )
+          return { messages: Chunk.toReadonlyArray(messages), total }
+        }))
       }),
-    checkpoint: (id) => Effect.flatMap(get(id), checkpointSession),
+    checkpoint: (id) =>
+      Effect.flatMap(get(id), (s) =>
+        send<{ generation: number; snapshotId: string }>(s, (reply) => ({ _tag: "Checkpoint", reply }))),
     retryWorker: (id) =>
-      Effect.gen(function*() {
-        const s = yield* get(id)
-        if (s.workerState === "failed") {
-          yield* s.lifecycle.withPermits(1)(Effect.gen(function*() {
-            s.crashTimes = []
-            s.workerState = "recovering"
-            s.ready = yield* Deferred.make<void, CommandError>()
-            yield* publishStatus(s)
-            yield* startWorker(s, undefined, true)
-          }))
-          yield* Deferred.await(s.ready)
-        }
-        return summary(s)
-      }),
-    kill
+      Effect.flatMap(get(id), (s) => send<SessionSummary>(s, (reply) => ({ _tag: "Retry", reply }))),
+    kill: (id) => Effect.flatMap(get(id), (s) => send<{}>(s, (reply) => ({ _tag: "Kill", reply })))
   })
 })
 
