@@ -204,7 +204,15 @@ export const make = Effect.gen(function*() {
               details: { maxLineBytes: item.maxLineBytes }
             }))
           }
-          const decoded = Protocol.decodeCommandLine(item)
+          // The decoder never throws by contract; should it ever, the line still gets its one
+          // response and the connection lives on (a defect here would end the connection).
+          let decoded: Either.Either<Protocol.DecodedCommand, Protocol.ProtocolError>
+          try {
+            decoded = Protocol.decodeCommandLine(item)
+          } catch (defect) {
+            yield* Effect.logError(`decoding a line of ${clientId} died`, defect)
+            return yield* respond(Protocol.failure(null, "parse", { code: "internal", message: `Internal error: ${String(defect)}` }))
+          }
           if (Either.isLeft(decoded)) return yield* respond(Protocol.failureOf(decoded.left))
           const { id, command } = decoded.right
           const result = yield* Effect.either(dispatch(clientId, outbox, id, command, forkDelivery)).pipe(

@@ -479,6 +479,15 @@ const salvageId = (line: string): string | null => {
 
 const describe = (u: unknown): string => (u === null ? "null" : Array.isArray(u) ? "an array" : `a ${typeof u}`)
 
+/** A value as JSON for an error message; a value nested too deeply to stringify is only described. */
+const show = (u: unknown): string => {
+  try {
+    return JSON.stringify(u) ?? describe(u)
+  } catch {
+    return `${describe(u)} nested too deeply to show`
+  }
+}
+
 /**
  * Decodes one inbound line into a command, or the {@link ProtocolError} to answer with.
  * Accepts the envelope form and the bare command form (section 3).
@@ -535,7 +544,7 @@ export const decodeCommandValue = (json: unknown): Either.Either<DecodedCommand,
       return Either.left(
         new ProtocolError({
           code: "unsupported_protocol",
-          message: `Unsupported protocol ${JSON.stringify(protocol)}; this daemon speaks ${
+          message: `Unsupported protocol ${show(protocol)}; this daemon speaks ${
             JSON.stringify(PROTOCOL)
           }.`,
           id,
@@ -581,9 +590,38 @@ export const decodeCommandValue = (json: unknown): Either.Either<DecodedCommand,
   return Either.right(clientId === undefined ? { id, command: decoded.right } : { id, clientId, command: decoded.right })
 }
 
+/**
+ * The paths of the failed leaves of a parse issue, without formatting any value. The tree is as
+ * deep as the command schemas, never as deep as the input.
+ */
+const issuePaths = (issue: ParseResult.ParseIssue, path: ReadonlyArray<PropertyKey>, out: Array<string>): void => {
+  switch (issue._tag) {
+    case "Pointer":
+      return issuePaths(issue.issue, [...path, ...(Array.isArray(issue.path) ? issue.path : [issue.path])], out)
+    case "Composite":
+      for (const inner of Array.isArray(issue.issues) ? issue.issues : [issue.issues]) issuePaths(inner, path, out)
+      return
+    case "Refinement":
+    case "Transformation":
+      return issuePaths(issue.issue, path, out)
+    default:
+      out.push(path.map(String).join("."))
+  }
+}
+
 /** A one-line message naming the offending field(s) of a command. */
 const invalidFieldMessage = (type: string, error: ParseResult.ParseError): string => {
-  const issues = ParseResult.ArrayFormatter.formatErrorSync(error)
+  let issues: Array<ParseResult.ArrayFormatterIssue>
+  try {
+    issues = ParseResult.ArrayFormatter.formatErrorSync(error)
+  } catch {
+    // The formatter prints the offending value and recurses into it: a value nested thousands
+    // deep overflows the stack. Name the fields without their values.
+    const paths: Array<string> = []
+    issuePaths(error.issue, [], paths)
+    const parts = Arr.dedupe(paths).map((p) => `${p === "" ? "" : `\`${p}\`: `}invalid value (nested too deeply to show)`)
+    return `Invalid \`${type}\` command: ${parts.join("; ")}`
+  }
   const parts = Arr.map(issues, (issue) => {
     const path = issue.path.length === 0 ? "" : `\`${issue.path.join(".")}\`: `
     return `${path}${issue.message}`
