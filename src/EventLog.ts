@@ -119,8 +119,10 @@ export interface EventLogService {
   ) => Effect.Effect<ReadonlyArray<Cursor.Cursor>, EventLogError>
   /**
    * The events strictly after `after` (all retained events when absent), in cursor order, across
-   * generations, read lazily from disk. When `after` names a pruned generation the stream starts
-   * at the oldest retained one: compare with `generations` first to detect an expired cursor.
+   * generations, read lazily from disk. When some of them were pruned (checked as the read
+   * reaches them, so a prune during the read is seen too) the stream fails with
+   * `GenerationNotFound`, never skips them; a cursor at the very end of a pruned generation is
+   * fine when the next retained generation starts right after it.
    * The stream ends at the last durable event it finds when it gets there.
    */
   readonly read: (sessionId: string, after?: Cursor.Cursor) => Stream.Stream<EventRecord, EventLogError>
@@ -915,14 +917,42 @@ export const make = (options: EventLogOptions): Effect.Effect<EventLogService, E
 
     const read = (sessionId: string, after?: Cursor.Cursor): Stream.Stream<EventRecord, EventLogError> =>
       Stream.unwrap(Effect.map(handleFor(sessionId), (h) => {
+        const wholeFrom = (generation: number, fromSequence: number): Stream.Stream<EventRecord, EventLogError> => {
+          // A segment read while it is current ends at its durable size. If it is finished by
+          // the time the read moves on, records may have joined it after that end: they are
+          // read before the next generation (its header says where this one ended).
+          const wasCurrent = h.generation === generation
+          let next = fromSequence
+          const body = segmentStream(h, generation, fromSequence).pipe(Stream.mapChunks((chunk) => {
+            const last = Chunk.last(chunk)
+            if (Option.isSome(last)) next = last.value.cursor.sequence + 1
+            return chunk
+          }))
+          return Stream.concat(body, Stream.suspend(() => {
+            const later = h.segments.find((g) => g > generation)
+            if (!wasCurrent || later === undefined) return from(generation + 1)
+            return Stream.unwrap(Effect.map(segmentStart(sessionId, segmentPath(h, later), later), (start) =>
+              Option.isSome(start) && start.value.generation === generation && start.value.sequence >= next
+                ? wholeFrom(generation, next)
+                : from(generation + 1)))
+          }))
+        }
         // The next retained generation is looked up only when the previous one is finished, so
         // a generation started during the read is included.
         const from = (minGeneration: number): Stream.Stream<EventRecord, EventLogError> =>
           Stream.suspend(() => {
             const generation = h.segments.find((g) => g >= minGeneration)
             if (generation === undefined) return Stream.empty
+            if (after !== undefined && minGeneration === after.generation && generation !== after.generation) {
+              // The cursor's generation is gone (pruned, possibly while this read waited): the
+              // events after it are all here only if the next segment starts right after it.
+              return Stream.unwrap(Effect.map(segmentStart(sessionId, segmentPath(h, generation), generation), (start) =>
+                Option.isSome(start) && !Cursor.isBefore(after, start.value)
+                  ? wholeFrom(generation, 0)
+                  : Stream.fail(fail("GenerationNotFound", sessionId, `the events after ${after.generation}:${after.sequence} were pruned`))))
+            }
             const fromSequence = after !== undefined && generation === after.generation ? after.sequence + 1 : 0
-            const whole = Stream.concat(segmentStream(h, generation, fromSequence), from(generation + 1))
+            const whole = wholeFrom(generation, fromSequence)
             const later = h.segments.find((g) => g > generation)
             if (fromSequence === 0 || later === undefined) return whole
             // A cursor at the end of a finished generation (a checkpoint's cursor, which is
@@ -1017,6 +1047,8 @@ export const layer = (options: EventLogOptions): Layer.Layer<EventLog, EventLogE
 interface MemorySession {
   /** Generation -> record lines (JSON text, so events are copied as the file layer would). */
   readonly segments: Map<number, Array<string>>
+  /** Generation -> the last cursor before it (a file segment's header). */
+  readonly starts: Map<number, Option.Option<Cursor.Cursor>>
   generation: number
   bytes: number
   last: Option.Option<Cursor.Cursor>
@@ -1031,7 +1063,7 @@ export const makeMemory: Effect.Effect<EventLogService> = Effect.sync(() => {
       if (name._tag === "Left") return Effect.fail(name.left)
       let s = sessions.get(sessionId)
       if (s === undefined) {
-        s = { segments: new Map(), generation: 1, bytes: 0, last: Option.none() }
+        s = { segments: new Map(), starts: new Map(), generation: 1, bytes: 0, last: Option.none() }
         sessions.set(sessionId, s)
       }
       return Effect.succeed(s)
@@ -1084,17 +1116,26 @@ export const makeMemory: Effect.Effect<EventLogService> = Effect.sync(() => {
     s.generation += 1
     s.bytes = 0
     s.segments.set(s.generation, [])
+    s.starts.set(s.generation, s.last)
     return s.generation
   })
   const read = (sessionId: string, after?: Cursor.Cursor): Stream.Stream<EventRecord, EventLogError> =>
-    Stream.unwrap(Effect.map(sessionFor(sessionId), (s) =>
-      Stream.fromIterable(
+    Stream.unwrap(Effect.map(sessionFor(sessionId), (s) => {
+      if (after !== undefined && s.segments.size > 0 && !s.segments.has(after.generation)) {
+        const next = [...s.segments.keys()].find((g) => g > after.generation)
+        const start = next === undefined ? Option.none() : (s.starts.get(next) ?? Option.none())
+        if (next !== undefined && !(Option.isSome(start) && !Cursor.isBefore(after, start.value))) {
+          return Stream.fail(fail("GenerationNotFound", sessionId, `the events after ${after.generation}:${after.sequence} were pruned`))
+        }
+      }
+      return Stream.fromIterable(
         [...s.segments.entries()]
           .filter(([g]) => after === undefined || g >= after.generation)
           .flatMap(([g, lines]) =>
             toRecords(g, lines, after !== undefined && g === after.generation ? after.sequence + 1 : 0)
           )
-      )))
+      )
+    }))
   const readGeneration = (sessionId: string, generation: number): Stream.Stream<EventRecord, EventLogError> =>
     Stream.unwrap(Effect.map(sessionFor(sessionId), (s) => {
       const lines = s.segments.get(generation)

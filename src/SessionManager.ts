@@ -800,8 +800,10 @@ export const make = Effect.gen(function*() {
         // Reserved now (busy); runs once the session is idle with a worker.
         s.pendingPrompt = { message: input.message, reply: input.reply }
         if (phase._tag === "Passivated") return wake(s)
-        // Said to attached clients at once, as a prompt that runs at once does.
-        return phase._tag === "Idle" ? Effect.void : publishStatus(s)
+        // Said to attached clients at once, as a prompt that runs at once does; but not during a
+        // checkpoint: nothing may be logged between the snapshot's cursor and its generation
+        // (the status goes out when the turn starts, right after).
+        return phase._tag === "Idle" || phase._tag === "Checkpointing" ? Effect.void : publishStatus(s)
       }
       case "Abort": {
         // Only a running turn can be aborted; a prompt that has not started yet is not a turn.
@@ -1067,6 +1069,20 @@ export const make = Effect.gen(function*() {
       return { kind: "complete", after: resume }
     })
 
+  /** Replaces a client's state with the current generation's snapshot; false when it must re-attach. */
+  const resync = (a: Attachment) =>
+    Effect.gen(function*() {
+      const s = a.session
+      const chosen = yield* Effect.either(s.readGate.withPermits(1)(
+        Effect.map(currentSnapshotEntry(s), (entry) => ({ entry, cursor: s.snapshotCursor }))
+      ))
+      if (Either.isLeft(chosen)) return false
+      if (!(yield* streamSnapshot(a, chosen.right.entry, "resync"))) return false
+      a.delivered = chosen.right.cursor
+      a.resumed = true
+      return true
+    })
+
   /** Reads the events after `a.delivered` up to the session's last, then turns live. */
   const catchUp = (a: Attachment) =>
     Effect.gen(function*() {
@@ -1089,7 +1105,7 @@ export const make = Effect.gen(function*() {
           a.mode = "catchup"
           continue
         }
-        yield* log.read(id, a.delivered).pipe(
+        const pruned = yield* log.read(id, a.delivered).pipe(
           Stream.takeWhile((r) => !Cursor.isAfter(r.cursor, target)),
           Stream.runForEach((r) =>
             Effect.gen(function*() {
@@ -1100,8 +1116,13 @@ export const make = Effect.gen(function*() {
               a.delivered = r.cursor
             })
           ),
-          Effect.catchAllCause((cause) => Effect.logDebug("catch-up stopped", cause))
+          Effect.as(false),
+          Effect.catchAll((e) => Effect.succeed(e.reason === "GenerationNotFound")),
+          Effect.catchAllCause((cause) => Effect.as(Effect.logDebug("catch-up stopped", cause), false))
         )
+        // The events after what the client has were pruned while it was paused: it gets the
+        // current generation's snapshot (a resync), then that generation's events.
+        if (pruned && !(yield* resync(a))) return detachAttachment(a)
       }
     })
 

@@ -202,9 +202,34 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
     clients.push(c)
     return c
   }
+  /**
+   * Runs `f` with a client of its own (connected for it, watched by the watchdog, dropped
+   * after): attaches with a launchEnv must not overlap other attaches of one connection.
+   */
+  const withOwnClient = async (label: string, f: (c: ChaosClient) => Promise<void>): Promise<void> => {
+    const c = new ChaosClient(label, () => daemon.socketPath, truthOf)
+    c.onViolation = fail
+    try {
+      await c.connect()
+    } catch {
+      return // the daemon is down (being restarted): the fault is moot
+    }
+    // Watched while it lives; never reconnected by the maintenance loop.
+    clients.push(c)
+    ownClients.add(c)
+    try {
+      await f(c)
+    } finally {
+      c.drop()
+      clients.splice(clients.indexOf(c), 1)
+      ownClients.delete(c)
+    }
+  }
+
   /** Which sessions each client wants to be attached to (the maintenance loop keeps them attached). */
   const wanted = new Map<ChaosClient, Set<string>>()
   const attaching = new Set<string>()
+  const ownClients = new Set<ChaosClient>()
   const reconnectAt = new Map<ChaosClient, number>()
 
   const send = async (c: ChaosClient, command: Msg): Promise<Answer> => {
@@ -250,7 +275,7 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
       await sleep(100)
       if (daemonDown) continue
       for (const c of clients) {
-        if (!c.connected) {
+        if (!c.connected && !ownClients.has(c)) {
           if ((reconnectAt.get(c) ?? 0) > Date.now()) continue
           try {
             await c.connect()
@@ -587,18 +612,19 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
       case "spawn_fail": {
         // The session's next worker spawns fail (a bad NODE_OPTIONS in its launchEnv); its
         // worker is killed (or it is passivated) so that a spawn comes; healed a few seconds later.
-        const c = freeCommander()
         const healIn = frng.int(2000, 8000)
-        log(`spawn_fail ${sid} via ${c.label}, healed in ${healIn} ms`)
+        log(`spawn_fail ${sid}, healed in ${healIn} ms`)
         ctl.poisoned = true
         void task("spawn_fail", async () => {
-          const r = await send(c, { type: "attach", activeSessionId: ctl.id, launchEnv: { NODE_OPTIONS: "--no-such-chaos-option" } })
-          if (r?.["success"] === true) {
-            expectCodes(await send(c, { type: "detach", activeSessionId: ctl.id }), "detach", ["session_not_found"])
-            killPid(ctl.workerPid, `worker of poisoned ${sid}`)
-          }
+          await withOwnClient("poison", async (c) => {
+            const r = await send(c, { type: "attach", activeSessionId: ctl.id, launchEnv: { NODE_OPTIONS: "--no-such-chaos-option" } })
+            if (r?.["success"] === true) {
+              expectCodes(await send(c, { type: "detach", activeSessionId: ctl.id }), "detach", ["session_not_found"])
+              killPid(ctl.workerPid, `worker of poisoned ${sid}`)
+            }
+          })
           await sleep(healIn)
-          await heal(ctl, c)
+          await heal(ctl)
         })
         return
       }
@@ -606,16 +632,16 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
   }
 
   /** Gives a poisoned session a good launchEnv again, and a worker if it failed. */
-  const heal = async (ctl: SessionCtl, c: ChaosClient) => {
-    if (!ctl.poisoned || ctl.killed) return
-    const r = await send(c, { type: "attach", activeSessionId: ctl.id, launchEnv: {} })
-    if (r?.["success"] !== true) return
-    ctl.poisoned = false
-    log(`healed ${ctl.id.slice(0, 12)}`)
-    await send(c, { type: "detach", activeSessionId: ctl.id })
-    const st = await send(c, { type: "get_state", activeSessionId: ctl.id })
-    if (st?.["data"]?.worker === "failed") expectCodes(await send(c, { type: "retry_worker", activeSessionId: ctl.id }), "retry_worker", ["session_not_found"])
-  }
+  const heal = (ctl: SessionCtl): Promise<void> =>
+    !ctl.poisoned || ctl.killed ? Promise.resolve() : withOwnClient("heal", async (c) => {
+      const r = await send(c, { type: "attach", activeSessionId: ctl.id, launchEnv: {} })
+      if (r?.["success"] !== true) return
+      ctl.poisoned = false
+      log(`healed ${ctl.id.slice(0, 12)}`)
+      await send(c, { type: "detach", activeSessionId: ctl.id })
+      const st = await send(c, { type: "get_state", activeSessionId: ctl.id })
+      if (st?.["data"]?.worker === "failed") expectCodes(await send(c, { type: "retry_worker", activeSessionId: ctl.id }), "retry_worker", ["session_not_found"])
+    })
 
   // ------------------------------------------------------------------------------------------
   // The run
@@ -715,7 +741,7 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
     await waitUntil(() => commanders.every((x) => x.pendingCount === 0), 60_000)
     await Promise.all(liveSessions().map((s) => s.done))
     if (stopped()) return
-    for (const ctl of liveSessions()) await heal(ctl, c)
+    for (const ctl of liveSessions()) await heal(ctl)
     // Every session idle and ready (a failed one is retried once).
     for (const ctl of liveSessions()) {
       const deadline = Date.now() + SETTLE_BOUND_MS

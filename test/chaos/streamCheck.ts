@@ -354,7 +354,7 @@ export class SessionStream {
       const sameGen = c.generation === p.generation && c.sequence === p.sequence + 1
       const laterGen = c.generation > p.generation && c.sequence === 0
       if (!sameGen && !laterGen) this.fail("cursor order, each once, no gap", `${describeMsg(m)} does not follow ${fmtCursor(p)}`)
-      if (laterGen) this.truth.jumps.push({ from: p, to: c, where })
+      if (laterGen) this.truth.jumps.push({ from: p, to: c, where: `${where} (after ${this.recent.slice(-6, -1).join(", ")})` })
     } else {
       if (c.sequence !== 0 || (next.cursor !== undefined && c.generation <= next.cursor.generation)) {
         this.fail("no gap after a baseline", `${describeMsg(m)} is not the start of a generation after the snapshot's cursor ${fmtCursor(next.cursor)}`)
