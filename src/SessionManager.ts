@@ -31,7 +31,16 @@ import * as path from "node:path"
 import * as Cursor from "./Cursor.js"
 import { DaemonConfig } from "./DaemonConfig.js"
 import { Engine } from "./Engine.js"
-import { EncodedEvent, EventLog, type EventRecord } from "./EventLog.js"
+import { EventLog, type EventRecord } from "./EventLog.js"
+import {
+  bodyMessage,
+  eventMessage,
+  logged,
+  type LoggedBody,
+  type Outgoing,
+  wireLine,
+  wireLineOfRecord
+} from "./internal/delivery/wireLines.js"
 import type { Outbox } from "./internal/outbox.js"
 import * as Protocol from "./Protocol.js"
 import type { AgentMessage, CommandOf, ErrorCode, SessionSummary, WorkerState } from "./Protocol.js"
@@ -67,58 +76,6 @@ export class SupervisorInfo extends Context.Tag("agentd/SupervisorInfo")<Supervi
   readonly storeRoot: string
   readonly eventLogRoot: string
 }>() {}
-
-/** What a sequenced message looks like in the EventLog: its wire form without session and meta. */
-type LoggedBody =
-  | { readonly type: "session_event"; readonly event: { readonly type: string } }
-  | { readonly type: "session_status"; readonly state: SessionSummary }
-  | { readonly type: "session_closed"; readonly reason: string }
-
-/**
- * A sequenced message before it has a cursor: the JSON text of its {@link LoggedBody} without
- * the closing brace. It is built once and is the start of both its log record and its wire line,
- * so an agent event is serialized once, by the worker, and never parsed on the live path.
- */
-interface Outgoing {
-  readonly open: string
-  /** For a `session_event`, the agent event's type. */
-  readonly eventType?: string
-}
-
-/** A worker's event, from its JSON text. */
-const eventMessage = (eventType: string, eventJson: string): Outgoing => ({
-  open: `{"type":"session_event","event":${eventJson}`,
-  eventType
-})
-
-/** A message the supervisor makes itself (status, closed, an interruption it reports). */
-const bodyMessage = (body: LoggedBody): Outgoing => {
-  const json = JSON.stringify(body)
-  return body.type === "session_event" ? { open: json.slice(0, -1), eventType: body.event.type } : { open: json.slice(0, -1) }
-}
-
-/** The log record of a message: its body and when it was emitted (`emittedAt` last). */
-const logged = (m: Outgoing, emittedAt: number) => new EncodedEvent(`${m.open},"emittedAt":${emittedAt}}`)
-
-const EMITTED_AT = `,"emittedAt":`
-
-/** The wire line of a message: its body, then `activeSessionId` and `meta`. */
-const wireLine = (sessionJson: string, open: string, cursor: Cursor.Cursor, emittedAt: number, replayed: boolean) =>
-  `${open},"activeSessionId":${sessionJson},"meta":{"cursor":{"generation":${cursor.generation},"sequence":${cursor.sequence}},"emittedAt":${emittedAt}${
-    replayed ? ",\"replayed\":true" : ""
-  }}}\n`
-
-/** The wire line of a logged record (replay, catch-up), from its text: `emittedAt` moves into meta. */
-const wireLineOfRecord = (sessionJson: string, r: EventRecord, replayed: boolean) => {
-  const emittedAt = r.event["emittedAt"]
-  const at = r.json.lastIndexOf(EMITTED_AT)
-  if (typeof emittedAt === "number" && at > 0 && r.json.slice(at + EMITTED_AT.length, -1) === String(emittedAt)) {
-    return wireLine(sessionJson, r.json.slice(0, at), r.cursor, emittedAt, replayed)
-  }
-  // Not in the shape `logged` writes: rebuild it from the parsed record.
-  const { emittedAt: _, ...body } = r.event
-  return wireLine(sessionJson, JSON.stringify(body).slice(0, -1), r.cursor, typeof emittedAt === "number" ? emittedAt : 0, replayed)
-}
 
 /** One connection's subscription to one session. */
 class Attachment {
@@ -1110,7 +1067,11 @@ export const make = Effect.gen(function*() {
           Stream.runForEach((r) =>
             Effect.gen(function*() {
               if (a.detached) return yield* Effect.interrupt
-              if (a.outbox.queuedBytes >= a.limit) yield* a.outbox.awaitBelow(a.limit)
+              if (a.outbox.queuedBytes >= a.limit) {
+                yield* a.outbox.awaitBelow(a.limit)
+                // Detached while it waited: its detach is answered, nothing may follow.
+                if (a.detached) return yield* Effect.interrupt
+              }
               const replayed = a.resumed || (a.attachCursor !== undefined && !Cursor.isAfter(r.cursor, a.attachCursor))
               a.outbox.offer(wireLineOfRecord(sessionJson, r, replayed))
               a.delivered = r.cursor
@@ -1258,6 +1219,8 @@ export const make = Effect.gen(function*() {
         if (a.detached || a.outbox.isClosed) return false
         if (a.outbox.queuedBytes >= a.limit) yield* a.outbox.awaitBelow(a.limit)
         const next = yield* reader.waitForChunk(index)
+        // Detached while it waited: its detach is answered, nothing may follow.
+        if (a.detached || a.outbox.isClosed) return false
         if (next._tag === "End") {
           a.outbox.offer(Protocol.encode({
             type: "session_snapshot_end",

@@ -1,0 +1,60 @@
+/**
+ * Sequenced messages as they are logged and as they go on the wire (PROTOCOL.md section 4).
+ * An agent event is serialized once, by the worker: its JSON text is the start of both its log
+ * record and its wire line, and it is never parsed on the live path.
+ */
+import type * as Cursor from "../../Cursor.js"
+import { EncodedEvent, type EventRecord } from "../../EventLog.js"
+import type { SessionSummary } from "../../Protocol.js"
+
+/** What a sequenced message looks like in the EventLog: its wire form without session and meta. */
+export type LoggedBody =
+  | { readonly type: "session_event"; readonly event: { readonly type: string } }
+  | { readonly type: "session_status"; readonly state: SessionSummary }
+  | { readonly type: "session_closed"; readonly reason: string }
+
+/**
+ * A sequenced message before it has a cursor: the JSON text of its {@link LoggedBody} without
+ * the closing brace. It is built once and is the start of both its log record and its wire line,
+ * so an agent event is serialized once, by the worker, and never parsed on the live path.
+ */
+export interface Outgoing {
+  readonly open: string
+  /** For a `session_event`, the agent event's type. */
+  readonly eventType?: string
+}
+
+/** A worker's event, from its JSON text. */
+export const eventMessage = (eventType: string, eventJson: string): Outgoing => ({
+  open: `{"type":"session_event","event":${eventJson}`,
+  eventType
+})
+
+/** A message the supervisor makes itself (status, closed, an interruption it reports). */
+export const bodyMessage = (body: LoggedBody): Outgoing => {
+  const json = JSON.stringify(body)
+  return body.type === "session_event" ? { open: json.slice(0, -1), eventType: body.event.type } : { open: json.slice(0, -1) }
+}
+
+/** The log record of a message: its body and when it was emitted (`emittedAt` last). */
+export const logged = (m: Outgoing, emittedAt: number) => new EncodedEvent(`${m.open},"emittedAt":${emittedAt}}`)
+
+const EMITTED_AT = `,"emittedAt":`
+
+/** The wire line of a message: its body, then `activeSessionId` and `meta`. */
+export const wireLine = (sessionJson: string, open: string, cursor: Cursor.Cursor, emittedAt: number, replayed: boolean) =>
+  `${open},"activeSessionId":${sessionJson},"meta":{"cursor":{"generation":${cursor.generation},"sequence":${cursor.sequence}},"emittedAt":${emittedAt}${
+    replayed ? ",\"replayed\":true" : ""
+  }}}\n`
+
+/** The wire line of a logged record (replay, catch-up), from its text: `emittedAt` moves into meta. */
+export const wireLineOfRecord = (sessionJson: string, r: EventRecord, replayed: boolean) => {
+  const emittedAt = r.event["emittedAt"]
+  const at = r.json.lastIndexOf(EMITTED_AT)
+  if (typeof emittedAt === "number" && at > 0 && r.json.slice(at + EMITTED_AT.length, -1) === String(emittedAt)) {
+    return wireLine(sessionJson, r.json.slice(0, at), r.cursor, emittedAt, replayed)
+  }
+  // Not in the shape `logged` writes: rebuild it from the parsed record.
+  const { emittedAt: _, ...body } = r.event
+  return wireLine(sessionJson, JSON.stringify(body).slice(0, -1), r.cursor, typeof emittedAt === "number" ? emittedAt : 0, replayed)
+}
