@@ -1015,7 +1015,12 @@ export const make = Effect.gen(function*() {
       const generations = yield* log.generations(s.meta.activeSessionId).pipe(Effect.mapError(internal("event log")))
       const oldest = generations[0] ?? s.generation
       if (resume.generation < oldest) {
-        return { kind: "baseline", replay: { status: "partial", reason: "cursor_expired" } }
+        // The very end of a pruned generation is the current snapshot's cursor: nothing after
+        // it is missing.
+        const atSnapshot = oldest === s.generation && s.snapshotCursor !== undefined &&
+          resume.generation === s.snapshotCursor.generation && resume.sequence === s.snapshotCursor.sequence
+        if (!atSnapshot) return { kind: "baseline", replay: { status: "partial", reason: "cursor_expired" } }
+        return { kind: "complete", after: resume }
       }
       if (resume.generation < last.generation) {
         const lastSeq = yield* lastSequenceOf(s, resume.generation)
