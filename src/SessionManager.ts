@@ -526,6 +526,10 @@ export const make = Effect.gen(function*() {
       return { generation, snapshotId }
     }))
 
+  /** A checkpoint's snapshot that will not be completed: gone, so that a retry can take its id. */
+  const discardSnapshot = (snapshotId: string, why: string) =>
+    Effect.zipRight(Effect.ignore(cache.markFailed(snapshotId, why)), Effect.ignore(cache.dispose(snapshotId)))
+
   /** A snapshot frame of the running checkpoint; returns true when the checkpoint is over. */
   const snapshotFrame = (s: Session, phase: Extract<Phase, { _tag: "Checkpointing" }>, frame: AnyFrame) =>
     Effect.gen(function*() {
@@ -567,7 +571,7 @@ export const make = Effect.gen(function*() {
         return true
       }
       s.phase = { _tag: "Idle", worker: phase.worker }
-      yield* Effect.ignore(cache.markFailed(id, outcome.left.message))
+      if (phase.began) yield* discardSnapshot(id, outcome.left.message)
       for (const w of phase.waiters) yield* Deferred.fail(w, outcome.left)
       return true
     })
@@ -655,7 +659,7 @@ export const make = Effect.gen(function*() {
       if (phase._tag === "Running") s.cutTurn = "worker_crashed"
       if (phase._tag === "Checkpointing") {
         // The checkpoint is taken again from the replacement worker.
-        if (phase.began) yield* Effect.ignore(cache.markFailed(phase.snapshotId, "the worker crashed"))
+        if (phase.began) yield* discardSnapshot(phase.snapshotId, "the worker crashed")
         s.checkpointWaiters = [...phase.waiters, ...s.checkpointWaiters]
       }
       if (phase._tag === "Running") for (const a of phase.aborts) yield* Deferred.succeed(a, { aborted: false })
