@@ -42,12 +42,22 @@ import {
   wireLineOfRecord
 } from "./internal/delivery/wireLines.js"
 import type { Outbox } from "./internal/outbox.js"
+import {
+  type AnyFrame,
+  type CheckpointReply,
+  type Input,
+  type PendingPrompt,
+  type Phase,
+  type TurnEnd,
+  workerOf,
+  workerStateOf
+} from "./internal/session/phase.js"
 import * as Protocol from "./Protocol.js"
 import type { AgentMessage, CommandOf, ErrorCode, SessionSummary, WorkerState } from "./Protocol.js"
 import { RecoveryJournal } from "./RecoveryJournal.js"
 import { type SessionMeta, SessionStore } from "./SessionStore.js"
 import { ChunkBuilder, SnapshotCache } from "./SnapshotCache.js"
-import { defaultRestartPolicy, nextRestart, WorkerCrashed, type WorkerExit, WorkerPool, type WorkerProcess } from "./WorkerPool.js"
+import { defaultRestartPolicy, nextRestart, WorkerCrashed, WorkerPool, type WorkerProcess } from "./WorkerPool.js"
 import type * as WorkerProtocol from "./WorkerProtocol.js"
 
 /**
@@ -116,99 +126,6 @@ class Attachment {
     const wake = this.wake
     this.wake = undefined
     wake?.()
-  }
-}
-
-/** How a turn ended. */
-type TurnEnd = "agent_end" | Protocol.InterruptReason
-
-/** A prompt that reserved the session (it is busy) and waits to start its turn. */
-interface PendingPrompt {
-  readonly message: string
-  readonly reply: Deferred.Deferred<{ accepted: true }, CommandError>
-}
-
-type CheckpointReply = Deferred.Deferred<{ generation: number; snapshotId: string }, CommandError>
-
-/**
- * Where a session's lifecycle stands. One fiber (the session's entity) owns it; every change
- * settles the requests that can no longer complete where it leads.
- */
-type Phase =
-  /** A worker is being acquired and loaded (`epoch` names the attempt), or a restart waits for its backoff. */
-  | {
-    readonly _tag: "Starting"
-    readonly worker: WorkerProcess | undefined
-    readonly state: "starting" | "recovering"
-    readonly epoch: number
-  }
-  | { readonly _tag: "Idle"; readonly worker: WorkerProcess }
-  | {
-    readonly _tag: "Running"
-    readonly worker: WorkerProcess
-    readonly turnId: string
-    /** Aborts answered at the turn's end, with how it ended. */
-    readonly aborts: Array<Deferred.Deferred<{ aborted: boolean }, CommandError>>
-  }
-  | {
-    readonly _tag: "Checkpointing"
-    readonly worker: WorkerProcess
-    readonly snapshotId: string
-    readonly generation: number
-    readonly waiters: Array<CheckpointReply>
-    /** The worker's snapshot has begun (its cache entry exists). */
-    began: boolean
-  }
-  | { readonly _tag: "Passivated" }
-  | { readonly _tag: "Failed" }
-  | { readonly _tag: "Closed" }
-
-type RestoreSpec = Extract<WorkerProtocol.SupervisorFrame, { readonly type: "load" }>["restore"]
-
-/** What the entity of a session takes from its mailbox: commands, its worker's frames and exit, timers. */
-type Input =
-  | { readonly _tag: "Prompt"; readonly message: string; readonly reply: PendingPrompt["reply"] }
-  | { readonly _tag: "Abort"; readonly reply: Deferred.Deferred<{ aborted: boolean }, CommandError> }
-  | { readonly _tag: "Checkpoint"; readonly reply: CheckpointReply }
-  | { readonly _tag: "Retry"; readonly reply: Deferred.Deferred<SessionSummary, CommandError> }
-  | { readonly _tag: "Kill"; readonly reply: Deferred.Deferred<{}, CommandError> }
-  | { readonly _tag: "Passivate" }
-  /** At daemon start: the session was running a turn when the last daemon died. */
-  | { readonly _tag: "Restore" }
-  | { readonly _tag: "Acquired"; readonly epoch: number; readonly worker: WorkerProcess; readonly restore: RestoreSpec }
-  | { readonly _tag: "AcquireFailed"; readonly epoch: number; readonly message: string }
-  | { readonly _tag: "RestartDue"; readonly epoch: number }
-  | {
-    readonly _tag: "Frames"
-    readonly worker: WorkerProcess
-    readonly frames: ReadonlyArray<WorkerProtocol.ReceivedFrame>
-    readonly handled: Deferred.Deferred<void>
-  }
-  | { readonly _tag: "Exited"; readonly worker: WorkerProcess; readonly exit: WorkerExit }
-
-type AnyFrame = { readonly type: string; readonly [k: string]: unknown }
-
-/** The worker process of a phase, if it has one. */
-const workerOf = (phase: Phase): WorkerProcess | undefined =>
-  phase._tag === "Idle" || phase._tag === "Running" || phase._tag === "Checkpointing" || phase._tag === "Starting"
-    ? phase.worker
-    : undefined
-
-/** The worker state a phase shows to clients. */
-const workerStateOf = (phase: Phase): WorkerState => {
-  switch (phase._tag) {
-    case "Starting":
-      return phase.state
-    case "Idle":
-    case "Running":
-    case "Checkpointing":
-      return "ready"
-    case "Passivated":
-      return "passivated"
-    case "Failed":
-      return "failed"
-    case "Closed":
-      return "closed"
   }
 }
 

@@ -1,0 +1,104 @@
+/**
+ * The session entity's vocabulary: where a session's lifecycle stands (`Phase`) and what its
+ * entity takes from its mailbox (`Input`). One fiber per session owns the phase; see
+ * SessionManager.ts for the transitions.
+ */
+import type * as Deferred from "effect/Deferred"
+import type * as Protocol from "../../Protocol.js"
+import type { SessionSummary, WorkerState } from "../../Protocol.js"
+import type { CommandError } from "../../SessionManager.js"
+import type { WorkerExit, WorkerProcess } from "../../WorkerPool.js"
+import type * as WorkerProtocol from "../../WorkerProtocol.js"
+
+/** How a turn ended. */
+export type TurnEnd = "agent_end" | Protocol.InterruptReason
+
+/** A prompt that reserved the session (it is busy) and waits to start its turn. */
+export interface PendingPrompt {
+  readonly message: string
+  readonly reply: Deferred.Deferred<{ accepted: true }, CommandError>
+}
+
+export type CheckpointReply = Deferred.Deferred<{ generation: number; snapshotId: string }, CommandError>
+
+/**
+ * Where a session's lifecycle stands. One fiber (the session's entity) owns it; every change
+ * settles the requests that can no longer complete where it leads.
+ */
+export type Phase =
+  /** A worker is being acquired and loaded (`epoch` names the attempt), or a restart waits for its backoff. */
+  | {
+    readonly _tag: "Starting"
+    readonly worker: WorkerProcess | undefined
+    readonly state: "starting" | "recovering"
+    readonly epoch: number
+  }
+  | { readonly _tag: "Idle"; readonly worker: WorkerProcess }
+  | {
+    readonly _tag: "Running"
+    readonly worker: WorkerProcess
+    readonly turnId: string
+    /** Aborts answered at the turn's end, with how it ended. */
+    readonly aborts: Array<Deferred.Deferred<{ aborted: boolean }, CommandError>>
+  }
+  | {
+    readonly _tag: "Checkpointing"
+    readonly worker: WorkerProcess
+    readonly snapshotId: string
+    readonly generation: number
+    readonly waiters: Array<CheckpointReply>
+    /** The worker's snapshot has begun (its cache entry exists). */
+    began: boolean
+  }
+  | { readonly _tag: "Passivated" }
+  | { readonly _tag: "Failed" }
+  | { readonly _tag: "Closed" }
+
+export type RestoreSpec = Extract<WorkerProtocol.SupervisorFrame, { readonly type: "load" }>["restore"]
+
+/** What the entity of a session takes from its mailbox: commands, its worker's frames and exit, timers. */
+export type Input =
+  | { readonly _tag: "Prompt"; readonly message: string; readonly reply: PendingPrompt["reply"] }
+  | { readonly _tag: "Abort"; readonly reply: Deferred.Deferred<{ aborted: boolean }, CommandError> }
+  | { readonly _tag: "Checkpoint"; readonly reply: CheckpointReply }
+  | { readonly _tag: "Retry"; readonly reply: Deferred.Deferred<SessionSummary, CommandError> }
+  | { readonly _tag: "Kill"; readonly reply: Deferred.Deferred<{}, CommandError> }
+  | { readonly _tag: "Passivate" }
+  /** At daemon start: the session was running a turn when the last daemon died. */
+  | { readonly _tag: "Restore" }
+  | { readonly _tag: "Acquired"; readonly epoch: number; readonly worker: WorkerProcess; readonly restore: RestoreSpec }
+  | { readonly _tag: "AcquireFailed"; readonly epoch: number; readonly message: string }
+  | { readonly _tag: "RestartDue"; readonly epoch: number }
+  | {
+    readonly _tag: "Frames"
+    readonly worker: WorkerProcess
+    readonly frames: ReadonlyArray<WorkerProtocol.ReceivedFrame>
+    readonly handled: Deferred.Deferred<void>
+  }
+  | { readonly _tag: "Exited"; readonly worker: WorkerProcess; readonly exit: WorkerExit }
+
+export type AnyFrame = { readonly type: string; readonly [k: string]: unknown }
+
+/** The worker process of a phase, if it has one. */
+export const workerOf = (phase: Phase): WorkerProcess | undefined =>
+  phase._tag === "Idle" || phase._tag === "Running" || phase._tag === "Checkpointing" || phase._tag === "Starting"
+    ? phase.worker
+    : undefined
+
+/** The worker state a phase shows to clients. */
+export const workerStateOf = (phase: Phase): WorkerState => {
+  switch (phase._tag) {
+    case "Starting":
+      return phase.state
+    case "Idle":
+    case "Running":
+    case "Checkpointing":
+      return "ready"
+    case "Passivated":
+      return "passivated"
+    case "Failed":
+      return "failed"
+    case "Closed":
+      return "closed"
+  }
+}
