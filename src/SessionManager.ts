@@ -959,7 +959,17 @@ export const make = Effect.gen(function*() {
       const chosen = yield* Effect.either(s.readGate.withPermits(1)(
         Effect.map(currentSnapshotEntry(s), (entry) => ({ entry, cursor: s.snapshotCursor }))
       ))
-      if (Either.isLeft(chosen)) return false
+      if (Either.isLeft(chosen)) {
+        // The client must hear that its state is gone: it attaches again.
+        yield* Effect.logWarning(`resync of ${s.meta.activeSessionId} failed: ${chosen.left.message}`)
+        a.outbox.offer(Protocol.encode({
+          type: "session_snapshot_failed",
+          activeSessionId: s.meta.activeSessionId,
+          snapshotId: s.snapshotId ?? snapshotIdOf(s, s.generation),
+          error: { code: "internal", message: chosen.left.message }
+        }))
+        return false
+      }
       if (!(yield* streamSnapshot(a, chosen.right.entry, "resync"))) return false
       a.delivered = chosen.right.cursor
       a.resumed = true

@@ -316,6 +316,11 @@ export class SessionStream {
       }
       return
     }
+    if (type === "session_snapshot_failed" && phase.kind === "flowing") {
+      // A resync that could not even begin: the client attaches again.
+      this.phase = { kind: "detached" }
+      return
+    }
     if (phase.kind !== "snapshot") this.fail("snapshot frames", `${type} outside a snapshot (${phase.kind})`)
     if (m["snapshotId"] !== phase.snapshotId) this.fail("snapshot frames", `${type} of ${m["snapshotId"]} inside ${phase.snapshotId}`)
     if (type === "session_snapshot_chunk") {
