@@ -97,6 +97,8 @@ describe("server (e2e)", () => {
     const prompt = await c.request({ type: "prompt", activeSessionId: id, message: "again" })
     expect(prompt["error"]?.code, JSON.stringify(prompt)).toBe("session_failed")
     expect((await c.ok({ type: "abort", activeSessionId: id }))["aborted"]).toBe(false)
+    // The log line travels through the daemon's stderr pipe: it may arrive after the answers.
+    for (let i = 0; i < 100 && !daemon.stderr.includes(`session ${id} failed`); i++) await sleep(50)
     expect(daemon.stderr).toContain(`session ${id} failed`)
     // Everything else goes on: other sessions, other commands.
     expect((await c.ok({ type: "ping" }))["pong"]).toBe(true)
