@@ -15,6 +15,7 @@ import * as Either from "effect/Either"
 import * as FiberSet from "effect/FiberSet"
 import * as Layer from "effect/Layer"
 import * as Queue from "effect/Queue"
+import * as Runtime from "effect/Runtime"
 import { randomUUID } from "node:crypto"
 import * as fs from "node:fs"
 import * as net from "node:net"
@@ -100,6 +101,9 @@ export const make = Effect.gen(function*() {
 
   yield* claimSocketPath(socketPath)
 
+  // Callbacks of node's sockets run their effects in the daemon's runtime (its logger: stderr).
+  const runFork = Runtime.runFork(yield* Effect.runtime<never>())
+
   const dispatch = (clientId: string, outbox: Outbox, id: string | null, command: Protocol.Command, forkDelivery: (e: Effect.Effect<void>) => void) =>
     Effect.gen(function*(): Effect.fn.Return<unknown, CommandError> {
       if (stopping && command.type !== "ping") {
@@ -183,7 +187,7 @@ export const make = Effect.gen(function*() {
       socket.on("end", () => {
         for (const item of [...decoder.end(), null]) Queue.unsafeOffer(lines, item)
       })
-      socket.on("error", (err) => Effect.runFork(Effect.logDebug(`client ${clientId}: ${err.message}`)))
+      socket.on("error", (err) => runFork(Effect.logDebug(`client ${clientId}: ${err.message}`)))
       socket.on("close", () => {
         outbox.close()
         Queue.unsafeOffer(lines, null)
@@ -191,8 +195,9 @@ export const make = Effect.gen(function*() {
       })
 
       const respond = (message: Protocol.ServerMessage) => Effect.sync(() => outbox.offer(Protocol.encode(message)))
+      const runDelivery = yield* FiberSet.runtime(deliveries)<never>()
       const forkDelivery = (delivery: Effect.Effect<void>) => {
-        FiberSet.unsafeAdd(deliveries, Effect.runFork(delivery))
+        runDelivery(delivery)
       }
 
       const handleLine = (item: LineItem) =>
@@ -258,7 +263,7 @@ export const make = Effect.gen(function*() {
     }
     runtimeFork(handleConnection(socket))
   })
-  server.on("error", (err) => Effect.runFork(Effect.logError(`server: ${err.message}`)))
+  server.on("error", (err) => runFork(Effect.logError(`server: ${err.message}`)))
   yield* listen(server, socketPath)
   yield* Effect.logInfo(`agentd listening at ${socketPath} (supervisor generation ${info.generation}, pid ${process.pid})`)
 

@@ -14,7 +14,9 @@ import * as Data from "effect/Data"
 import * as Deferred from "effect/Deferred"
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
+import * as FiberSet from "effect/FiberSet"
 import * as Layer from "effect/Layer"
+import * as Runtime from "effect/Runtime"
 import * as Schema from "effect/Schema"
 import { type ChildProcess, spawn } from "node:child_process"
 import * as fs from "node:fs"
@@ -66,7 +68,9 @@ export class WorkerProcess {
   constructor(
     readonly child: ChildProcess,
     readonly pipe: net.Socket,
-    exited: Deferred.Deferred<WorkerExit>
+    exited: Deferred.Deferred<WorkerExit>,
+    /** Logs through the daemon's logger. */
+    private readonly warn: (message: string) => void = () => {}
   ) {
     this.exited = exited
     pipe.on("data", (chunk: Buffer) => {
@@ -76,7 +80,7 @@ export class WorkerProcess {
           this.frames.push(WorkerProtocol.readWorkerLine(item))
           this.queuedBytes += item.length
         } catch {
-          console.error(`[worker ${this.pid}] unreadable frame dropped: ${item.slice(0, 200)}`)
+          this.warn(`worker ${this.pid}: unreadable frame dropped: ${item.slice(0, 200)}`)
         }
       }
       if (this.queuedBytes > HIGH_WATER_BYTES) pipe.pause()
@@ -216,6 +220,13 @@ export const make = (options: WorkerPoolOptions = {}) =>
     const workers = new Set<WorkerProcess>()
     let spare: Effect.Effect<WorkerProcess, WorkerSpawnError> | undefined
     let closing = false
+    // Callbacks of node's child processes log and fork in the daemon's runtime.
+    const runtime = yield* Effect.runtime<never>()
+    const warn = (message: string) => {
+      Runtime.runFork(runtime)(Effect.logWarning(message))
+    }
+    const spareFibers = yield* FiberSet.make()
+    const runSpare = yield* FiberSet.runtime(spareFibers)<never>()
 
     const copyOutput = (worker: WorkerProcess, stream: NodeJS.ReadableStream | null, label: string) => {
       if (stream === null) return
@@ -247,14 +258,14 @@ export const make = (options: WorkerPoolOptions = {}) =>
           child.kill("SIGKILL")
           return yield* new WorkerSpawnError({ message: "cannot spawn a worker: no pid or pipe" })
         }
-        const worker = new WorkerProcess(child, pipe, exited)
+        const worker = new WorkerProcess(child, pipe, exited, warn)
         workers.add(worker)
         child.on("exit", (code, signal) => {
           workers.delete(worker)
           pipe.destroy()
           Deferred.unsafeDone(exited, Effect.succeed({ code, signal }))
         })
-        child.on("error", (err) => console.error(`[worker ${worker.pid}] ${err.message}`))
+        child.on("error", (err) => warn(`worker ${worker.pid}: ${err.message}`))
         copyOutput(worker, child.stdout, "out")
         copyOutput(worker, child.stderr, "err")
         return worker
@@ -263,8 +274,8 @@ export const make = (options: WorkerPoolOptions = {}) =>
     const startSpare = () => {
       if (options.warmSpare === false || closing) return
       // Memoized and started now: the process boots while nobody waits for it.
-      const started = Effect.runSync(Effect.cached(Effect.flatMap(spawnWorker(undefined, true), awaitReady)))
-      Effect.runFork(Effect.ignore(started))
+      const started = Runtime.runSync(runtime)(Effect.cached(Effect.flatMap(spawnWorker(undefined, true), awaitReady)))
+      runSpare(Effect.ignore(started))
       spare = started
     }
 
