@@ -341,14 +341,25 @@ export const make = Effect.gen(function*() {
           ...(s.cutTurn === undefined ? {} : { interruptedReason: s.cutTurn })
         }
         : undefined
+      const load: WorkerProtocol.SupervisorFrame = {
+        type: "load",
+        activeSessionId: s.meta.activeSessionId,
+        engine: s.meta.engine,
+        ...(s.meta.config === undefined ? {} : { config: s.meta.config as Record<string, unknown> }),
+        ...(restore === undefined ? {} : { restore })
+      }
       yield* fork(
         Effect.gen(function*() {
           yield* passivateBeyondLimit(s)
-          return yield* pool.acquire(s.meta.activeSessionId, workerEnv(s))
+          const worker = yield* pool.acquire(s.meta.activeSessionId, workerEnv(s))
+          // Sent at once, before the pool starts its next spare (a process booting beside a
+          // restore slows it down); should this attempt be stale by now, the worker is stopped.
+          yield* worker.send(load)
+          return worker
         }).pipe(
           Effect.matchEffect({
             onFailure: (error) => post(s, { _tag: "AcquireFailed", epoch, message: error.message }),
-            onSuccess: (w) => post(s, { _tag: "Acquired", epoch, worker: w, restore })
+            onSuccess: (w) => post(s, { _tag: "Acquired", epoch, worker: w })
           })
         )
       )
@@ -591,7 +602,8 @@ export const make = Effect.gen(function*() {
       const epoch = ++s.epoch
       s.phase = { _tag: "Starting", worker: undefined, state: "recovering", epoch }
       yield* publishStatus(s)
-      // The first restart is immediate; later ones back off (a Schedule on the Clock).
+      // The first restart is immediate; later ones back off on the Clock.
+      if (decision.delayMs === 0) return yield* startWorker(s, "recovering", true)
       yield* fork(Effect.zipRight(Effect.sleep(Duration.millis(decision.delayMs)), post(s, { _tag: "RestartDue", epoch })))
     })
 
@@ -716,16 +728,7 @@ export const make = Effect.gen(function*() {
       case "Acquired": {
         if (phase._tag !== "Starting" || phase.epoch !== input.epoch) return Effect.asVoid(input.worker.stop())
         s.phase = { ...phase, worker: input.worker }
-        return Effect.gen(function*() {
-          yield* input.worker.send({
-            type: "load",
-            activeSessionId: s.meta.activeSessionId,
-            engine: s.meta.engine,
-            ...(s.meta.config === undefined ? {} : { config: s.meta.config as Record<string, unknown> }),
-            ...(input.restore === undefined ? {} : { restore: input.restore })
-          })
-          yield* fork(pump(s, input.worker))
-        })
+        return fork(pump(s, input.worker))
       }
       case "AcquireFailed": {
         if (phase._tag !== "Starting" || phase.epoch !== input.epoch) return Effect.void

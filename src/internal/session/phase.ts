@@ -54,7 +54,6 @@ export type Phase =
   | { readonly _tag: "Failed" }
   | { readonly _tag: "Closed" }
 
-export type RestoreSpec = Extract<WorkerProtocol.SupervisorFrame, { readonly type: "load" }>["restore"]
 
 /** What the entity of a session takes from its mailbox: commands, its worker's frames and exit, timers. */
 export type Input =
@@ -66,7 +65,8 @@ export type Input =
   | { readonly _tag: "Passivate" }
   /** At daemon start: the session was running a turn when the last daemon died. */
   | { readonly _tag: "Restore" }
-  | { readonly _tag: "Acquired"; readonly epoch: number; readonly worker: WorkerProcess; readonly restore: RestoreSpec }
+  /** A worker for attempt `epoch`, already sent its `load`. */
+  | { readonly _tag: "Acquired"; readonly epoch: number; readonly worker: WorkerProcess }
   | { readonly _tag: "AcquireFailed"; readonly epoch: number; readonly message: string }
   | { readonly _tag: "RestartDue"; readonly epoch: number }
   | {
