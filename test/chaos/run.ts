@@ -604,8 +604,15 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
         log(`kill_session ${sid} via ${c.label}, and a new session`)
         ctl.killed = true
         void task("kill", async () => {
-          const r = await send(c, { type: "kill", activeSessionId: ctl.id })
+          let r = await send(c, { type: "kill", activeSessionId: ctl.id })
           expectCodes(r, "kill", [])
+          // The daemon died before answering: whether the kill was done is unknown; ask again
+          // (session_not_found then says it was).
+          while (r === undefined && !stopped()) {
+            await sleep(200)
+            r = await send(freeCommander(), { type: "kill", activeSessionId: ctl.id })
+            expectCodes(r, "kill", ["session_not_found"])
+          }
           await addSession(c)
         })
         return
