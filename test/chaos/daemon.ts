@@ -107,7 +107,10 @@ export class ChaosDaemon {
       if (await this.greets()) return
       await sleep(30)
     }
-    throw new Error(`daemon did not greet within 20 s (${this.diagnose()}):\n${this.logTail()}`)
+    const diagnosis = this.diagnose()
+    this.abandon()
+    await this.exited
+    throw new Error(`daemon did not greet within 20 s (${diagnosis}):\n${this.logTail()}`)
   }
 
   /** What the daemon process is doing (for a start that hangs). */
@@ -164,6 +167,14 @@ export class ChaosDaemon {
     if (!this.running) return
     killQuietly(this.proc!.pid!, "SIGKILL")
     await this.exited
+  }
+
+  /** Stops a start that hangs: the process and whatever it spawned. */
+  private abandon(): void {
+    const pid = this.proc?.pid
+    if (pid === undefined || !this.running) return
+    for (const p of descendantsOf(pid)) killQuietly(p, "SIGKILL")
+    killQuietly(pid, "SIGKILL")
   }
 
   /** Waits for the daemon to exit by itself (after `shutdown`); false at the timeout. */
