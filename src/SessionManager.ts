@@ -772,7 +772,8 @@ export const make = Effect.gen(function*() {
       s.closed = true
       s.cutTurn = undefined
       for (const a of [...s.attachments]) detachAttachment(a)
-      if (worker !== undefined) yield* fork(Effect.asVoid(worker.stop()))
+      // Stopped before the answer: once `kill` is answered the worker is gone.
+      if (worker !== undefined) yield* Effect.asVoid(worker.stop())
       const gone = notFound(id)
       if (phase._tag === "Running") for (const a of phase.aborts) yield* Deferred.fail(a, gone)
       if (phase._tag === "Checkpointing") for (const w of phase.waiters) yield* Deferred.fail(w, gone)
