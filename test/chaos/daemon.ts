@@ -199,6 +199,20 @@ export class ChaosDaemon {
     return this.markedProcesses().filter((p) => !ours.has(p))
   }
 
+  /** A process as /proc tells it (for an orphan or a hang): command line, state, where it waits. */
+  describeProcess(pid: number): string {
+    const read = (f: string) => {
+      try {
+        return fs.readFileSync(f, "utf8")
+      } catch {
+        return "?"
+      }
+    }
+    const cmd = read(`/proc/${pid}/cmdline`).split("\0").filter((x) => x.length > 0).map((x) => path.basename(x)).join(" ")
+    const state = /State:\s+(.*)/.exec(read(`/proc/${pid}/status`))?.[1] ?? "?"
+    return `${pid} [${cmd}] ${state}, wchan ${read(`/proc/${pid}/wchan`).trim()}`
+  }
+
   /** Worker processes of the current daemon. */
   workers(): Array<number> {
     return this.running ? descendantsOf(this.proc!.pid!) : []

@@ -491,7 +491,7 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
       const deadline = Date.now() + 10_000
       while (Date.now() < deadline && daemon.orphans().length > 0) await sleep(100)
       const left = daemon.orphans()
-      check("no orphan worker", left.length === 0 || daemonDown, () => `processes of a killed daemon still alive 10 s after it: ${left.join(", ")}`)
+      check("no orphan worker", left.length === 0 || daemonDown, () => `processes of a killed daemon still alive 10 s after it: ${left.map((p) => daemon.describeProcess(p)).join("; ")}`)
     })
   }
 
