@@ -355,6 +355,8 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
   const driverLoop = async (ctl: SessionCtl, drng: Rng) => {
     const d = ctl.driver
     let immediate = false
+    /** Resyncs of the driver's stream by its last prompt: one since may have carried the idle status. */
+    let resyncsAtPrompt = 0
     while (!stopped() && !stopLoad && !ctl.killed) {
       if (daemonDown || !d.connected || !d.stream(ctl.id).settled) {
         await sleep(50)
@@ -362,13 +364,15 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
       }
       if (!immediate) {
         // Wait for the previous turn's idle status (it may already be there).
-        if (!await waitUntil(() => ctl.idleAfterEnds >= ctl.ends || ctl.killed || daemonDown, SETTLE_BOUND_MS)) {
+        // A resync replaces the client's state: the idle status may be inside its snapshot.
+        if (!await waitUntil(() => ctl.idleAfterEnds >= ctl.ends || ctl.killed || daemonDown || d.stream(ctl.id).resyncs > resyncsAtPrompt, SETTLE_BOUND_MS)) {
           throw new Violation("busy:false after every turn", `session ${ctl.id}: turn end #${ctl.ends} seen but no busy:false status after it within ${SETTLE_BOUND_MS} ms`)
         }
       }
       const { text, extraMs } = drawPrompt(drng)
       const endsBefore = ctl.ends
       const resyncsBefore = d.stream(ctl.id).resyncs
+      resyncsAtPrompt = resyncsBefore
       const r = await send(d, { type: "prompt", activeSessionId: ctl.id, message: text })
       immediate = false
       if (r === undefined) {
