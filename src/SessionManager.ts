@@ -614,42 +614,48 @@ export const make = Effect.gen(function*() {
    */
   const failSession = (s: Session, why: string) =>
     Effect.gen(function*() {
+      // The new state in one synchronous step: `failed`, and not busy, for anyone who looks.
       const phase = s.phase
       const worker = workerOf(phase)
+      const cut = phase._tag === "Running" ? "worker_crashed" as const : s.cutTurn
+      const aborts = phase._tag === "Running" ? phase.aborts : []
+      if (phase._tag === "Checkpointing") s.checkpointWaiters = [...phase.waiters, ...s.checkpointWaiters]
       s.epoch++
       s.phase = { _tag: "Failed" }
-      if (phase._tag === "Running") {
-        s.cutTurn = "worker_crashed"
-        for (const a of phase.aborts) yield* Deferred.succeed(a, { aborted: false })
-      }
-      if (phase._tag === "Checkpointing") s.checkpointWaiters = [...phase.waiters, ...s.checkpointWaiters]
-      if (worker !== undefined) yield* fork(Effect.asVoid(worker.stop()))
+      s.cutTurn = undefined
       const error = failed(s, `Session \`${s.meta.activeSessionId}\` failed: ${why}; use retry_worker.`)
-      yield* answerWaiting(s, error)
-      if (s.cutTurn !== undefined) {
-        const reason = s.cutTurn
+      const waiting = answerWaiting(s, error)
+      for (const a of aborts) yield* Deferred.succeed(a, { aborted: false })
+      yield* waiting
+      if (worker !== undefined) yield* fork(Effect.asVoid(worker.stop()))
+      if (cut !== undefined) {
+        s.lastTurnEnd = cut
         yield* Effect.catchAllCause(
-          publish(s, { type: "session_event", event: { type: "turn_interrupted", reason } as Protocol.AgentEvent }),
+          publish(s, { type: "session_event", event: { type: "turn_interrupted", reason: cut } as Protocol.AgentEvent }),
           () => Effect.void
         )
-        s.cutTurn = undefined
-        s.lastTurnEnd = reason
         yield* record(s, false, "failed")
       }
       // Tell attached clients if the log takes it; it may well not.
       yield* Effect.catchAllCause(publishStatus(s), () => Effect.void)
     })
 
-  /** Answers every request that waits for a worker with `error`. */
-  const answerWaiting = (s: Session, error: CommandError) =>
-    Effect.gen(function*() {
-      const prompt = s.pendingPrompt
-      s.pendingPrompt = undefined
+  /**
+   * Takes, synchronously, every request that waits for a worker (the session is no longer busy
+   * with a reserved prompt from here); the effect returned answers them with `error`.
+   */
+  const answerWaiting = (s: Session, error: CommandError): Effect.Effect<void> => {
+    const prompt = s.pendingPrompt
+    s.pendingPrompt = undefined
+    const checkpoints = s.checkpointWaiters.splice(0)
+    const retries = s.retryWaiters.splice(0)
+    s.checkpointDue = false
+    return Effect.gen(function*() {
       if (prompt !== undefined) yield* Deferred.fail(prompt.reply, error)
-      for (const w of s.checkpointWaiters.splice(0)) yield* Deferred.fail(w, error)
-      for (const w of s.retryWaiters.splice(0)) yield* Deferred.fail(w, error)
-      s.checkpointDue = false
+      for (const w of checkpoints) yield* Deferred.fail(w, error)
+      for (const w of retries) yield* Deferred.fail(w, error)
     })
+  }
 
   /** Idle with work waiting: a checkpoint first (asked during the turn, or due), then a prompt. */
   const drain = (s: Session) =>
@@ -1295,7 +1301,10 @@ export const make = Effect.gen(function*() {
       if (Option.isSome(snapshot) && snapshot.value.header.generation > status.generation) {
         // The daemon died between writing a checkpoint's transcript and starting its generation:
         // the transcript is complete and durable, so finish that checkpoint.
-        while (status.generation < snapshot.value.header.generation) yield* log.startGeneration(id)
+        // (The loop once tested a status read before it, so it never ended: the daemon never
+        // listened, and started generations by the thousand.)
+        let generation = status.generation
+        while (generation < snapshot.value.header.generation) generation = yield* log.startGeneration(id)
         status = yield* log.status(id)
       }
       s.generation = status.generation
@@ -1308,6 +1317,7 @@ export const make = Effect.gen(function*() {
         after = snapshot.value.header.cursor
       }
       const isCurrent = Option.isSome(snapshot) && snapshot.value.header.generation === status.generation
+      let lastStatusBusy = false
       s.snapshotCursor = isCurrent ? after : undefined
       s.baseMessageCount = s.messageCount
       yield* log.read(id, after).pipe(
@@ -1315,6 +1325,7 @@ export const make = Effect.gen(function*() {
           Effect.sync(() => {
             const body = r.event as unknown as LoggedBody
             if (body.type === "session_event" && body.event.type === "message_end") s.messageCount++
+            if (body.type === "session_status") lastStatusBusy = body.state.busy
             // Without a transcript of the current generation, its snapshot is what was folded
             // before its first event.
             if (!isCurrent && r.cursor.generation < status.generation) {
@@ -1324,7 +1335,7 @@ export const make = Effect.gen(function*() {
           })
         )
       )
-      return s
+      return { session: s, lastStatusBusy }
     })
 
   const metas = yield* store.list().pipe(Effect.orDie)
@@ -1335,11 +1346,14 @@ export const make = Effect.gen(function*() {
       yield* Effect.logError(`cannot load session ${meta.activeSessionId}: ${String(loaded.left)}`)
       continue
     }
-    const s = loaded.right
+    const { session: s, lastStatusBusy } = loaded.right
     // It was running a turn when the daemon died: restored now, and the cut turn reported.
     if (latest.get(meta.activeSessionId)?.busy === true) {
       s.cutTurn = "daemon_restarted"
       yield* post(s, { _tag: "Restore" })
+    } else if (lastStatusBusy) {
+      // The daemon died between a turn's end and its idle status: the status is owed.
+      yield* Effect.catchAllCause(publishStatus(s), (cause) => Effect.logError(`session ${meta.activeSessionId}: idle status`, cause))
     }
     yield* register(s)
   }

@@ -5,6 +5,8 @@
  *
  * Needs `npm run build` first.
  */
+import * as fs from "node:fs"
+import * as path from "node:path"
 import { describe, expect, it } from "vitest"
 import {
   cleanUpAfterTests,
@@ -23,7 +25,8 @@ import {
   allMessages,
   sleep,
   useDaemon,
-  waitGone
+  waitGone,
+  waitIdle
 } from "./harness.js"
 import { attachAndReplay, unflag } from "./attach.js"
 
@@ -168,6 +171,26 @@ describe("worker crash", () => {
 })
 
 describe("daemon crash", () => {
+  it("a daemon killed between a checkpoint's transcript and its generation starts again and finishes it (found by the chaos harness)", async () => {
+    // The repair at start-up looped on a status read before the loop: the daemon never listened.
+    const d = await useDaemon()
+    const a = await d.connect("a")
+    const { id } = await createSession(a)
+    await a.ok({ type: "prompt", activeSessionId: id, message: "before" })
+    await waitIdle(a, id)
+    expect((await a.ok({ type: "checkpoint", activeSessionId: id }, 20_000))["generation"]).toBe(2)
+    await d.sigkill()
+    // The transcript of generation 3 is written, the event log never reached generation 3.
+    const snapshots = path.join(d.stateDir, "sessions", id, "snapshots")
+    const [header, ...messages] = fs.readFileSync(path.join(snapshots, "2.jsonl"), "utf8").trim().split("\n")
+    fs.writeFileSync(path.join(snapshots, "3.jsonl"), [JSON.stringify({ ...JSON.parse(header!), snapshotId: `${id}~g3`, generation: 3 }), ...messages].join("\n") + "\n", { mode: 0o600 })
+    const d2 = await useDaemon({ stateDir: d.stateDir })
+    const b = await d2.connect("b")
+    const { data } = await attach(b, { activeSessionId: id })
+    expect(data["snapshot"]["messages"].map((m: Msg) => m["content"])).toEqual(["before", "echo: before"])
+    expect((await b.ok({ type: "checkpoint", activeSessionId: id }, 20_000))["generation"]).toBe(4)
+  }, 60_000)
+
   it("SIGKILL of the daemon: workers exit within 2 s; restart: generation +1, resume complete, busy session interrupted", async () => {
     const d1 = await useDaemon()
     const gen1 = d1.hello!["supervisorGeneration"] as number
