@@ -477,15 +477,7 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
     await daemon.kill()
     for (const c of clients) c.drop()
     await sleep(rng.int(0, 500))
-    try {
-      await daemon.start()
-    } catch (e) {
-      // A known, rare defect (see the notes): a restart that never listens. Noted, and the
-      // daemon is started once more; a second failure is a violation.
-      notes.push(`${stamp()} a daemon restart hung: ${String(e).split("\n")[0]}`)
-      await daemon.kill()
-      await daemon.start()
-    }
+    await daemon.start()
     stats.daemonRestarts++
     daemonDown = false
     log(`daemon restarted, pid ${daemon.pid}`)
