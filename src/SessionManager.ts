@@ -164,7 +164,6 @@ interface Session {
   pendingPrompt: PendingPrompt | undefined
   /** A turn cut by a crash (of the worker or the daemon) whose `turn_interrupted` is owed. */
   cutTurn: Protocol.InterruptReason | undefined
-  lastTurnEnd: TurnEnd | undefined
   /** Checkpoints asked for, run when the session is next idle (during a turn: at its end). */
   checkpointWaiters: Array<CheckpointReply>
   /** An automatic checkpoint is due (one mark, however many turns asked). */
@@ -387,7 +386,6 @@ export const make = Effect.gen(function*() {
       const phase = s.phase
       const aborts = phase._tag === "Running" ? phase.aborts : []
       s.cutTurn = undefined
-      s.lastTurnEnd = how
       if (phase._tag === "Running") s.phase = { _tag: "Idle", worker: phase.worker }
       yield* record(s, false, "turn_end")
       if (publishIdle) yield* publishStatus(s)
@@ -629,7 +627,6 @@ export const make = Effect.gen(function*() {
       yield* waiting
       if (worker !== undefined) yield* fork(Effect.asVoid(worker.stop()))
       if (cut !== undefined) {
-        s.lastTurnEnd = cut
         yield* Effect.catchAllCause(
           publish(s, { type: "session_event", event: { type: "turn_interrupted", reason: cut } as Protocol.AgentEvent }),
           () => Effect.void
@@ -1239,7 +1236,6 @@ export const make = Effect.gen(function*() {
         mailbox: yield* Queue.unbounded<Input>(),
         pendingPrompt: undefined,
         cutTurn: undefined,
-        lastTurnEnd: undefined,
         checkpointWaiters: [],
         checkpointDue: false,
         passivationWanted: false,
