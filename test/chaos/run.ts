@@ -158,6 +158,10 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
   const settings = { ...drawSettings(rng, sessionCount), ...options.settings }
   const kinds = options.kinds ?? FAULT_KINDS
   const weights = Object.fromEntries(kinds.map((k) => [k, WEIGHTS[k]])) as Record<FaultKind, number>
+  // While spawns are being made to fail (and poisons overlap a heal), a retry's own worker can
+  // fail to spawn again: it is then answered session_failed, as documented. After the run's
+  // heal, retries must succeed (settle).
+  const retryCodes = kinds.includes("spawn_fail") ? ["session_not_found", "session_failed"] : ["session_not_found"]
   const daemon = new ChaosDaemon(settings)
   const t0 = Date.now()
   const schedule: Array<string> = []
@@ -384,7 +388,7 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
         if (code === "session_not_found" && ctl.killed) return
         expectCodes(r, "prompt", ["session_busy", "session_failed"])
         if (code === "session_failed" && drng.chance(0.5) && !ctl.poisoned) {
-          expectCodes(await send(d, { type: "retry_worker", activeSessionId: ctl.id }), "retry_worker", ["session_not_found"])
+          expectCodes(await send(d, { type: "retry_worker", activeSessionId: ctl.id }), "retry_worker", retryCodes)
         }
         await sleep(drng.int(20, 300))
         continue
@@ -600,7 +604,7 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
       case "retry_worker": {
         const c = freeCommander()
         log(`retry_worker ${sid} via ${c.label}`)
-        void task("retry_worker", async () => expectCodes(await send(c, { type: "retry_worker", activeSessionId: ctl.id }), "retry_worker", ["session_not_found"]))
+        void task("retry_worker", async () => expectCodes(await send(c, { type: "retry_worker", activeSessionId: ctl.id }), "retry_worker", retryCodes))
         return
       }
       case "kill_session": {
@@ -644,15 +648,15 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
   }
 
   /** Gives a poisoned session a good launchEnv again, and a worker if it failed. */
-  const heal = (ctl: SessionCtl): Promise<void> =>
-    !ctl.poisoned || ctl.killed ? Promise.resolve() : withOwnClient("heal", async (c) => {
+  const heal = (ctl: SessionCtl, always = false): Promise<void> =>
+    (!ctl.poisoned && !always) || ctl.killed ? Promise.resolve() : withOwnClient("heal", async (c) => {
       const r = await send(c, { type: "attach", activeSessionId: ctl.id, launchEnv: {} })
       if (r?.["success"] !== true) return
       ctl.poisoned = false
       log(`healed ${ctl.id.slice(0, 12)}`)
       await send(c, { type: "detach", activeSessionId: ctl.id })
       const st = await send(c, { type: "get_state", activeSessionId: ctl.id })
-      if (st?.["data"]?.worker === "failed") expectCodes(await send(c, { type: "retry_worker", activeSessionId: ctl.id }), "retry_worker", ["session_not_found"])
+      if (st?.["data"]?.worker === "failed") expectCodes(await send(c, { type: "retry_worker", activeSessionId: ctl.id }), "retry_worker", retryCodes)
     })
 
   // ------------------------------------------------------------------------------------------
@@ -753,7 +757,8 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
     await waitUntil(() => commanders.every((x) => x.pendingCount === 0), 60_000)
     await Promise.all(liveSessions().map((s) => s.done))
     if (stopped()) return
-    for (const ctl of liveSessions()) await heal(ctl)
+    // Every session: poisons may have overlapped a heal that then cleared the flag.
+    for (const ctl of liveSessions()) await heal(ctl, kinds.includes("spawn_fail"))
     // Every session idle and ready (a failed one is retried once).
     for (const ctl of liveSessions()) {
       const deadline = Date.now() + SETTLE_BOUND_MS
