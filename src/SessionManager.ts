@@ -41,7 +41,6 @@ import {
   wireLine,
   wireLineOfRecord
 } from "./internal/delivery/wireLines.js"
-import type { Outbox } from "./internal/outbox.js"
 import {
   type AnyFrame,
   type CheckpointReply,
@@ -57,7 +56,14 @@ import type { AgentMessage, CommandOf, ErrorCode, SessionSummary, WorkerState } 
 import { RecoveryJournal } from "./RecoveryJournal.js"
 import { type SessionMeta, SessionStore } from "./SessionStore.js"
 import { ChunkBuilder, SnapshotCache } from "./SnapshotCache.js"
-import { defaultRestartPolicy, nextRestart, WorkerCrashed, WorkerPool, type WorkerProcess } from "./WorkerPool.js"
+import {
+  defaultRestartPolicy,
+  restartSchedule,
+  stepRestart,
+  WorkerCrashed,
+  type WorkerHandle,
+  WorkerPool
+} from "./WorkerPool.js"
 import type * as WorkerProtocol from "./WorkerProtocol.js"
 
 /**
@@ -77,6 +83,21 @@ export class CommandError extends Data.TaggedError("CommandError")<{
 }> {}
 
 const notFound = (id: string) => new CommandError({ code: "session_not_found", message: `No session \`${id}\`.` })
+
+/**
+ * What the core needs of a client's connection: a queue of outgoing bytes it can fill without
+ * waiting, and the means to wait for it to drain (the backpressure rules of PROTOCOL.md
+ * section 5). The socket server's outbox is one; tests use an in-memory one.
+ */
+export interface ConnectionPort {
+  /** Queues a line (or pre-encoded lines); never waits. Dropped once the connection is gone. */
+  offer(data: string | Uint8Array): void
+  /** Bytes queued and not yet written out. */
+  readonly queuedBytes: number
+  readonly isClosed: boolean
+  /** Waits until fewer than `bytes` are queued (or the connection is gone). */
+  awaitBelow(bytes: number): Effect.Effect<void>
+}
 
 /** Where the daemon's files live and what generation of supervisor this is. */
 export class SupervisorInfo extends Context.Tag("agentd/SupervisorInfo")<SupervisorInfo, {
@@ -100,7 +121,7 @@ class Attachment {
 
   constructor(
     readonly session: Session,
-    readonly outbox: Outbox,
+    readonly outbox: ConnectionPort,
     readonly connectionId: string,
     readonly limit: number,
     /** Events up to this cursor existed at attach time: they are flagged replayed. */
@@ -171,7 +192,8 @@ interface Session {
   passivationWanted: boolean
   retryWaiters: Array<Deferred.Deferred<SessionSummary, CommandError>>
   restarts: number
-  crashTimes: Array<number>
+  /** The state of the restart schedule (the crashes in its window). */
+  restartState: unknown
 }
 
 const snapshotIdOf = (s: Session, generation: number) => `${s.meta.activeSessionId}~g${generation}`
@@ -187,7 +209,7 @@ export class SessionManager extends Context.Tag("agentd/SessionManager")<Session
   readonly create: (cmd: CommandOf<"create">) => Effect.Effect<{ activeSessionId: string; state: SessionSummary }, CommandError>
   readonly list: Effect.Effect<{ sessions: Array<SessionSummary> }>
   readonly status: Effect.Effect<unknown>
-  readonly attach: (connectionId: string, outbox: Outbox, cmd: CommandOf<"attach">) => Effect.Effect<AttachOutcome, CommandError>
+  readonly attach: (connectionId: string, outbox: ConnectionPort, cmd: CommandOf<"attach">) => Effect.Effect<AttachOutcome, CommandError>
   readonly detach: (connectionId: string, activeSessionId: string) => Effect.Effect<void, CommandError>
   readonly detachAll: (connectionId: string) => Effect.Effect<void>
   /** How many sessions a connection is attached to. */
@@ -225,6 +247,7 @@ export const make = Effect.gen(function*() {
     maxRestarts: config.maxRestarts,
     restartWindowMs: config.restartWindowMs
   }
+  const restarts = restartSchedule(restartPolicy)
 
   const fork = <A, E>(effect: Effect.Effect<A, E>) => FiberSet.run(fibers, effect).pipe(Effect.asVoid)
 
@@ -365,7 +388,7 @@ export const make = Effect.gen(function*() {
     })
 
   /** Pumps a worker's frames to the entity until the pipe closes, then reports the exit. */
-  const pump = (s: Session, worker: WorkerProcess) =>
+  const pump = (s: Session, worker: WorkerHandle) =>
     Effect.gen(function*() {
       while (true) {
         const frames = yield* worker.takeFrames
@@ -394,7 +417,7 @@ export const make = Effect.gen(function*() {
     })
 
   /** Starts the turn of the reserved prompt (the session is Idle). */
-  const startTurn = (s: Session, worker: WorkerProcess, prompt: PendingPrompt) =>
+  const startTurn = (s: Session, worker: WorkerHandle, prompt: PendingPrompt) =>
     Effect.gen(function*() {
       s.pendingPrompt = undefined
       const turnId = `t-${randomUUID()}`
@@ -407,7 +430,7 @@ export const make = Effect.gen(function*() {
     })
 
   /** Asks the worker for its state: the first step of a checkpoint (the rest comes as frames). */
-  const beginCheckpoint = (s: Session, worker: WorkerProcess) =>
+  const beginCheckpoint = (s: Session, worker: WorkerHandle) =>
     Effect.gen(function*() {
       const generation = s.generation + 1
       const snapshotId = snapshotIdOf(s, generation)
@@ -558,7 +581,7 @@ export const make = Effect.gen(function*() {
             yield* flushEvents
             yield* Effect.logWarning(`worker of ${s.meta.activeSessionId}: ${String(frame["message"])}`)
             // A worker that cannot load its session is as good as crashed.
-            if (phase._tag === "Starting" && phase.worker !== undefined) phase.worker.child.kill("SIGKILL")
+            if (phase._tag === "Starting" && phase.worker !== undefined) phase.worker.kill()
             break
           }
           case "session_snapshot_begin":
@@ -589,13 +612,11 @@ export const make = Effect.gen(function*() {
         s.checkpointWaiters = [...phase.waiters, ...s.checkpointWaiters]
       }
       if (phase._tag === "Running") for (const a of phase.aborts) yield* Deferred.succeed(a, { aborted: false })
-      const now = Date.now()
-      s.crashTimes = s.crashTimes.filter((t) => now - t < restartPolicy.restartWindowMs)
-      s.crashTimes.push(now)
       s.restarts++
-      const decision = nextRestart(restartPolicy, s.crashTimes, now)
+      const { state, step: decision } = yield* stepRestart(restarts, s.restartState, crash)
+      s.restartState = state
       if (decision._tag === "failed") {
-        return yield* failSession(s, `its worker crashed ${s.crashTimes.length} times within ${restartPolicy.restartWindowMs} ms`)
+        return yield* failSession(s, `its worker crashed ${decision.crashes} times within ${restartPolicy.restartWindowMs} ms`)
       }
       const epoch = ++s.epoch
       s.phase = { _tag: "Starting", worker: undefined, state: "recovering", epoch }
@@ -718,7 +739,7 @@ export const make = Effect.gen(function*() {
       }
       case "Retry": {
         if (phase._tag !== "Failed") return Deferred.succeed(input.reply, summary(s))
-        s.crashTimes = []
+        s.restartState = restarts.initial
         s.retryWaiters.push(input.reply)
         return wake(s)
       }
@@ -1048,7 +1069,7 @@ export const make = Effect.gen(function*() {
 
   // A baseline (snapshot, its messages, its generation's events) is read under the session's
   // read gate, which a checkpoint's completion takes whole: a baseline never mixes generations.
-  const attach = (connectionId: string, outbox: Outbox, cmd: CommandOf<"attach">) =>
+  const attach = (connectionId: string, outbox: ConnectionPort, cmd: CommandOf<"attach">) =>
     Effect.flatMap(get(cmd.activeSessionId), (s) => s.readGate.withPermits(1)(Effect.gen(function*() {
       if (cmd.telemetryDisabled === true && s.meta.telemetry) {
         return yield* new CommandError({
@@ -1241,7 +1262,7 @@ export const make = Effect.gen(function*() {
         passivationWanted: false,
         retryWaiters: [],
         restarts: 0,
-        crashTimes: []
+        restartState: restarts.initial
       }
     })
 

@@ -8,13 +8,15 @@
  * either fresh or restoring: it loads the latest complete transcript, folds the logged events
  * after it, and reports `turn_interrupted` when the journal says a turn was running.
  */
-import * as Cause from "effect/Cause"
 import * as Effect from "effect/Effect"
 import * as Either from "effect/Either"
 import * as Exit from "effect/Exit"
 import * as Fiber from "effect/Fiber"
+import * as FiberSet from "effect/FiberSet"
 import * as Layer from "effect/Layer"
+import * as Logger from "effect/Logger"
 import * as Option from "effect/Option"
+import * as Queue from "effect/Queue"
 import * as Stream from "effect/Stream"
 import * as fs from "node:fs"
 import * as net from "node:net"
@@ -33,8 +35,18 @@ import * as WorkerProtocol from "./WorkerProtocol.js"
 
 type LoadFrame = typeof WorkerProtocol.Load.Type
 
-/** The supervisor's end of the private pipe: frames out with backpressure, lines in. */
-class Pipe {
+/** The worker's end of its link to the supervisor: frames out (with backpressure), lines in. */
+export interface WorkerPipe {
+  /** Writes one frame; resolves once it is taken (or the link is gone). */
+  readonly send: (frame: WorkerProtocol.WorkerFrame) => Effect.Effect<void>
+  /** Writes frames already encoded as JSON lines. */
+  readonly sendRaw: (data: string | Uint8Array) => Effect.Effect<void>
+  /** Calls `onLine` for every line from the supervisor; resolves when the supervisor's end closes. */
+  readonly lines: (onLine: (line: string) => void) => Promise<void>
+}
+
+/** The private pipe on an inherited fd (a worker process's fd 3). */
+class FdPipe implements WorkerPipe {
   private readonly socket: net.Socket
   constructor(fd: number) {
     this.socket = new net.Socket({ fd, readable: true, writable: true })
@@ -85,8 +97,23 @@ interface LoadedSession {
   turn: RunningTurn | undefined
 }
 
-/** Loads the latest complete transcript and folds the logged events after it. */
-const restoreTranscript = (activeSessionId: string, restore: NonNullable<LoadFrame["restore"]>) =>
+/** A session's transcript as a worker restores it, and whether a turn was cut. */
+export interface RestoredSession {
+  readonly messages: Array<AgentMessage>
+  readonly busy: boolean
+}
+
+/** Where a worker reads the session it restores (the `restore` of its `load` frame). */
+export type RestoreSource = (
+  activeSessionId: string,
+  restore: NonNullable<LoadFrame["restore"]>
+) => Effect.Effect<RestoredSession, { readonly message: string }>
+
+/**
+ * The latest complete transcript with the logged events after it folded in, from the session
+ * store and event log in context; `busy` says whether the journal has a turn running.
+ */
+export const readTranscript = (activeSessionId: string, busy: Effect.Effect<boolean, { readonly message: string }>) =>
   Effect.gen(function*() {
     const store = yield* SessionStore.SessionStore
     const log = yield* EventLog.EventLog
@@ -99,11 +126,9 @@ const restoreTranscript = (activeSessionId: string, restore: NonNullable<LoadFra
       )
       after = latest.value.header.cursor
     }
-    let foldedEvents = 0
     yield* log.read(activeSessionId, after).pipe(
       Stream.runForEach((record) =>
         Effect.sync(() => {
-          foldedEvents++
           // A log record holds the wire body (`session_event`, `session_status`, ...); the agent
           // event is inside a `session_event`.
           const body = record.event as { readonly type: string; readonly event?: { readonly type: string } }
@@ -111,13 +136,17 @@ const restoreTranscript = (activeSessionId: string, restore: NonNullable<LoadFra
         })
       )
     )
-    const journal = yield* RecoveryJournal.readLatest(restore.journalPath)
-    const busy = journal.get(activeSessionId)?.busy ?? false
-    return { messages, busy, foldedEvents }
-  }).pipe(
+    return { messages, busy: yield* busy }
+  })
+
+/** A worker process restores from the daemon's files, read-only (the supervisor may be appending). */
+const restoreFromFiles: RestoreSource = (activeSessionId, restore) =>
+  readTranscript(
+    activeSessionId,
+    Effect.map(RecoveryJournal.readLatest(restore.journalPath), (journal) => journal.get(activeSessionId)?.busy ?? false)
+  ).pipe(
     Effect.provide(Layer.mergeAll(
       SessionStore.layer({ root: restore.storeRoot }),
-      // The supervisor may be appending meanwhile: read, never repair.
       EventLog.layer({ root: restore.eventLogRoot, readOnly: true })
     ))
   )
@@ -218,7 +247,7 @@ const warmUpRestore: Effect.Effect<void> = Effect.gen(function*() {
     EventLog.layer({ root: restore.eventLogRoot }),
     RecoveryJournal.layer({ path: restore.journalPath })
   )))
-  const restored = yield* restoreTranscript(activeSessionId, restore)
+  const restored = yield* restoreFromFiles(activeSessionId, restore)
   if (restored.messages.length !== 3) yield* Effect.logDebug(`warm-up restore found ${restored.messages.length} messages`)
 }).pipe(
   Effect.scoped,
@@ -226,13 +255,30 @@ const warmUpRestore: Effect.Effect<void> = Effect.gen(function*() {
   Effect.catchAllCause((cause) => Effect.logDebug("warm-up skipped", cause))
 )
 
-/** The worker's main program over an already open pipe. */
-export const run = (pipe: Pipe, options: { readonly warmUp?: boolean } = {}) =>
+/** How a worker runs: in its own process (the defaults), or inside the daemon's (tests). */
+export interface RunOptions {
+  /** Run the restore path once on scratch files while waiting for a session (a warm spare). */
+  readonly warmUp?: boolean
+  /** The pid the worker reports (default: this process's). */
+  readonly pid?: number
+  /** What the `stop` frame does (default: exit the process). */
+  readonly exit?: Effect.Effect<void>
+  /** Where a restoring worker reads its session (default: the files named in `load`). */
+  readonly restore?: RestoreSource
+}
+
+/**
+ * The worker's main program over an already open pipe; returns when the supervisor's end
+ * closes. Frames are handled one at a time, in order; a turn runs in a fiber of its own (so
+ * that an `abort` can reach it) and is interrupted when the program ends.
+ */
+export const run = (pipe: WorkerPipe, options: RunOptions = {}) =>
   Effect.gen(function*() {
     const engines = yield* Engine
+    const restoreSource = options.restore ?? restoreFromFiles
+    const pid = options.pid ?? process.pid
+    const fibers = yield* FiberSet.make()
     let session: LoadedSession | undefined
-    // Frames are handled one at a time, in order: a frame's handler finishes before the next.
-    let queue: Promise<void> = Promise.resolve()
 
     const fail = (message: string) => pipe.send({ type: "worker_error", message })
 
@@ -273,7 +319,7 @@ export const run = (pipe: Pipe, options: { readonly warmUp?: boolean } = {}) =>
             let messages: Array<AgentMessage> = []
             let interrupted: InterruptReason | undefined
             if (frame.restore !== undefined) {
-              const restored = yield* Effect.either(restoreTranscript(frame.activeSessionId, frame.restore))
+              const restored = yield* Effect.either(restoreSource(frame.activeSessionId, frame.restore))
               if (Either.isLeft(restored)) return yield* fail(`restore failed: ${restored.left.message}`)
               messages = restored.right.messages
               if (restored.right.busy) interrupted = frame.restore.interruptedReason ?? "worker_crashed"
@@ -282,7 +328,7 @@ export const run = (pipe: Pipe, options: { readonly warmUp?: boolean } = {}) =>
             if (interrupted !== undefined) yield* emit({ type: "turn_interrupted", reason: interrupted })
             yield* pipe.send({
               type: "worker_ready",
-              pid: process.pid,
+              pid,
               activeSessionId: frame.activeSessionId,
               messageCount: messages.length
             })
@@ -294,7 +340,7 @@ export const run = (pipe: Pipe, options: { readonly warmUp?: boolean } = {}) =>
             // The supervisor sends a prompt only once the previous turn's end was logged; the
             // previous fiber may still be finishing (its last write, its clean-up): let it.
             if (s.turn !== undefined) yield* Fiber.await(s.turn.fiber)
-            s.turn = { turnId: frame.turnId, fiber: Effect.runFork(runTurn(s, frame.turnId, frame.message)) }
+            s.turn = { turnId: frame.turnId, fiber: yield* FiberSet.run(fibers, runTurn(s, frame.turnId, frame.message)) }
           })
         case "abort": {
           const turn = session?.turn
@@ -324,39 +370,43 @@ export const run = (pipe: Pipe, options: { readonly warmUp?: boolean } = {}) =>
             })
           })
         case "stop":
-          return Effect.sync(() => process.exit(0))
+          return options.exit ?? Effect.sync(() => process.exit(0))
       }
     }
 
-    yield* pipe.send({ type: "worker_ready", pid: process.pid, messageCount: 0 })
+    yield* pipe.send({ type: "worker_ready", pid, messageCount: 0 })
     // The warm-up runs while nobody needs this worker: the first frame interrupts it (its
-    // scratch dir is removed on the way).
-    let warmUp = options.warmUp === true ? Effect.runFork(warmUpRestore) : undefined
-    yield* Effect.promise(() =>
-      pipe.lines((line) => {
-        const decoded = WorkerProtocol.decodeSupervisorFrame(line)
-        if (warmUp !== undefined) {
-          // Not waited for: the frame is handled while the warm-up winds down.
-          Effect.runFork(Fiber.interrupt(warmUp))
-          warmUp = undefined
-        }
-        queue = queue.then(() =>
-          Effect.runPromiseExit(
-            Either.isLeft(decoded) ? fail(`bad frame: ${decoded.left}`) : handle(decoded.right)
-          ).then((exit) => {
-            if (Exit.isFailure(exit)) console.error(Cause.pretty(exit.cause))
-          })
-        )
-      })
+    // scratch dir is removed on the way), without waiting for it to wind down.
+    let warmUp = options.warmUp === true ? yield* FiberSet.run(fibers, warmUpRestore) : undefined
+    const lines = yield* Queue.unbounded<string | undefined>()
+    yield* FiberSet.run(
+      fibers,
+      Effect.promise(() => pipe.lines((line) => lines.unsafeOffer(line))).pipe(Effect.zipRight(lines.offer(undefined)))
     )
-  })
+    while (true) {
+      const line = yield* Queue.take(lines)
+      if (line === undefined) break
+      if (warmUp !== undefined) {
+        yield* FiberSet.run(fibers, Fiber.interrupt(warmUp))
+        warmUp = undefined
+      }
+      const decoded = WorkerProtocol.decodeSupervisorFrame(line)
+      yield* (Either.isLeft(decoded) ? fail(`bad frame: ${decoded.left}`) : handle(decoded.right)).pipe(
+        Effect.catchAllCause((cause) => Effect.logError("a frame could not be handled", cause))
+      )
+    }
+  }).pipe(Effect.scoped)
 
 /** The worker process entry: fd 3 is the pipe; exits when the supervisor goes away. */
 export const main = (): void => {
-  const pipe = new Pipe(3)
+  const pipe = new FdPipe(3)
   const warmUp = process.argv.includes(WorkerProtocol.WARM_UP_FLAG)
-  Effect.runPromiseExit(run(pipe, { warmUp }).pipe(Effect.provide(EchoEngine.layer))).then((exit) => {
-    if (Exit.isFailure(exit)) console.error(Cause.pretty(exit.cause))
+  const program = run(pipe, { warmUp }).pipe(
+    Effect.tapErrorCause((cause) => Effect.logError("the worker failed", cause)),
+    // stdout and stderr are copied to the daemon's log; the default logger would use stdout.
+    Effect.provide(Layer.merge(EchoEngine.layer, Logger.replace(Logger.defaultLogger, Logger.prettyLogger({ stderr: true, colors: false }))))
+  )
+  Effect.runPromiseExit(program).then((exit) => {
     // The supervisor is gone (or we failed): a worker never outlives its pipe.
     process.exit(Exit.isSuccess(exit) ? 0 : 1)
   })

@@ -11,18 +11,29 @@
  */
 import * as Context from "effect/Context"
 import * as Data from "effect/Data"
+import * as Clock from "effect/Clock"
 import * as Deferred from "effect/Deferred"
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
 import * as FiberSet from "effect/FiberSet"
 import * as Layer from "effect/Layer"
+import * as Option from "effect/Option"
 import * as Runtime from "effect/Runtime"
+import * as Schedule from "effect/Schedule"
+import * as ScheduleDecision from "effect/ScheduleDecision"
+import * as ScheduleInterval from "effect/ScheduleInterval"
+import * as ScheduleIntervals from "effect/ScheduleIntervals"
 import * as Schema from "effect/Schema"
 import { type ChildProcess, spawn } from "node:child_process"
 import * as fs from "node:fs"
 import type * as net from "node:net"
 import { fileURLToPath } from "node:url"
+import type { Engine } from "./Engine.js"
+import type * as EventLog from "./EventLog.js"
 import { LineDecoder } from "./JsonLines.js"
+import * as RecoveryJournal from "./RecoveryJournal.js"
+import type * as SessionStore from "./SessionStore.js"
+import * as Worker from "./Worker.js"
 import * as WorkerProtocol from "./WorkerProtocol.js"
 
 /** A worker exited without being asked to: the typed failure that triggers a restore. */
@@ -48,21 +59,97 @@ export interface WorkerExit {
   readonly signal: string | null
 }
 
-/** Bytes of decoded-but-unconsumed frames past which the pipe stops reading (backpressure). */
+/**
+ * A started worker as the supervisor sees it, whether a child process ({@link WorkerProcess})
+ * or a fiber of this process ({@link layerInProcess}).
+ */
+export interface WorkerHandle {
+  readonly pid: number
+  /** Completes when the worker has exited. */
+  readonly exited: Deferred.Deferred<WorkerExit>
+  /** The session this worker serves (set when it is assigned). */
+  activeSessionId: string | undefined
+  /** True once the supervisor asked it to stop: its exit is then not a crash. */
+  readonly stopping: boolean
+  /**
+   * Every frame received and not yet taken, waiting for at least one; an empty array means
+   * the link closed (the worker is gone or going). Event frames come as
+   * {@link WorkerProtocol.EventFrame} (the supervisor treats agent events as opaque JSON text);
+   * other frames as JSON values, trusted as WorkerProtocol frames.
+   */
+  readonly takeFrames: Effect.Effect<Array<WorkerProtocol.ReceivedFrame>>
+  /** Sends one frame; waits while the link is full. */
+  readonly send: (frame: WorkerProtocol.SupervisorFrame) => Effect.Effect<void>
+  /** Asks the worker to exit, and waits until it has (forcing it after `graceMs`). */
+  readonly stop: (graceMs?: number) => Effect.Effect<WorkerExit>
+  /** Kills the worker at once, as SIGKILL would: its exit is a crash. */
+  readonly kill: () => void
+}
+
+/** Bytes of decoded-but-unconsumed frames past which the link stops reading (backpressure). */
 const HIGH_WATER_BYTES = 4 * 1024 * 1024
 
-/** A running worker process. */
-export class WorkerProcess {
+/** Decodes a worker's bytes into frames and hands them to the one fiber that takes them. */
+class FrameInbox {
   private readonly decoder = new LineDecoder(Number.MAX_SAFE_INTEGER)
   private frames: Array<WorkerProtocol.ReceivedFrame> = []
   private queuedBytes = 0
   private ended = false
   private wake: (() => void) | undefined
-  /** Completes when the process has exited. */
+
+  constructor(
+    private readonly warn: (message: string) => void,
+    /** Called when the frames waiting pass HIGH_WATER_BYTES, and when they are taken. */
+    private readonly flow: { readonly pause: () => void; readonly resume: () => void }
+  ) {}
+
+  push(chunk: Uint8Array): void {
+    for (const item of this.decoder.push(chunk)) {
+      if (typeof item !== "string") continue
+      try {
+        this.frames.push(WorkerProtocol.readWorkerLine(item))
+        this.queuedBytes += item.length
+      } catch {
+        this.warn(`unreadable frame dropped: ${item.slice(0, 200)}`)
+      }
+    }
+    if (this.queuedBytes > HIGH_WATER_BYTES) this.flow.pause()
+    // A chunk inside a long line completes no frame: nothing to hand over yet.
+    if (this.frames.length > 0) this.notify()
+  }
+
+  end(): void {
+    this.ended = true
+    this.notify()
+  }
+
+  private notify() {
+    const wake = this.wake
+    this.wake = undefined
+    wake?.()
+  }
+
+  readonly take: Effect.Effect<Array<WorkerProtocol.ReceivedFrame>> = Effect.async((resume) => {
+    const deliver = () => {
+      const frames = this.frames
+      this.frames = []
+      this.queuedBytes = 0
+      this.flow.resume()
+      resume(Effect.succeed(frames))
+    }
+    if (this.frames.length > 0 || this.ended) return deliver()
+    this.wake = deliver
+    return Effect.sync(() => {
+      if (this.wake === deliver) this.wake = undefined
+    })
+  })
+}
+
+/** A worker child process, on a private pipe (its fd 3). */
+export class WorkerProcess implements WorkerHandle {
+  private readonly inbox: FrameInbox
   readonly exited: Deferred.Deferred<WorkerExit>
-  /** The session this worker serves (set when it is assigned). */
   activeSessionId: string | undefined
-  /** True once the supervisor asked it to stop: its exit is then not a crash. */
   stopping = false
 
   constructor(
@@ -70,27 +157,17 @@ export class WorkerProcess {
     readonly pipe: net.Socket,
     exited: Deferred.Deferred<WorkerExit>,
     /** Logs through the daemon's logger. */
-    private readonly warn: (message: string) => void = () => {}
+    warn: (message: string) => void = () => {}
   ) {
     this.exited = exited
-    pipe.on("data", (chunk: Buffer) => {
-      for (const item of this.decoder.push(chunk)) {
-        if (typeof item !== "string") continue
-        try {
-          this.frames.push(WorkerProtocol.readWorkerLine(item))
-          this.queuedBytes += item.length
-        } catch {
-          this.warn(`worker ${this.pid}: unreadable frame dropped: ${item.slice(0, 200)}`)
-        }
+    this.inbox = new FrameInbox((message) => warn(`worker ${this.pid}: ${message}`), {
+      pause: () => pipe.pause(),
+      resume: () => {
+        if (pipe.isPaused()) pipe.resume()
       }
-      if (this.queuedBytes > HIGH_WATER_BYTES) pipe.pause()
-      // A chunk inside a long line completes no frame: nothing to hand over yet.
-      if (this.frames.length > 0) this.notify()
     })
-    const end = () => {
-      this.ended = true
-      this.notify()
-    }
+    pipe.on("data", (chunk: Buffer) => this.inbox.push(chunk))
+    const end = () => this.inbox.end()
     pipe.on("end", end)
     pipe.on("close", end)
     pipe.on("error", end)
@@ -100,34 +177,10 @@ export class WorkerProcess {
     return this.child.pid ?? -1
   }
 
-  private notify() {
-    const wake = this.wake
-    this.wake = undefined
-    wake?.()
+  get takeFrames(): Effect.Effect<Array<WorkerProtocol.ReceivedFrame>> {
+    return this.inbox.take
   }
 
-  /**
-   * Every frame received and not yet taken, waiting for at least one; an empty array means
-   * the pipe closed (the worker is gone or going). Event frames come as
-   * {@link WorkerProtocol.EventFrame} (the supervisor treats agent events as opaque JSON text);
-   * other frames as JSON values, trusted as WorkerProtocol frames.
-   */
-  readonly takeFrames: Effect.Effect<Array<WorkerProtocol.ReceivedFrame>> = Effect.async((resume) => {
-    const deliver = () => {
-      const frames = this.frames
-      this.frames = []
-      this.queuedBytes = 0
-      if (this.pipe.isPaused()) this.pipe.resume()
-      resume(Effect.succeed(frames))
-    }
-    if (this.frames.length > 0 || this.ended) return deliver()
-    this.wake = deliver
-    return Effect.sync(() => {
-      if (this.wake === deliver) this.wake = undefined
-    })
-  })
-
-  /** Sends one frame; waits while the pipe is full. */
   send(frame: WorkerProtocol.SupervisorFrame): Effect.Effect<void> {
     return Effect.async<void>((resume) => {
       if (this.pipe.destroyed || !this.pipe.writable) return resume(Effect.void)
@@ -142,7 +195,11 @@ export class WorkerProcess {
     })
   }
 
-  /** Asks the worker to exit: `stop` frame and SIGTERM, then SIGKILL after `graceMs`. */
+  kill(): void {
+    this.child.kill("SIGKILL")
+  }
+
+  /** `stop`: the pipe's end and SIGTERM, then SIGKILL after `graceMs`. */
   stop(graceMs = 2000): Effect.Effect<WorkerExit> {
     return Effect.suspend(() => {
       this.stopping = true
@@ -186,9 +243,9 @@ export class WorkerPool extends Context.Tag("agentd/WorkerPool")<WorkerPool, {
   readonly acquire: (
     activeSessionId: string,
     env?: Readonly<Record<string, string>>
-  ) => Effect.Effect<WorkerProcess, WorkerSpawnError>
-  /** Every live worker process (spare included). */
-  readonly live: Effect.Effect<ReadonlyArray<WorkerProcess>>
+  ) => Effect.Effect<WorkerHandle, WorkerSpawnError>
+  /** Every live worker (spare included). */
+  readonly live: Effect.Effect<ReadonlyArray<WorkerHandle>>
 }>() {}
 
 /**
@@ -201,7 +258,7 @@ const defaultEntry = () => {
 }
 
 /** Waits for the first frame of a new worker (`worker_ready`), or its death. */
-const awaitReady = (worker: WorkerProcess): Effect.Effect<WorkerProcess, WorkerSpawnError> =>
+const awaitReady = <W extends WorkerHandle>(worker: W): Effect.Effect<W, WorkerSpawnError> =>
   Effect.gen(function*() {
     const frames = yield* worker.takeFrames
     const first = frames[0] as { type?: string } | undefined
@@ -316,6 +373,141 @@ export const make = (options: WorkerPoolOptions = {}) =>
 /** The pool as a layer; closing it stops every worker (SIGTERM, then SIGKILL). */
 export const layer = (options: WorkerPoolOptions = {}): Layer.Layer<WorkerPool> => Layer.scoped(WorkerPool, make(options))
 
+/** Options of the in-process pool. */
+export interface InProcessOptions {
+  /**
+   * Runs before each worker starts, with what a process would be spawned with: a failure is
+   * the spawn failing (for tests of spawn failures).
+   */
+  readonly beforeStart?: (
+    activeSessionId: string,
+    env: Readonly<Record<string, string>> | undefined
+  ) => Effect.Effect<void, WorkerSpawnError>
+}
+
+/** Pids of in-process workers: above any real pid (Linux's pid_max is at most 2^22). */
+let nextInProcessPid = 10_000_000
+
+/**
+ * A worker running as a fiber of this process, linked to the supervisor by in-memory queues
+ * that carry the same JSON lines as a pipe. `kill` ends it as SIGKILL would a process.
+ */
+class InProcessWorker implements WorkerHandle {
+  readonly pid = nextInProcessPid++
+  readonly inbox = new FrameInbox(() => {}, { pause: () => {}, resume: () => {} })
+  activeSessionId: string | undefined
+  stopping = false
+  private closed = false
+  private toWorker: Array<string> = []
+  private onLine: ((line: string) => void) | undefined
+  private closeLink: (() => void) | undefined
+
+  constructor(readonly exited: Deferred.Deferred<WorkerExit>) {}
+
+  /** The worker's end of the link. */
+  readonly pipe: Worker.WorkerPipe = {
+    send: (frame) => this.pipe.sendRaw(WorkerProtocol.encodeFrame(frame)),
+    sendRaw: (data) =>
+      Effect.sync(() => {
+        if (!this.closed) this.inbox.push(typeof data === "string" ? Buffer.from(data, "utf8") : data)
+      }),
+    lines: (onLine) =>
+      new Promise<void>((resolve) => {
+        if (this.closed) return resolve()
+        this.onLine = onLine
+        this.closeLink = resolve
+        for (const line of this.toWorker.splice(0)) onLine(line)
+      })
+  }
+
+  get takeFrames(): Effect.Effect<Array<WorkerProtocol.ReceivedFrame>> {
+    return this.inbox.take
+  }
+
+  send(frame: WorkerProtocol.SupervisorFrame): Effect.Effect<void> {
+    return Effect.sync(() => {
+      if (this.closed) return
+      const line = WorkerProtocol.encodeFrame(frame).slice(0, -1)
+      if (this.onLine === undefined) this.toWorker.push(line)
+      else this.onLine(line)
+    })
+  }
+
+  /** The worker is gone: the link closes both ways and `exited` completes (which ends its fiber). */
+  exit(how: WorkerExit): void {
+    this.closed = true
+    this.inbox.end()
+    this.closeLink?.()
+    Deferred.unsafeDone(this.exited, Effect.succeed(how))
+  }
+
+  kill(): void {
+    this.exit({ code: null, signal: "SIGKILL" })
+  }
+
+  stop(): Effect.Effect<WorkerExit> {
+    return Effect.suspend(() => {
+      this.stopping = true
+      this.exit({ code: 0, signal: null })
+      return Deferred.await(this.exited)
+    })
+  }
+}
+
+/**
+ * A pool whose workers run the worker program ({@link Worker.run}) inside this process, on the
+ * engines, storage and journal in context: the session core can then be tested over the memory
+ * layers without spawning anything.
+ */
+export const makeInProcess = (options: InProcessOptions = {}) =>
+  Effect.gen(function*() {
+    const context = yield* Effect.context<Engine | SessionStore.SessionStore | EventLog.EventLog | RecoveryJournal.RecoveryJournal>()
+    const journal = Context.get(context, RecoveryJournal.RecoveryJournal)
+    const fibers = yield* FiberSet.make()
+    const workers = new Set<InProcessWorker>()
+    yield* Effect.addFinalizer(() => Effect.sync(() => {
+      for (const w of workers) w.exit({ code: 0, signal: null })
+    }))
+    const restore: Worker.RestoreSource = (activeSessionId) =>
+      Worker.readTranscript(
+        activeSessionId,
+        Effect.map(journal.get(activeSessionId), (record) => Option.isSome(record) && record.value.busy)
+      ).pipe(Effect.provide(context))
+
+    const acquire = (activeSessionId: string, env?: Readonly<Record<string, string>>) =>
+      Effect.gen(function*() {
+        if (options.beforeStart !== undefined) yield* options.beforeStart(activeSessionId, env)
+        const worker = new InProcessWorker(yield* Deferred.make<WorkerExit>())
+        workers.add(worker)
+        const program = Worker.run(worker.pipe, {
+          pid: worker.pid,
+          exit: Effect.sync(() => worker.exit({ code: 0, signal: null })),
+          restore
+        }).pipe(
+          Effect.provide(context),
+          Effect.matchCause({
+            onFailure: () => worker.exit({ code: 1, signal: null }),
+            onSuccess: () => worker.exit({ code: 0, signal: null })
+          }),
+          // A kill ends the program wherever it is.
+          Effect.raceFirst(Deferred.await(worker.exited)),
+          Effect.ensuring(Effect.sync(() => workers.delete(worker)))
+        )
+        yield* FiberSet.run(fibers, program)
+        const ready = yield* awaitReady(worker)
+        ready.activeSessionId = activeSessionId
+        return ready as WorkerHandle
+      })
+
+    return WorkerPool.of({ acquire, live: Effect.sync(() => [...workers]) })
+  })
+
+/** {@link makeInProcess} as a layer. */
+export const layerInProcess = (
+  options: InProcessOptions = {}
+): Layer.Layer<WorkerPool, never, Engine | SessionStore.SessionStore | EventLog.EventLog | RecoveryJournal.RecoveryJournal> =>
+  Layer.scoped(WorkerPool, makeInProcess(options))
+
 /** Restart policy of PROTOCOL.md section 6. */
 export interface RestartPolicy {
   /** Crashes allowed inside the window before the session is marked failed (default 5). */
@@ -328,18 +520,38 @@ export interface RestartPolicy {
 
 export const defaultRestartPolicy: RestartPolicy = { maxRestarts: 5, restartWindowMs: 60_000, backoffBaseMs: 100 }
 
-/**
- * What to do after a crash at `now`, given the earlier crash times of the session (kept in
- * the window by the caller): restart after `delayMs`, or give up (`failed`).
- * The first crash in the window restarts at once; later ones back off exponentially.
- */
-export const nextRestart = (
-  policy: RestartPolicy,
-  crashTimes: ReadonlyArray<number>,
-  now: number
-): { readonly _tag: "restart"; readonly delayMs: number } | { readonly _tag: "failed" } => {
-  const recent = crashTimes.filter((t) => now - t < policy.restartWindowMs).length
-  if (recent > policy.maxRestarts) return { _tag: "failed" }
-  return { _tag: "restart", delayMs: recent <= 1 ? 0 : policy.backoffBaseMs * 2 ** (recent - 2) }
+/** The delay before a session's next restart, or the end of its restarts (the session fails). */
+export type RestartStep = { readonly _tag: "restart"; readonly delayMs: number; readonly crashes: number } | {
+  readonly _tag: "failed"
+  readonly crashes: number
 }
 
+/**
+ * The restart policy as a Schedule, stepped once per crash at the Clock's time: the first crash
+ * in the window restarts at once, later ones back off exponentially, and more than
+ * `maxRestarts` within the window end it. Its state is the crash times still in the window;
+ * its output, how many there are.
+ */
+export const restartSchedule = (policy: RestartPolicy): Schedule.Schedule<number, unknown> =>
+  Schedule.makeWithState<ReadonlyArray<number>, unknown, number>([], (now, _crash, crashTimes) => {
+    const recent = [...crashTimes.filter((t) => now - t < policy.restartWindowMs), now]
+    if (recent.length > policy.maxRestarts) return Effect.succeed([recent, recent.length, ScheduleDecision.done] as const)
+    const delayMs = recent.length <= 1 ? 0 : policy.backoffBaseMs * 2 ** (recent.length - 2)
+    return Effect.succeed(
+      [recent, recent.length, ScheduleDecision.continueWith(ScheduleInterval.after(now + delayMs))] as const
+    )
+  })
+
+/**
+ * Steps a restart schedule for a crash now; returns the step and the schedule's next state
+ * (start from `schedule.initial`, and again after a `retry_worker`).
+ */
+export const stepRestart = (schedule: Schedule.Schedule<number, unknown>, state: unknown, crash: unknown) =>
+  Effect.gen(function*() {
+    const now = yield* Clock.currentTimeMillis
+    const [next, crashes, decision] = yield* schedule.step(now, crash, state)
+    const step: RestartStep = ScheduleDecision.isDone(decision)
+      ? { _tag: "failed", crashes }
+      : { _tag: "restart", delayMs: Math.max(0, ScheduleIntervals.start(decision.intervals) - now), crashes }
+    return { step, state: next as unknown }
+  })

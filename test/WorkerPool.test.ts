@@ -1,6 +1,7 @@
 import { assert, describe, it } from "@effect/vitest"
 import * as Deferred from "effect/Deferred"
 import * as Effect from "effect/Effect"
+import * as TestClock from "effect/TestClock"
 import { spawnSync } from "node:child_process"
 import * as fs from "node:fs"
 import * as os from "node:os"
@@ -15,7 +16,7 @@ const withPool = <A, E>(f: (pool: WorkerPool.WorkerPool["Type"]) => Effect.Effec
   Effect.flatMap(WorkerPool.WorkerPool, f).pipe(Effect.provide(WorkerPool.layer({ warmSpare, workerEntry })))
 
 /** Takes frames until one matches. */
-const takeUntil = (worker: WorkerPool.WorkerProcess, pred: (frame: any) => boolean) =>
+const takeUntil = (worker: WorkerPool.WorkerHandle, pred: (frame: any) => boolean) =>
   Effect.gen(function*() {
     const seen: Array<any> = []
     while (true) {
@@ -138,14 +139,26 @@ describe("WorkerPool", () => {
       assert.isDefined(result.found)
     }), 30_000)
 
-  it("restart policy: immediate first restart, exponential backoff, failed past maxRestarts", () => {
-    const policy = { maxRestarts: 3, restartWindowMs: 60_000, backoffBaseMs: 100 }
-    const at = (times: Array<number>, now: number) => WorkerPool.nextRestart(policy, times, now)
-    assert.deepStrictEqual(at([1000], 1000), { _tag: "restart", delayMs: 0 })
-    assert.deepStrictEqual(at([1000, 2000], 2000), { _tag: "restart", delayMs: 100 })
-    assert.deepStrictEqual(at([1000, 2000, 3000], 3000), { _tag: "restart", delayMs: 200 })
-    assert.deepStrictEqual(at([1000, 2000, 3000, 4000], 4000), { _tag: "failed" })
-    // Crashes older than the window no longer count.
-    assert.deepStrictEqual(at([1000, 2000, 3000, 70_000], 70_000), { _tag: "restart", delayMs: 0 })
-  })
+  it.effect("restart schedule: immediate first restart, exponential backoff, failed past maxRestarts, on the Clock", () =>
+    Effect.gen(function*() {
+      const schedule = WorkerPool.restartSchedule({ maxRestarts: 3, restartWindowMs: 60_000, backoffBaseMs: 100 })
+      let state: unknown = schedule.initial
+      const crashAt = (now: number) =>
+        Effect.gen(function*() {
+          yield* TestClock.setTime(now)
+          const out = yield* WorkerPool.stepRestart(schedule, state, "crash")
+          state = out.state
+          return out.step
+        })
+      assert.deepStrictEqual(yield* crashAt(1000), { _tag: "restart", delayMs: 0, crashes: 1 })
+      assert.deepStrictEqual(yield* crashAt(2000), { _tag: "restart", delayMs: 100, crashes: 2 })
+      assert.deepStrictEqual(yield* crashAt(3000), { _tag: "restart", delayMs: 200, crashes: 3 })
+      assert.deepStrictEqual(yield* crashAt(4000), { _tag: "failed", crashes: 4 })
+      // Crashes older than the window no longer count.
+      assert.deepStrictEqual(yield* crashAt(64_500), { _tag: "restart", delayMs: 0, crashes: 1 })
+      assert.deepStrictEqual(yield* crashAt(64_600), { _tag: "restart", delayMs: 100, crashes: 2 })
+      // A retry starts over.
+      state = schedule.initial
+      assert.deepStrictEqual(yield* crashAt(64_700), { _tag: "restart", delayMs: 0, crashes: 1 })
+    }))
 })

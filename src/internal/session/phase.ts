@@ -7,7 +7,7 @@ import type * as Deferred from "effect/Deferred"
 import type * as Protocol from "../../Protocol.js"
 import type { SessionSummary, WorkerState } from "../../Protocol.js"
 import type { CommandError } from "../../SessionManager.js"
-import type { WorkerExit, WorkerProcess } from "../../WorkerPool.js"
+import type { WorkerExit, WorkerHandle } from "../../WorkerPool.js"
 import type * as WorkerProtocol from "../../WorkerProtocol.js"
 
 /** How a turn ended. */
@@ -29,21 +29,21 @@ export type Phase =
   /** A worker is being acquired and loaded (`epoch` names the attempt), or a restart waits for its backoff. */
   | {
     readonly _tag: "Starting"
-    readonly worker: WorkerProcess | undefined
+    readonly worker: WorkerHandle | undefined
     readonly state: "starting" | "recovering"
     readonly epoch: number
   }
-  | { readonly _tag: "Idle"; readonly worker: WorkerProcess }
+  | { readonly _tag: "Idle"; readonly worker: WorkerHandle }
   | {
     readonly _tag: "Running"
-    readonly worker: WorkerProcess
+    readonly worker: WorkerHandle
     readonly turnId: string
     /** Aborts answered at the turn's end, with how it ended. */
     readonly aborts: Array<Deferred.Deferred<{ aborted: boolean }, CommandError>>
   }
   | {
     readonly _tag: "Checkpointing"
-    readonly worker: WorkerProcess
+    readonly worker: WorkerHandle
     readonly snapshotId: string
     readonly generation: number
     readonly waiters: Array<CheckpointReply>
@@ -66,21 +66,21 @@ export type Input =
   /** At daemon start: the session was running a turn when the last daemon died. */
   | { readonly _tag: "Restore" }
   /** A worker for attempt `epoch`, already sent its `load`. */
-  | { readonly _tag: "Acquired"; readonly epoch: number; readonly worker: WorkerProcess }
+  | { readonly _tag: "Acquired"; readonly epoch: number; readonly worker: WorkerHandle }
   | { readonly _tag: "AcquireFailed"; readonly epoch: number; readonly message: string }
   | { readonly _tag: "RestartDue"; readonly epoch: number }
   | {
     readonly _tag: "Frames"
-    readonly worker: WorkerProcess
+    readonly worker: WorkerHandle
     readonly frames: ReadonlyArray<WorkerProtocol.ReceivedFrame>
     readonly handled: Deferred.Deferred<void>
   }
-  | { readonly _tag: "Exited"; readonly worker: WorkerProcess; readonly exit: WorkerExit }
+  | { readonly _tag: "Exited"; readonly worker: WorkerHandle; readonly exit: WorkerExit }
 
 export type AnyFrame = { readonly type: string; readonly [k: string]: unknown }
 
 /** The worker process of a phase, if it has one. */
-export const workerOf = (phase: Phase): WorkerProcess | undefined =>
+export const workerOf = (phase: Phase): WorkerHandle | undefined =>
   phase._tag === "Idle" || phase._tag === "Running" || phase._tag === "Checkpointing" || phase._tag === "Starting"
     ? phase.worker
     : undefined
