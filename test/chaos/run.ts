@@ -835,7 +835,7 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
         check(
           "transcript = fold of the events",
           fold.length === messages.length && diff < 0,
-          () => `${o.label} on ${ctl.id} ${when}: folded ${fold.length} messages, the daemon serves ${messages.length}; first difference at ${diff < 0 ? Math.min(fold.length, messages.length) : diff}`
+          () => `${o.label} on ${ctl.id} ${when}: folded ${fold.length} messages, the daemon serves ${messages.length}; first difference at ${diff < 0 ? Math.min(fold.length, messages.length) : diff}; it saw last: ${s.recentMessages().join(", ")}`
         )
       }
     }

@@ -49,6 +49,8 @@ export const describeMsg = (m: Msg): string => {
       return `snap_begin(${m["purpose"]},${m["snapshotId"]},cursor=${fmtCursor(m["cursor"])})`
     case "session_snapshot_chunk":
       return `snap_chunk(${m["index"]})`
+    case "session_attached":
+      return `attached(${m["replay"]?.status}${m["replay"]?.reason === undefined ? "" : `/${m["replay"].reason}`},${m["replay"]?.eventCount ?? "-"} events,${m["snapshot"]?.messages?.length ?? "-"} msgs)`
     default:
       return String(m["type"])
   }
@@ -214,7 +216,7 @@ export class SessionStream {
 
   private note(m: Msg): void {
     this.recent.push(describeMsg(m))
-    if (this.recent.length > 12) this.recent.shift()
+    if (this.recent.length > 40) this.recent.shift()
   }
 
   /** The client sent `attach` (with this resume cursor, if any). */
