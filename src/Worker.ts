@@ -8,6 +8,7 @@
  * either fresh or restoring: it loads the latest complete transcript, folds the logged events
  * after it, and reports `turn_interrupted` when the journal says a turn was running.
  */
+import * as Deferred from "effect/Deferred"
 import * as Effect from "effect/Effect"
 import * as Either from "effect/Either"
 import * as Exit from "effect/Exit"
@@ -88,6 +89,8 @@ class FdPipe implements WorkerPipe {
 interface RunningTurn {
   readonly turnId: string
   readonly fiber: Fiber.RuntimeFiber<void, never>
+  /** Completed by `abort`. */
+  readonly aborted: Deferred.Deferred<void>
 }
 
 interface LoadedSession {
@@ -284,11 +287,17 @@ export const run = (pipe: WorkerPipe, options: RunOptions = {}) =>
 
     const emit = (event: AgentEvent) => pipe.send({ type: "worker_event", event })
 
-    const runTurn = (s: LoadedSession, turnId: string, message: string) => {
-      // Once agent_end is on its way the turn is over: an abort landing after it must not add
-      // a turn_interrupted (a turn ends with exactly one of the two).
+    /**
+     * One turn. An abort completes `aborted`, which ends the engine's stream; the turn then
+     * reports `turn_interrupted` unless its `agent_end` is already out (a turn ends with
+     * exactly one of the two). A signal rather than an interruption of the turn's fiber: an
+     * abort that arrives before that fiber has even started must still end the turn.
+     */
+    const runTurn = (s: LoadedSession, turnId: string, message: string, aborted: Deferred.Deferred<void>) => {
       let ended = false
+      const interrupted = Effect.suspend(() => (ended ? Effect.void : emit({ type: "turn_interrupted", reason: "aborted" })))
       return s.engine.runTurn({ turnId, message, history: s.messages }).pipe(
+        Stream.interruptWhenDeferred(aborted),
         // One pipe write per chunk of events the engine has ready, not one per event.
         Stream.runForEachChunk((events) => {
           let frames = ""
@@ -299,10 +308,10 @@ export const run = (pipe: WorkerPipe, options: RunOptions = {}) =>
           }
           return pipe.sendRaw(frames)
         }),
-        Effect.catchAll((e) =>
-          Effect.zipRight(fail(e.message), emit({ type: "turn_interrupted", reason: "aborted" }))
-        ),
-        Effect.onInterrupt(() => (ended ? Effect.void : emit({ type: "turn_interrupted", reason: "aborted" }))),
+        Effect.catchAll((e) => fail(e.message)),
+        Effect.zipRight(interrupted),
+        // The worker itself is ending (its pipe closed).
+        Effect.onInterrupt(() => interrupted),
         Effect.ensuring(Effect.sync(() => {
           if (s.turn?.turnId === turnId) s.turn = undefined
         }))
@@ -340,11 +349,13 @@ export const run = (pipe: WorkerPipe, options: RunOptions = {}) =>
             // The supervisor sends a prompt only once the previous turn's end was logged; the
             // previous fiber may still be finishing (its last write, its clean-up): let it.
             if (s.turn !== undefined) yield* Fiber.await(s.turn.fiber)
-            s.turn = { turnId: frame.turnId, fiber: yield* FiberSet.run(fibers, runTurn(s, frame.turnId, frame.message)) }
+            const aborted = yield* Deferred.make<void>()
+            const fiber = yield* FiberSet.run(fibers, runTurn(s, frame.turnId, frame.message, aborted))
+            s.turn = { turnId: frame.turnId, fiber, aborted }
           })
         case "abort": {
           const turn = session?.turn
-          return turn === undefined || turn.turnId !== frame.turnId ? Effect.void : Effect.asVoid(Fiber.interrupt(turn.fiber))
+          return turn === undefined || turn.turnId !== frame.turnId ? Effect.void : Deferred.done(turn.aborted, Exit.void)
         }
         case "checkpoint":
           return Effect.gen(function*() {

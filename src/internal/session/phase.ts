@@ -6,7 +6,7 @@
 import type * as Deferred from "effect/Deferred"
 import type * as Protocol from "../../Protocol.js"
 import type { SessionSummary, WorkerState } from "../../Protocol.js"
-import type { CommandError } from "../../SessionManager.js"
+import type { CommandError } from "./session.js"
 import type { WorkerExit, WorkerHandle } from "../../WorkerPool.js"
 import type * as WorkerProtocol from "../../WorkerProtocol.js"
 

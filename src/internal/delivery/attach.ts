@@ -1,0 +1,296 @@
+/**
+ * Delivery to attached clients (PROTOCOL.md section 5). An attachment that is not live (streaming
+ * its baseline, catching up, or paused because its client does not read) reads the events it
+ * lacks from the EventLog and turns live in the same synchronous step in which it finds itself
+ * caught up, so nothing is lost or sent twice. A client paused while the events it lacks were
+ * pruned gets a `resync`: the current generation's snapshot, then that generation's events.
+ */
+import * as Chunk from "effect/Chunk"
+import * as Effect from "effect/Effect"
+import * as Either from "effect/Either"
+import * as Option from "effect/Option"
+import * as Stream from "effect/Stream"
+import * as Cursor from "../../Cursor.js"
+import type { EventRecord } from "../../EventLog.js"
+import * as Protocol from "../../Protocol.js"
+import type { AgentMessage, CommandOf } from "../../Protocol.js"
+import type { ConnectionPort } from "../../SessionManager.js"
+import { type Core, CommandError, internal, type Session, snapshotIdOf } from "../session/session.js"
+import type { Checkpoints } from "../session/checkpoint.js"
+import { Attachment } from "./attachment.js"
+import { type Decision, decideReplay, needsLastSequence } from "./replay.js"
+import { wireLineOfRecord } from "./wireLines.js"
+
+/** Attachments: attach (replay decision, baseline), catch-up from the log, resync, detach. */
+export const makeDelivery = (core: Core, checkpoints: Checkpoints) => {
+  const { cache, config, connections, log, get, filterEnv, summary } = core
+  const { currentSnapshotEntry, snapshotLines } = checkpoints
+
+  /** The last sequence of a generation, read from the log (only for cursor_unknown checks). */
+  const lastSequenceOf = (s: Session, generation: number) =>
+    log.readGeneration(s.meta.activeSessionId, generation).pipe(
+      Stream.runFold(-1, (_, r: EventRecord) => r.cursor.sequence),
+      Effect.orElseSucceed(() => -1)
+    )
+
+  const decide = (s: Session, resume: Cursor.Cursor | undefined) =>
+    Effect.gen(function*(): Effect.fn.Return<Decision, CommandError> {
+      const last = s.lastCursor
+      const view = { resume, last, generation: s.generation, snapshotCursor: s.snapshotCursor }
+      if (resume === undefined || last === undefined) {
+        return decideReplay({ ...view, oldestGeneration: s.generation, lastSequenceOfResumeGeneration: undefined })
+      }
+      const generations = yield* log.generations(s.meta.activeSessionId).pipe(Effect.mapError(internal("event log")))
+      const oldestGeneration = generations[0] ?? s.generation
+      const lastSequenceOfResumeGeneration = needsLastSequence(resume, last, oldestGeneration)
+        ? yield* lastSequenceOf(s, resume.generation)
+        : undefined
+      return decideReplay({ ...view, oldestGeneration, lastSequenceOfResumeGeneration })
+    })
+
+  /** Replaces a client's state with the current generation's snapshot; false when it must re-attach. */
+  const resync = (a: Attachment) =>
+    Effect.gen(function*() {
+      const s = a.session
+      const chosen = yield* Effect.either(s.readGate.withPermits(1)(
+        Effect.map(currentSnapshotEntry(s), (entry) => ({ entry, cursor: s.snapshotCursor }))
+      ))
+      if (Either.isLeft(chosen)) {
+        // The client must hear that its state is gone: it attaches again.
+        yield* Effect.logWarning(`resync of ${s.meta.activeSessionId} failed: ${chosen.left.message}`)
+        a.outbox.offer(Protocol.encode({
+          type: "session_snapshot_failed",
+          activeSessionId: s.meta.activeSessionId,
+          snapshotId: s.snapshotId ?? snapshotIdOf(s, s.generation),
+          error: { code: "internal", message: chosen.left.message }
+        }))
+        return false
+      }
+      if (!(yield* streamSnapshot(a, chosen.right.entry, "resync"))) return false
+      a.delivered = chosen.right.cursor
+      a.resumed = true
+      return true
+    })
+
+  /** Reads the events after `a.delivered` up to the session's last, then turns live. */
+  const catchUp = (a: Attachment) =>
+    Effect.gen(function*() {
+      const s = a.session
+      const id = s.meta.activeSessionId
+      const sessionJson = JSON.stringify(id)
+      while (!a.detached && !a.outbox.isClosed) {
+        const target = s.lastCursor
+        if (target === undefined || (a.delivered !== undefined && !Cursor.isBefore(a.delivered, target))) {
+          // Caught up: from now on publish writes to this client directly.
+          a.mode = "live"
+          yield* Effect.async<void>((resume) => {
+            if (a.mode !== "live" || a.detached) return resume(Effect.void)
+            a.wake = () => resume(Effect.void)
+          })
+          if (a.detached || a.outbox.isClosed) return
+          // Paused: wait for the client to drain, then re-send what it missed from the log.
+          yield* a.outbox.awaitBelow(Math.max(1, a.limit / 2))
+          a.resumed = true
+          a.mode = "catchup"
+          continue
+        }
+        const pruned = yield* log.read(id, a.delivered).pipe(
+          Stream.takeWhile((r) => !Cursor.isAfter(r.cursor, target)),
+          Stream.runForEach((r) =>
+            Effect.gen(function*() {
+              if (a.detached) return yield* Effect.interrupt
+              if (a.outbox.queuedBytes >= a.limit) {
+                yield* a.outbox.awaitBelow(a.limit)
+                // Detached while it waited: its detach is answered, nothing may follow.
+                if (a.detached) return yield* Effect.interrupt
+              }
+              const replayed = a.resumed || (a.attachCursor !== undefined && !Cursor.isAfter(r.cursor, a.attachCursor))
+              a.outbox.offer(wireLineOfRecord(sessionJson, r, replayed))
+              a.delivered = r.cursor
+            })
+          ),
+          Effect.as(false),
+          Effect.catchAll((e) => Effect.succeed(e.reason === "GenerationNotFound")),
+          Effect.catchAllCause((cause) => Effect.as(Effect.logDebug("catch-up stopped", cause), false))
+        )
+        // The events after what the client has were pruned while it was paused: it gets the
+        // current generation's snapshot (a resync), then that generation's events.
+        if (pruned && !(yield* resync(a))) return detachAttachment(a)
+      }
+    })
+
+  const detachAttachment = (a: Attachment) => {
+    a.detached = true
+    a.session.attachments.delete(a)
+    a.signal()
+    const byConn = connections.get(a.connectionId)
+    if (byConn?.get(a.session.meta.activeSessionId) === a) byConn.delete(a.session.meta.activeSessionId)
+    if (byConn?.size === 0) connections.delete(a.connectionId)
+  }
+
+  // A baseline (snapshot, its messages, its generation's events) is read under the session's
+  // read gate, which a checkpoint's completion takes whole: a baseline never mixes generations.
+  const attach = (connectionId: string, outbox: ConnectionPort, cmd: CommandOf<"attach">) =>
+    Effect.flatMap(get(cmd.activeSessionId), (s) => s.readGate.withPermits(1)(Effect.gen(function*() {
+      if (cmd.telemetryDisabled === true && s.meta.telemetry) {
+        return yield* new CommandError({
+          code: "telemetry_policy_violation",
+          message: `Session \`${s.meta.activeSessionId}\` was created with telemetry on; it cannot be attached with telemetryDisabled.`
+        })
+      }
+      if (cmd.launchEnv !== undefined) s.launchEnv = { ...cmd.launchEnv }
+      if (cmd.env !== undefined) s.clientEnv = filterEnv(cmd.env)
+      const capabilities = cmd.capabilities ?? Protocol.DEFAULT_CLIENT_CAPABILITIES
+      const chunked = capabilities.includes("chunked_snapshot")
+      const slim = capabilities.includes("slim_attach")
+      const decision = yield* decide(s, cmd.resumeCursor)
+      // From here to the registration nothing yields: the attachment sees every later event.
+      const previous = connections.get(connectionId)?.get(s.meta.activeSessionId)
+      if (previous !== undefined) detachAttachment(previous)
+      const lastCursor = s.lastCursor
+      const attachment = new Attachment(s, outbox, connectionId, config.outboxBytes, lastCursor)
+      const state = summary(s)
+      let replay: Protocol.Replay
+      let snapshotId = `${snapshotIdOf(s, s.generation)}`
+      let snapshotMessages: ReadonlyArray<AgentMessage> = []
+      let stream: string | undefined
+      if (decision.kind === "complete") {
+        attachment.delivered = decision.after
+        const count = lastCursor === undefined ? 0 : yield* countEvents(s, decision.after, lastCursor)
+        replay = count === 0
+          ? { status: "complete", eventCount: 0 }
+          : { status: "complete", fromCursor: yield* firstAfter(s, decision.after), toCursor: lastCursor!, eventCount: count }
+      } else {
+        attachment.delivered = s.snapshotCursor
+        const count = s.generationEvents
+        replay = { ...decision.replay, eventCount: count }
+        if (count > 0 && lastCursor !== undefined) {
+          replay = { ...replay, fromCursor: Cursor.make(s.generation, 0), toCursor: lastCursor }
+        }
+        if (chunked) {
+          stream = yield* currentSnapshotEntry(s)
+          snapshotId = stream
+        } else {
+          snapshotMessages = Chunk.toReadonlyArray(
+            yield* Stream.runCollect(Stream.map(snapshotLines(s), (line) => JSON.parse(line) as AgentMessage))
+          )
+        }
+      }
+      s.attachments.add(attachment)
+      let byConn = connections.get(connectionId)
+      if (byConn === undefined) connections.set(connectionId, byConn = new Map())
+      byConn.set(s.meta.activeSessionId, attachment)
+
+      const data: { -readonly [K in keyof Protocol.DaemonAttachResult]: Protocol.DaemonAttachResult[K] } = {
+        protocol: Protocol.PROTOCOL,
+        activeSessionId: s.meta.activeSessionId,
+        snapshot: {
+          snapshotId,
+          ...(s.snapshotCursor === undefined ? {} : { cursor: s.snapshotCursor }),
+          messageCount: decision.kind === "complete" ? 0 : s.baseMessageCount,
+          messages: snapshotMessages
+        },
+        replay,
+        lastEventSequence: lastCursor?.sequence ?? -1,
+        client: { id: connectionId, capabilities }
+      }
+      if (!slim) {
+        data.state = state
+        data.messages = snapshotMessages
+      }
+      if (lastCursor !== undefined) data.lastEventCursor = lastCursor
+      if (stream !== undefined) {
+        data.snapshotStream = { id: stream, messageCount: s.baseMessageCount, targetChunkBytes: config.targetChunkBytes }
+      }
+      const purpose: Protocol.SnapshotPurpose = decision.kind === "baseline" && decision.replay.status === "partial"
+        ? "resync"
+        : "attach"
+      const deliver = Effect.gen(function*() {
+        if (stream !== undefined) {
+          const ok = yield* streamSnapshot(attachment, stream, purpose)
+          if (!ok) {
+            detachAttachment(attachment)
+            return
+          }
+        }
+        outbox.offer(Protocol.encode({
+          type: "session_attached",
+          activeSessionId: s.meta.activeSessionId,
+          state,
+          replay,
+          ...(lastCursor === undefined ? {} : { lastEventCursor: lastCursor })
+        }))
+        yield* catchUp(attachment)
+      })
+      return { data: data as Protocol.DaemonAttachResult, deliver }
+    })))
+
+  /** Sends begin, every chunk and end (or failed); false when the client must re-attach. */
+  const streamSnapshot = (a: Attachment, snapshotId: string, purpose: Protocol.SnapshotPurpose) =>
+    Effect.scoped(Effect.gen(function*() {
+      const s = a.session
+      const base = { activeSessionId: s.meta.activeSessionId, snapshotId }
+      const reader = yield* cache.retain(snapshotId)
+      a.outbox.offer(Protocol.encode({
+        type: "session_snapshot_begin",
+        ...base,
+        messageCount: reader.meta.messageCount,
+        targetChunkBytes: reader.meta.targetChunkBytes,
+        purpose,
+        ...(reader.meta.cursor === undefined ? {} : { cursor: reader.meta.cursor })
+      }))
+      let index = 0
+      while (true) {
+        if (a.detached || a.outbox.isClosed) return false
+        if (a.outbox.queuedBytes >= a.limit) yield* a.outbox.awaitBelow(a.limit)
+        const next = yield* reader.waitForChunk(index)
+        // Detached while it waited: its detach is answered, nothing may follow.
+        if (a.detached || a.outbox.isClosed) return false
+        if (next._tag === "End") {
+          a.outbox.offer(Protocol.encode({
+            type: "session_snapshot_end",
+            ...base,
+            chunkCount: next.end.chunkCount,
+            lastEventSequence: next.end.lastEventSequence,
+            ...(next.end.lastEventCursor === undefined ? {} : { lastEventCursor: next.end.lastEventCursor })
+          }))
+          return true
+        }
+        a.outbox.offer(next.bytes)
+        index++
+      }
+    })).pipe(
+      Effect.catchAll((e) =>
+        Effect.sync(() => {
+          a.outbox.offer(Protocol.encode({
+            type: "session_snapshot_failed",
+            activeSessionId: a.session.meta.activeSessionId,
+            snapshotId,
+            error: { code: "internal", message: e.message }
+          }))
+          return false
+        })
+      )
+    )
+
+  const countEvents = (s: Session, after: Cursor.Cursor, until: Cursor.Cursor) =>
+    after.generation === until.generation
+      ? Effect.succeed(until.sequence - after.sequence)
+      : log.read(s.meta.activeSessionId, after).pipe(
+        Stream.takeWhile((r) => !Cursor.isAfter(r.cursor, until)),
+        Stream.runCount,
+        Effect.mapError(internal("event log"))
+      )
+
+  const firstAfter = (s: Session, after: Cursor.Cursor) =>
+    log.read(s.meta.activeSessionId, after).pipe(
+      Stream.take(1),
+      Stream.runHead,
+      Effect.map(Option.match({ onNone: () => Cursor.next(after), onSome: (r) => r.cursor })),
+      Effect.mapError(internal("event log"))
+    )
+
+  return { attach, detachAttachment }
+}
+
+export type Delivery = ReturnType<typeof makeDelivery>

@@ -1,0 +1,46 @@
+/** One client's subscription to one session, as publishing and the catch-up fiber share it. */
+import type * as Cursor from "../../Cursor.js"
+import type { ConnectionPort } from "../../SessionManager.js"
+import type { Session } from "../session/session.js"
+
+/** One connection's subscription to one session. */
+export class Attachment {
+  /** `live`: published events are written directly; otherwise the catch-up fiber reads the log. */
+  mode: "catchup" | "live" | "paused" = "catchup"
+  /** The last cursor written to the client (undefined: nothing of the session yet). */
+  delivered: Cursor.Cursor | undefined
+  /** Set after a backpressure pause: re-sent events are flagged replayed. */
+  resumed = false
+  wake: (() => void) | undefined
+  detached = false
+
+  constructor(
+    readonly session: Session,
+    readonly outbox: ConnectionPort,
+    readonly connectionId: string,
+    readonly limit: number,
+    /** Events up to this cursor existed at attach time: they are flagged replayed. */
+    readonly attachCursor: Cursor.Cursor | undefined
+  ) {}
+
+  /**
+   * Called by publish, synchronously, for every batch of new events (`lines`, the last one at
+   * `last`). A client over its limit is paused before the batch and later resumed from the log.
+   */
+  onLive(last: Cursor.Cursor, lines: Uint8Array) {
+    if (this.mode !== "live" || this.detached) return
+    if (this.outbox.queuedBytes > this.limit) {
+      this.mode = "paused"
+      this.signal()
+      return
+    }
+    this.outbox.offer(lines)
+    this.delivered = last
+  }
+
+  signal() {
+    const wake = this.wake
+    this.wake = undefined
+    wake?.()
+  }
+}

@@ -1,0 +1,55 @@
+/**
+ * The replay decision of an attach (PROTOCOL.md section 5), as a pure function of what the
+ * session and its event log hold: replay the events after the client's cursor (`complete`), or
+ * send a baseline (the current generation's snapshot and events) with the reason.
+ */
+import * as Cursor from "../../Cursor.js"
+import type * as Protocol from "../../Protocol.js"
+
+export type Decision =
+  | { readonly kind: "complete"; readonly after: Cursor.Cursor }
+  | { readonly kind: "baseline"; readonly replay: Protocol.Replay }
+
+/** What the decision looks at. */
+export interface ReplayView {
+  /** The client's resume cursor, if it gave one. */
+  readonly resume: Cursor.Cursor | undefined
+  /** The session's last cursor. */
+  readonly last: Cursor.Cursor | undefined
+  /** The session's current generation. */
+  readonly generation: number
+  /** The oldest generation the log still holds. */
+  readonly oldestGeneration: number
+  /** The cursor of the current generation's snapshot (the last event before it). */
+  readonly snapshotCursor: Cursor.Cursor | undefined
+  /**
+   * The last sequence of the resume cursor's generation when it is an older generation the log
+   * still holds (-1 when empty); undefined otherwise.
+   */
+  readonly lastSequenceOfResumeGeneration: number | undefined
+}
+
+/** Whether the decision needs {@link ReplayView.lastSequenceOfResumeGeneration}. */
+export const needsLastSequence = (resume: Cursor.Cursor, last: Cursor.Cursor, oldestGeneration: number): boolean =>
+  resume.generation >= oldestGeneration && resume.generation < last.generation
+
+export const decideReplay = (view: ReplayView): Decision => {
+  const { resume, last } = view
+  if (resume === undefined) return { kind: "baseline", replay: { status: "unavailable", reason: "no_cursor" } }
+  if (last === undefined || Cursor.isAfter(resume, last)) {
+    return { kind: "baseline", replay: { status: "unavailable", reason: "cursor_ahead" } }
+  }
+  if (resume.generation < view.oldestGeneration) {
+    // The very end of a pruned generation is the current snapshot's cursor: nothing after it
+    // is missing.
+    const snapshot = view.snapshotCursor
+    const atSnapshot = view.oldestGeneration === view.generation && snapshot !== undefined &&
+      resume.generation === snapshot.generation && resume.sequence === snapshot.sequence
+    if (!atSnapshot) return { kind: "baseline", replay: { status: "partial", reason: "cursor_expired" } }
+    return { kind: "complete", after: resume }
+  }
+  if (resume.generation < last.generation && resume.sequence > (view.lastSequenceOfResumeGeneration ?? -1)) {
+    return { kind: "baseline", replay: { status: "unavailable", reason: "cursor_unknown" } }
+  }
+  return { kind: "complete", after: resume }
+}

@@ -1,0 +1,221 @@
+/**
+ * One session's state machine (DESIGN: "the session core"). A single fiber owns the session's
+ * phase and takes every input from one mailbox: commands (each with its own Deferred), the
+ * worker's frames and exit, timers. Every transition settles the requests that can no longer
+ * complete where it leads; after each input, work waiting for an idle session runs (a
+ * checkpoint first, then a reserved prompt, then a passivation).
+ */
+import * as Cause from "effect/Cause"
+import * as Deferred from "effect/Deferred"
+import * as Effect from "effect/Effect"
+import * as Either from "effect/Either"
+import * as Queue from "effect/Queue"
+import * as path from "node:path"
+import { WorkerCrashed } from "../../WorkerPool.js"
+import type { Delivery } from "../delivery/attach.js"
+import type { Checkpoints } from "./checkpoint.js"
+import type { Input } from "./phase.js"
+import { workerOf } from "./phase.js"
+import { CommandError, type Core, failed, internal, notFound, type Session } from "./session.js"
+import type { Supervisor } from "./supervisor.js"
+
+/** The session entity: one fiber per session takes every input from its mailbox, one at a time. */
+export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Supervisor, delivery: Delivery) => {
+  const { cache, journal, log, restarts, sessions, store, publish, publishStatus, record, summary, fork } = core
+  const { beginCheckpoint } = checkpoints
+  const { answerWaiting, failSession, onCrash, onFrames, pump, startTurn, startWorker } = supervisor
+  const { detachAttachment } = delivery
+
+  /**
+   * Hands an input to the session's entity. Checked and offered in one synchronous step: once
+   * the entity has closed the session nothing more is offered, so nothing waits forever.
+   */
+  const send = <A>(s: Session, make: (reply: Deferred.Deferred<A, CommandError>) => Input) =>
+    Effect.flatMap(Deferred.make<A, CommandError>(), (reply) =>
+      Effect.suspend(() => {
+        if (s.closed) return Effect.fail(notFound(s.meta.activeSessionId))
+        s.mailbox.unsafeOffer(make(reply))
+        return Deferred.await(reply)
+      }))
+
+  /** Idle with work waiting: a checkpoint first (asked during the turn, or due), then a prompt. */
+  const drain = (s: Session) =>
+    Effect.gen(function*() {
+      const phase = s.phase
+      if (phase._tag !== "Idle") return
+      if (s.checkpointWaiters.length > 0 || s.checkpointDue) return yield* beginCheckpoint(s, phase.worker)
+      if (s.pendingPrompt !== undefined) return yield* startTurn(s, phase.worker, s.pendingPrompt)
+      if (s.passivationWanted) {
+        s.passivationWanted = false
+        if (s.generationEvents > 0) {
+          // Checkpoint first; passivation is asked again once it is done.
+          s.checkpointDue = true
+          s.passivationWanted = true
+          return yield* beginCheckpoint(s, phase.worker)
+        }
+        s.epoch++
+        s.phase = { _tag: "Passivated" }
+        yield* fork(Effect.asVoid(phase.worker.stop()))
+        yield* publishStatus(s)
+      }
+    })
+
+  /** Wakes a passivated session (or retries a failed one): a worker that restores it. */
+  const wake = (s: Session) => startWorker(s, s.phase._tag === "Failed" ? "recovering" : "starting", true)
+
+  const onInput = (s: Session, input: Input): Effect.Effect<void> => {
+    const phase = s.phase
+    switch (input._tag) {
+      case "Prompt": {
+        s.lastUsed = Date.now()
+        if (phase._tag === "Failed") {
+          return Deferred.fail(input.reply, failed(`Session \`${s.meta.activeSessionId}\` has failed; use retry_worker.`))
+        }
+        if (phase._tag === "Running" || s.pendingPrompt !== undefined || s.cutTurn !== undefined) {
+          return Deferred.fail(input.reply, new CommandError({ code: "session_busy", message: `Session \`${s.meta.activeSessionId}\` is running a turn.` }))
+        }
+        // Reserved now (busy); runs once the session is idle with a worker.
+        s.pendingPrompt = { message: input.message, reply: input.reply }
+        if (phase._tag === "Passivated") return wake(s)
+        // Said to attached clients at once, as a prompt that runs at once does; but not during a
+        // checkpoint: nothing may be logged between the snapshot's cursor and its generation
+        // (the status goes out when the turn starts, right after).
+        return phase._tag === "Idle" || phase._tag === "Checkpointing" ? Effect.void : publishStatus(s)
+      }
+      case "Abort": {
+        // Only a running turn can be aborted; a prompt that has not started yet is not a turn.
+        if (phase._tag !== "Running") return Deferred.succeed(input.reply, { aborted: false })
+        phase.aborts.push(input.reply)
+        return phase.worker.send({ type: "abort", turnId: phase.turnId })
+      }
+      case "Checkpoint": {
+        if (phase._tag === "Failed") {
+          return Deferred.fail(input.reply, failed(`Session \`${s.meta.activeSessionId}\` has failed; use retry_worker.`))
+        }
+        if (phase._tag === "Checkpointing") {
+          // The checkpoint under way answers it (its snapshot is the state when it was asked).
+          phase.waiters.push(input.reply)
+          return Effect.void
+        }
+        s.checkpointWaiters.push(input.reply)
+        return phase._tag === "Passivated" ? wake(s) : Effect.void
+      }
+      case "Retry": {
+        if (phase._tag !== "Failed") return Deferred.succeed(input.reply, summary(s))
+        s.restartState = restarts.initial
+        s.retryWaiters.push(input.reply)
+        return wake(s)
+      }
+      case "Passivate": {
+        if (phase._tag === "Idle" && s.pendingPrompt === undefined && s.checkpointWaiters.length === 0) s.passivationWanted = true
+        return Effect.void
+      }
+      case "Kill":
+        return killSession(s, input.reply)
+      case "Acquired": {
+        if (phase._tag !== "Starting" || phase.epoch !== input.epoch) return Effect.asVoid(input.worker.stop())
+        s.phase = { ...phase, worker: input.worker }
+        return fork(pump(s, input.worker))
+      }
+      case "AcquireFailed": {
+        if (phase._tag !== "Starting" || phase.epoch !== input.epoch) return Effect.void
+        // A spawn that fails counts as a crash: retried with backoff, then `failed`.
+        return Effect.zipRight(
+          Effect.logError(`no worker for ${s.meta.activeSessionId}: ${input.message}`),
+          onCrash(s, new WorkerCrashed({ activeSessionId: s.meta.activeSessionId, pid: 0, exitCode: null, signal: null }))
+        )
+      }
+      case "Restore":
+        return phase._tag === "Passivated" ? startWorker(s, "recovering", true) : Effect.void
+      case "RestartDue": {
+        if (phase._tag !== "Starting" || phase.epoch !== input.epoch || phase.worker !== undefined) return Effect.void
+        return startWorker(s, "recovering", true)
+      }
+      case "Frames": {
+        if (workerOf(phase) !== input.worker) return Deferred.succeed(input.handled, undefined)
+        return Effect.ensuring(onFrames(s, input.frames), Deferred.succeed(input.handled, undefined))
+      }
+      case "Exited": {
+        if (workerOf(phase) !== input.worker || input.worker.stopping) return Effect.void
+        return onCrash(s, new WorkerCrashed({
+          activeSessionId: s.meta.activeSessionId,
+          pid: input.worker.pid,
+          exitCode: input.exit.code,
+          signal: input.exit.signal
+        }))
+      }
+    }
+  }
+
+  /** `kill`: closed for everyone, the worker stops, the files move to the archive. */
+  const killSession = (s: Session, reply: Deferred.Deferred<{}, CommandError>) =>
+    Effect.gen(function*() {
+      const id = s.meta.activeSessionId
+      const phase = s.phase
+      const worker = workerOf(phase)
+      yield* Effect.catchAllCause(publish(s, { type: "session_closed", reason: "killed" }), () => Effect.void)
+      s.epoch++
+      s.phase = { _tag: "Closed" }
+      s.closed = true
+      s.cutTurn = undefined
+      for (const a of [...s.attachments]) detachAttachment(a)
+      // Stopped before the answer: once `kill` is answered the worker is gone.
+      if (worker !== undefined) yield* Effect.asVoid(worker.stop())
+      const gone = notFound(id)
+      if (phase._tag === "Running") for (const a of phase.aborts) yield* Deferred.fail(a, gone)
+      if (phase._tag === "Checkpointing") for (const w of phase.waiters) yield* Deferred.fail(w, gone)
+      yield* answerWaiting(s, gone)
+      const archived = yield* Effect.either(Effect.gen(function*() {
+        yield* record(s, false, "closed")
+        yield* Effect.ignoreLogged(journal.forget(id))
+        const dir = yield* store.archive(id).pipe(Effect.mapError(internal("session store")))
+        yield* log.remove(id, { archiveTo: path.join(dir, "events") }).pipe(Effect.mapError(internal("event log")))
+      }))
+      if (s.snapshotId !== undefined) yield* Effect.ignore(cache.dispose(s.snapshotId))
+      sessions.delete(id)
+      if (Either.isLeft(archived)) yield* Deferred.fail(reply, archived.left)
+      else yield* Deferred.succeed(reply, {})
+    })
+
+  /** The reply of an input, if it has one (to answer it when the session is gone). */
+  const answerGone = (s: Session, input: Input): Effect.Effect<void> => {
+    const gone = notFound(s.meta.activeSessionId)
+    switch (input._tag) {
+      case "Prompt":
+      case "Abort":
+      case "Checkpoint":
+      case "Retry":
+      case "Kill":
+        return Deferred.fail(input.reply as Deferred.Deferred<unknown, CommandError>, gone).pipe(Effect.asVoid)
+      case "Acquired":
+        return Effect.asVoid(input.worker.stop())
+      case "Frames":
+        return Deferred.succeed(input.handled, undefined).pipe(Effect.asVoid)
+      default:
+        return Effect.void
+    }
+  }
+
+  /** Something broke inside a transition (the log refuses writes): the session fails, loudly. */
+  const onDefect = (s: Session, cause: Cause.Cause<unknown>) =>
+    Effect.gen(function*() {
+      yield* Effect.logError(`session ${s.meta.activeSessionId} failed: a transition could not complete`, cause)
+      if (s.closed) return
+      const squashed = Cause.squash(cause)
+      yield* failSession(s, squashed instanceof Error ? squashed.message : "its events could not be logged")
+    }).pipe(Effect.catchAllCause((again) => Effect.logError(`session ${s.meta.activeSessionId}: could not fail cleanly`, again)))
+
+  /** The entity: takes one input at a time; after each, idle work waiting runs. */
+  const runEntity = (s: Session): Effect.Effect<void> =>
+    Effect.gen(function*() {
+      while (!s.closed) {
+        const input = yield* Queue.take(s.mailbox)
+        yield* onInput(s, input).pipe(Effect.catchAllCause((cause) => onDefect(s, cause)))
+        if (!s.closed) yield* drain(s).pipe(Effect.catchAllCause((cause) => onDefect(s, cause)))
+      }
+      // Closed: nothing more is offered; what was offered before is answered.
+      for (const input of yield* Queue.takeAll(s.mailbox)) yield* answerGone(s, input)
+    })
+
+  return { send, runEntity }
+}

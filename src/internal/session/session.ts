@@ -1,0 +1,206 @@
+/**
+ * A session's state in the supervisor, the errors commands fail with, and the helpers every part
+ * of the core shares (lookup, publishing to the log and to attached clients, the journal).
+ * The lifecycle itself is in entity.ts; see SessionManager.ts for the whole picture.
+ */
+import type * as Context from "effect/Context"
+import * as Data from "effect/Data"
+import * as Deferred from "effect/Deferred"
+import * as Effect from "effect/Effect"
+import * as FiberSet from "effect/FiberSet"
+import * as Queue from "effect/Queue"
+import type * as Schedule from "effect/Schedule"
+import type * as Cursor from "../../Cursor.js"
+import type { DaemonConfigShape } from "../../DaemonConfig.js"
+import type { EventLogService } from "../../EventLog.js"
+import type * as Protocol from "../../Protocol.js"
+import type { ErrorCode, SessionSummary } from "../../Protocol.js"
+import type { RecoveryJournalService } from "../../RecoveryJournal.js"
+import type { SupervisorInfo } from "../../SessionManager.js"
+import type { SessionMeta, SessionStoreService } from "../../SessionStore.js"
+import type { SnapshotCacheService } from "../../SnapshotCache.js"
+import type { RestartPolicy, WorkerPool } from "../../WorkerPool.js"
+import type { Attachment } from "../delivery/attachment.js"
+import { bodyMessage, logged, type LoggedBody, type Outgoing, wireLine } from "../delivery/wireLines.js"
+import type { CheckpointReply, Input, PendingPrompt, Phase } from "./phase.js"
+import { workerOf, workerStateOf } from "./phase.js"
+
+/**
+ * Events of one worker read are logged and sent in batches of about this many bytes (one write,
+ * one fsync, one encode for every client). A slow client is checked against its outbox limit
+ * between batches, so it can go past the limit by one batch (or one larger event).
+ */
+export const PUBLISH_BATCH_BYTES = 256 * 1024
+
+/** More than the readers of one session's baseline at any one time. */
+export const READ_GATE_PERMITS = 1_000_000
+
+/** A command failed with one of the documented error codes. */
+export class CommandError extends Data.TaggedError("CommandError")<{
+  readonly code: ErrorCode
+  readonly message: string
+}> {}
+
+export const notFound = (id: string) => new CommandError({ code: "session_not_found", message: `No session \`${id}\`.` })
+
+export const failed = (message: string) => new CommandError({ code: "session_failed", message })
+
+/** An unexpected failure of a part below the core, as the `internal` error code. */
+export const internal = (what: string) => (e: { readonly message: string }) =>
+  new CommandError({ code: "internal", message: `${what}: ${e.message}` })
+
+/** A session's state in the supervisor. */
+export interface Session {
+  meta: SessionMeta
+  /**
+   * Messages in the transcript. The transcript itself is never held here: it is the current
+   * generation's snapshot file plus the `message_end` events logged since (the worker holds it).
+   */
+  messageCount: number
+  /** How many messages the current generation's snapshot holds. */
+  baseMessageCount: number
+  generation: number
+  /** The cursor of the last event before the current generation (the snapshot's cursor). */
+  snapshotCursor: Cursor.Cursor | undefined
+  generationEvents: number
+  generationBytes: number
+  lastCursor: Cursor.Cursor | undefined
+  attachments: Set<Attachment>
+  /** Serializes appends so cursors are published in order. */
+  publishLock: Effect.Semaphore
+  /** Readers of the current generation take one permit; a checkpoint's completion takes them all. */
+  readGate: Effect.Semaphore
+  lastUsed: number
+  launchEnv: Record<string, string> | undefined
+  clientEnv: Record<string, string> | undefined
+  /** The snapshot cache entry of the current generation, if built. */
+  snapshotId: string | undefined
+  closed: boolean
+  // The lifecycle: read by anyone, changed only by the session's entity.
+  phase: Phase
+  /** Bumped at every worker start and stop: inputs of an older attempt are ignored. */
+  epoch: number
+  mailbox: Queue.Queue<Input>
+  pendingPrompt: PendingPrompt | undefined
+  /** A turn cut by a crash (of the worker or the daemon) whose `turn_interrupted` is owed. */
+  cutTurn: Protocol.InterruptReason | undefined
+  /** Checkpoints asked for, run when the session is next idle (during a turn: at its end). */
+  checkpointWaiters: Array<CheckpointReply>
+  /** An automatic checkpoint is due (one mark, however many turns asked). */
+  checkpointDue: boolean
+  passivationWanted: boolean
+  retryWaiters: Array<Deferred.Deferred<SessionSummary, CommandError>>
+  restarts: number
+  /** The state of the restart schedule (the crashes in its window). */
+  restartState: unknown
+}
+
+export const snapshotIdOf = (s: Session, generation: number) => `${s.meta.activeSessionId}~g${generation}`
+
+/** What every part of the core works with: its dependencies and the sessions' registry. */
+export interface CoreDeps {
+  readonly config: DaemonConfigShape
+  readonly info: Context.Tag.Service<typeof SupervisorInfo>
+  readonly log: EventLogService
+  readonly store: SessionStoreService
+  readonly journal: RecoveryJournalService
+  readonly cache: SnapshotCacheService
+  readonly pool: Context.Tag.Service<typeof WorkerPool>
+  readonly fibers: FiberSet.FiberSet
+  readonly sessions: Map<string, Session>
+  /** connectionId -> its attachments. */
+  readonly connections: Map<string, Map<string, Attachment>>
+  readonly restartPolicy: RestartPolicy
+  readonly restarts: Schedule.Schedule<number, unknown>
+}
+
+/** The dependencies and the helpers every part of the core shares: lookup, publishing, journal. */
+export const makeCore = (deps: CoreDeps) => {
+  const { config, journal, log, sessions } = deps
+
+  const fork = <A, E>(effect: Effect.Effect<A, E>) => FiberSet.run(deps.fibers, effect).pipe(Effect.asVoid)
+
+  const summary = (s: Session): SessionSummary => {
+    const out: {
+      -readonly [K in keyof SessionSummary]: SessionSummary[K]
+    } = {
+      activeSessionId: s.meta.activeSessionId,
+      engine: s.meta.engine,
+      createdAt: s.meta.createdAt,
+      messageCount: s.messageCount,
+      busy: s.phase._tag === "Running" || s.pendingPrompt !== undefined || s.cutTurn !== undefined,
+      worker: workerStateOf(s.phase),
+      restarts: s.restarts,
+      telemetry: s.meta.telemetry
+    }
+    if (s.meta.name !== undefined) out.name = s.meta.name
+    const worker = workerOf(s.phase)
+    if (worker !== undefined) out.workerPid = worker.pid
+    if (s.lastCursor !== undefined) out.lastEventCursor = s.lastCursor
+    return out
+  }
+
+  const get = (id: string) =>
+    Effect.suspend(() => {
+      const s = sessions.get(id)
+      return s === undefined || s.closed ? Effect.fail(notFound(id)) : Effect.succeed(s)
+    })
+
+  /** Appends messages to the log (one group commit) and hands them to live attachments. */
+  const publishAll = (s: Session, messages: ReadonlyArray<Outgoing>) =>
+    s.publishLock.withPermits(1)(Effect.gen(function*() {
+      if (messages.length === 0) return
+      const emittedAt = Date.now()
+      // One write and one fsync for the batch; cursors follow the array order.
+      const cursors = yield* log.appendAll(s.meta.activeSessionId, messages.map((m) => logged(m, emittedAt)))
+      const sessionJson = JSON.stringify(s.meta.activeSessionId)
+      let text = ""
+      for (let i = 0; i < messages.length; i++) {
+        const m = messages[i]!
+        text += wireLine(sessionJson, m.open, cursors[i]!, emittedAt, false)
+        // Counted once logged, so the count never runs ahead of what get_messages can read.
+        if (m.eventType === "message_end") s.messageCount++
+      }
+      // Encoded once for the whole batch, shared by every attached client.
+      const lines = Buffer.from(text, "utf8")
+      const last = cursors[cursors.length - 1]!
+      s.lastCursor = last
+      s.generationEvents += messages.length
+      s.generationBytes += lines.byteLength
+      for (const a of s.attachments) a.onLive(last, lines)
+    })).pipe(Effect.orDie)
+
+  const publish = (s: Session, body: LoggedBody) => publishAll(s, [bodyMessage(body)])
+
+  const publishStatus = (s: Session) => publish(s, { type: "session_status", state: summary(s) })
+
+  const record = (s: Session, busy: boolean, operation: string, sessionFile?: string) =>
+    journal.record({
+      activeSessionId: s.meta.activeSessionId,
+      sessionId: s.meta.sessionId,
+      busy,
+      operation,
+      ...(sessionFile === undefined ? {} : { sessionFile })
+    }).pipe(Effect.catchAll((e) => Effect.logError(`journal: ${e.message}`)))
+
+  const workerEnv = (s: Session): Record<string, string> | undefined =>
+    s.launchEnv === undefined && s.clientEnv === undefined ? undefined : { ...s.clientEnv, ...s.launchEnv }
+
+  /** Posts an input that needs no answer (from the session's own fibers). */
+  const post = (s: Session, input: Input) =>
+    Effect.sync(() => {
+      if (!s.closed) s.mailbox.unsafeOffer(input)
+    })
+
+  /** Only the variables of a client's `env` that the configuration lets through. */
+  const filterEnv = (env: Record<string, string> | undefined) => {
+    if (env === undefined) return undefined
+    const out: Record<string, string> = {}
+    for (const key of config.clientEnvKeys) if (Object.hasOwn(env, key)) out[key] = env[key]!
+    return out
+  }
+
+  return { ...deps, fork, summary, get, publishAll, publish, publishStatus, record, workerEnv, post, filterEnv }
+}
+
+export type Core = ReturnType<typeof makeCore>

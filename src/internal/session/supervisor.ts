@@ -1,0 +1,279 @@
+/**
+ * A session's worker, as its entity supervises it: the worker is acquired beside the entity
+ * (which stays free to answer) and its outcome comes back through the mailbox; a pump hands the
+ * worker's frames to the entity and reports its exit. An exit nobody asked for is a
+ * {@link WorkerCrashed}: the restore effect starts a replacement on the restart schedule (the
+ * first at once, later ones backed off on the Clock), or the session fails.
+ */
+import * as Deferred from "effect/Deferred"
+import * as Duration from "effect/Duration"
+import * as Effect from "effect/Effect"
+import { randomUUID } from "node:crypto"
+import type * as Protocol from "../../Protocol.js"
+import type { WorkerState } from "../../Protocol.js"
+import { stepRestart, WorkerCrashed, type WorkerHandle } from "../../WorkerPool.js"
+import type * as WorkerProtocol from "../../WorkerProtocol.js"
+import { eventMessage, type Outgoing } from "../delivery/wireLines.js"
+import type { Checkpoints } from "./checkpoint.js"
+import type { AnyFrame, PendingPrompt, TurnEnd } from "./phase.js"
+import { workerOf } from "./phase.js"
+import { type CommandError, type Core, failed, PUBLISH_BATCH_BYTES, type Session } from "./session.js"
+
+/** Worker supervision: start, frame pump, turns, crash -> restore on the restart schedule, failure. */
+export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
+  const { config, info, pool, restartPolicy, restarts, sessions, fork, post, publish, publishAll, publishStatus, record, summary, workerEnv } = core
+  const { discardSnapshot, snapshotFrame } = checkpoints
+
+  /**
+   * Starts a worker for the session (a new session, a wake-up, a restore): the acquisition runs
+   * beside the entity, which stays free to answer; its outcome comes back through the mailbox.
+   */
+  const startWorker = (s: Session, worker: WorkerState & ("starting" | "recovering"), restoring: boolean) =>
+    Effect.gen(function*() {
+      const epoch = ++s.epoch
+      const before = summary(s).worker
+      s.phase = { _tag: "Starting", worker: undefined, state: worker, epoch }
+      if (before !== worker) yield* publishStatus(s)
+      const restore = restoring
+        ? {
+          journalPath: info.journalPath,
+          storeRoot: info.storeRoot,
+          eventLogRoot: info.eventLogRoot,
+          ...(s.cutTurn === undefined ? {} : { interruptedReason: s.cutTurn })
+        }
+        : undefined
+      const load: WorkerProtocol.SupervisorFrame = {
+        type: "load",
+        activeSessionId: s.meta.activeSessionId,
+        engine: s.meta.engine,
+        ...(s.meta.config === undefined ? {} : { config: s.meta.config as Record<string, unknown> }),
+        ...(restore === undefined ? {} : { restore })
+      }
+      yield* fork(
+        Effect.gen(function*() {
+          yield* passivateBeyondLimit(s)
+          const worker = yield* pool.acquire(s.meta.activeSessionId, workerEnv(s))
+          // Sent at once, before the pool starts its next spare (a process booting beside a
+          // restore slows it down); should this attempt be stale by now, the worker is stopped.
+          yield* worker.send(load)
+          return worker
+        }).pipe(
+          Effect.matchEffect({
+            onFailure: (error) => post(s, { _tag: "AcquireFailed", epoch, message: error.message }),
+            onSuccess: (w) => post(s, { _tag: "Acquired", epoch, worker: w })
+          })
+        )
+      )
+    })
+
+  /** Pumps a worker's frames to the entity until the pipe closes, then reports the exit. */
+  const pump = (s: Session, worker: WorkerHandle) =>
+    Effect.gen(function*() {
+      while (true) {
+        const frames = yield* worker.takeFrames
+        if (frames.length === 0) break
+        // Waits until the entity has handled them: the worker's pipe is the backpressure.
+        const handled = yield* Deferred.make<void>()
+        yield* post(s, { _tag: "Frames", worker, frames, handled })
+        if (s.closed) break
+        yield* Deferred.await(handled)
+      }
+      const exit = yield* Deferred.await(worker.exited)
+      yield* post(s, { _tag: "Exited", worker, exit })
+    })
+
+  /** The turn is over: its end is out, the journal says idle, the idle status follows. */
+  const endTurn = (s: Session, how: TurnEnd, publishIdle: boolean) =>
+    Effect.gen(function*() {
+      const phase = s.phase
+      const aborts = phase._tag === "Running" ? phase.aborts : []
+      s.cutTurn = undefined
+      if (phase._tag === "Running") s.phase = { _tag: "Idle", worker: phase.worker }
+      yield* record(s, false, "turn_end")
+      if (publishIdle) yield* publishStatus(s)
+      for (const a of aborts) yield* Deferred.succeed(a, { aborted: how === "aborted" })
+      if (s.generationEvents >= config.checkpointEvents || s.generationBytes >= config.checkpointBytes) s.checkpointDue = true
+    })
+
+  /** Starts the turn of the reserved prompt (the session is Idle). */
+  const startTurn = (s: Session, worker: WorkerHandle, prompt: PendingPrompt) =>
+    Effect.gen(function*() {
+      s.pendingPrompt = undefined
+      const turnId = `t-${randomUUID()}`
+      s.phase = { _tag: "Running", worker, turnId, aborts: [] }
+      s.lastUsed = Date.now()
+      yield* record(s, true, "prompt")
+      yield* publishStatus(s)
+      yield* worker.send({ type: "prompt", turnId, message: prompt.message })
+      yield* Deferred.succeed(prompt.reply, { accepted: true as const })
+    })
+
+  /**
+   * The worker's frames, in order; consecutive events are logged together, in batches of about
+   * PUBLISH_BATCH_BYTES (a slow client is checked against its limit between batches).
+   */
+  const onFrames = (s: Session, frames: ReadonlyArray<WorkerProtocol.ReceivedFrame>) =>
+    Effect.gen(function*() {
+      let events: Array<Outgoing> = []
+      let eventBytes = 0
+      const flushEvents = Effect.suspend(() => {
+        const batch = events
+        events = []
+        eventBytes = 0
+        return publishAll(s, batch)
+      })
+      for (const raw of frames) {
+        const frame = raw as AnyFrame
+        const phase = s.phase
+        switch (frame.type) {
+          case "worker_event": {
+            const { eventJson, eventType } = raw as WorkerProtocol.EventFrame
+            events.push(eventMessage(eventType, eventJson))
+            eventBytes += eventJson.length
+            if (eventBytes >= PUBLISH_BATCH_BYTES) yield* flushEvents
+            if (eventType === "tool_execution_start" || eventType === "tool_execution_end") {
+              yield* flushEvents
+              yield* record(s, true, eventType === "tool_execution_start" ? "tool_start" : "tool_end")
+            } else if (eventType === "agent_end" || eventType === "turn_interrupted") {
+              yield* flushEvents
+              const how: TurnEnd = eventType === "agent_end"
+                ? "agent_end"
+                : (JSON.parse(eventJson) as Extract<Protocol.AgentEvent, { type: "turn_interrupted" }>).reason
+              // A restored worker reports the turn its predecessor was cut in: the `ready`
+              // status that follows is that turn's idle status.
+              if (phase._tag === "Running") yield* endTurn(s, how, true)
+              else if (s.cutTurn !== undefined) yield* endTurn(s, how, false)
+            }
+            break
+          }
+          case "worker_ready": {
+            yield* flushEvents
+            if (phase._tag === "Starting" && phase.worker !== undefined) {
+              // The turn cut by a crash ends before the worker is ready, whatever the worker said.
+              if (s.cutTurn !== undefined) {
+                yield* publish(s, { type: "session_event", event: { type: "turn_interrupted", reason: s.cutTurn } as Protocol.AgentEvent })
+                yield* endTurn(s, s.cutTurn, false)
+              }
+              s.phase = { _tag: "Idle", worker: phase.worker }
+              yield* publishStatus(s)
+              for (const w of s.retryWaiters.splice(0)) yield* Deferred.succeed(w, summary(s))
+            }
+            break
+          }
+          case "worker_error": {
+            yield* flushEvents
+            yield* Effect.logWarning(`worker of ${s.meta.activeSessionId}: ${String(frame["message"])}`)
+            // A worker that cannot load its session is as good as crashed.
+            if (phase._tag === "Starting" && phase.worker !== undefined) phase.worker.kill()
+            break
+          }
+          case "session_snapshot_begin":
+          case "session_snapshot_chunk":
+          case "session_snapshot_end":
+          case "session_snapshot_failed": {
+            yield* flushEvents
+            if (phase._tag === "Checkpointing") yield* snapshotFrame(s, phase, frame)
+            else yield* Effect.logWarning(`snapshot frame ${frame.type} of ${s.meta.activeSessionId} outside a checkpoint`)
+            break
+          }
+          default:
+            yield* Effect.logWarning(`worker of ${s.meta.activeSessionId}: unknown frame ${frame.type}`)
+        }
+      }
+      yield* flushEvents
+    })
+
+  /** The worker exited without being asked to: the typed failure that triggers the restore. */
+  const onCrash = (s: Session, crash: WorkerCrashed) =>
+    Effect.gen(function*() {
+      yield* Effect.logWarning(crash.message)
+      const phase = s.phase
+      if (phase._tag === "Running") s.cutTurn = "worker_crashed"
+      if (phase._tag === "Checkpointing") {
+        // The checkpoint is taken again from the replacement worker.
+        if (phase.began) yield* discardSnapshot(phase.snapshotId, "the worker crashed")
+        s.checkpointWaiters = [...phase.waiters, ...s.checkpointWaiters]
+      }
+      if (phase._tag === "Running") for (const a of phase.aborts) yield* Deferred.succeed(a, { aborted: false })
+      s.restarts++
+      const { state, step: decision } = yield* stepRestart(restarts, s.restartState, crash)
+      s.restartState = state
+      if (decision._tag === "failed") {
+        return yield* failSession(s, `its worker crashed ${decision.crashes} times within ${restartPolicy.restartWindowMs} ms`)
+      }
+      const epoch = ++s.epoch
+      s.phase = { _tag: "Starting", worker: undefined, state: "recovering", epoch }
+      yield* publishStatus(s)
+      // The first restart is immediate; later ones back off on the Clock.
+      if (decision.delayMs === 0) return yield* startWorker(s, "recovering", true)
+      yield* fork(Effect.zipRight(Effect.sleep(Duration.millis(decision.delayMs)), post(s, { _tag: "RestartDue", epoch })))
+    })
+
+  /**
+   * The session cannot run: its worker keeps crashing or cannot be spawned, or its events
+   * cannot be logged. Every request waiting on a worker is answered; a cut turn ends; the
+   * session is `failed` until `retry_worker`.
+   */
+  const failSession = (s: Session, why: string) =>
+    Effect.gen(function*() {
+      // The new state in one synchronous step: `failed`, and not busy, for anyone who looks.
+      const phase = s.phase
+      const worker = workerOf(phase)
+      const cut = phase._tag === "Running" ? "worker_crashed" as const : s.cutTurn
+      const aborts = phase._tag === "Running" ? phase.aborts : []
+      if (phase._tag === "Checkpointing") s.checkpointWaiters = [...phase.waiters, ...s.checkpointWaiters]
+      s.epoch++
+      s.phase = { _tag: "Failed" }
+      s.cutTurn = undefined
+      const error = failed(`Session \`${s.meta.activeSessionId}\` failed: ${why}; use retry_worker.`)
+      const waiting = answerWaiting(s, error)
+      for (const a of aborts) yield* Deferred.succeed(a, { aborted: false })
+      yield* waiting
+      if (worker !== undefined) yield* fork(Effect.asVoid(worker.stop()))
+      if (cut !== undefined) {
+        yield* Effect.catchAllCause(
+          publish(s, { type: "session_event", event: { type: "turn_interrupted", reason: cut } as Protocol.AgentEvent }),
+          () => Effect.void
+        )
+        yield* record(s, false, "failed")
+      }
+      // Tell attached clients if the log takes it; it may well not.
+      yield* Effect.catchAllCause(publishStatus(s), () => Effect.void)
+    })
+
+  /**
+   * Takes, synchronously, every request that waits for a worker (the session is no longer busy
+   * with a reserved prompt from here); the effect returned answers them with `error`.
+   */
+  const answerWaiting = (s: Session, error: CommandError): Effect.Effect<void> => {
+    const prompt = s.pendingPrompt
+    s.pendingPrompt = undefined
+    const checkpoints = s.checkpointWaiters.splice(0)
+    const retries = s.retryWaiters.splice(0)
+    s.checkpointDue = false
+    return Effect.gen(function*() {
+      if (prompt !== undefined) yield* Deferred.fail(prompt.reply, error)
+      for (const w of checkpoints) yield* Deferred.fail(w, error)
+      for (const w of retries) yield* Deferred.fail(w, error)
+    })
+  }
+
+  /** Asks the least recently used idle sessions to passivate so a new worker fits under maxWorkers. */
+  const passivateBeyondLimit = (except: Session) =>
+    Effect.gen(function*() {
+      const withWorkers = [...sessions.values()].filter((x) => x !== except && workerOf(x.phase) !== undefined)
+      let excess = withWorkers.length + 1 - config.maxWorkers
+      if (excess <= 0) return
+      const idle = withWorkers
+        .filter((x) => x.phase._tag === "Idle" && x.pendingPrompt === undefined && !x.passivationWanted)
+        .sort((a, b) => a.lastUsed - b.lastUsed)
+      for (const victim of idle) {
+        if (excess-- <= 0) break
+        yield* post(victim, { _tag: "Passivate" })
+      }
+    })
+
+  return { startWorker, pump, endTurn, startTurn, onCrash, onFrames, failSession, answerWaiting }
+}
+
+export type Supervisor = ReturnType<typeof makeSupervisor>
