@@ -340,6 +340,9 @@ export class SessionStream {
     if (m["chunkCount"] !== phase.chunks) this.fail("snapshot frames", `end says ${m["chunkCount"]} chunks, ${phase.chunks} came`)
     if (phase.messages.length !== phase.messageCount) this.fail("snapshot frames", `begin says ${phase.messageCount} messages, ${phase.messages.length} came`)
     this.baseline(phase.messages)
+    // The client's state is now the snapshot: a resume starts after the snapshot's cursor, not
+    // after an event seen before it (an event the snapshot rewound, or one before a resync).
+    this.last = phase.cursor
     if (phase.purpose !== "attach") this.resyncs++
     const next: Expectation = { kind: "start", cursor: phase.cursor }
     this.phase = phase.attaching
