@@ -15,7 +15,6 @@ import * as Either from "effect/Either"
 import * as FiberSet from "effect/FiberSet"
 import * as Layer from "effect/Layer"
 import * as Queue from "effect/Queue"
-import * as Runtime from "effect/Runtime"
 import { randomUUID } from "node:crypto"
 import * as fs from "node:fs"
 import * as net from "node:net"
@@ -101,8 +100,9 @@ export const make = Effect.gen(function*() {
 
   yield* claimSocketPath(socketPath)
 
-  // Callbacks of node's sockets run their effects in the daemon's runtime (its logger: stderr).
-  const runFork = Runtime.runFork(yield* Effect.runtime<never>())
+  // Callbacks of node's sockets run their effects as fibers of the server (the daemon's runtime
+  // and logger), interrupted when it closes.
+  const runFork = yield* FiberSet.runtime(connectionFibers)<never>()
 
   const dispatch = (clientId: string, outbox: Outbox, id: string | null, command: Protocol.Command, forkDelivery: (e: Effect.Effect<void>) => void) =>
     Effect.gen(function*(): Effect.fn.Return<unknown, CommandError> {
@@ -255,13 +255,12 @@ export const make = Effect.gen(function*() {
     )
 
   const server = net.createServer({ allowHalfOpen: true })
-  const runtimeFork = yield* FiberSet.runtime(connectionFibers)<never>()
   server.on("connection", (socket) => {
     if (stopping) {
       socket.destroy()
       return
     }
-    runtimeFork(handleConnection(socket))
+    runFork(handleConnection(socket))
   })
   server.on("error", (err) => runFork(Effect.logError(`server: ${err.message}`)))
   yield* listen(server, socketPath)

@@ -32,7 +32,6 @@ import * as FiberSet from "effect/FiberSet"
 import * as Layer from "effect/Layer"
 import * as Option from "effect/Option"
 import { isRecord } from "effect/Predicate"
-import * as Runtime from "effect/Runtime"
 import type * as Scope from "effect/Scope"
 import * as Stream from "effect/Stream"
 import * as fs from "node:fs"
@@ -625,7 +624,7 @@ export const make = (options: EventLogOptions): Effect.Effect<EventLogService, E
       })
     )
     const flushers = yield* FiberSet.make<void, never>()
-    const runtime = yield* Effect.runtime<never>()
+    const runFlusher = yield* FiberSet.runtime(flushers)<never>()
 
     const handleFor = (sessionId: string): Effect.Effect<Handle, EventLogError> =>
       Effect.suspend(() => {
@@ -740,7 +739,7 @@ export const make = (options: EventLogOptions): Effect.Effect<EventLogService, E
       if (h.flushing) return
       h.flushing = true
       // Interruptible between batches (each batch itself is not), so closing the layer is prompt.
-      FiberSet.unsafeAdd(flushers, Runtime.runFork(runtime)(Effect.interruptible(flushLoop(h))))
+      runFlusher(Effect.interruptible(flushLoop(h)))
     }
 
     /**

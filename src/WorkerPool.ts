@@ -15,10 +15,10 @@ import * as Clock from "effect/Clock"
 import * as Deferred from "effect/Deferred"
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
+import * as FiberId from "effect/FiberId"
 import * as FiberSet from "effect/FiberSet"
 import * as Layer from "effect/Layer"
 import * as Option from "effect/Option"
-import * as Runtime from "effect/Runtime"
 import * as Schedule from "effect/Schedule"
 import * as ScheduleDecision from "effect/ScheduleDecision"
 import * as ScheduleInterval from "effect/ScheduleInterval"
@@ -277,13 +277,13 @@ export const make = (options: WorkerPoolOptions = {}) =>
     const workers = new Set<WorkerProcess>()
     let spare: Effect.Effect<WorkerProcess, WorkerSpawnError> | undefined
     let closing = false
-    // Callbacks of node's child processes log and fork in the daemon's runtime.
-    const runtime = yield* Effect.runtime<never>()
-    const warn = (message: string) => {
-      Runtime.runFork(runtime)(Effect.logWarning(message))
-    }
+    // Callbacks of node's child processes log and fork in the pool's fibers (the daemon's
+    // runtime: its logger), supervised by the pool's scope.
     const spareFibers = yield* FiberSet.make()
     const runSpare = yield* FiberSet.runtime(spareFibers)<never>()
+    const warn = (message: string) => {
+      runSpare(Effect.logWarning(message))
+    }
 
     const copyOutput = (worker: WorkerProcess, stream: NodeJS.ReadableStream | null, label: string) => {
       if (stream === null) return
@@ -330,10 +330,10 @@ export const make = (options: WorkerPoolOptions = {}) =>
 
     const startSpare = () => {
       if (options.warmSpare === false || closing) return
-      // Memoized and started now: the process boots while nobody waits for it.
-      const started = Runtime.runSync(runtime)(Effect.cached(Effect.flatMap(spawnWorker(undefined, true), awaitReady)))
-      runSpare(Effect.ignore(started))
-      spare = started
+      // Started now: the process boots while nobody waits for it; whoever takes it waits for its outcome.
+      const outcome = Deferred.unsafeMake<WorkerProcess, WorkerSpawnError>(FiberId.none)
+      runSpare(Effect.flatMap(Effect.exit(Effect.flatMap(spawnWorker(undefined, true), awaitReady)), (exit) => Deferred.done(outcome, exit)))
+      spare = Deferred.await(outcome)
     }
 
     yield* Effect.addFinalizer(() =>
