@@ -23,12 +23,14 @@
 import * as Chunk from "effect/Chunk"
 import * as Context from "effect/Context"
 import * as Effect from "effect/Effect"
+import * as ExecutionStrategy from "effect/ExecutionStrategy"
 import * as Either from "effect/Either"
 import * as FiberMap from "effect/FiberMap"
 import * as FiberSet from "effect/FiberSet"
 import * as Layer from "effect/Layer"
 import * as Option from "effect/Option"
 import * as Queue from "effect/Queue"
+import * as Scope from "effect/Scope"
 import * as Stream from "effect/Stream"
 import { randomUUID } from "node:crypto"
 import * as Cursor from "./Cursor.js"
@@ -109,6 +111,7 @@ export const make = Effect.gen(function*() {
   const journal = yield* RecoveryJournal
   const cache = yield* SnapshotCache
   const pool = yield* WorkerPool
+  const managerScope = yield* Effect.scope
   /** Each session's entity fiber, by activeSessionId. */
   const entities = yield* FiberMap.make<string>()
   const restartPolicy = {
@@ -142,7 +145,10 @@ export const make = Effect.gen(function*() {
 
   const newSession = (meta: SessionMeta, phase: Phase): Effect.Effect<Session> =>
     Effect.gen(function*() {
+      const scope = yield* Scope.fork(managerScope, ExecutionStrategy.sequential)
       return {
+        scope,
+        fibers: yield* Scope.extend(FiberSet.make(), scope),
         meta,
         messageCount: 0,
         baseMessageCount: 0,

@@ -9,7 +9,9 @@ import * as Cause from "effect/Cause"
 import * as Deferred from "effect/Deferred"
 import * as Effect from "effect/Effect"
 import * as Either from "effect/Either"
+import * as Exit from "effect/Exit"
 import * as Queue from "effect/Queue"
+import * as Scope from "effect/Scope"
 import * as path from "node:path"
 import { WorkerCrashed } from "../../WorkerPool.js"
 import type { Delivery } from "../delivery/attach.js"
@@ -21,7 +23,7 @@ import type { Supervisor } from "./supervisor.js"
 
 /** The session entity: one fiber per session takes every input from its mailbox, one at a time. */
 export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Supervisor, delivery: Delivery) => {
-  const { cache, journal, log, restarts, sessions, store, publish, publishStatus, record, summary, fork } = core
+  const { cache, journal, log, restarts, sessions, store, publish, publishStatus, record, summary, fork, forkIn } = core
   const { beginCheckpoint } = checkpoints
   const { answerWaiting, failSession, onCrash, onFrames, pump, startTurn, startWorker } = supervisor
   const { detachAttachment } = delivery
@@ -115,7 +117,7 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
       case "Acquired": {
         if (phase._tag !== "Starting" || phase.epoch !== input.epoch) return Effect.asVoid(input.worker.stop())
         s.phase = { ...phase, worker: input.worker }
-        return fork(pump(s, input.worker))
+        return forkIn(s, pump(s, input.worker))
       }
       case "AcquireFailed": {
         if (phase._tag !== "Starting" || phase.epoch !== input.epoch) return Effect.void
@@ -161,6 +163,8 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
       for (const a of [...s.attachments]) detachAttachment(a)
       // Stopped before the answer: once `kill` is answered the worker is gone.
       if (worker !== undefined) yield* Effect.asVoid(worker.stop())
+      // Its pump and timers end; a worker still being acquired is waited for and stopped.
+      yield* Scope.close(s.scope, Exit.void)
       const gone = notFound(id)
       if (phase._tag === "Running") for (const a of phase.aborts) yield* Deferred.fail(a, gone)
       if (phase._tag === "Checkpointing") for (const w of phase.waiters) yield* Deferred.fail(w, gone)

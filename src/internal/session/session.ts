@@ -9,6 +9,7 @@ import * as Deferred from "effect/Deferred"
 import * as Effect from "effect/Effect"
 import * as FiberSet from "effect/FiberSet"
 import * as Queue from "effect/Queue"
+import type * as Scope from "effect/Scope"
 import type * as Schedule from "effect/Schedule"
 import type * as Cursor from "../../Cursor.js"
 import type { DaemonConfigShape } from "../../DaemonConfig.js"
@@ -76,6 +77,12 @@ export interface Session {
   /** The snapshot cache entry of the current generation, if built. */
   snapshotId: string | undefined
   closed: boolean
+  /**
+   * The session's own scope, closed by `kill`: its fibers (the worker's frame pump, a restart
+   * waiting for its backoff, a worker being acquired) end with it.
+   */
+  scope: Scope.CloseableScope
+  fibers: FiberSet.FiberSet
   // The lifecycle: read by anyone, changed only by the session's entity.
   phase: Phase
   /** Bumped at every worker start and stop: inputs of an older attempt are ignored. */
@@ -118,7 +125,11 @@ export interface CoreDeps {
 export const makeCore = (deps: CoreDeps) => {
   const { config, journal, log, sessions } = deps
 
+  /** Forks work that must finish even if its session is killed (stopping a worker). */
   const fork = <A, E>(effect: Effect.Effect<A, E>) => FiberSet.run(deps.fibers, effect).pipe(Effect.asVoid)
+
+  /** Forks work of one session, in its scope. */
+  const forkIn = <A, E>(s: Session, effect: Effect.Effect<A, E>) => FiberSet.run(s.fibers, effect).pipe(Effect.asVoid)
 
   const summary = (s: Session): SessionSummary => {
     const out: {
@@ -200,7 +211,7 @@ export const makeCore = (deps: CoreDeps) => {
     return out
   }
 
-  return { ...deps, fork, summary, get, publishAll, publish, publishStatus, record, workerEnv, post, filterEnv }
+  return { ...deps, fork, forkIn, summary, get, publishAll, publish, publishStatus, record, workerEnv, post, filterEnv }
 }
 
 export type Core = ReturnType<typeof makeCore>

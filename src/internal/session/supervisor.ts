@@ -21,7 +21,7 @@ import { type CommandError, type Core, failed, PUBLISH_BATCH_BYTES, type Session
 
 /** Worker supervision: start, frame pump, turns, crash -> restore on the restart schedule, failure. */
 export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
-  const { config, info, pool, restartPolicy, restarts, sessions, fork, post, publish, publishAll, publishStatus, record, summary, workerEnv } = core
+  const { config, info, pool, restartPolicy, restarts, sessions, fork, post, publish, publishAll, publishStatus, record, summary, workerEnv, forkIn } = core
   const { discardSnapshot, snapshotFrame } = checkpoints
 
   /**
@@ -49,8 +49,11 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
         ...(s.meta.config === undefined ? {} : { config: s.meta.config as Record<string, unknown> }),
         ...(restore === undefined ? {} : { restore })
       }
-      yield* fork(
-        Effect.gen(function*() {
+      // Uninterruptible: a `kill` meanwhile waits for it (closing the session's scope), and the
+      // worker it got is then stopped rather than left running.
+      yield* forkIn(
+        s,
+        Effect.uninterruptible(Effect.gen(function*() {
           yield* passivateBeyondLimit(s)
           const worker = yield* pool.acquire(s.meta.activeSessionId, workerEnv(s))
           // Sent at once, before the pool starts its next spare (a process booting beside a
@@ -60,9 +63,9 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
         }).pipe(
           Effect.matchEffect({
             onFailure: (error) => post(s, { _tag: "AcquireFailed", epoch, message: error.message }),
-            onSuccess: (w) => post(s, { _tag: "Acquired", epoch, worker: w })
+            onSuccess: (w) => s.closed ? Effect.asVoid(w.stop()) : post(s, { _tag: "Acquired", epoch, worker: w })
           })
-        )
+        ))
       )
     })
 
@@ -206,7 +209,7 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
       yield* publishStatus(s)
       // The first restart is immediate; later ones back off on the Clock.
       if (decision.delayMs === 0) return yield* startWorker(s, "recovering", true)
-      yield* fork(Effect.zipRight(Effect.sleep(Duration.millis(decision.delayMs)), post(s, { _tag: "RestartDue", epoch })))
+      yield* forkIn(s, Effect.zipRight(Effect.sleep(Duration.millis(decision.delayMs)), post(s, { _tag: "RestartDue", epoch })))
     })
 
   /**
