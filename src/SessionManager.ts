@@ -207,6 +207,13 @@ export const make = Effect.gen(function*() {
         ...(cmd.name === undefined ? {} : { name: cmd.name }),
         ...(cmd.config === undefined ? {} : { config: cmd.config as Record<string, unknown> })
       }
+      // A config nested too deeply for JSON.stringify would fail only once the session's
+      // directory exists: refuse it before anything is written.
+      yield* Effect.try({
+        try: () => JSON.stringify(meta),
+        catch: () =>
+          new CommandError({ code: "invalid_command", message: "Invalid `create` command: `config` is nested too deeply to be stored." })
+      })
       yield* store.create(meta).pipe(Effect.mapError(internal("session store")))
       const s = yield* newSession(meta, { _tag: "Starting", worker: undefined, state: "starting", epoch: 0 })
       s.launchEnv = cmd.launchEnv === undefined ? undefined : { ...cmd.launchEnv }
