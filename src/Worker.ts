@@ -46,11 +46,19 @@ export interface WorkerPipe {
   readonly lines: (onLine: (line: string) => void) => Promise<void>
 }
 
+/** How long a worker whose pipe closed may take to wind down before it exits anyway. */
+const EXIT_GRACE_MS = 2000
+
 /** The private pipe on an inherited fd (a worker process's fd 3). */
 class FdPipe implements WorkerPipe {
   private readonly socket: net.Socket
   constructor(fd: number) {
     this.socket = new net.Socket({ fd, readable: true, writable: true })
+    // The supervisor is gone: the program winds down (its turn interrupted, its warm-up dir
+    // removed), but a worker must never outlive its pipe, whatever hangs on the way out.
+    const exitSoon = () => setTimeout(() => process.exit(0), EXIT_GRACE_MS).unref()
+    this.socket.once("end", exitSoon)
+    this.socket.once("close", exitSoon)
   }
 
   /** Writes a frame; resolves once the kernel took it or the pipe drained. */
