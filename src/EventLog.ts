@@ -284,7 +284,6 @@ const isNotFound = (e: EventLogError): boolean => e.reason === "Io" && errnoCode
 
 const fsOpen = (sid: string, file: string, flags: string, mode?: number) =>
   io<number>(sid, `open ${file}`, (cb) => fs.open(file, flags, mode ?? 0o600, cb))
-const fsClose = (sid: string, fd: number) => io<void>(sid, "close", (cb) => fs.close(fd, unit(cb)))
 const fsCloseQuiet = (fd: number) => Effect.async<void>((resume) => fs.close(fd, () => resume(Effect.void)))
 const fsSync = (sid: string, fd: number) => io<void>(sid, "fsync", (cb) => fs.fsync(fd, unit(cb)))
 const fsDataSync = (sid: string, fd: number) => io<void>(sid, "fdatasync", (cb) => fs.fdatasync(fd, unit(cb)))

@@ -86,6 +86,9 @@ export interface WorkerHandle {
   readonly kill: () => void
 }
 
+/** A worker that has not said `worker_ready` by then is given up (and stopped): a failed spawn. */
+const READY_TIMEOUT_MS = 30_000
+
 /** Bytes of decoded-but-unconsumed frames past which the link stops reading (backpressure). */
 const HIGH_WATER_BYTES = 4 * 1024 * 1024
 
@@ -260,7 +263,13 @@ const defaultEntry = () => {
 /** Waits for the first frame of a new worker (`worker_ready`), or its death. */
 const awaitReady = <W extends WorkerHandle>(worker: W): Effect.Effect<W, WorkerSpawnError> =>
   Effect.gen(function*() {
-    const frames = yield* worker.takeFrames
+    const frames = yield* worker.takeFrames.pipe(
+      Effect.timeoutFail({
+        duration: Duration.millis(READY_TIMEOUT_MS),
+        onTimeout: () => new WorkerSpawnError({ message: `worker ${worker.pid} did not start within ${READY_TIMEOUT_MS} ms` })
+      }),
+      Effect.tapError(() => worker.stop(500))
+    )
     const first = frames[0] as { type?: string } | undefined
     if (first?.type !== "worker_ready") {
       yield* worker.stop(500)
@@ -268,6 +277,15 @@ const awaitReady = <W extends WorkerHandle>(worker: W): Effect.Effect<W, WorkerS
     }
     return worker
   })
+
+/**
+ * Starts a worker and waits for it to be ready. Interruptible while it waits: a caller that
+ * gives up (its session was killed) stops the worker rather than leave it running.
+ */
+const startAndAwaitReady = <W extends WorkerHandle, E>(start: Effect.Effect<W, E>): Effect.Effect<W, E | WorkerSpawnError> =>
+  Effect.uninterruptibleMask((restore) =>
+    Effect.flatMap(start, (worker) => restore(awaitReady(worker)).pipe(Effect.onInterrupt(() => worker.stop(500))))
+  )
 
 /** Builds the pool; every worker is stopped when the scope closes. */
 export const make = (options: WorkerPoolOptions = {}) =>
@@ -332,7 +350,7 @@ export const make = (options: WorkerPoolOptions = {}) =>
       if (options.warmSpare === false || closing) return
       // Started now: the process boots while nobody waits for it; whoever takes it waits for its outcome.
       const outcome = Deferred.unsafeMake<WorkerProcess, WorkerSpawnError>(FiberId.none)
-      runSpare(Effect.flatMap(Effect.exit(Effect.flatMap(spawnWorker(undefined, true), awaitReady)), (exit) => Deferred.done(outcome, exit)))
+      runSpare(Effect.flatMap(Effect.exit(startAndAwaitReady(spawnWorker(undefined, true))), (exit) => Deferred.done(outcome, exit)))
       spare = Deferred.await(outcome)
     }
 
@@ -353,13 +371,16 @@ export const make = (options: WorkerPoolOptions = {}) =>
           // Spawning is synchronous and takes milliseconds: let the caller send the taken
           // worker its `load` first (a restore waits for it), then start the next spare.
           setImmediate(startSpare)
-          worker = yield* Effect.orElseSucceed(taken, () => undefined)
+          worker = yield* Effect.orElseSucceed(taken, () => undefined).pipe(
+            // Given up while the spare boots: it is stopped once it is up.
+            Effect.onInterrupt(() => Effect.sync(() => runSpare(Effect.flatMap(taken, (w) => w.stop()))))
+          )
           // A spare that died meanwhile is no use: fall through to a fresh spawn.
           if (worker !== undefined && (worker.child.exitCode !== null || worker.child.signalCode !== null)) {
             worker = undefined
           }
         }
-        if (worker === undefined) worker = yield* Effect.flatMap(spawnWorker(env), awaitReady)
+        if (worker === undefined) worker = yield* startAndAwaitReady(spawnWorker(env))
         worker.activeSessionId = activeSessionId
         return worker
       })
@@ -477,24 +498,28 @@ export const makeInProcess = (options: InProcessOptions = {}) =>
     const acquire = (activeSessionId: string, env?: Readonly<Record<string, string>>) =>
       Effect.gen(function*() {
         if (options.beforeStart !== undefined) yield* options.beforeStart(activeSessionId, env)
-        const worker = new InProcessWorker(yield* Deferred.make<WorkerExit>())
-        workers.add(worker)
-        const program = Worker.run(worker.pipe, {
-          pid: worker.pid,
-          exit: Effect.sync(() => worker.exit({ code: 0, signal: null })),
-          restore
-        }).pipe(
-          Effect.provide(context),
-          Effect.matchCause({
-            onFailure: () => worker.exit({ code: 1, signal: null }),
-            onSuccess: () => worker.exit({ code: 0, signal: null })
-          }),
-          // A kill ends the program wherever it is.
-          Effect.raceFirst(Deferred.await(worker.exited)),
-          Effect.ensuring(Effect.sync(() => workers.delete(worker)))
-        )
-        yield* FiberSet.run(fibers, program)
-        const ready = yield* awaitReady(worker)
+        const started = Effect.gen(function*() {
+          const worker = new InProcessWorker(yield* Deferred.make<WorkerExit>())
+          workers.add(worker)
+          const program = Worker.run(worker.pipe, {
+            pid: worker.pid,
+            exit: Effect.sync(() => worker.exit({ code: 0, signal: null })),
+            restore
+          }).pipe(
+            Effect.provide(context),
+            Effect.matchCause({
+              onFailure: () => worker.exit({ code: 1, signal: null }),
+              onSuccess: () => worker.exit({ code: 0, signal: null })
+            }),
+            // A kill ends the program wherever it is.
+            Effect.raceFirst(Deferred.await(worker.exited)),
+            Effect.ensuring(Effect.sync(() => workers.delete(worker)))
+          )
+          // Interruptible whatever the caller's region: `kill` must end it wherever it is.
+          yield* FiberSet.run(fibers, Effect.interruptible(program))
+          return worker
+        })
+        const ready = yield* startAndAwaitReady(started)
         ready.activeSessionId = activeSessionId
         return ready as WorkerHandle
       })

@@ -1,30 +1,1493 @@
+/**
+ * The session entity in-process (PROTOCOL.md sections 3-6, docs/protocol.md section 9): every
+ * transition of its Phase, and above all every request that a transition must settle. Workers
+ * are fibers of this process (test/support/core.ts); gates hold a worker at a chosen step so that
+ * a command lands in a given phase deterministically (no fixed sleeps as synchronisation).
+ */
 import { assert, describe, it } from "@effect/vitest"
+import * as Deferred from "effect/Deferred"
 import * as Effect from "effect/Effect"
-import { SessionManager } from "../src/SessionManager.js"
-import { WorkerPool } from "../src/WorkerPool.js"
-import { coreLayer, MemoryConnection, waitFor } from "./support/core.js"
+import * as Either from "effect/Either"
+import * as Fiber from "effect/Fiber"
+import * as Option from "effect/Option"
+import * as Stream from "effect/Stream"
+import * as TestClock from "effect/TestClock"
+import * as Chunk from "effect/Chunk"
+import * as Ref from "effect/Ref"
+import { EventLog } from "../src/EventLog.js"
+import { RecoveryJournal } from "../src/RecoveryJournal.js"
+import { type CommandError, SessionManager } from "../src/SessionManager.js"
+import { type WorkerHandle, WorkerPool } from "../src/WorkerPool.js"
+import { describeMsg } from "./chaos/streamCheck.js"
+import { coreLayer, makeStored, MemoryConnection, waitFor, withCore } from "./support/core.js"
+
+// ---------------------------------------------------------------------------------------------
+// Helpers
+// ---------------------------------------------------------------------------------------------
+
+type Line = Record<string, any>
+type Manager = SessionManager["Type"]
+
+const seq = (conn: MemoryConnection): Array<Line> => conn.sequenced()
+const cur = (l: Line) => `${l["meta"].cursor.generation}:${l["meta"].cursor.sequence}`
+const cursors = (lines: ReadonlyArray<Line>) => lines.map(cur)
+const show = (lines: ReadonlyArray<Line>) => lines.map((l) => describeMsg(l)).join(" ")
+const statusOf = (l: Line) => `${l["state"].worker}/${l["state"].busy ? "busy" : "idle"}`
+const statuses = (lines: ReadonlyArray<Line>) => lines.filter((l) => l["type"] === "session_status").map(statusOf)
+/** Consecutive equal entries folded into one (a repeated status says nothing new). */
+const dedupe = (xs: ReadonlyArray<string>) => xs.filter((x, i) => i === 0 || xs[i - 1] !== x)
+const events = (lines: ReadonlyArray<Line>) => lines.filter((l) => l["type"] === "session_event").map((l) => l["event"])
+const eventTypes = (lines: ReadonlyArray<Line>) => events(lines).map((e) => e.type as string)
+const isTurnEnd = (l: Line) =>
+  l["type"] === "session_event" && (l["event"].type === "agent_end" || l["event"].type === "turn_interrupted")
+/** Without `meta.replayed` (and `emittedAt`): what two clients must agree on. */
+const body = (l: Line) => JSON.stringify({ ...l, meta: { cursor: l["meta"].cursor } })
+
+/** Turns whose end (agent_end or turn_interrupted) was followed by an idle status. */
+const turnsDone = (lines: ReadonlyArray<Line>) => {
+  let done = 0
+  let ended = false
+  for (const l of lines) {
+    if (isTurnEnd(l)) ended = true
+    else if (ended && l["type"] === "session_status" && l["state"].busy === false) {
+      done++
+      ended = false
+    }
+  }
+  return done
+}
+
+/**
+ * Every consecutive pair of cursors is contiguous: the next sequence of the same generation,
+ * or sequence 0 of a later generation (`strictGenerations`: of the next one).
+ */
+const assertContiguous = (lines: ReadonlyArray<Line>, strictGenerations = false) => {
+  for (let i = 1; i < lines.length; i++) {
+    const a = lines[i - 1]!["meta"].cursor
+    const b = lines[i]!["meta"].cursor
+    const ok = a.generation === b.generation
+      ? b.sequence === a.sequence + 1
+      : b.generation > a.generation && b.sequence === 0 && (!strictGenerations || b.generation === a.generation + 1)
+    if (!ok) assert.fail(`cursor gap or duplicate between ${cur(lines[i - 1]!)} and ${cur(lines[i]!)}: ${show(lines)}`)
+  }
+}
+
+/** A connection that saw everything from the start saw exactly the event log (nothing pruned). */
+const assertMatchesLog = (id: string, lines: ReadonlyArray<Line>) =>
+  Effect.gen(function*() {
+    const log = yield* EventLog
+    const records = Chunk.toReadonlyArray(yield* Stream.runCollect(log.read(id)).pipe(Effect.orDie))
+    assert.deepStrictEqual(
+      cursors(lines),
+      records.map((r) => `${r.cursor.generation}:${r.cursor.sequence}`),
+      `the client's cursors are the log's: ${show(lines)}`
+    )
+  })
+
+const create = (sm: Manager) => sm.create({ type: "create" } as any)
+const prompt = (sm: Manager, id: string, message: string) =>
+  sm.prompt({ type: "prompt", activeSessionId: id, message } as any)
+const abort = (sm: Manager, id: string) => sm.abort({ type: "abort", activeSessionId: id } as any)
+const messagesOf = (sm: Manager, id: string) =>
+  Effect.map(sm.getMessages({ type: "get_messages", activeSessionId: id, limit: 1000 } as any), (r) => ({
+    total: r.total,
+    contents: r.messages.map((m) => `${m.role}:${m.content}`),
+    ids: r.messages.map((m) => m.id)
+  }))
+
+/** Attaches `conn` (delivery forked into the test's scope). */
+const attach = (sm: Manager, id: string, conn: MemoryConnection, extra: Record<string, unknown> = {}) =>
+  Effect.gen(function*() {
+    const outcome = yield* sm.attach(conn.id, conn, { type: "attach", activeSessionId: id, ...extra } as any)
+    yield* Effect.forkScoped(outcome.deliver)
+    return outcome.data
+  })
+
+/** A new session with a connection attached from its start. */
+const open = (sm: Manager, name = "c1") =>
+  Effect.gen(function*() {
+    const created = yield* create(sm)
+    const conn = new MemoryConnection(name)
+    yield* attach(sm, created.activeSessionId, conn)
+    return { id: created.activeSessionId, conn, created }
+  })
+
+const waitReady = (conn: MemoryConnection) =>
+  waitFor("a ready, idle session", () => statuses(seq(conn)).at(-1) === "ready/idle", 5_000)
+
+/** Prompts and waits for the turn's end and its idle status. */
+const runTurn = (sm: Manager, id: string, conn: MemoryConnection, message: string) =>
+  Effect.gen(function*() {
+    const before = turnsDone(seq(conn))
+    const accepted = yield* prompt(sm, id, message)
+    assert.deepStrictEqual(accepted, { accepted: true })
+    yield* waitFor(`the end of turn "${message}"`, () => turnsDone(seq(conn)) > before, 5_000)
+  })
+
+/** Polls an effect (real time). */
+const waitUntil = <E, R>(what: string, check: Effect.Effect<boolean, E, R>, ms = 5_000) =>
+  Effect.gen(function*() {
+    const deadline = Date.now() + ms
+    while (!(yield* check)) {
+      if (Date.now() > deadline) return yield* Effect.dieMessage(`timed out waiting for ${what}`)
+      yield* Effect.sleep("2 millis")
+    }
+  })
+
+/** Joins a fiber, failing the test if it is not done within `ms` (a request left hanging). */
+const joinWithin = <A, E>(what: string, fiber: Fiber.Fiber<A, E>, ms = 5_000) =>
+  Effect.either(Fiber.join(fiber)).pipe(
+    Effect.timeoutFail({ duration: ms, onTimeout: () => new Error(`${what} was never answered`) }),
+    Effect.orDie
+  )
+
+/** The error code of a request that must fail. */
+const expectCode = <A>(what: string, outcome: Either.Either<A, CommandError>, code: string) => {
+  if (Either.isRight(outcome)) return assert.fail(`${what}: expected ${code}, got ${JSON.stringify(outcome.right)}`)
+  assert.strictEqual(outcome.left.code, code, `${what}: ${outcome.left.message}`)
+}
+const failsWith = <A, R>(what: string, effect: Effect.Effect<A, CommandError, R>, code: string) =>
+  Effect.map(Effect.either(effect), (outcome) => expectCode(what, outcome, code))
+
+const isPending = <A, E>(fiber: Fiber.Fiber<A, E>) => Effect.map(Fiber.poll(fiber), Option.isNone)
+
+/** The session's live worker (the one the pool runs for it). */
+const workerOf = (id: string) =>
+  Effect.gen(function*() {
+    const pool = yield* WorkerPool
+    const all: Array<WorkerHandle> = []
+    for (const w of yield* pool.live) {
+      if (w.activeSessionId === id && !w.stopping && !(yield* Deferred.isDone(w.exited))) all.push(w)
+    }
+    assert.strictEqual(all.length, 1, `one live worker for ${id}`)
+    return all[0]!
+  })
+
+const journalOperation = (id: string) =>
+  Effect.gen(function*() {
+    const journal = yield* RecoveryJournal
+    return Option.getOrUndefined(Option.map(yield* journal.get(id), (r) => r.operation))
+  })
+
+/**
+ * A request that goes through the session's mailbox: once answered, every earlier input was
+ * handled. (`retry_worker` changes nothing unless the session has failed: never used then.)
+ */
+const barrier = (sm: Manager, id: string) => Effect.ignore(sm.retryWorker(id))
+
+/** Lines after the `n` first sequenced ones. */
+const since = (conn: MemoryConnection, n: number) => seq(conn).slice(n)
+
+// ---------------------------------------------------------------------------------------------
 
 describe("SessionManager (in-process)", () => {
   it.scopedLive("a prompt runs a turn; a killed worker is restored and the session goes on", () =>
-    Effect.gen(function*() {
-      const sm = yield* SessionManager
-      const pool = yield* WorkerPool
-      const { activeSessionId } = yield* sm.create({ type: "create" } as any)
-      const conn = new MemoryConnection("c1")
-      const outcome = yield* sm.attach("c1", conn, { type: "attach", activeSessionId } as any)
-      yield* Effect.forkScoped(outcome.deliver)
-      yield* sm.prompt({ type: "prompt", activeSessionId, message: "hello" } as any)
-      yield* waitFor("agent_end", () => conn.sequenced().some((l) => l.event?.type === "agent_end"))
-      const [worker] = yield* pool.live
-      worker!.kill()
-      yield* waitFor("recovering, then ready", () => {
-        const workers = conn.sequenced().filter((l) => l.type === "session_status").map((l) => l.state.worker)
-        return workers.lastIndexOf("ready") > workers.indexOf("recovering") && workers.includes("recovering")
-      })
-      yield* sm.prompt({ type: "prompt", activeSessionId, message: "again" } as any)
-      yield* waitFor("second agent_end", () => conn.sequenced().filter((l) => l.event?.type === "agent_end").length === 2)
-      const state = yield* sm.getState(activeSessionId)
-      assert.strictEqual(state.messageCount, 4)
-      assert.strictEqual(state.restarts, 1)
-    }).pipe(Effect.provide(coreLayer())))
+    withCore({}, () =>
+      Effect.gen(function*() {
+        const sm = yield* SessionManager
+        const pool = yield* WorkerPool
+        const { activeSessionId } = yield* sm.create({ type: "create" } as any)
+        const conn = new MemoryConnection("c1")
+        const outcome = yield* sm.attach("c1", conn, { type: "attach", activeSessionId } as any)
+        yield* Effect.forkScoped(outcome.deliver)
+        yield* sm.prompt({ type: "prompt", activeSessionId, message: "hello" } as any)
+        yield* waitFor("agent_end", () => conn.sequenced().some((l) => l.event?.type === "agent_end"))
+        const [worker] = yield* pool.live
+        worker!.kill()
+        yield* waitFor("recovering, then ready", () => {
+          const workers = conn.sequenced().filter((l) => l.type === "session_status").map((l) => l.state.worker)
+          return workers.lastIndexOf("ready") > workers.indexOf("recovering") && workers.includes("recovering")
+        })
+        yield* sm.prompt({ type: "prompt", activeSessionId, message: "again" } as any)
+        yield* waitFor("second agent_end", () => conn.sequenced().filter((l) => l.event?.type === "agent_end").length === 2)
+        const state = yield* sm.getState(activeSessionId)
+        assert.strictEqual(state.messageCount, 4)
+        assert.strictEqual(state.restarts, 1)
+      })))
+
+  describe("start and prompt", () => {
+    it.scopedLive("create answers `starting`; the worker's `ready` status is the first event (1:0), idle", () =>
+      withCore({}, () =>
+        Effect.gen(function*() {
+          const sm = yield* SessionManager
+          const { conn, created, id } = yield* open(sm)
+          assert.strictEqual(created.state.worker, "starting")
+          assert.isFalse(created.state.busy)
+          assert.strictEqual(created.state.messageCount, 0)
+          assert.strictEqual(created.state.restarts, 0)
+          assert.isUndefined(created.state.lastEventCursor)
+          yield* waitReady(conn)
+          assert.deepStrictEqual(cursors(seq(conn)), ["1:0"])
+          assert.deepStrictEqual(statuses(seq(conn)), ["ready/idle"])
+          const state = yield* sm.getState(id)
+          assert.strictEqual(state.worker, "ready")
+          assert.isFalse(state.busy)
+          assert.isNumber(state.workerPid)
+          assert.deepStrictEqual(state.lastEventCursor, { generation: 1, sequence: 0 })
+          assert.deepStrictEqual((yield* sm.list).sessions.map((s) => s.activeSessionId), [id])
+        })))
+
+    it.scopedLive("a prompt reserved while the worker starts runs once, when it is ready; meanwhile a second prompt is session_busy and abort is {aborted:false}", () =>
+      withCore({}, (ctl) =>
+        Effect.gen(function*() {
+          const sm = yield* SessionManager
+          ctl.spawnGate.close()
+          const { conn, id } = yield* open(sm)
+          yield* waitFor("the spawn held", () => ctl.spawnGate.waiting === 1)
+          const first = yield* Effect.fork(prompt(sm, id, "hello world"))
+          yield* waitUntil("the prompt reserved the session", Effect.map(sm.getState(id), (s) => s.busy))
+          assert.deepStrictEqual(statuses(seq(conn)), ["starting/busy"])
+          yield* failsWith("a second prompt while one is reserved", prompt(sm, id, "other"), "session_busy")
+          assert.deepStrictEqual(yield* abort(sm, id), { aborted: false })
+          assert.isTrue(yield* isPending(first), "the reserved prompt waits for the worker")
+          ctl.spawnGate.open()
+          const answer = yield* joinWithin("the reserved prompt", first)
+          assert.deepStrictEqual(answer, Either.right({ accepted: true as const }))
+          yield* waitFor("the turn's end", () => turnsDone(seq(conn)) === 1)
+          const lines = seq(conn)
+          assert.deepStrictEqual(dedupe(statuses(lines)), ["starting/busy", "ready/busy", "ready/idle"], show(lines))
+          assert.deepStrictEqual(eventTypes(lines), [
+            "agent_start",
+            "turn_start",
+            "message_start",
+            "message_end",
+            "message_start",
+            "message_update",
+            "message_update",
+            "message_update",
+            "message_end",
+            "turn_end",
+            "agent_end"
+          ])
+          // The turn's busy status comes before its first event, its idle status last.
+          const agentStart = lines.findIndex((l) => l["event"]?.type === "agent_start")
+          assert.strictEqual(statusOf(lines[agentStart - 1]!), "ready/busy")
+          assert.strictEqual(statusOf(lines.at(-1)!), "ready/idle")
+          assertContiguous(lines, true)
+          yield* assertMatchesLog(id, lines)
+          assert.deepStrictEqual((yield* messagesOf(sm, id)).contents, ["user:hello world", "assistant:echo: hello world"])
+          assert.strictEqual(yield* Ref.get(ctl.starts), 1)
+          const state = yield* sm.getState(id)
+          assert.isFalse(state.busy)
+          assert.strictEqual(state.messageCount, 2)
+        })))
+
+    it.scopedLive("a prompt during a turn is session_busy; once the turn's idle status is out the next is accepted", () =>
+      withCore({}, (ctl) =>
+        Effect.gen(function*() {
+          const sm = yield* SessionManager
+          const { conn, id } = yield* open(sm)
+          yield* waitReady(conn)
+          ctl.holdGate.close()
+          assert.deepStrictEqual(yield* prompt(sm, id, "/hold"), { accepted: true })
+          yield* failsWith("a prompt during a turn", prompt(sm, id, "x"), "session_busy")
+          assert.isTrue((yield* sm.getState(id)).busy)
+          ctl.holdGate.open()
+          yield* waitFor("the held turn's end", () => turnsDone(seq(conn)) === 1)
+          assert.isFalse((yield* sm.getState(id)).busy)
+          yield* runTurn(sm, id, conn, "next")
+          assert.deepStrictEqual((yield* messagesOf(sm, id)).contents, [
+            "user:/hold",
+            "assistant:held",
+            "user:next",
+            "assistant:echo: next"
+          ])
+          assertContiguous(seq(conn), true)
+        })))
+  })
+
+  describe("abort", () => {
+    it.scopedLive("with no turn running: {aborted:false} at once, and nothing is logged", () =>
+      withCore({}, () =>
+        Effect.gen(function*() {
+          const sm = yield* SessionManager
+          const { conn, id } = yield* open(sm)
+          yield* waitReady(conn)
+          yield* runTurn(sm, id, conn, "one")
+          const before = seq(conn).length
+          assert.deepStrictEqual(yield* abort(sm, id), { aborted: false })
+          yield* barrier(sm, id)
+          assert.strictEqual(seq(conn).length, before)
+          assert.isFalse((yield* sm.getState(id)).busy)
+        })))
+
+    it.scopedLive("during a /sleep turn: {aborted:true}, the turn ends with turn_interrupted{aborted}, then one idle status", () =>
+      withCore({}, () =>
+        Effect.gen(function*() {
+          const sm = yield* SessionManager
+          const { conn, id } = yield* open(sm)
+          yield* waitReady(conn)
+          const start = seq(conn).length
+          yield* prompt(sm, id, "/sleep 10000")
+          yield* waitFor("tool_execution_start", () => eventTypes(seq(conn)).includes("tool_execution_start"))
+          const t0 = Date.now()
+          assert.deepStrictEqual(yield* abort(sm, id), { aborted: true })
+          assert.isBelow(Date.now() - t0, 2_000, "the sleep was cut, not waited for")
+          yield* waitFor("the idle status", () => turnsDone(seq(conn)) === 1)
+          const turn = since(conn, start)
+          assert.deepStrictEqual(eventTypes(turn), [
+            "agent_start",
+            "turn_start",
+            "message_start",
+            "message_end",
+            "tool_execution_start",
+            "turn_interrupted"
+          ], show(turn))
+          assert.deepStrictEqual(events(turn).at(-1), { type: "turn_interrupted", reason: "aborted" })
+          const end = turn.findIndex(isTurnEnd)
+          assert.deepStrictEqual(turn.slice(end + 1).map(statusOf), ["ready/idle"], show(turn))
+          assert.isFalse((yield* sm.getState(id)).busy)
+          assert.deepStrictEqual((yield* messagesOf(sm, id)).contents, ["user:/sleep 10000"])
+          yield* runTurn(sm, id, conn, "after")
+          assertContiguous(seq(conn), true)
+          yield* assertMatchesLog(id, seq(conn))
+        })))
+
+    it.scopedLive("an abort waits for a turn that cannot be cut yet; two aborts get the same answer", () =>
+      withCore({}, (ctl) =>
+        Effect.gen(function*() {
+          const sm = yield* SessionManager
+          const { conn, id } = yield* open(sm)
+          yield* waitReady(conn)
+          ctl.holdGate.close()
+          ctl.cutGate.close()
+          yield* prompt(sm, id, "/hold")
+          yield* waitFor("the hold", () => ctl.holdGate.waiting === 1)
+          const a1 = yield* Effect.fork(abort(sm, id))
+          const a2 = yield* Effect.fork(abort(sm, id))
+          // The worker cuts the turn, whose end waits at the cut gate.
+          yield* waitFor("the turn being cut", () => ctl.cutGate.waiting === 1)
+          yield* barrier(sm, id)
+          assert.isTrue(yield* isPending(a1), "an abort is answered at its turn's end")
+          assert.isTrue(yield* isPending(a2))
+          assert.isTrue((yield* sm.getState(id)).busy)
+          ctl.cutGate.open()
+          assert.deepStrictEqual(yield* joinWithin("abort 1", a1), Either.right({ aborted: true }), show(seq(conn)))
+          assert.deepStrictEqual(yield* joinWithin("abort 2", a2), Either.right({ aborted: true }))
+          yield* waitFor("the idle status", () => turnsDone(seq(conn)) === 1)
+          const lines = seq(conn)
+          assert.deepStrictEqual(events(lines).filter((e) => e.type === "turn_interrupted"), [{
+            type: "turn_interrupted",
+            reason: "aborted"
+          }])
+          assert.notInclude(eventTypes(lines), "agent_end")
+          assert.isFalse((yield* sm.getState(id)).busy)
+        })))
+
+    it.scopedLive("an abort that reaches the worker after its agent_end (not yet read by the supervisor): {aborted:false}, the turn ends with agent_end only", () =>
+      withCore({}, (ctl) =>
+        Effect.gen(function*() {
+          const sm = yield* SessionManager
+          const { conn, id } = yield* open(sm)
+          yield* waitReady(conn)
+          const start = seq(conn).length
+          ctl.frameGate.close()
+          yield* prompt(sm, id, "quick one")
+          // The worker has written the whole turn; the supervisor has read none of it.
+          yield* waitUntil("the worker's turn over", Effect.map(Ref.get(ctl.turnsEnded), (n) => n === 1))
+          const aborting = yield* Effect.fork(abort(sm, id))
+          yield* barrier(sm, id)
+          assert.isTrue(yield* isPending(aborting), "the turn is running for the supervisor")
+          ctl.frameGate.open()
+          assert.deepStrictEqual(yield* joinWithin("the abort", aborting), Either.right({ aborted: false }))
+          yield* waitFor("the idle status", () => turnsDone(since(conn, start)) === 1)
+          const turn = since(conn, start)
+          assert.deepStrictEqual(eventTypes(turn).filter((t) => t === "agent_end" || t === "turn_interrupted"), ["agent_end"], show(turn))
+          assert.strictEqual(statusOf(turn.at(-1)!), "ready/idle")
+          assert.deepStrictEqual((yield* messagesOf(sm, id)).contents, ["user:quick one", "assistant:echo: quick one"])
+        })))
+
+    it.scopedLive("abort racing the turn's natural end: answered once, and `aborted` says how the turn ended", () =>
+      withCore({}, () =>
+        Effect.gen(function*() {
+          const sm = yield* SessionManager
+          const { conn, id } = yield* open(sm)
+          yield* waitReady(conn)
+          const outcomes = { aborted: 0, completed: 0 }
+          for (let i = 0; i < 40; i++) {
+            const start = seq(conn).length
+            const message = i % 2 === 0 ? `/sleep ${i % 3}` : `race ${i}`
+            yield* prompt(sm, id, message)
+            for (let k = 0; k < i % 9; k++) yield* Effect.yieldNow()
+            const [r1, r2] = yield* Effect.all([abort(sm, id), abort(sm, id)], { concurrency: "unbounded" })
+            yield* waitFor(`turn ${i}'s idle status`, () => turnsDone(since(conn, start)) === 1)
+            const turn = since(conn, start)
+            const ends = events(turn).filter((e) => e.type === "agent_end" || e.type === "turn_interrupted")
+            assert.strictEqual(ends.length, 1, `one end for turn ${i}: ${show(turn)}`)
+            // An abort answered during the turn says how it ended; one handled after its end
+            // finds no turn ({aborted:false}). So: cut exactly when some abort says so.
+            if (r1.aborted || r2.aborted) {
+              assert.deepStrictEqual(ends[0], { type: "turn_interrupted", reason: "aborted" }, show(turn))
+              outcomes.aborted++
+            } else {
+              assert.deepStrictEqual(ends[0], { type: "agent_end" }, show(turn))
+              outcomes.completed++
+            }
+            assert.strictEqual(statusOf(turn.at(-1)!), "ready/idle")
+            assert.strictEqual(turn.filter((l) => l["type"] === "session_status" && !l["state"].busy).length, 1)
+            assert.isFalse((yield* sm.getState(id)).busy)
+          }
+          assertContiguous(seq(conn), true)
+          yield* assertMatchesLog(id, seq(conn))
+          // Both ends must have been seen (a /sleep is cut, a plain prompt reaches agent_end first).
+          assert.isAbove(outcomes.aborted, 0)
+          assert.isAbove(outcomes.completed, 0)
+        })))
+  })
+
+  describe("checkpoint", () => {
+    it.scopedLive("idle: a new generation; attach shows it; cursors go on at generation+1, sequence 0", () =>
+      withCore({}, () =>
+        Effect.gen(function*() {
+          const sm = yield* SessionManager
+          const { conn, id } = yield* open(sm)
+          yield* waitReady(conn)
+          yield* runTurn(sm, id, conn, "a b")
+          const lastOfG1 = cur(seq(conn).at(-1)!)
+          assert.deepStrictEqual(yield* sm.checkpoint(id), { generation: 2, snapshotId: `${id}~g2` })
+          assert.deepStrictEqual((yield* sm.getState(id)).lastEventCursor, seq(conn).at(-1)!["meta"].cursor)
+          const c2 = new MemoryConnection("c2")
+          const data = yield* attach(sm, id, c2)
+          assert.strictEqual(data.snapshot.snapshotId, `${id}~g2`)
+          assert.strictEqual(`${data.snapshot.cursor?.generation}:${data.snapshot.cursor?.sequence}`, lastOfG1)
+          assert.strictEqual(data.snapshot.messageCount, 2)
+          assert.deepStrictEqual(data.snapshot.messages.map((m) => m.content), ["a b", "echo: a b"])
+          assert.strictEqual(data.replay.eventCount, 0)
+          const before = seq(conn).length
+          yield* runTurn(sm, id, conn, "c")
+          const g2 = since(conn, before)
+          assert.strictEqual(cur(g2[0]!), "2:0")
+          assertContiguous(seq(conn), true)
+          yield* assertMatchesLog(id, seq(conn))
+          yield* waitFor("c2 has the turn", () => seq(c2).length === g2.length)
+          assert.deepStrictEqual(cursors(seq(c2)), cursors(g2))
+          assert.deepStrictEqual((yield* messagesOf(sm, id)).contents, ["user:a b", "assistant:echo: a b", "user:c", "assistant:echo: c"])
+          // A checkpoint with nothing new since the last one still starts a generation (empty).
+          assert.deepStrictEqual(yield* sm.checkpoint(id), { generation: 3, snapshotId: `${id}~g3` })
+          assert.deepStrictEqual(yield* sm.checkpoint(id), { generation: 4, snapshotId: `${id}~g4` })
+          const n = seq(conn).length
+          yield* runTurn(sm, id, conn, "d")
+          assert.strictEqual(cur(since(conn, n)[0]!), "4:0")
+          assertContiguous(seq(conn))
+          yield* assertMatchesLog(id, seq(conn))
+        })))
+
+    it.scopedLive("asked while the worker starts: answered once it is ready, before a prompt that waited too", () =>
+      withCore({}, (ctl) =>
+        Effect.gen(function*() {
+          const sm = yield* SessionManager
+          ctl.spawnGate.close()
+          const { conn, id } = yield* open(sm)
+          yield* waitFor("the spawn held", () => ctl.spawnGate.waiting === 1)
+          const checkpoint = yield* Effect.fork(sm.checkpoint(id))
+          const waiting = yield* Effect.fork(prompt(sm, id, "then"))
+          yield* barrier(sm, id)
+          assert.isTrue(yield* isPending(checkpoint))
+          ctl.spawnGate.open()
+          assert.deepStrictEqual(yield* joinWithin("the checkpoint", checkpoint), Either.right({ generation: 2, snapshotId: `${id}~g2` }))
+          assert.deepStrictEqual(yield* joinWithin("the prompt", waiting), Either.right({ accepted: true as const }))
+          yield* waitFor("the turn", () => turnsDone(seq(conn)) === 1)
+          const lines = seq(conn)
+          // The prompt's reservation and the ready status are in generation 1; its turn in 2.
+          assert.deepStrictEqual(lines.filter((l) => l["meta"].cursor.generation === 1).map(statusOf), ["starting/busy", "ready/busy"])
+          assert.strictEqual(cur(lines.find((l) => l["event"]?.type === "agent_start")!), "2:1")
+          assertContiguous(lines, true)
+          yield* assertMatchesLog(id, lines)
+        })))
+
+    it.scopedLive("asked during a turn: answered after the turn's end, with the turn in its snapshot", () =>
+      withCore({}, () =>
+        Effect.gen(function*() {
+          const sm = yield* SessionManager
+          const { conn, id } = yield* open(sm)
+          yield* waitReady(conn)
+          yield* prompt(sm, id, "/sleep 150")
+          yield* waitFor("tool_execution_start", () => eventTypes(seq(conn)).includes("tool_execution_start"))
+          const checkpoint = yield* Effect.fork(sm.checkpoint(id))
+          yield* barrier(sm, id)
+          assert.isTrue(yield* isPending(checkpoint), "a checkpoint waits for the turn")
+          assert.notInclude(eventTypes(seq(conn)), "agent_end")
+          const answer = yield* joinWithin("the checkpoint", checkpoint)
+          assert.deepStrictEqual(answer, Either.right({ generation: 2, snapshotId: `${id}~g2` }))
+          const lines = seq(conn)
+          assert.strictEqual(turnsDone(lines), 1)
+          const c2 = new MemoryConnection("c2")
+          const data = yield* attach(sm, id, c2)
+          // The snapshot is the state after the turn's idle status.
+          assert.strictEqual(`${data.snapshot.cursor?.generation}:${data.snapshot.cursor?.sequence}`, cur(lines.at(-1)!))
+          assert.deepStrictEqual(data.snapshot.messages.map((m) => `${m.role}:${m.content}`), [
+            "user:/sleep 150",
+            "tool:slept 150 ms",
+            "assistant:done"
+          ])
+        })))
+
+    it.scopedLive("two checkpoints at once are joined (asked during a turn, or both while idle): one generation", () =>
+      withCore({}, (ctl) =>
+        Effect.gen(function*() {
+          const sm = yield* SessionManager
+          const { conn, id } = yield* open(sm)
+          yield* waitReady(conn)
+          ctl.holdGate.close()
+          yield* prompt(sm, id, "/hold")
+          const both = yield* Effect.fork(Effect.all([sm.checkpoint(id), sm.checkpoint(id)], { concurrency: "unbounded" }))
+          yield* barrier(sm, id)
+          ctl.holdGate.open()
+          const during = yield* joinWithin("two checkpoints asked during a turn", both)
+          const g2 = { generation: 2, snapshotId: `${id}~g2` }
+          assert.deepStrictEqual(during, Either.right([g2, g2]))
+          const idle = yield* Effect.all([sm.checkpoint(id), sm.checkpoint(id)], { concurrency: "unbounded" })
+          const g3 = { generation: 3, snapshotId: `${id}~g3` }
+          assert.deepStrictEqual(idle, [g3, g3])
+          assert.deepStrictEqual(yield* sm.checkpoint(id), { generation: 4, snapshotId: `${id}~g4` })
+        })))
+
+    it.scopedLive("while a checkpoint is under way: a prompt waits (nothing is logged) and runs after it at g+1:0; another checkpoint joins it; abort is {aborted:false}", () =>
+      withCore({}, (ctl) =>
+        Effect.gen(function*() {
+          const sm = yield* SessionManager
+          const { conn, id } = yield* open(sm)
+          yield* waitReady(conn)
+          // The turn ends for the supervisor, but the worker's turn fiber waits at the gate: the
+          // worker answers the checkpoint only once it is through.
+          ctl.holdGate.close()
+          yield* runTurn(sm, id, conn, "/hold-after-end")
+          const checkpoint = yield* Effect.fork(sm.checkpoint(id))
+          yield* waitUntil("the checkpoint under way", Effect.map(journalOperation(id), (op) => op === "snapshot_begin"))
+          const logged = seq(conn).length
+          const waiting = yield* Effect.fork(prompt(sm, id, "after"))
+          const joined = yield* Effect.fork(sm.checkpoint(id))
+          yield* barrier(sm, id)
+          assert.isTrue((yield* sm.getState(id)).busy, "the prompt reserved the session")
+          yield* failsWith("a second prompt", prompt(sm, id, "other"), "session_busy")
+          assert.deepStrictEqual(yield* abort(sm, id), { aborted: false })
+          assert.isTrue(yield* isPending(waiting))
+          assert.isTrue(yield* isPending(checkpoint))
+          assert.strictEqual(seq(conn).length, logged, `nothing logged during the checkpoint: ${show(since(conn, logged))}`)
+          ctl.holdGate.open()
+          const g2 = Either.right({ generation: 2, snapshotId: `${id}~g2` })
+          assert.deepStrictEqual(yield* joinWithin("the checkpoint", checkpoint), g2)
+          assert.deepStrictEqual(yield* joinWithin("the joined checkpoint", joined), g2)
+          assert.deepStrictEqual(yield* joinWithin("the waiting prompt", waiting), Either.right({ accepted: true as const }))
+          yield* waitFor("the prompt's turn", () => turnsDone(seq(conn)) === 2)
+          const after = since(conn, logged)
+          assert.strictEqual(cur(after[0]!), "2:0")
+          assert.strictEqual(statusOf(after[0]!), "ready/busy")
+          assert.strictEqual(eventTypes(after)[0], "agent_start")
+          assertContiguous(seq(conn), true)
+          yield* assertMatchesLog(id, seq(conn))
+          const data = yield* attach(sm, id, new MemoryConnection("c2"))
+          assert.strictEqual(data.snapshot.messageCount, 2, "the snapshot is from before the waiting prompt")
+        })))
+
+    it.scopedLive("a checkpoint and a prompt sent together: the checkpoint first, the prompt at g+1:0", () =>
+      withCore({ retainGenerations: 100 }, () =>
+        Effect.gen(function*() {
+          const sm = yield* SessionManager
+          const { conn, id } = yield* open(sm)
+          yield* waitReady(conn)
+          yield* runTurn(sm, id, conn, "first")
+          for (let g = 2; g <= 5; g++) {
+            const before = seq(conn).length
+            const [checkpoint, accepted] = yield* Effect.all([sm.checkpoint(id), prompt(sm, id, `turn ${g}`)], {
+              concurrency: "unbounded"
+            })
+            assert.deepStrictEqual(checkpoint, { generation: g, snapshotId: `${id}~g${g}` })
+            assert.deepStrictEqual(accepted, { accepted: true })
+            yield* waitFor("the turn", () => turnsDone(since(conn, before)) === 1)
+            assert.strictEqual(cur(since(conn, before)[0]!), `${g}:0`)
+          }
+          assertContiguous(seq(conn), true)
+          yield* assertMatchesLog(id, seq(conn))
+          assert.strictEqual((yield* messagesOf(sm, id)).total, 10)
+        })))
+
+    it.scopedLive("a prompt sent while an automatic checkpoint is under way waits for it and runs at g+1:0", () =>
+      withCore({ checkpointEvents: 5 }, (ctl) =>
+        Effect.gen(function*() {
+          const sm = yield* SessionManager
+          const { conn, id } = yield* open(sm)
+          yield* waitReady(conn)
+          ctl.holdGate.close()
+          // Its end makes a checkpoint due; the worker answers it once its turn fiber is through.
+          yield* runTurn(sm, id, conn, "/hold-after-end")
+          yield* waitUntil("the automatic checkpoint under way", Effect.map(journalOperation(id), (op) => op === "snapshot_begin"))
+          const logged = seq(conn).length
+          const waiting = yield* Effect.fork(prompt(sm, id, "next"))
+          yield* barrier(sm, id)
+          assert.isTrue(yield* isPending(waiting))
+          assert.isTrue((yield* sm.getState(id)).busy)
+          assert.strictEqual(seq(conn).length, logged, "nothing logged during the checkpoint")
+          ctl.holdGate.open()
+          assert.deepStrictEqual(yield* joinWithin("the prompt", waiting), Either.right({ accepted: true as const }))
+          yield* waitFor("its turn", () => turnsDone(seq(conn)) === 2)
+          const next = since(conn, logged)
+          assert.strictEqual(cur(next[0]!), "2:0")
+          assert.isTrue(next.every((l) => l["meta"].cursor.generation === 2), show(next))
+          assertContiguous(seq(conn), true)
+          yield* assertMatchesLog(id, seq(conn))
+          // Its turn made the next one due: generation 3 starts with 4 messages.
+          yield* waitUntil("the next automatic checkpoint", Effect.map(journalOperation(id), (op) => op === "snapshot_end"))
+          const data = yield* attach(sm, id, new MemoryConnection("c2"))
+          assert.strictEqual(data.snapshot.snapshotId, `${id}~g3`)
+          assert.strictEqual(data.snapshot.messageCount, 4)
+        })))
+
+    it.scopedLive("automatic checkpoints (checkpointEvents: 5) never leave a prompt unanswered, even one sent right at agent_end", () =>
+      withCore({ checkpointEvents: 5 }, () =>
+        Effect.gen(function*() {
+          const sm = yield* SessionManager
+          const { conn, id } = yield* open(sm)
+          yield* waitReady(conn)
+          const n = 15
+          for (let i = 0; i < n; i++) {
+            const ends = eventTypes(seq(conn)).filter((t) => t === "agent_end").length
+            const answer = yield* Effect.either(prompt(sm, id, `p${i}`)).pipe(
+              Effect.timeoutFail({ duration: 5_000, onTimeout: () => new Error(`prompt ${i} was never answered`) }),
+              Effect.orDie
+            )
+            assert.deepStrictEqual(answer, Either.right({ accepted: true as const }), `prompt ${i}`)
+            // The next prompt goes as soon as agent_end is seen, maybe before the idle status.
+            yield* waitFor(`agent_end ${i}`, () => eventTypes(seq(conn)).filter((t) => t === "agent_end").length > ends)
+          }
+          yield* waitFor("every turn's idle status", () => turnsDone(seq(conn)) === n)
+          const lines = seq(conn)
+          assertContiguous(lines, true)
+          const generations = new Set(lines.map((l) => l["meta"].cursor.generation))
+          assert.isAbove(generations.size, 3, `automatic checkpoints happened: ${show(lines)}`)
+          const messages = yield* messagesOf(sm, id)
+          assert.strictEqual(messages.total, 2 * n)
+          assert.deepStrictEqual(
+            messages.contents,
+            Array.from({ length: n }, (_, i) => [`user:p${i}`, `assistant:echo: p${i}`]).flat()
+          )
+          const state = yield* sm.getState(id)
+          assert.isFalse(state.busy)
+          assert.strictEqual(state.messageCount, 2 * n)
+        })))
+  })
+
+  describe("worker crash", () => {
+    it.scopedLive("mid-turn: recovering, turn_interrupted{worker_crashed}, ready (idle); the next prompt works; every logged message is kept", () =>
+      withCore({}, () =>
+        Effect.gen(function*() {
+          const sm = yield* SessionManager
+          const { conn, id } = yield* open(sm)
+          yield* waitReady(conn)
+          yield* runTurn(sm, id, conn, "before")
+          yield* prompt(sm, id, "/sleep 10000")
+          yield* waitFor("tool_execution_start", () => eventTypes(seq(conn)).includes("tool_execution_start"))
+          const old = yield* workerOf(id)
+          const start = seq(conn).length
+          old.kill()
+          yield* waitFor("ready again", () => statuses(since(conn, start)).includes("ready/idle"))
+          const after = since(conn, start)
+          assert.deepStrictEqual(after.map((l) => describeMsg(l).replace(/@.*/, "")), [
+            "status(busy=true,worker=recovering)",
+            "ev:turn_interrupted(worker_crashed)",
+            "status(busy=false,worker=ready)"
+          ])
+          const state = yield* sm.getState(id)
+          assert.isFalse(state.busy)
+          assert.strictEqual(state.restarts, 1)
+          assert.notStrictEqual(state.workerPid, old.pid)
+          yield* runTurn(sm, id, conn, "after crash")
+          const logged = events(seq(conn)).filter((e) => e.type === "message_end").map((e) => e.message.id)
+          const messages = yield* messagesOf(sm, id)
+          assert.deepStrictEqual(messages.ids, logged)
+          assert.deepStrictEqual(messages.contents, [
+            "user:before",
+            "assistant:echo: before",
+            "user:/sleep 10000",
+            "user:after crash",
+            "assistant:echo: after crash"
+          ])
+          assertContiguous(seq(conn), true)
+          yield* assertMatchesLog(id, seq(conn))
+        })))
+
+    it.scopedLive("an idle worker's crash: a prompt sent while it recovers waits and runs once ready", () =>
+      withCore({}, (ctl) =>
+        Effect.gen(function*() {
+          const sm = yield* SessionManager
+          const { conn, id } = yield* open(sm)
+          yield* waitReady(conn)
+          yield* runTurn(sm, id, conn, "one")
+          ctl.loadGate.close()
+          const start = seq(conn).length
+          ;(yield* workerOf(id)).kill()
+          yield* waitFor("the replacement loading", () => ctl.loadGate.waiting === 1)
+          const waiting = yield* Effect.fork(prompt(sm, id, "two"))
+          yield* waitUntil("reserved", Effect.map(sm.getState(id), (s) => s.busy))
+          assert.deepStrictEqual(yield* abort(sm, id), { aborted: false })
+          assert.isTrue(yield* isPending(waiting))
+          ctl.loadGate.open()
+          assert.deepStrictEqual(yield* joinWithin("the prompt", waiting), Either.right({ accepted: true as const }))
+          yield* waitFor("its turn", () => turnsDone(since(conn, start)) === 1)
+          const after = since(conn, start)
+          assert.deepStrictEqual(dedupe(statuses(after)), ["recovering/idle", "recovering/busy", "ready/busy", "ready/idle"], show(after))
+          assert.notInclude(eventTypes(after), "turn_interrupted")
+          assert.deepStrictEqual((yield* messagesOf(sm, id)).contents, ["user:one", "assistant:echo: one", "user:two", "assistant:echo: two"])
+        })))
+
+    it.scopedLive("the replacement crashes while it loads: backoff, a third worker; one turn_interrupted; a checkpoint asked meanwhile is answered", () =>
+      withCore({}, (ctl) =>
+        Effect.gen(function*() {
+          const sm = yield* SessionManager
+          const { conn, id } = yield* open(sm)
+          yield* waitReady(conn)
+          yield* prompt(sm, id, "/sleep 10000")
+          yield* waitFor("tool_execution_start", () => eventTypes(seq(conn)).includes("tool_execution_start"))
+          const start = seq(conn).length
+          const first = yield* workerOf(id)
+          ctl.loadGate.close()
+          first.kill()
+          yield* waitFor("the replacement loading", () => ctl.loadGate.waiting === 1)
+          yield* waitUntil("the replacement is the session's", Effect.map(sm.getState(id), (s) => s.workerPid !== undefined && s.workerPid !== first.pid))
+          const second = yield* workerOf(id)
+          // Meanwhile: the cut turn has not ended yet (busy); a checkpoint waits for a worker.
+          yield* failsWith("a prompt while the cut turn is owed", prompt(sm, id, "x"), "session_busy")
+          assert.deepStrictEqual(yield* abort(sm, id), { aborted: false })
+          const checkpoint = yield* Effect.fork(sm.checkpoint(id))
+          yield* barrier(sm, id)
+          second.kill()
+          yield* waitFor("the third worker loading", () => ctl.loadGate.stopped === 2 && ctl.loadGate.waiting === 1)
+          assert.isTrue(yield* isPending(checkpoint))
+          ctl.loadGate.open()
+          assert.deepStrictEqual(yield* joinWithin("the checkpoint", checkpoint), Either.right({ generation: 2, snapshotId: `${id}~g2` }))
+          const after = since(conn, start)
+          assert.deepStrictEqual(after.map((l) => describeMsg(l).replace(/@.*/, "")), [
+            "status(busy=true,worker=recovering)",
+            "status(busy=true,worker=recovering)",
+            "ev:turn_interrupted(worker_crashed)",
+            "status(busy=false,worker=ready)"
+          ], show(after))
+          assert.deepStrictEqual(after.map((l) => l["state"]?.restarts), [1, 2, undefined, 2])
+          const state = yield* sm.getState(id)
+          assert.strictEqual(state.restarts, 2)
+          assert.isFalse(state.busy)
+          yield* runTurn(sm, id, conn, "works")
+          assert.deepStrictEqual((yield* messagesOf(sm, id)).contents, ["user:/sleep 10000", "user:works", "assistant:echo: works"])
+          assertContiguous(seq(conn), true)
+          yield* assertMatchesLog(id, seq(conn))
+        })))
+
+    it.scopedLive("a checkpoint waiting on a turn cut by a crash is taken from the replacement", () =>
+      withCore({}, () =>
+        Effect.gen(function*() {
+          const sm = yield* SessionManager
+          const { conn, id } = yield* open(sm)
+          yield* waitReady(conn)
+          yield* prompt(sm, id, "/sleep 10000")
+          yield* waitFor("tool_execution_start", () => eventTypes(seq(conn)).includes("tool_execution_start"))
+          const checkpoint = yield* Effect.fork(sm.checkpoint(id))
+          yield* barrier(sm, id)
+          ;(yield* workerOf(id)).kill()
+          assert.deepStrictEqual(yield* joinWithin("the checkpoint", checkpoint), Either.right({ generation: 2, snapshotId: `${id}~g2` }))
+          const lines = seq(conn)
+          assert.strictEqual(turnsDone(lines), 1)
+          const data = yield* attach(sm, id, new MemoryConnection("c2"))
+          assert.strictEqual(`${data.snapshot.cursor?.generation}:${data.snapshot.cursor?.sequence}`, cur(lines.at(-1)!))
+          assert.deepStrictEqual(data.snapshot.messages.map((m) => m.content), ["/sleep 10000"])
+        })))
+
+    it.scopedLive("a crash while the worker is asked for its snapshot: the checkpoint is taken again from the replacement, then the prompt that waited runs", () =>
+      withCore({}, (ctl) =>
+        Effect.gen(function*() {
+          const sm = yield* SessionManager
+          const { conn, id } = yield* open(sm)
+          yield* waitReady(conn)
+          ctl.holdGate.close()
+          yield* runTurn(sm, id, conn, "/hold-after-end")
+          const checkpoint = yield* Effect.fork(sm.checkpoint(id))
+          yield* waitUntil("the checkpoint under way", Effect.map(journalOperation(id), (op) => op === "snapshot_begin"))
+          const waiting = yield* Effect.fork(prompt(sm, id, "after"))
+          yield* barrier(sm, id)
+          const start = seq(conn).length
+          ;(yield* workerOf(id)).kill()
+          assert.deepStrictEqual(yield* joinWithin("the checkpoint", checkpoint), Either.right({ generation: 2, snapshotId: `${id}~g2` }))
+          assert.deepStrictEqual(yield* joinWithin("the waiting prompt", waiting), Either.right({ accepted: true as const }))
+          yield* waitFor("the prompt's turn", () => turnsDone(since(conn, start)) === 1)
+          const after = since(conn, start)
+          assert.deepStrictEqual(dedupe(statuses(after)), ["recovering/busy", "ready/busy", "ready/idle"], show(after))
+          assert.notInclude(eventTypes(after), "turn_interrupted")
+          const firstOfG2 = after.findIndex((l) => l["meta"].cursor.generation === 2)
+          assert.strictEqual(cur(after[firstOfG2]!), "2:0")
+          assert.strictEqual(eventTypes(after.slice(firstOfG2))[0], "agent_start")
+          assertContiguous(seq(conn), true)
+          yield* assertMatchesLog(id, seq(conn))
+          const data = yield* attach(sm, id, new MemoryConnection("c2"))
+          assert.deepStrictEqual(data.snapshot.messages.map((m) => m.content), ["/hold-after-end", "echo: /hold-after-end"])
+          assert.strictEqual(data.snapshot.messageCount, 2)
+        })))
+
+    for (const [where, frame] of [["after its begin frame", "session_snapshot_begin"], ["after its first chunk", "session_snapshot_chunk"]] as const) {
+      it.scopedLive(`a crash while the snapshot streams in (${where}): the half-made snapshot is dropped and taken again from the replacement`, () =>
+        withCore({ targetChunkBytes: 64 }, (ctl) =>
+          Effect.gen(function*() {
+            const sm = yield* SessionManager
+            const { conn, id } = yield* open(sm)
+            yield* waitReady(conn)
+            for (const m of ["one", "two", "three"]) yield* runTurn(sm, id, conn, `${m} words to fill more than one chunk`)
+            const start = seq(conn).length
+            ctl.crashAfter = (f) => f.type === frame
+            const checkpoint = yield* Effect.fork(sm.checkpoint(id))
+            assert.deepStrictEqual(yield* joinWithin("the checkpoint", checkpoint), Either.right({ generation: 2, snapshotId: `${id}~g2` }))
+            assert.isUndefined(ctl.crashAfter, "the worker died mid-snapshot")
+            assert.deepStrictEqual(ctl.snapshotCreates, [`${id}~g2`, `${id}~g2`], "the snapshot was taken twice")
+            const after = since(conn, start)
+            assert.deepStrictEqual(after.map((l) => describeMsg(l).replace(/@.*/, "")), [
+              "status(busy=false,worker=recovering)",
+              "status(busy=false,worker=ready)"
+            ])
+            const data = yield* attach(sm, id, new MemoryConnection("c2"), {
+              capabilities: ["attach_snapshot", "event_sequence", "chunked_snapshot"]
+            })
+            // The snapshot that counts was taken after the recovery (its cursor is the `ready`).
+            assert.strictEqual(`${data.snapshot.cursor?.generation}:${data.snapshot.cursor?.sequence}`, cur(after.at(-1)!))
+            assert.strictEqual(data.snapshot.messageCount, 6)
+            const messages = yield* messagesOf(sm, id)
+            assert.strictEqual(messages.total, 6)
+            const n = seq(conn).length
+            yield* runTurn(sm, id, conn, "then")
+            assert.strictEqual(cur(since(conn, n)[0]!), "2:0")
+            assertContiguous(seq(conn), true)
+            yield* assertMatchesLog(id, seq(conn))
+            assert.strictEqual((yield* messagesOf(sm, id)).total, 8)
+          })))
+    }
+
+    it.scopedLive("a crash right after the turn's agent_end: the turn ended normally (no turn_interrupted); an idle recovery follows", () =>
+      withCore({}, (ctl) =>
+        Effect.gen(function*() {
+          const sm = yield* SessionManager
+          const { conn, id } = yield* open(sm)
+          yield* waitReady(conn)
+          const start = seq(conn).length
+          ctl.crashAfter = (f) => f["eventType"] === "agent_end"
+          yield* prompt(sm, id, "last words")
+          yield* waitFor("ready after the crash", () => statuses(since(conn, start)).at(-1) === "ready/idle" && statuses(since(conn, start)).includes("recovering/idle"))
+          const after = since(conn, start)
+          assert.deepStrictEqual(eventTypes(after).filter((t) => t === "agent_end" || t === "turn_interrupted"), ["agent_end"], show(after))
+          assert.deepStrictEqual(dedupe(statuses(after)), ["ready/busy", "ready/idle", "recovering/idle", "ready/idle"], show(after))
+          assert.deepStrictEqual((yield* messagesOf(sm, id)).contents, ["user:last words", "assistant:echo: last words"])
+          yield* runTurn(sm, id, conn, "next")
+          assertContiguous(seq(conn), true)
+        })))
+
+    it.scopedLive("the replacement crashes right after it reports the cut turn: exactly one turn_interrupted, then idle", () =>
+      withCore({}, (ctl) =>
+        Effect.gen(function*() {
+          const sm = yield* SessionManager
+          const { conn, id } = yield* open(sm)
+          yield* waitReady(conn)
+          yield* prompt(sm, id, "/sleep 10000")
+          yield* waitFor("tool_execution_start", () => eventTypes(seq(conn)).includes("tool_execution_start"))
+          const start = seq(conn).length
+          ctl.crashAfter = (f) => f["eventType"] === "turn_interrupted"
+          ;(yield* workerOf(id)).kill()
+          yield* waitFor("ready", () => statuses(since(conn, start)).at(-1) === "ready/idle")
+          assert.isUndefined(ctl.crashAfter, "the replacement reported the cut turn and died")
+          const after = since(conn, start)
+          assert.deepStrictEqual(after.map((l) => describeMsg(l).replace(/@.*/, "")), [
+            "status(busy=true,worker=recovering)",
+            "ev:turn_interrupted(worker_crashed)",
+            "status(busy=false,worker=recovering)",
+            "status(busy=false,worker=ready)"
+          ], show(after))
+          assert.strictEqual((yield* sm.getState(id)).restarts, 2)
+          yield* runTurn(sm, id, conn, "next")
+          assertContiguous(seq(conn), true)
+          yield* assertMatchesLog(id, seq(conn))
+        })))
+
+    it.scopedLive("a crash right after worker_ready, with a prompt waiting: the prompt is accepted, its turn is cut (worker_crashed), then idle", () =>
+      withCore({}, (ctl) =>
+        Effect.gen(function*() {
+          const sm = yield* SessionManager
+          ctl.spawnGate.close()
+          const { conn, id } = yield* open(sm)
+          yield* waitFor("the spawn held", () => ctl.spawnGate.waiting === 1)
+          const waiting = yield* Effect.fork(prompt(sm, id, "first"))
+          yield* barrier(sm, id)
+          ctl.crashAfter = (f) => f.type === "worker_ready" && f["activeSessionId"] !== undefined
+          ctl.spawnGate.open()
+          assert.deepStrictEqual(yield* joinWithin("the prompt", waiting), Either.right({ accepted: true as const }))
+          yield* waitFor("idle again", () => turnsDone(seq(conn)) === 1)
+          const lines = seq(conn)
+          assert.deepStrictEqual(dedupe(statuses(lines)), ["starting/busy", "ready/busy", "recovering/busy", "ready/idle"], show(lines))
+          assert.deepStrictEqual(events(lines).filter((e) => e.type === "turn_interrupted" || e.type === "agent_end"), [{
+            type: "turn_interrupted",
+            reason: "worker_crashed"
+          }])
+          assert.isFalse((yield* sm.getState(id)).busy)
+          yield* runTurn(sm, id, conn, "second")
+          assertContiguous(seq(conn), true)
+        })))
+
+    it.scopedLive("a crash while an abort waits for the turn to be cut: the abort is {aborted:false}, the turn ends worker_crashed", () =>
+      withCore({}, (ctl) =>
+        Effect.gen(function*() {
+          const sm = yield* SessionManager
+          const { conn, id } = yield* open(sm)
+          yield* waitReady(conn)
+          ctl.holdGate.close()
+          ctl.cutGate.close()
+          yield* prompt(sm, id, "/hold")
+          yield* waitFor("the hold", () => ctl.holdGate.waiting === 1)
+          const waitingAbort = yield* Effect.fork(abort(sm, id))
+          yield* waitFor("the turn being cut", () => ctl.cutGate.waiting === 1)
+          yield* barrier(sm, id)
+          const start = seq(conn).length
+          ;(yield* workerOf(id)).kill()
+          assert.deepStrictEqual(yield* joinWithin("the abort", waitingAbort), Either.right({ aborted: false }))
+          yield* waitFor("ready", () => statuses(since(conn, start)).at(-1) === "ready/idle")
+          const after = since(conn, start)
+          assert.deepStrictEqual(after.map((l) => describeMsg(l).replace(/@.*/, "")), [
+            "status(busy=true,worker=recovering)",
+            "ev:turn_interrupted(worker_crashed)",
+            "status(busy=false,worker=ready)"
+          ], show(after))
+        })))
+  })
+
+  describe("spawn failures", () => {
+    it.scopedLive("no worker can be spawned: `failed` after maxRestarts; a reserved prompt and a checkpoint get session_failed; retry_worker brings it back", () =>
+      withCore({ maxRestarts: 2 }, (ctl) =>
+        Effect.gen(function*() {
+          const sm = yield* SessionManager
+          yield* Ref.set(ctl.failing, "no spawn")
+          // The first spawn is held until the prompt and the checkpoint wait for it.
+          ctl.spawnGate.close()
+          const { conn, id } = yield* open(sm)
+          yield* waitFor("the spawn held", () => ctl.spawnGate.waiting === 1)
+          const waitingPrompt = yield* Effect.fork(prompt(sm, id, "hello"))
+          const waitingCheckpoint = yield* Effect.fork(sm.checkpoint(id))
+          yield* barrier(sm, id)
+          ctl.spawnGate.open()
+          expectCode("the reserved prompt", yield* joinWithin("the reserved prompt", waitingPrompt), "session_failed")
+          expectCode("the waiting checkpoint", yield* joinWithin("the checkpoint", waitingCheckpoint), "session_failed")
+          yield* waitFor("failed", () => statuses(seq(conn)).at(-1) === "failed/idle")
+          assert.deepStrictEqual(dedupe(statuses(seq(conn))), ["starting/busy", "recovering/busy", "failed/idle"], show(seq(conn)))
+          assert.strictEqual(yield* Ref.get(ctl.starts), 3)
+          const state = yield* sm.getState(id)
+          assert.strictEqual(state.worker, "failed")
+          assert.isFalse(state.busy)
+          assert.strictEqual(state.restarts, 3)
+          yield* failsWith("a prompt to a failed session", prompt(sm, id, "x"), "session_failed")
+          yield* failsWith("a checkpoint of a failed session", sm.checkpoint(id), "session_failed")
+          assert.deepStrictEqual(yield* abort(sm, id), { aborted: false })
+          // A retry whose own spawns fail is answered session_failed.
+          yield* failsWith("retry_worker while spawns fail", sm.retryWorker(id), "session_failed")
+          assert.strictEqual(yield* Ref.get(ctl.starts), 6)
+          assert.strictEqual((yield* sm.getState(id)).worker, "failed")
+          yield* Ref.set(ctl.failing, undefined)
+          const retried = yield* sm.retryWorker(id)
+          assert.strictEqual(retried.worker, "ready")
+          assert.isFalse(retried.busy)
+          yield* runTurn(sm, id, conn, "back")
+          assert.deepStrictEqual((yield* messagesOf(sm, id)).contents, ["user:back", "assistant:echo: back"])
+          assertContiguous(seq(conn), true)
+          yield* assertMatchesLog(id, seq(conn))
+          // retry_worker of a session that has not failed: its summary, at once.
+          assert.strictEqual((yield* sm.retryWorker(id)).worker, "ready")
+        })))
+
+    it.scopedLive("a turn cut by a crash whose replacements cannot spawn: turn_interrupted{worker_crashed} then `failed`; its waiting checkpoint gets session_failed", () =>
+      withCore({ maxRestarts: 2 }, (ctl) =>
+        Effect.gen(function*() {
+          const sm = yield* SessionManager
+          const { conn, id } = yield* open(sm)
+          yield* waitReady(conn)
+          yield* prompt(sm, id, "/sleep 10000")
+          yield* waitFor("tool_execution_start", () => eventTypes(seq(conn)).includes("tool_execution_start"))
+          const checkpoint = yield* Effect.fork(sm.checkpoint(id))
+          yield* barrier(sm, id)
+          yield* Ref.set(ctl.failing, "no spawn")
+          const start = seq(conn).length
+          ;(yield* workerOf(id)).kill()
+          expectCode("the waiting checkpoint", yield* joinWithin("the checkpoint", checkpoint), "session_failed")
+          yield* waitFor("failed", () => statuses(seq(conn)).at(-1) === "failed/idle")
+          const after = since(conn, start)
+          assert.deepStrictEqual(after.map((l) => describeMsg(l).replace(/@.*/, "")), [
+            "status(busy=true,worker=recovering)",
+            "status(busy=true,worker=recovering)",
+            "ev:turn_interrupted(worker_crashed)",
+            "status(busy=false,worker=failed)"
+          ], show(after))
+          assert.isFalse((yield* sm.getState(id)).busy)
+          assert.deepStrictEqual((yield* messagesOf(sm, id)).contents, ["user:/sleep 10000"])
+          yield* Ref.set(ctl.failing, undefined)
+          yield* sm.retryWorker(id)
+          yield* runTurn(sm, id, conn, "again")
+          assert.notInclude(eventTypes(since(conn, start + after.length)), "turn_interrupted")
+          assertContiguous(seq(conn), true)
+        })))
+  })
+
+  it.scoped("restart backoff on the Clock: the first restart is immediate, the next after 100 ms, then 200 ms; a new window starts over", () =>
+    withCore({}, (ctl) =>
+      Effect.gen(function*() {
+        const sm = yield* SessionManager
+        /** Under the TestClock: yield (bounded) until `pred` holds. */
+        const spin = (what: string, pred: () => boolean) =>
+          Effect.gen(function*() {
+            for (let i = 0; i < 20_000; i++) {
+              if (pred()) return
+              yield* Effect.yieldNow()
+            }
+            return yield* Effect.dieMessage(`never: ${what}`)
+          })
+        /** Gives every fiber that can run a chance to (for "nothing happened" checks). */
+        const settle = Effect.gen(function*() {
+          for (let i = 0; i < 500; i++) yield* Effect.yieldNow()
+        })
+        const starts = () => Effect.runSync(Ref.get(ctl.starts))
+        const readies = (conn: MemoryConnection) => statuses(seq(conn)).filter((s) => s === "ready/idle").length
+        const { conn, id } = yield* open(sm)
+        yield* spin("ready", () => readies(conn) === 1)
+        const kill = Effect.map(workerOf(id), (w) => w.kill())
+
+        yield* kill
+        yield* spin("the immediate restart", () => readies(conn) === 2)
+        assert.strictEqual(starts(), 2)
+
+        yield* kill
+        yield* spin("recovering", () => statuses(seq(conn)).at(-1) === "recovering/idle")
+        yield* settle
+        assert.strictEqual(starts(), 2, "the second restart waits")
+        yield* TestClock.adjust("99 millis")
+        yield* settle
+        assert.strictEqual(starts(), 2, "not before 100 ms")
+        yield* TestClock.adjust("1 millis")
+        yield* spin("the restart after 100 ms", () => readies(conn) === 3)
+        assert.strictEqual(starts(), 3)
+
+        yield* kill
+        yield* spin("recovering", () => statuses(seq(conn)).at(-1) === "recovering/idle")
+        yield* TestClock.adjust("199 millis")
+        yield* settle
+        assert.strictEqual(starts(), 3, "not before 200 ms")
+        yield* TestClock.adjust("1 millis")
+        yield* spin("the restart after 200 ms", () => readies(conn) === 4)
+        assert.strictEqual(starts(), 4)
+
+        // Past the window the crashes are forgotten: immediate again.
+        yield* TestClock.adjust("61 seconds")
+        yield* kill
+        yield* spin("an immediate restart in a new window", () => readies(conn) === 5)
+        assert.strictEqual(starts(), 5)
+        const state = yield* sm.getState(id)
+        assert.strictEqual(state.restarts, 4)
+        assert.strictEqual(state.worker, "ready")
+      })))
+
+  describe("kill", () => {
+    it.scopedLive("while the worker starts: the reserved prompt and a checkpoint get session_not_found; the worker started meanwhile is stopped", () =>
+      withCore({}, (ctl) =>
+        Effect.gen(function*() {
+          const sm = yield* SessionManager
+          const pool = yield* WorkerPool
+          ctl.spawnGate.close()
+          const { conn, id } = yield* open(sm)
+          yield* waitFor("the spawn held", () => ctl.spawnGate.waiting === 1)
+          const waitingPrompt = yield* Effect.fork(prompt(sm, id, "hello"))
+          const waitingCheckpoint = yield* Effect.fork(sm.checkpoint(id))
+          assert.deepStrictEqual(yield* abort(sm, id), { aborted: false })
+          // kill waits for the spawn under way (then stops its worker before it answers); the
+          // session is closed for new commands at once.
+          const kill = yield* Effect.fork(sm.kill(id))
+          yield* waitFor("session_closed", () => seq(conn).at(-1)?.["type"] === "session_closed")
+          const last = seq(conn).at(-1)!
+          assert.strictEqual(last["reason"], "killed")
+          yield* failsWith("prompt after kill", prompt(sm, id, "x"), "session_not_found")
+          ctl.spawnGate.open()
+          assert.deepStrictEqual(yield* joinWithin("kill", kill), Either.right({}))
+          expectCode("the reserved prompt", yield* joinWithin("the reserved prompt", waitingPrompt), "session_not_found")
+          expectCode("the checkpoint", yield* joinWithin("the checkpoint", waitingCheckpoint), "session_not_found")
+          const left = []
+          for (const w of yield* pool.live) {
+            if (w.activeSessionId === id && !(yield* Deferred.isDone(w.exited))) left.push(w.pid)
+          }
+          assert.deepStrictEqual(left, [], "the worker spawned meanwhile has stopped when kill answers")
+          assert.strictEqual(yield* Ref.get(ctl.starts), 1)
+        })))
+
+    it.scopedLive("during a turn: a waiting abort and checkpoint get session_not_found, clients get session_closed, then every command is session_not_found", () =>
+      withCore({}, (ctl) =>
+        Effect.gen(function*() {
+          const sm = yield* SessionManager
+          const { conn, id } = yield* open(sm)
+          yield* waitReady(conn)
+          ctl.holdGate.close()
+          ctl.cutGate.close()
+          yield* prompt(sm, id, "/hold")
+          yield* waitFor("the hold", () => ctl.holdGate.waiting === 1)
+          const waitingAbort = yield* Effect.fork(abort(sm, id))
+          const waitingCheckpoint = yield* Effect.fork(sm.checkpoint(id))
+          yield* waitFor("the turn being cut", () => ctl.cutGate.waiting === 1)
+          yield* barrier(sm, id)
+          assert.isTrue(yield* isPending(waitingAbort))
+          const worker = yield* workerOf(id)
+          const c2 = new MemoryConnection("c2")
+          yield* attach(sm, id, c2)
+          yield* waitFor("c2 caught up", () => seq(c2).length === seq(conn).length)
+          assert.deepStrictEqual(yield* sm.kill(id), {})
+          assert.isTrue(yield* Deferred.isDone(worker.exited), "kill answers once the worker has stopped")
+          expectCode("the waiting abort", yield* joinWithin("the abort", waitingAbort), "session_not_found")
+          expectCode("the waiting checkpoint", yield* joinWithin("the checkpoint", waitingCheckpoint), "session_not_found")
+          for (const c of [conn, c2]) {
+            const last = seq(c).at(-1)!
+            assert.strictEqual(last["type"], "session_closed", show(seq(c)))
+            assert.strictEqual(last["reason"], "killed")
+            assert.strictEqual(c.lines.at(-1), last, "nothing after session_closed")
+          }
+          assert.deepStrictEqual(cursors(seq(c2)), cursors(seq(conn)))
+          const n = conn.lines.length
+          yield* failsWith("prompt", prompt(sm, id, "x"), "session_not_found")
+          yield* failsWith("abort", abort(sm, id), "session_not_found")
+          yield* failsWith("checkpoint", sm.checkpoint(id), "session_not_found")
+          yield* failsWith("get_state", sm.getState(id), "session_not_found")
+          yield* failsWith("get_messages", sm.getMessages({ type: "get_messages", activeSessionId: id } as any), "session_not_found")
+          yield* failsWith("attach", sm.attach("c3", new MemoryConnection("c3"), { type: "attach", activeSessionId: id } as any), "session_not_found")
+          yield* failsWith("detach", sm.detach("c1", id), "session_not_found")
+          yield* failsWith("retry_worker", sm.retryWorker(id), "session_not_found")
+          yield* failsWith("kill", sm.kill(id), "session_not_found")
+          assert.deepStrictEqual((yield* sm.list).sessions, [])
+          assert.strictEqual(sm.attachedCount("c1"), 0)
+          assert.strictEqual(conn.lines.length, n)
+        })))
+  })
+
+  describe("kill (more)", () => {
+    it.scopedLive("while a checkpoint is under way: the checkpoint, a joined one and a prompt waiting on it get session_not_found", () =>
+      withCore({}, (ctl) =>
+        Effect.gen(function*() {
+          const sm = yield* SessionManager
+          const { conn, id } = yield* open(sm)
+          yield* waitReady(conn)
+          ctl.holdGate.close()
+          yield* runTurn(sm, id, conn, "/hold-after-end")
+          const checkpoint = yield* Effect.fork(sm.checkpoint(id))
+          yield* waitUntil("the checkpoint under way", Effect.map(journalOperation(id), (op) => op === "snapshot_begin"))
+          const joined = yield* Effect.fork(sm.checkpoint(id))
+          const waiting = yield* Effect.fork(prompt(sm, id, "after"))
+          yield* barrier(sm, id)
+          assert.deepStrictEqual(yield* sm.kill(id), {})
+          expectCode("the checkpoint", yield* joinWithin("the checkpoint", checkpoint), "session_not_found")
+          expectCode("the joined checkpoint", yield* joinWithin("the joined checkpoint", joined), "session_not_found")
+          expectCode("the waiting prompt", yield* joinWithin("the prompt", waiting), "session_not_found")
+          assert.strictEqual(seq(conn).at(-1)!["type"], "session_closed")
+        })))
+
+    it.scopedLive("while a worker's spawn never completes: kill, and the prompt waiting for that worker, are still answered", () =>
+      withCore({}, (ctl) =>
+        Effect.gen(function*() {
+          const sm = yield* SessionManager
+          ctl.spawnGate.close()
+          const { id } = yield* open(sm)
+          yield* waitFor("the spawn held", () => ctl.spawnGate.waiting === 1)
+          const waiting = yield* Effect.fork(prompt(sm, id, "hello"))
+          yield* barrier(sm, id)
+          // The spawn stays stuck (a worker that never becomes ready): nothing it would decide.
+          const kill = yield* Effect.fork(sm.kill(id))
+          assert.deepStrictEqual(yield* joinWithin("kill", kill, 2_000), Either.right({}))
+          expectCode("the waiting prompt", yield* joinWithin("the prompt", waiting, 2_000), "session_not_found")
+        })))
+  })
+
+  it.scopedLive("passivation (maxWorkers: 2): a new session passivates the least recently used idle one; a prompt wakes it (passivated, starting, ready) with its transcript", () =>
+    withCore({ maxWorkers: 2 }, () =>
+      Effect.gen(function*() {
+        const sm = yield* SessionManager
+        const pool = yield* WorkerPool
+        const a = yield* open(sm, "ca")
+        yield* waitReady(a.conn)
+        yield* runTurn(sm, a.id, a.conn, "a1")
+        const b = yield* open(sm, "cb")
+        yield* waitReady(b.conn)
+        yield* runTurn(sm, b.id, b.conn, "b1")
+        const c = yield* open(sm, "cc")
+        yield* waitReady(c.conn)
+        yield* waitFor("a passivated", () => statuses(seq(a.conn)).at(-1) === "passivated/idle")
+        const liveSessions = Effect.map(pool.live, (ws) => ws.filter((w) => !w.stopping).map((w) => w.activeSessionId).sort())
+        yield* waitUntil("two workers: b's and c's", Effect.map(liveSessions, (ids) => ids.join() === [b.id, c.id].sort().join()))
+        assert.notInclude(statuses(seq(b.conn)), "passivated/idle", "b was used more recently than a")
+        const stateA = yield* sm.getState(a.id)
+        assert.strictEqual(stateA.worker, "passivated")
+        assert.isUndefined(stateA.workerPid)
+        // Passivation checkpoints first: attach needs no worker.
+        const data = yield* attach(sm, a.id, new MemoryConnection("ca2"))
+        assert.strictEqual(data.snapshot.snapshotId, `${a.id}~g2`)
+        assert.deepStrictEqual(data.snapshot.messages.map((m) => m.content), ["a1", "echo: a1"])
+        const start = seq(a.conn).length
+        yield* runTurn(sm, a.id, a.conn, "a2")
+        assert.deepStrictEqual(dedupe(statuses(since(a.conn, start - 1))), ["passivated/idle", "starting/busy", "ready/busy", "ready/idle"])
+        assert.deepStrictEqual((yield* messagesOf(sm, a.id)).contents, ["user:a1", "assistant:echo: a1", "user:a2", "assistant:echo: a2"])
+        // Now b is the least recently used idle one.
+        yield* waitFor("b passivated", () => statuses(seq(b.conn)).at(-1) === "passivated/idle")
+        assert.notInclude(statuses(seq(c.conn)), "passivated/idle")
+        // A checkpoint of a passivated session wakes it and is answered.
+        assert.deepStrictEqual(yield* sm.checkpoint(b.id), { generation: 3, snapshotId: `${b.id}~g3` })
+        assert.strictEqual((yield* sm.getState(b.id)).worker, "ready")
+        assert.deepStrictEqual((yield* messagesOf(sm, b.id)).contents, ["user:b1", "assistant:echo: b1"])
+        for (const s of [a, b, c]) {
+          assertContiguous(seq(s.conn), true)
+          yield* assertMatchesLog(s.id, seq(s.conn))
+        }
+      })))
+
+  it.scopedLive("a passivated session whose worker cannot be spawned: the waking prompt gets session_failed; retry_worker restores it with its transcript", () =>
+    withCore({ maxWorkers: 1, maxRestarts: 1 }, (ctl) =>
+      Effect.gen(function*() {
+        const sm = yield* SessionManager
+        const a = yield* open(sm, "ca")
+        yield* waitReady(a.conn)
+        yield* runTurn(sm, a.id, a.conn, "a1")
+        const b = yield* open(sm, "cb")
+        yield* waitReady(b.conn)
+        yield* waitFor("a passivated", () => statuses(seq(a.conn)).at(-1) === "passivated/idle")
+        yield* Ref.set(ctl.failing, "no spawn")
+        const start = seq(a.conn).length
+        yield* failsWith("a prompt that wakes it", prompt(sm, a.id, "a2"), "session_failed")
+        const after = since(a.conn, start)
+        assert.deepStrictEqual(dedupe(statuses(after)), ["starting/busy", "recovering/busy", "failed/idle"], show(after))
+        assert.notInclude(eventTypes(after), "turn_interrupted")
+        yield* Ref.set(ctl.failing, undefined)
+        assert.strictEqual((yield* sm.retryWorker(a.id)).worker, "ready")
+        yield* runTurn(sm, a.id, a.conn, "a3")
+        assert.deepStrictEqual((yield* messagesOf(sm, a.id)).contents, ["user:a1", "assistant:echo: a1", "user:a3", "assistant:echo: a3"])
+        assertContiguous(seq(a.conn), true)
+        yield* assertMatchesLog(a.id, seq(a.conn))
+      })))
+
+  describe("delivery", () => {
+    it.scopedLive("a client paused past outboxBytes gets every event once resumed: no gap, no duplicate, re-sent ones flagged replayed", () =>
+      withCore({ outboxBytes: 4096 }, () =>
+        Effect.gen(function*() {
+          const sm = yield* SessionManager
+          const { conn: c1, id } = yield* open(sm)
+          yield* waitReady(c1)
+          const c2 = new MemoryConnection("c2")
+          yield* attach(sm, id, c2)
+          yield* waitFor("c2's baseline", () => seq(c2).length === 1)
+          c2.pause()
+          for (let i = 0; i < 4; i++) yield* runTurn(sm, id, c1, "/bulk 3000")
+          assert.isAbove(c2.queuedBytes, 4096)
+          c2.resume()
+          yield* waitFor("c2 caught up", () => seq(c2).length === seq(c1).length, 5_000)
+          yield* runTurn(sm, id, c1, "live again")
+          yield* waitFor("c2 has the live turn", () => seq(c2).length === seq(c1).length)
+          assert.deepStrictEqual(cursors(seq(c2)), cursors(seq(c1)))
+          assert.deepStrictEqual(seq(c2).map(body), seq(c1).map(body))
+          assertContiguous(seq(c2), true)
+          yield* assertMatchesLog(id, seq(c2))
+          // After the baseline: live, then replayed (the catch-up), then live again.
+          const flags = seq(c2).slice(1).map((l) => (l["meta"].replayed === true ? "r" : "l")).join("")
+          assert.match(flags, /^l+r+l+$/, flags)
+          assert.isTrue(seq(c1).slice(1).every((l) => l["meta"].replayed === undefined))
+        })))
+
+    it.scopedLive("paused while checkpoints prune what it lacks (retainGenerations: 1): a resync snapshot, then contiguous events; never a silent jump", () =>
+      withCore({ outboxBytes: 4096, retainGenerations: 1 }, () =>
+        Effect.gen(function*() {
+          const sm = yield* SessionManager
+          const { conn: c1, id } = yield* open(sm)
+          yield* waitReady(c1)
+          const c2 = new MemoryConnection("c2")
+          yield* attach(sm, id, c2)
+          yield* waitFor("c2's baseline", () => seq(c2).length === 1)
+          c2.pause()
+          yield* runTurn(sm, id, c1, "/bulk 3000")
+          yield* runTurn(sm, id, c1, "/bulk 3000")
+          assert.deepStrictEqual(yield* sm.checkpoint(id), { generation: 2, snapshotId: `${id}~g2` })
+          yield* runTurn(sm, id, c1, "/bulk 3000")
+          const lastOfG2 = seq(c1).at(-1)!["meta"].cursor
+          assert.deepStrictEqual(yield* sm.checkpoint(id), { generation: 3, snapshotId: `${id}~g3` })
+          yield* runTurn(sm, id, c1, "in g3")
+          c2.resume()
+          yield* waitFor("c2 caught up", () => seq(c2).at(-1) !== undefined && cur(seq(c2).at(-1)!) === cur(seq(c1).at(-1)!))
+          yield* runTurn(sm, id, c1, "live")
+          yield* waitFor("c2 has the live turn", () => cur(seq(c2).at(-1)!) === cur(seq(c1).at(-1)!))
+
+          const lines = c2.lines
+          const begins = lines.filter((l) => l["type"] === "session_snapshot_begin")
+          assert.strictEqual(begins.length, 1, show(lines))
+          const begin = begins[0]!
+          assert.strictEqual(begin["purpose"], "resync")
+          assert.strictEqual(begin["snapshotId"], `${id}~g3`)
+          assert.deepStrictEqual(begin["cursor"], lastOfG2)
+          const at = lines.indexOf(begin)
+          const endAt = lines.findIndex((l) => l["type"] === "session_snapshot_end")
+          const chunks = lines.slice(at + 1, endAt)
+          assert.deepStrictEqual(chunks.map((l) => l["type"]), chunks.map(() => "session_snapshot_chunk"))
+          assert.deepStrictEqual(chunks.map((l) => l["index"]), chunks.map((_, i) => i))
+          assert.strictEqual(lines[endAt]!["chunkCount"], chunks.length)
+          const snapshotIds = chunks.flatMap((l) => l["messages"]).map((m: any) => m.id)
+          assert.strictEqual(snapshotIds.length, begin["messageCount"])
+          assert.deepStrictEqual(snapshotIds, (yield* messagesOf(sm, id)).ids.slice(0, snapshotIds.length))
+          // Before the resync: a contiguous prefix of what c1 saw; after it: generation 3 from 3:0.
+          const before = lines.slice(0, at).filter((l) => l["meta"]?.cursor !== undefined)
+          const after = lines.slice(endAt + 1).filter((l) => l["meta"]?.cursor !== undefined)
+          assert.deepStrictEqual(cursors(before), cursors(seq(c1)).slice(0, before.length))
+          assert.strictEqual(before.at(-1)!["meta"].cursor.generation, 1, "c2 was paused in generation 1")
+          const fromG3 = seq(c1).filter((l) => l["meta"].cursor.generation === 3)
+          assert.deepStrictEqual(cursors(after), cursors(fromG3))
+          assert.deepStrictEqual(after.map(body), fromG3.map(body))
+          assertContiguous(before, true)
+          assertContiguous(after, true)
+          const flags = after.map((l) => (l["meta"].replayed === true ? "r" : "l")).join("")
+          assert.match(flags, /^r+l+$/, flags)
+          // A resume cursor from the pruned generation: partial, cursor_expired, a resync baseline.
+          const c3 = new MemoryConnection("c3")
+          const data = yield* attach(sm, id, c3, {
+            resumeCursor: { generation: 1, sequence: 0 },
+            capabilities: ["attach_snapshot", "event_sequence", "chunked_snapshot"]
+          })
+          assert.strictEqual(data.replay.status, "partial")
+          assert.strictEqual(data.replay.reason, "cursor_expired")
+          yield* waitFor("c3 caught up", () => seq(c3).length === fromG3.length)
+          assert.strictEqual(c3.lines.find((l) => l["type"] === "session_snapshot_begin")?.["purpose"], "resync")
+          assert.deepStrictEqual(cursors(seq(c3)), cursors(fromG3))
+        })))
+
+    it.scopedLive("attach with a resume cursor replays exactly the events after it (across a checkpoint), then live ones", () =>
+      withCore({}, () =>
+        Effect.gen(function*() {
+          const sm = yield* SessionManager
+          const { conn: c1, id } = yield* open(sm)
+          yield* waitReady(c1)
+          yield* runTurn(sm, id, c1, "one two")
+          const mark = seq(c1).findIndex((l) => l["event"]?.type === "agent_end")
+          const resume = seq(c1)[mark]!["meta"].cursor
+          yield* runTurn(sm, id, c1, "three")
+          yield* sm.checkpoint(id)
+          yield* runTurn(sm, id, c1, "four")
+          const expected = seq(c1).slice(mark + 1)
+          const c3 = new MemoryConnection("c3")
+          const data = yield* attach(sm, id, c3, { resumeCursor: resume })
+          assert.deepStrictEqual(data.replay, {
+            status: "complete",
+            fromCursor: expected[0]!["meta"].cursor,
+            toCursor: expected.at(-1)!["meta"].cursor,
+            eventCount: expected.length
+          })
+          assert.deepStrictEqual(data.snapshot.messages, [])
+          yield* waitFor("c3's replay", () => seq(c3).length === expected.length)
+          assert.strictEqual(c3.lines[0]!["type"], "session_attached")
+          assert.deepStrictEqual(cursors(seq(c3)), cursors(expected))
+          assert.deepStrictEqual(seq(c3).map(body), expected.map(body))
+          assert.isTrue(seq(c3).every((l) => l["meta"].replayed === true))
+          const n = seq(c3).length
+          yield* runTurn(sm, id, c1, "five")
+          yield* waitFor("c3 live", () => seq(c3).length === seq(c1).length - mark - 1)
+          assert.deepStrictEqual(cursors(seq(c3)), cursors(seq(c1).slice(mark + 1)))
+          assert.isTrue(since(c3, n).every((l) => l["meta"].replayed === undefined))
+          // The last cursor: complete, nothing to replay.
+          const last = seq(c1).at(-1)!["meta"].cursor
+          const c4 = new MemoryConnection("c4")
+          const upToDate = yield* attach(sm, id, c4, { resumeCursor: last })
+          assert.deepStrictEqual(upToDate.replay, { status: "complete", eventCount: 0 })
+          // Ahead of the session, or naming no event: a baseline.
+          const ahead = yield* attach(sm, id, new MemoryConnection("c5"), { resumeCursor: { generation: 2, sequence: 999 } })
+          assert.strictEqual(ahead.replay.reason, "cursor_ahead")
+          const unknown = yield* attach(sm, id, new MemoryConnection("c6"), { resumeCursor: { generation: 1, sequence: 999 } })
+          assert.strictEqual(unknown.replay.reason, "cursor_unknown")
+          assert.strictEqual(unknown.snapshot.messageCount, 4)
+        })))
+
+    it.scopedLive("attaching again on the same connection replaces the earlier attachment; detach ends delivery", () =>
+      withCore({}, () =>
+        Effect.gen(function*() {
+          const sm = yield* SessionManager
+          const { conn: c1, id } = yield* open(sm)
+          yield* waitReady(c1)
+          yield* runTurn(sm, id, c1, "one")
+          const c2 = new MemoryConnection("c2")
+          yield* attach(sm, id, c2)
+          yield* waitFor("c2's baseline", () => seq(c2).length === seq(c1).length)
+          const last = seq(c2).at(-1)!["meta"].cursor
+          yield* attach(sm, id, c2, { resumeCursor: last })
+          assert.strictEqual(sm.attachedCount("c2"), 1)
+          yield* runTurn(sm, id, c1, "two")
+          yield* waitFor("c2 has the turn", () => cur(seq(c2).at(-1)!) === cur(seq(c1).at(-1)!))
+          assert.deepStrictEqual(cursors(seq(c2)), cursors(seq(c1)), "no event twice")
+          yield* sm.detach("c2", id)
+          assert.strictEqual(sm.attachedCount("c2"), 0)
+          const n = c2.lines.length
+          yield* runTurn(sm, id, c1, "three")
+          assert.strictEqual(c2.lines.length, n, "nothing after detach")
+        })))
+  })
+  describe("daemon restart (a second core over the same storage)", () => {
+    it.scopedLive("a session busy at the restart is restored with turn_interrupted{daemon_restarted}; an idle one is passivated and woken on demand; cursors go on", () =>
+      Effect.gen(function*() {
+        const stored = yield* makeStored
+        const before = yield* withCore({}, () =>
+          Effect.gen(function*() {
+            const sm = yield* SessionManager
+            const busy = yield* open(sm, "cb")
+            const idle = yield* open(sm, "ci")
+            yield* waitReady(busy.conn)
+            yield* waitReady(idle.conn)
+            yield* runTurn(sm, busy.id, busy.conn, "before")
+            yield* runTurn(sm, idle.id, idle.conn, "idle before")
+            yield* prompt(sm, busy.id, "/sleep 10000")
+            yield* waitFor("tool_execution_start", () => eventTypes(seq(busy.conn)).includes("tool_execution_start"))
+            return { busy: { id: busy.id, lines: seq(busy.conn) }, idle: { id: idle.id, lines: seq(idle.conn) } }
+          }), stored)
+        yield* withCore({}, () =>
+          Effect.gen(function*() {
+            const sm = yield* SessionManager
+            const c1 = new MemoryConnection("c1")
+            const data = yield* attach(sm, before.busy.id, c1, { resumeCursor: before.busy.lines.at(-1)!["meta"].cursor })
+            assert.strictEqual(data.replay.status, "complete")
+            yield* waitFor("ready", () => statuses(seq(c1)).at(-1) === "ready/idle")
+            assert.deepStrictEqual(seq(c1).map((l) => describeMsg(l).replace(/@.*/, "")), [
+              "status(busy=true,worker=recovering)",
+              "ev:turn_interrupted(daemon_restarted)",
+              "status(busy=false,worker=ready)"
+            ], show(seq(c1)))
+            assertContiguous([...before.busy.lines, ...seq(c1)], true)
+            yield* runTurn(sm, before.busy.id, c1, "after")
+            assert.deepStrictEqual((yield* messagesOf(sm, before.busy.id)).contents, [
+              "user:before",
+              "assistant:echo: before",
+              "user:/sleep 10000",
+              "user:after",
+              "assistant:echo: after"
+            ])
+            // The idle one waits for its next prompt, passivated.
+            const idle = yield* sm.getState(before.idle.id)
+            assert.strictEqual(idle.worker, "passivated")
+            assert.isFalse(idle.busy)
+            const c2 = new MemoryConnection("c2")
+            yield* attach(sm, before.idle.id, c2, { resumeCursor: before.idle.lines.at(-1)!["meta"].cursor })
+            yield* runTurn(sm, before.idle.id, c2, "idle after")
+            assert.deepStrictEqual(dedupe(statuses(seq(c2))), ["starting/busy", "ready/busy", "ready/idle"], show(seq(c2)))
+            assertContiguous([...before.idle.lines, ...seq(c2)], true)
+            assert.deepStrictEqual((yield* messagesOf(sm, before.idle.id)).contents, [
+              "user:idle before",
+              "assistant:echo: idle before",
+              "user:idle after",
+              "assistant:echo: idle after"
+            ])
+          }), stored)
+      }))
+  })
+
+  describe("the in-process pool", () => {
+    it.scopedLive("a killed in-process worker ends at once (its turn does not run on), even though the core acquires it in an uninterruptible region", () =>
+      Effect.gen(function*() {
+        const sm = yield* SessionManager
+        const pool = yield* WorkerPool
+        const { conn, id } = yield* open(sm)
+        yield* waitReady(conn)
+        yield* prompt(sm, id, "/sleep 1500")
+        yield* waitFor("tool_execution_start", () => eventTypes(seq(conn)).includes("tool_execution_start"))
+        const [worker] = yield* pool.live
+        worker!.kill()
+        yield* waitUntil("the killed worker gone from the pool", Effect.map(pool.live, (ws) => !ws.includes(worker!)), 1_000)
+      }).pipe(Effect.scoped, Effect.provide(coreLayer())))
+  })
 })

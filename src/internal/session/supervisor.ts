@@ -49,11 +49,11 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
         ...(s.meta.config === undefined ? {} : { config: s.meta.config as Record<string, unknown> }),
         ...(restore === undefined ? {} : { restore })
       }
-      // Uninterruptible: a `kill` meanwhile waits for it (closing the session's scope), and the
-      // worker it got is then stopped rather than left running.
+      // A `kill` meanwhile interrupts it (closing the session's scope): the pool then stops the
+      // worker it was starting; one it already got is stopped here.
       yield* forkIn(
         s,
-        Effect.uninterruptible(Effect.gen(function*() {
+        Effect.gen(function*() {
           yield* passivateBeyondLimit(s)
           const worker = yield* pool.acquire(s.meta.activeSessionId, workerEnv(s))
           // Sent at once, before the pool starts its next spare (a process booting beside a
@@ -65,7 +65,7 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
             onFailure: (error) => post(s, { _tag: "AcquireFailed", epoch, message: error.message }),
             onSuccess: (w) => s.closed ? Effect.asVoid(w.stop()) : post(s, { _tag: "Acquired", epoch, worker: w })
           })
-        ))
+        )
       )
     })
 
