@@ -329,7 +329,8 @@ export const make = Effect.gen(function*() {
     abort: (cmd) =>
       Effect.flatMap(get(cmd.activeSessionId), (s) =>
         send<{ aborted: boolean }>(s, (reply) => ({ _tag: "Abort", reply }))),
-    getState: (id) => Effect.map(get(id), summary),
+    // Under the publish lock: a change of state being published is out before it is read here.
+    getState: (id) => Effect.flatMap(get(id), (s) => s.publishLock.withPermits(1)(Effect.sync(() => summary(s)))),
     getMessages: (cmd) =>
       Effect.gen(function*() {
         const s = yield* get(cmd.activeSessionId)

@@ -90,9 +90,11 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
     Effect.gen(function*() {
       const phase = s.phase
       const aborts = phase._tag === "Running" ? phase.aborts : []
+      yield* record(s, false, "turn_end")
+      // Not busy from here, and said so at once: `get_state` waits for the status (it reads
+      // under the publish lock), so nobody sees busy:false before the stream does.
       s.cutTurn = undefined
       if (phase._tag === "Running") s.phase = { _tag: "Idle", worker: phase.worker }
-      yield* record(s, false, "turn_end")
       if (publishIdle) yield* publishStatus(s)
       for (const a of aborts) yield* Deferred.succeed(a, { aborted: how === "aborted" })
       if (s.generationEvents >= config.checkpointEvents || s.generationBytes >= config.checkpointBytes) s.checkpointDue = true
