@@ -82,14 +82,18 @@ export class Outbox {
     if (text.length > 0) buffers.push(Buffer.from(text, "utf8"))
     let size = 0
     for (const buf of buffers) size += buf.byteLength
-    const data = buffers.length === 1 ? buffers[0]! : Buffer.concat(buffers, size)
     // The byte count drops only when the kernel has taken the batch: that is what bounds memory.
-    this.socket.write(data, () => {
+    const written = () => {
       this.queued -= size
       this.wakeWaiters()
       // Defer so that many small offers in one tick coalesce into the next batch.
       setImmediate(() => this.flush())
-    })
+    }
+    // Several buffers go out corked, as one writev: the same bytes are shared by every client
+    // of a session, and joining them per client was the fan-out's main cost (Buffer.concat).
+    this.socket.cork()
+    buffers.forEach((buf, i) => this.socket.write(buf, i === buffers.length - 1 ? written : undefined))
+    this.socket.uncork()
   }
 
   private wakeWaiters() {
