@@ -206,6 +206,18 @@ describe("SessionManager (in-process)", () => {
       })))
 
   describe("start and prompt", () => {
+    it.scopedLive("create with a config too deeply nested to store: invalid_command, and no session is left", () =>
+      withCore({}, () =>
+        Effect.gen(function*() {
+          const sm = yield* SessionManager
+          let config: Record<string, unknown> = {}
+          for (let i = 0; i < 20_000; i++) config = { a: config }
+          const refused = yield* Effect.either(sm.create({ type: "create", config: { deep: config } } as any))
+          assert.isTrue(Either.isLeft(refused))
+          if (Either.isLeft(refused)) assert.strictEqual(refused.left.code, "invalid_command")
+          assert.deepStrictEqual((yield* sm.list).sessions, [])
+        })))
+
     it.scopedLive("create answers `starting`; the worker's `ready` status is the first event (1:0), idle", () =>
       withCore({}, () =>
         Effect.gen(function*() {
