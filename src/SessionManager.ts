@@ -112,6 +112,10 @@ export const make = Effect.gen(function*() {
   const cache = yield* SnapshotCache
   const pool = yield* WorkerPool
   const managerScope = yield* Effect.scope
+  const sessionScope = Effect.gen(function*() {
+    const scope = yield* Scope.fork(managerScope, ExecutionStrategy.sequential)
+    return { scope, fibers: yield* Scope.extend(FiberSet.make(), scope) }
+  })
   /** Each session's entity fiber, by activeSessionId. */
   const entities = yield* FiberMap.make<string>()
   const restartPolicy = {
@@ -132,7 +136,8 @@ export const make = Effect.gen(function*() {
     sessions: new Map(),
     connections: new Map(),
     restartPolicy,
-    restarts
+    restarts,
+    sessionScope
   })
   const { connections, sessions, filterEnv, get, post, publishStatus, record, summary } = core
   const checkpoints = makeCheckpoints(core)
@@ -145,10 +150,8 @@ export const make = Effect.gen(function*() {
 
   const newSession = (meta: SessionMeta, phase: Phase): Effect.Effect<Session> =>
     Effect.gen(function*() {
-      const scope = yield* Scope.fork(managerScope, ExecutionStrategy.sequential)
       return {
-        scope,
-        fibers: yield* Scope.extend(FiberSet.make(), scope),
+        ...yield* sessionScope,
         meta,
         messageCount: 0,
         baseMessageCount: 0,

@@ -57,7 +57,10 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
         }
         s.epoch++
         s.phase = { _tag: "Passivated" }
-        yield* fork(Effect.asVoid(phase.worker.stop()))
+        // The session's fibers end with its worker; whatever it does next runs in a new scope.
+        const previous = s.scope
+        Object.assign(s, yield* core.sessionScope)
+        yield* fork(Effect.zipRight(phase.worker.stop(), Scope.close(previous, Exit.void)))
         yield* publishStatus(s)
       }
     })

@@ -78,8 +78,9 @@ export interface Session {
   snapshotId: string | undefined
   closed: boolean
   /**
-   * The session's own scope, closed by `kill`: its fibers (the worker's frame pump, a restart
-   * waiting for its backoff, a worker being acquired) end with it.
+   * The session's own scope: its fibers (the worker's frame pump, a restart waiting for its
+   * backoff, a worker being acquired) end with it. `kill` closes it; passivation closes it and
+   * the session gets a new one.
    */
   scope: Scope.CloseableScope
   fibers: FiberSet.FiberSet
@@ -119,6 +120,8 @@ export interface CoreDeps {
   readonly connections: Map<string, Map<string, Attachment>>
   readonly restartPolicy: RestartPolicy
   readonly restarts: Schedule.Schedule<number, unknown>
+  /** A new scope for a session (a child of the manager's) and its fibers. */
+  readonly sessionScope: Effect.Effect<{ readonly scope: Scope.CloseableScope; readonly fibers: FiberSet.FiberSet }>
 }
 
 /** The dependencies and the helpers every part of the core shares: lookup, publishing, journal. */
