@@ -272,6 +272,7 @@ export class SessionStream {
     const messages = (snap["messages"] as Array<Msg>).map(foldedOf)
     if (snap["messageCount"] !== messages.length) this.fail("attach baseline", `snapshot.messageCount ${snap["messageCount"]} but ${messages.length} messages inline`)
     this.baseline(messages)
+    this.last = snap["cursor"] as Cursor | undefined
     this.phase = { kind: "awaitAttached", next: { kind: "start", cursor: snap["cursor"] as Cursor | undefined }, lastAtAttach }
   }
 
@@ -369,7 +370,7 @@ export class SessionStream {
       if (c.sequence !== 0 || (next.cursor !== undefined && c.generation <= next.cursor.generation)) {
         this.fail("no gap after a baseline", `${describeMsg(m)} is not the start of a generation after the snapshot's cursor ${fmtCursor(next.cursor)}`)
       }
-      this.truth.jumps.push({ from: next.cursor, to: c, where })
+      this.truth.jumps.push({ from: next.cursor, to: c, where: `${where} (after ${this.recent.slice(-40, -1).join(", ")})` })
     }
     if (phase.lastAtAttach !== undefined && compareCursor(c, phase.lastAtAttach) <= 0 && m["meta"].replayed !== true) {
       this.fail("replayed flag", `${describeMsg(m)} existed at attach (last ${fmtCursor(phase.lastAtAttach)}) but is not flagged replayed`)
