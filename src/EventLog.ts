@@ -923,7 +923,10 @@ export const make = (options: EventLogOptions): Effect.Effect<EventLogService, E
           let next = fromSequence
           const body = segmentStream(h, generation, fromSequence).pipe(Stream.mapChunks((chunk) => {
             const last = Chunk.last(chunk)
-            if (Option.isSome(last)) next = last.value.cursor.sequence + 1
+            if (Option.isSome(last)) {
+              next = last.value.cursor.sequence + 1
+              lastSeen = last.value.cursor
+            }
             return chunk
           }))
           return Stream.concat(body, Stream.suspend(() => {
@@ -935,12 +938,24 @@ export const make = (options: EventLogOptions): Effect.Effect<EventLogService, E
                 : from(generation + 1)))
           }))
         }
+        /** The last record read (or the cursor read after): where the next segment must start. */
+        let lastSeen: Cursor.Cursor | undefined = after
         // The next retained generation is looked up only when the previous one is finished, so
         // a generation started during the read is included.
         const from = (minGeneration: number): Stream.Stream<EventRecord, EventLogError> =>
           Stream.suspend(() => {
             const generation = h.segments.find((g) => g >= minGeneration)
             if (generation === undefined) return Stream.empty
+            const skipped = generation !== minGeneration && !(after !== undefined && minGeneration === after.generation)
+            if (skipped) {
+              // Generations between were pruned (before this read began, or while it went on):
+              // what follows is complete only if they held nothing after what was read, which
+              // the next segment's header says.
+              return Stream.unwrap(Effect.map(segmentStart(sessionId, segmentPath(h, generation), generation), (start) =>
+                Option.isNone(start) || (lastSeen !== undefined && !Cursor.isBefore(lastSeen, start.value))
+                  ? wholeFrom(generation, 0)
+                  : Stream.fail(fail("GenerationNotFound", sessionId, `events before generation ${generation} were pruned`))))
+            }
             if (after !== undefined && minGeneration === after.generation && generation !== after.generation) {
               // The cursor's generation is gone (pruned, possibly while this read waited): the
               // events after it are all here only if the next segment starts right after it.
@@ -1124,6 +1139,13 @@ export const makeMemory: Effect.Effect<EventLogService> = Effect.sync(() => {
         const start = next === undefined ? Option.none() : (s.starts.get(next) ?? Option.none())
         if (next !== undefined && !(Option.isSome(start) && !Cursor.isBefore(after, start.value))) {
           return Stream.fail(fail("GenerationNotFound", sessionId, `the events after ${after.generation}:${after.sequence} were pruned`))
+        }
+      }
+      if (after === undefined && s.segments.size > 0 && !s.segments.has(1)) {
+        // Read from the very start, but the first generations were pruned: fail, never skip.
+        const first = Math.min(...s.segments.keys())
+        if (Option.isSome(s.starts.get(first) ?? Option.none())) {
+          return Stream.fail(fail("GenerationNotFound", sessionId, `events before generation ${first} were pruned`))
         }
       }
       return Stream.fromIterable(

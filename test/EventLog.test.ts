@@ -160,7 +160,8 @@ for (const impl of implementations) {
       // very end of a pruned generation loses nothing (the next retained one starts after it).
       assert.strictEqual((yield* Effect.flip(readAll("s", Cursor.make(1, 0)))).reason, "GenerationNotFound")
       assert.deepStrictEqual(cursors(yield* readAll("s", Cursor.make(2, 0))), ["3:0", "4:0"])
-      assert.deepStrictEqual(cursors(yield* readAll("s")), ["3:0", "4:0"])
+      // From the very start: the first events are gone, so it fails too.
+      assert.strictEqual((yield* Effect.flip(readAll("s"))).reason, "GenerationNotFound")
       assert.deepStrictEqual(yield* log.prune("s", 100), [3])
       assert.deepStrictEqual(yield* log.generations("s"), [4])
       assert.deepStrictEqual(yield* log.lastCursor("s"), Option.some(Cursor.make(4, 0)))
@@ -370,6 +371,30 @@ describe("EventLog (file only)", () => {
         const status = yield* log.status("s")
         assert.strictEqual(status.generationEvents, 2)
       }))
+    }))
+
+  it.scoped("a read that outlives the generations after it (pruned while it went on) fails, never skips them", () =>
+    Effect.gen(function*() {
+      const root = yield* tempDir
+      yield* withLog(root, Effect.gen(function*() {
+        const log = yield* EventLog.EventLog
+        for (const g of [1, 2, 3]) {
+          yield* log.append("s", { g, i: 0 })
+          yield* log.append("s", { g, i: 1 })
+          if (g < 3) yield* log.startGeneration("s")
+        }
+        // A slow reader is inside generation 1 when generations 1 and 2 are pruned.
+        const pull = yield* Stream.toPull(log.read("s", Cursor.make(1, -1)).pipe(Stream.rechunk(1)))
+        assert.deepStrictEqual(Chunk.toReadonlyArray(yield* pull).map((r) => r.cursor), [Cursor.make(1, 0)])
+        yield* log.prune("s", 3)
+        const rest: Array<string> = []
+        const failure = yield* Effect.flip(Effect.forever(Effect.map(pull, (c) => {
+          for (const r of c) rest.push(`${r.cursor.generation}:${r.cursor.sequence}`)
+        })))
+        // What it had open it still reads; then it stops rather than jump from 1:1 to 3:0.
+        assert.deepStrictEqual(rest, ["1:1"])
+        assert.isTrue(Option.isSome(failure) && failure.value.reason === "GenerationNotFound", JSON.stringify(failure))
+      }).pipe(Effect.scoped))
     }))
 
   it.scoped("reopen remembers a started generation without events, even after pruning", () =>
