@@ -1,90 +1,623 @@
 /**
- * A client of the daemon over its socket: commands with their responses, and the server's
- * other messages (events, snapshot frames) as they come. Used by the CLI.
+ * The Effect client of the daemon (PROTOCOL.md sections 2-5): one connection to the daemon's
+ * socket, each command a typed method whose answer is decoded with the protocol's own Schemas,
+ * each failure a typed error, and the daemon's other messages (events, snapshot frames,
+ * `session_attached`, `daemon_closing`) as a `Stream`.
+ *
+ * ```ts
+ * const program = Effect.gen(function*() {
+ *   const client = yield* DaemonClient
+ *   const { activeSessionId } = yield* client.create({ name: "demo" })
+ *   yield* client.promptTurn(activeSessionId, "hello").pipe(
+ *     Stream.runForEach((m) => Console.log(m.event.type))
+ *   )
+ * }).pipe(Effect.provide(DaemonClient.layer({ socketPath })))
+ * ```
+ *
+ * This module loads only the protocol's own modules (Protocol, Cursor, JsonLines) and
+ * `node:net`, never the daemon's, so that a client starts fast. It does not reconnect: a
+ * connection that drops fails what waits on it with {@link DaemonDisconnected}.
  */
-import * as Data from "effect/Data"
+import * as Context from "effect/Context"
 import * as Deferred from "effect/Deferred"
+import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
+import * as Either from "effect/Either"
+import * as Layer from "effect/Layer"
+import * as Option from "effect/Option"
+import * as ParseResult from "effect/ParseResult"
+import { isRecord } from "effect/Predicate"
 import * as Queue from "effect/Queue"
+import * as Schema from "effect/Schema"
 import type * as Scope from "effect/Scope"
+import * as Stream from "effect/Stream"
+import * as Take from "effect/Take"
 import * as net from "node:net"
+import * as Cursor from "./Cursor.js"
 import { LineDecoder } from "./JsonLines.js"
 import * as Protocol from "./Protocol.js"
+import { defaultSocketPath } from "./StatePaths.js"
 
-/** Nothing answers at the socket path. */
-export class DaemonUnreachable extends Data.TaggedError("DaemonUnreachable")<{
-  readonly socketPath: string
-  readonly message: string
-}> {}
+// ---------------------------------------------------------------------------------------------
+// Errors
+// ---------------------------------------------------------------------------------------------
 
-/** The daemon answered a command with an error. */
-export class DaemonError extends Data.TaggedError("DaemonError")<{
-  readonly code: string
-  readonly message: string
-}> {}
+/** Nothing answers at the socket path, or it closed (or stayed silent) before its hello. */
+export class DaemonUnreachable extends Schema.TaggedError<DaemonUnreachable>()("DaemonUnreachable", {
+  socketPath: Schema.String,
+  message: Schema.String
+}) {}
 
-export interface Connection {
-  readonly hello: Protocol.DaemonHello
-  /** Sends a command and waits for its response's data. */
-  readonly request: (command: Protocol.Command) => Effect.Effect<unknown, DaemonError | DaemonUnreachable>
-  /** Every message that is not a response, in arrival order; `null` when the connection ends. */
-  readonly messages: Queue.Dequeue<unknown>
+/**
+ * What answered at the socket is not an agentd daemon speaking this client's protocol
+ * (`{ name: "agentd", version: 1 }`): its first message is not a `daemon_hello`, or the hello
+ * announces another protocol name or version. `received` is what the hello announced.
+ */
+export class ProtocolMismatch extends Schema.TaggedError<ProtocolMismatch>()("ProtocolMismatch", {
+  socketPath: Schema.String,
+  expected: Protocol.ProtocolId,
+  received: Schema.Unknown,
+  message: Schema.String
+}) {}
+
+/**
+ * The connection ended while something waited on it (a response, a stream), or a command was
+ * sent after it ended: the daemon stopped or crashed, or the client was closed.
+ */
+export class DaemonDisconnected extends Schema.TaggedError<DaemonDisconnected>()("DaemonDisconnected", {
+  socketPath: Schema.String,
+  message: Schema.String
+}) {}
+
+/**
+ * The daemon answered a command with an error response. Switch on `code` (one of
+ * PROTOCOL.md section 3's error codes); `command` is the command's type.
+ *
+ * ```ts
+ * client.getState(id).pipe(
+ *   Effect.catchTag("DaemonError", (e) => e.code === "session_not_found" ? Effect.succeed(undefined) : Effect.fail(e))
+ * )
+ * ```
+ */
+export class DaemonError extends Schema.TaggedError<DaemonError>()("DaemonError", {
+  code: Protocol.ErrorCode,
+  command: Schema.String,
+  message: Schema.String,
+  details: Protocol.optional(Protocol.JsonObject)
+}) {}
+
+/** A response this client cannot read (its shape or its `data` does not match the protocol). */
+export class InvalidResponse extends Schema.TaggedError<InvalidResponse>()("InvalidResponse", {
+  command: Schema.String,
+  message: Schema.String
+}) {}
+
+/** A prompted turn ended with `turn_interrupted` instead of `agent_end`. */
+export class TurnInterrupted extends Schema.TaggedError<TurnInterrupted>()("TurnInterrupted", {
+  activeSessionId: Schema.String,
+  reason: Protocol.InterruptReason,
+  message: Schema.String
+}) {}
+
+/** The session was closed (`session_closed`, e.g. killed) before the prompted turn ended. */
+export class SessionClosedError extends Schema.TaggedError<SessionClosedError>()("SessionClosedError", {
+  activeSessionId: Schema.String,
+  reason: Schema.String,
+  message: Schema.String
+}) {}
+
+/** Why `make`/`layer` could not connect. */
+export type ConnectError = DaemonUnreachable | ProtocolMismatch
+
+/** Why a command failed. */
+export type RequestError = DaemonError | DaemonDisconnected | InvalidResponse
+
+/** Why a prompted turn could not be followed to its `agent_end`. */
+export type TurnError = RequestError | TurnInterrupted | SessionClosedError
+
+/** True for a {@link DaemonError} with one of `codes` (for `Effect.catchIf`). */
+export const isDaemonError = <const C extends Protocol.ErrorCode>(...codes: ReadonlyArray<C>) =>
+(u: unknown): u is DaemonError & { readonly code: C } =>
+  u instanceof DaemonError && (codes as ReadonlyArray<string>).includes(u.code)
+
+// ---------------------------------------------------------------------------------------------
+// The service
+// ---------------------------------------------------------------------------------------------
+
+/** Options of a connection. */
+export interface DaemonClientOptions {
+  /** The daemon's socket; default `AGENTD_SOCKET`, else `<default state dir>/agentd.sock`. */
+  readonly socketPath?: string | undefined
+  /** How long to wait for `daemon_hello` once connected (default 10 seconds). */
+  readonly helloTimeout?: Duration.DurationInput | undefined
 }
 
-/** Connects, reads `daemon_hello`; the connection closes with the scope. */
-export const connect = (socketPath: string): Effect.Effect<Connection, DaemonUnreachable, Scope.Scope> =>
+/** The fields of `create`. */
+export type CreateOptions = Omit<Protocol.CommandOf<"create">, "type">
+/** The fields of `attach` besides the session. */
+export type AttachOptions = Omit<Protocol.CommandOf<"attach">, "type" | "activeSessionId">
+/** The fields of `get_messages` besides the session. */
+export type GetMessagesOptions = Omit<Protocol.CommandOf<"get_messages">, "type" | "activeSessionId">
+
+/** One connection to the daemon. */
+export interface DaemonClientService {
+  readonly socketPath: string
+  /** The daemon's greeting on this connection (protocol checked). */
+  readonly hello: Protocol.DaemonHello
+  /** Sends any command and decodes its response's `data` with the command's schema. */
+  readonly request: <C extends Protocol.Command>(
+    command: C
+  ) => Effect.Effect<Protocol.ResponseDataOf<C["type"]>, RequestError>
+  readonly ping: () => Effect.Effect<Protocol.PingResult, RequestError>
+  /** Creates a session (without attaching to it). */
+  readonly create: (options?: CreateOptions) => Effect.Effect<Protocol.CreateResult, RequestError>
+  readonly list: () => Effect.Effect<Protocol.ListResult, RequestError>
+  readonly status: () => Effect.Effect<Protocol.StatusResult, RequestError>
+  /**
+   * Attaches this connection to a session. The snapshot frames, `session_attached` and the
+   * events follow the response on {@link messages}: {@link subscribe} before attaching to see
+   * them all.
+   */
+  readonly attach: (activeSessionId: string, options?: AttachOptions) => Effect.Effect<Protocol.DaemonAttachResult, RequestError>
+  readonly detach: (activeSessionId: string) => Effect.Effect<void, RequestError>
+  /** Sends a prompt; answered once its turn starts. The turn's events go to attached connections. */
+  readonly prompt: (activeSessionId: string, message: string) => Effect.Effect<Protocol.PromptResult, RequestError>
+  /** Aborts the running turn; answered once it has ended. */
+  readonly abort: (activeSessionId: string) => Effect.Effect<Protocol.AbortResult, RequestError>
+  readonly getState: (activeSessionId: string) => Effect.Effect<Protocol.SessionSummary, RequestError>
+  readonly getMessages: (
+    activeSessionId: string,
+    options?: GetMessagesOptions
+  ) => Effect.Effect<Protocol.GetMessagesResult, RequestError>
+  readonly checkpoint: (activeSessionId: string) => Effect.Effect<Protocol.CheckpointResult, RequestError>
+  readonly retryWorker: (activeSessionId: string) => Effect.Effect<Protocol.SessionSummary, RequestError>
+  /** Kills a session; its files move to the daemon's archive. */
+  readonly kill: (activeSessionId: string) => Effect.Effect<void, RequestError>
+  /** Asks the daemon to stop; it answers, sends `daemon_closing` and exits. */
+  readonly shutdown: () => Effect.Effect<void, RequestError>
+  /**
+   * Subscribes now to the daemon's messages that are not responses, decoded, in arrival order;
+   * the subscription ends with the scope. Messages that arrive before it are not in it. The
+   * stream fails with {@link DaemonDisconnected} when the connection ends other than by
+   * closing this client (then it just ends). A subscription buffers what it has not read yet.
+   */
+  readonly subscribe: Effect.Effect<Stream.Stream<Protocol.PushMessage, DaemonDisconnected>, never, Scope.Scope>
+  /** Like {@link subscribe}, subscribing when the stream starts. */
+  readonly messages: Stream.Stream<Protocol.PushMessage, DaemonDisconnected>
+  /** Whether this connection is attached to a session (attached, not detached, not closed). */
+  readonly isAttached: (activeSessionId: string) => boolean
+  /**
+   * Prompts a session and follows that turn: attaches this connection to the session if it is
+   * not attached yet (resuming from the session's last event, so no history is sent), sends
+   * the prompt, and emits the turn's `session_event`s from its `agent_start` to its
+   * `agent_end` (included), then ends. Fails with {@link TurnInterrupted} when the turn ends
+   * with `turn_interrupted`, with {@link SessionClosedError} when the session is closed first,
+   * and with the command's error when the prompt is refused (e.g. `session_busy`). The prompt
+   * is sent when the stream starts; ending the stream early does not abort the turn.
+   *
+   * The turn followed is the first one to start after the prompt was sent; if another client
+   * of the same session runs a whole turn between this client's state query and its prompt,
+   * that turn would be taken for this one (the protocol does not tag a turn with its prompt).
+   */
+  readonly promptTurn: (activeSessionId: string, message: string) => Stream.Stream<Protocol.SessionEvent, TurnError>
+}
+
+/**
+ * Connects to the daemon and checks its hello; the connection closes with the scope. Fails
+ * with {@link DaemonUnreachable} when nothing answers (or nothing greets within
+ * `helloTimeout`), {@link ProtocolMismatch} when something else than this protocol answers.
+ */
+export const make = (options: DaemonClientOptions = {}): Effect.Effect<DaemonClientService, ConnectError, Scope.Scope> =>
   Effect.gen(function*() {
-    const messages = yield* Queue.unbounded<unknown>()
-    const hello = yield* Deferred.make<Protocol.DaemonHello, DaemonUnreachable>()
-    const pending = new Map<string, Deferred.Deferred<unknown, DaemonError | DaemonUnreachable>>()
-    let next = 0
-    const unreachable = (message: string) => new DaemonUnreachable({ socketPath, message })
-    const socket = yield* Effect.acquireRelease(
-      Effect.async<net.Socket, DaemonUnreachable>((resume) => {
-        const s = net.connect(socketPath)
-        s.once("connect", () => resume(Effect.succeed(s)))
-        s.once("error", (err) => resume(Effect.fail(unreachable(`cannot connect to ${socketPath}: ${err.message}`))))
-      }),
-      (s) => Effect.sync(() => s.destroy())
-    )
-    const decoder = new LineDecoder(Number.MAX_SAFE_INTEGER)
-    socket.on("data", (chunk: Buffer) => {
-      for (const line of decoder.push(chunk)) {
-        if (typeof line !== "string") continue
-        const message = JSON.parse(line) as { type?: string; id?: string; success?: boolean; data?: unknown; error?: { code: string; message: string } }
-        if (message.type === "daemon_hello") Deferred.unsafeDone(hello, Effect.succeed(message as Protocol.DaemonHello))
-        else if (message.type === "response" && typeof message.id === "string" && pending.has(message.id)) {
-          const waiter = pending.get(message.id)!
-          pending.delete(message.id)
-          Deferred.unsafeDone(
-            waiter,
-            message.success === true
-              ? Effect.succeed(message.data)
-              : Effect.fail(new DaemonError({ code: message.error?.code ?? "internal", message: message.error?.message ?? "" }))
-          )
-          // Attach frames follow their response: keep the order visible to readers.
-          if (message.success === true) Queue.unsafeOffer(messages, message)
-        } else Queue.unsafeOffer(messages, message)
-      }
-    })
-    socket.on("close", () => {
-      Deferred.unsafeDone(hello, Effect.fail(unreachable("the daemon closed the connection")))
-      for (const waiter of pending.values()) Deferred.unsafeDone(waiter, Effect.fail(unreachable("the daemon closed the connection")))
+    const socketPath = options.socketPath ?? defaultSocketPath()
+    const inbox = yield* Queue.unbounded<string | null>()
+    const socket = yield* Effect.acquireRelease(open(socketPath, inbox), (s) => Effect.sync(() => s.destroy()))
+
+    const hello = yield* Deferred.make<Protocol.DaemonHello, ConnectError>()
+    let helloSeen = false
+    /** Commands sent and not answered yet, by id. */
+    const pending = new Map<string, { readonly command: Protocol.Command; readonly waiter: Deferred.Deferred<unknown, DaemonDisconnected> }>()
+    const subscribers = new Set<Queue.Queue<Take.Take<Protocol.PushMessage, DaemonDisconnected>>>()
+    const attached = new Set<string>()
+    let daemonClosing = false
+    /** Set once the connection is over: what later requests fail with, what late subscribers get. */
+    let over: { readonly error: DaemonDisconnected; readonly take: Take.Take<never, DaemonDisconnected> } | undefined
+    let nextId = 0
+
+    // Synchronous, so that no request or subscription can slip in between the end and its
+    // notification (each checks `over` in the same synchronous step that registers it).
+    const finish = (cause: DaemonDisconnected | undefined) => {
+      if (over !== undefined) return
+      const error = cause ?? new DaemonDisconnected({ socketPath, message: "the client was closed" })
+      over = { error, take: cause === undefined ? Take.end : Take.fail(cause) }
+      Deferred.unsafeDone(
+        hello,
+        Effect.fail(new DaemonUnreachable({ socketPath, message: `${socketPath}: the connection closed before the daemon's hello` }))
+      )
+      for (const { waiter } of pending.values()) Deferred.unsafeDone(waiter, Effect.fail(error))
       pending.clear()
-      Queue.unsafeOffer(messages, null)
-    })
-    socket.on("error", () => {})
-    const helloMessage = yield* Deferred.await(hello)
-    return {
-      hello: helloMessage,
-      messages,
-      request: (command) =>
-        Effect.gen(function*() {
-          const id = `r${++next}`
-          const waiter = yield* Deferred.make<unknown, DaemonError | DaemonUnreachable>()
-          pending.set(id, waiter)
-          socket.write(Protocol.encodeCommand(id, command, helloMessage.clientId))
-          return yield* Deferred.await(waiter)
-        })
+      for (const queue of subscribers) Queue.unsafeOffer(queue, over.take)
+      subscribers.clear()
+      attached.clear()
     }
+
+    const dispatch = (line: string): Effect.Effect<void> => {
+      let json: unknown
+      try {
+        json = JSON.parse(line)
+      } catch {
+        if (!helloSeen) {
+          helloSeen = true
+          return Deferred.fail(hello, mismatch(socketPath, undefined, `the first line from ${socketPath} is not JSON: ${preview(line)}`))
+        }
+        return Effect.logWarning(`agentd client: ignored a line that is not JSON: ${preview(line)}`)
+      }
+      if (!helloSeen) {
+        helloSeen = true
+        return Deferred.complete(hello, checkHello(socketPath, json))
+      }
+      if (isRecord(json) && json["type"] === "response") {
+        const id = json["id"]
+        const request = typeof id === "string" ? pending.get(id) : undefined
+        if (request === undefined) {
+          return Effect.logWarning(`agentd client: ignored a response nobody waits for: ${preview(line)}`)
+        }
+        pending.delete(id as string)
+        // Here rather than in the caller's fiber: in wire order with a `session_closed` after it.
+        if (json["success"] === true) {
+          const command = request.command
+          if (command.type === "attach") attached.add(command.activeSessionId)
+          else if (command.type === "detach" || command.type === "kill") attached.delete(command.activeSessionId)
+        }
+        return Deferred.succeed(request.waiter, json)
+      }
+      const decoded = decodePush(json)
+      if (Either.isLeft(decoded)) {
+        return Effect.logWarning(`agentd client: ignored a message this client cannot read (${decoded.left}): ${preview(line)}`)
+      }
+      const message = decoded.right
+      if (message.type === "daemon_closing") daemonClosing = true
+      else if (message.type === "session_closed") attached.delete(message.activeSessionId)
+      return Effect.sync(() => {
+        const take = Take.of(message)
+        for (const queue of subscribers) Queue.unsafeOffer(queue, take)
+      })
+    }
+
+    // One fiber reads the lines in order, so a response and the frames after it are seen in
+    // the order the daemon sent them.
+    yield* Effect.forkScoped(Effect.gen(function*() {
+      while (true) {
+        const lines = yield* Queue.takeBetween(inbox, 1, Number.MAX_SAFE_INTEGER)
+        for (const line of lines) {
+          if (line === null) {
+            return finish(
+              new DaemonDisconnected({
+                socketPath,
+                message: daemonClosing ? "the daemon shut down (daemon_closing)" : "the daemon closed the connection"
+              })
+            )
+          }
+          yield* dispatch(line)
+        }
+      }
+    }).pipe(
+      // Not expected (dispatch is total); if it happens, nothing may be left waiting forever.
+      Effect.catchAllCause((cause) =>
+        Effect.zipRight(
+          Effect.logError("agentd client: the connection's reader failed", cause),
+          Effect.sync(() => finish(new DaemonDisconnected({ socketPath, message: "the client's reader failed" })))
+        )
+      )
+    ))
+    // Runs first when the scope closes: whatever still waits on this connection learns it is over.
+    yield* Effect.addFinalizer(() => Effect.sync(() => finish(undefined)))
+
+    const helloTimeout = Duration.decode(options.helloTimeout ?? "10 seconds")
+    const greeting = yield* Deferred.await(hello).pipe(
+      Effect.timeoutFail({
+        duration: helloTimeout,
+        onTimeout: () =>
+          new DaemonUnreachable({
+            socketPath,
+            message: `${socketPath} accepted the connection but sent no daemon_hello within ${Duration.format(helloTimeout)}`
+          })
+      })
+    )
+
+    const request = <C extends Protocol.Command>(command: C): Effect.Effect<Protocol.ResponseDataOf<C["type"]>, RequestError> =>
+      Effect.gen(function*() {
+        const id = `r${++nextId}`
+        const waiter = yield* Deferred.make<unknown, DaemonDisconnected>()
+        const refused = yield* Effect.sync(() => {
+          if (over !== undefined) return over.error
+          pending.set(id, { command, waiter })
+          socket.write(Protocol.encodeCommand(id, command, greeting.clientId))
+          return undefined
+        })
+        if (refused !== undefined) return yield* refused
+        const response = yield* Deferred.await(waiter).pipe(Effect.onInterrupt(() => Effect.sync(() => pending.delete(id))))
+        const data = yield* decodeAnswer(command.type, response)
+        return data as Protocol.ResponseDataOf<C["type"]>
+      }).pipe(Effect.withSpan("DaemonClient.request", { attributes: { command: command.type } }))
+
+    const subscribe: DaemonClientService["subscribe"] = Effect.gen(function*() {
+      const queue = yield* Effect.acquireRelease(
+        Queue.unbounded<Take.Take<Protocol.PushMessage, DaemonDisconnected>>(),
+        (q) => Effect.zipRight(Effect.sync(() => subscribers.delete(q)), Queue.shutdown(q))
+      )
+      yield* Effect.sync(() => {
+        if (over !== undefined) Queue.unsafeOffer(queue, over.take)
+        else subscribers.add(queue)
+      })
+      return Stream.flattenTake(Stream.fromQueue(queue))
+    })
+
+    const service: DaemonClientService = {
+      socketPath,
+      hello: greeting,
+      request,
+      ping: () => request({ type: "ping" }),
+      create: (options = {}) => request({ ...options, type: "create" }),
+      list: () => request({ type: "list" }),
+      status: () => request({ type: "status" }),
+      attach: (activeSessionId, options = {}) => request({ ...options, type: "attach", activeSessionId }),
+      detach: (activeSessionId) => Effect.asVoid(request({ type: "detach", activeSessionId })),
+      prompt: (activeSessionId, message) => request({ type: "prompt", activeSessionId, message }),
+      abort: (activeSessionId) => request({ type: "abort", activeSessionId }),
+      getState: (activeSessionId) => request({ type: "get_state", activeSessionId }),
+      getMessages: (activeSessionId, options = {}) => request({ ...options, type: "get_messages", activeSessionId }),
+      checkpoint: (activeSessionId) => request({ type: "checkpoint", activeSessionId }),
+      retryWorker: (activeSessionId) => request({ type: "retry_worker", activeSessionId }),
+      kill: (activeSessionId) => Effect.asVoid(request({ type: "kill", activeSessionId })),
+      shutdown: () => Effect.asVoid(request({ type: "shutdown" })),
+      subscribe,
+      messages: Stream.unwrapScoped(subscribe),
+      isAttached: (activeSessionId) => attached.has(activeSessionId),
+      promptTurn: (activeSessionId, message) =>
+        Stream.unwrapScoped(Effect.gen(function*() {
+          const pushes = yield* subscribe
+          // The session as it is before the prompt: the turn is after its last event, and after
+          // the end of a turn that is running now (then the prompt waits for it or is refused).
+          const before = yield* service.getState(activeSessionId)
+          if (!attached.has(activeSessionId)) {
+            yield* service.attach(activeSessionId, {
+              capabilities: ["event_sequence", "slim_attach"],
+              ...(before.lastEventCursor === undefined ? {} : { resumeCursor: before.lastEventCursor })
+            })
+          }
+          yield* service.prompt(activeSessionId, message)
+          return turnOf(pushes, activeSessionId, before, socketPath)
+        }))
+    }
+    return service
+  })
+
+/**
+ * The client as a service. `DaemonClient.layer({ socketPath })` provides one connection for
+ * the layer's lifetime; `DaemonClient.make` is the scoped constructor.
+ */
+export class DaemonClient extends Context.Tag("agentd/DaemonClient")<DaemonClient, DaemonClientService>() {
+  /** See {@link make}. */
+  static readonly make = (options: DaemonClientOptions = {}) => make(options)
+  /** See {@link layer}. */
+  static readonly layer = (options: DaemonClientOptions = {}) => layer(options)
+}
+
+/** One connection for the lifetime of the layer. */
+export const layer = (options: DaemonClientOptions = {}): Layer.Layer<DaemonClient, ConnectError> =>
+  Layer.scoped(DaemonClient, make(options))
+
+// ---------------------------------------------------------------------------------------------
+// Internals
+// ---------------------------------------------------------------------------------------------
+
+/**
+ * Connects with plain `node:net`: a client needs no more than connect, write and data
+ * callbacks, and stays free of the platform packages. Lines go to `inbox`, then `null` once the
+ * connection has closed.
+ */
+const open = (socketPath: string, inbox: Queue.Queue<string | null>) =>
+  Effect.async<net.Socket, DaemonUnreachable>((resume) => {
+    const socket = net.connect(socketPath)
+    const onError = (err: NodeJS.ErrnoException) =>
+      resume(Effect.fail(
+        new DaemonUnreachable({
+          socketPath,
+          message: `no daemon listens at ${socketPath} (${err.code ?? err.message})`
+        })
+      ))
+    socket.once("error", onError)
+    socket.once("connect", () => {
+      socket.off("error", onError)
+      const decoder = new LineDecoder(Number.MAX_SAFE_INTEGER)
+      const offer = (items: ReadonlyArray<unknown>) => {
+        for (const item of items) if (typeof item === "string") Queue.unsafeOffer(inbox, item)
+      }
+      socket.on("data", (chunk: Buffer) => offer(decoder.push(chunk)))
+      socket.on("end", () => offer(decoder.end()))
+      // Every error is followed by `close`, which is what ends the connection.
+      socket.on("error", () => {})
+      socket.on("close", () => Queue.unsafeOffer(inbox, null))
+      resume(Effect.succeed(socket))
+    })
+    return Effect.sync(() => socket.destroy())
+  })
+
+const preview = (line: string): string => (line.length > 200 ? `${line.slice(0, 200)}...` : line)
+
+const show = (u: unknown): string => {
+  try {
+    return JSON.stringify(u) ?? String(u)
+  } catch {
+    return String(u)
+  }
+}
+
+const mismatch = (socketPath: string, received: unknown, message: string) =>
+  new ProtocolMismatch({ socketPath, expected: Protocol.PROTOCOL, received, message })
+
+/** The failed fields of a parse error, on one line (a union's whole type is no message). */
+const formatIssues = (error: ParseResult.ParseError): string => {
+  const issues = ParseResult.ArrayFormatter.formatErrorSync(error)
+  const shown = issues.slice(0, 3).map((i) => `${i.path.length === 0 ? "" : `${i.path.join(".")}: `}${i.message}`)
+  return issues.length > 3 ? `${shown.join("; ")}; ...` : shown.join("; ")
+}
+
+const decodeHello = Schema.decodeUnknownEither(Protocol.DaemonHello)
+const knownCapabilities: ReadonlyArray<unknown> = Protocol.Capability.literals
+
+/** The first message must be a `daemon_hello` of this protocol. */
+const checkHello = (socketPath: string, json: unknown): Effect.Effect<Protocol.DaemonHello, ProtocolMismatch> => {
+  if (!isRecord(json) || json["type"] !== "daemon_hello") {
+    return Effect.fail(mismatch(
+      socketPath,
+      isRecord(json) ? json["type"] : json,
+      `${socketPath} did not greet with daemon_hello (first message: ${preview(show(json))})`
+    ))
+  }
+  const protocol = json["protocol"]
+  if (!isRecord(protocol) || protocol["name"] !== Protocol.PROTOCOL.name || protocol["version"] !== Protocol.PROTOCOL.version) {
+    return Effect.fail(mismatch(
+      socketPath,
+      protocol,
+      `the daemon at ${socketPath} speaks protocol ${show(protocol)}; this client speaks ${show(Protocol.PROTOCOL)}`
+    ))
+  }
+  // Capabilities this client does not know of are no reason to refuse a daemon of its protocol.
+  const capabilities = json["serverCapabilities"]
+  const decoded = decodeHello(
+    Array.isArray(capabilities) ? { ...json, serverCapabilities: capabilities.filter((c) => knownCapabilities.includes(c)) } : json
+  )
+  return Either.isRight(decoded)
+    ? Effect.succeed(decoded.right)
+    : Effect.fail(mismatch(
+      socketPath,
+      protocol,
+      `malformed daemon_hello from ${socketPath}: ${formatIssues(decoded.left)}`
+    ))
+}
+
+const pushSchemas: { readonly [T in Protocol.PushMessage["type"]]: Schema.Schema<Extract<Protocol.PushMessage, { type: T }>, any> } = {
+  session_event: Protocol.SessionEvent,
+  session_status: Protocol.SessionStatus,
+  session_closed: Protocol.SessionClosed,
+  session_attached: Protocol.SessionAttached,
+  session_snapshot_begin: Protocol.SnapshotBegin,
+  session_snapshot_chunk: Protocol.SnapshotChunk,
+  session_snapshot_end: Protocol.SnapshotEnd,
+  session_snapshot_failed: Protocol.SnapshotFailed,
+  daemon_closing: Protocol.DaemonClosing
+}
+const pushDecoders = new Map<string, (u: unknown) => Either.Either<Protocol.PushMessage, ParseResult.ParseError>>(
+  Object.entries(pushSchemas).map(([type, schema]) => [type, Schema.decodeUnknownEither(schema as Schema.Schema<Protocol.PushMessage, any>)])
+)
+
+/** A message that is not a response, decoded with the schema its `type` names; or why not. */
+const decodePush = (json: unknown): Either.Either<Protocol.PushMessage, string> => {
+  const type = isRecord(json) ? json["type"] : undefined
+  const decode = typeof type === "string" ? pushDecoders.get(type) : undefined
+  if (decode === undefined) return Either.left(`unknown message type ${show(type)}`)
+  return Either.mapLeft(decode(json), formatIssues)
+}
+
+const decodeSuccess = Schema.decodeUnknownEither(Protocol.ResponseSuccess)
+const decodeFailure = Schema.decodeUnknownEither(Protocol.ResponseFailure)
+const decodeResponse = (raw: unknown) =>
+  isRecord(raw) && raw["success"] === true
+    ? decodeSuccess(raw)
+    : Either.map(decodeFailure(raw), (r): Protocol.Response => r)
+const dataDecoders = Object.fromEntries(
+  Object.entries(Protocol.ResponseData).map(([type, schema]) => [type, Schema.decodeUnknownEither(schema as Schema.Schema<unknown>)])
+) as Record<Protocol.CommandType, (u: unknown) => Either.Either<unknown, ParseResult.ParseError>>
+
+/** A response's data, decoded for its command, or its error. */
+const decodeAnswer = (type: Protocol.CommandType, raw: unknown): Effect.Effect<unknown, DaemonError | InvalidResponse> => {
+  const response = decodeResponse(raw)
+  if (Either.isLeft(response)) {
+    return Effect.fail(
+      new InvalidResponse({
+        command: type,
+        message: `malformed response to \`${type}\`: ${formatIssues(response.left)}`
+      })
+    )
+  }
+  const answer = response.right
+  if (!answer.success) {
+    const { code, details, message } = answer.error
+    return Effect.fail(new DaemonError({ code, command: type, message, ...(details === undefined ? {} : { details }) }))
+  }
+  const data = dataDecoders[type](answer.data)
+  return Either.isRight(data)
+    ? Effect.succeed(data.right)
+    : Effect.fail(
+      new InvalidResponse({
+        command: type,
+        message: `unexpected data in the response to \`${type}\`: ${formatIssues(data.left)}`
+      })
+    )
+}
+
+/**
+ * The events of the turn that starts after `before` (the session's state before the prompt):
+ * sequenced messages of the session with a cursor after its last event then, each once (a
+ * resync or a replay after a pause may send some again); when a turn was running then, from
+ * after that turn's idle status.
+ */
+const turnOf = (
+  pushes: Stream.Stream<Protocol.PushMessage, DaemonDisconnected>,
+  activeSessionId: string,
+  before: Protocol.SessionSummary,
+  socketPath: string
+): Stream.Stream<Protocol.SessionEvent, TurnError> =>
+  Stream.suspend(() => {
+    let last = before.lastEventCursor
+    let previousTurnRunning = before.busy
+    let ended = false
+    const step = (
+      message: Protocol.PushMessage
+    ): Effect.Effect<Option.Option<Protocol.SessionEvent>, TurnInterrupted | SessionClosedError> => {
+      if (message.type !== "session_event" && message.type !== "session_status" && message.type !== "session_closed") {
+        return Effect.succeedNone
+      }
+      if (message.activeSessionId !== activeSessionId) return Effect.succeedNone
+      if (last !== undefined && !Cursor.isAfter(message.meta.cursor, last)) return Effect.succeedNone
+      last = message.meta.cursor
+      if (message.type === "session_closed") {
+        return Effect.fail(
+          new SessionClosedError({
+            activeSessionId,
+            reason: message.reason,
+            message: `session ${activeSessionId} was closed (${message.reason}) before its turn ended`
+          })
+        )
+      }
+      if (previousTurnRunning) {
+        if (message.type === "session_status" && !message.state.busy) previousTurnRunning = false
+        return Effect.succeedNone
+      }
+      if (message.type !== "session_event") return Effect.succeedNone
+      const event = message.event
+      if (event.type === "turn_interrupted") {
+        return Effect.fail(
+          new TurnInterrupted({
+            activeSessionId,
+            reason: event.reason,
+            message: `the turn of session ${activeSessionId} was interrupted (${event.reason})`
+          })
+        )
+      }
+      if (event.type === "agent_end") ended = true
+      return Effect.succeedSome(message)
+    }
+    return pushes.pipe(
+      Stream.mapEffect(step),
+      Stream.filterMap((o) => o),
+      Stream.takeUntil((m) => m.event.type === "agent_end"),
+      Stream.concat(Stream.suspend(() =>
+        ended
+          ? Stream.empty
+          : Stream.fail(new DaemonDisconnected({ socketPath, message: "the client was closed before the turn ended" }))
+      ))
+    )
   })

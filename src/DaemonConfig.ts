@@ -4,8 +4,8 @@
  */
 import * as Context from "effect/Context"
 import * as Layer from "effect/Layer"
-import * as os from "node:os"
 import * as path from "node:path"
+import { defaultStateDir, resolveSocketPath } from "./StatePaths.js"
 
 export interface DaemonConfigShape {
   /** Where sessions, logs, the journal and the socket live. */
@@ -47,14 +47,7 @@ export interface DaemonConfigShape {
 /** The configuration of the running daemon. */
 export class DaemonConfig extends Context.Tag("agentd/DaemonConfig")<DaemonConfig, DaemonConfigShape>() {}
 
-/** `$AGENTD_HOME`, else `$XDG_STATE_HOME/agentd`, else `~/.local/state/agentd`. */
-export const defaultStateDir = (env: NodeJS.ProcessEnv = process.env): string =>
-  env["AGENTD_HOME"] ||
-  (env["XDG_STATE_HOME"] ? path.join(env["XDG_STATE_HOME"], "agentd") : path.join(os.homedir(), ".local", "state", "agentd"))
-
-/** Socket path precedence: explicit, then `AGENTD_SOCKET`, then `<stateDir>/agentd.sock`. */
-export const resolveSocketPath = (stateDir: string, explicit?: string, env: NodeJS.ProcessEnv = process.env): string =>
-  explicit || env["AGENTD_SOCKET"] || path.join(stateDir, "agentd.sock")
+export { defaultStateDir, resolveSocketPath } from "./StatePaths.js"
 
 /** The embedded defaults for a state dir. */
 export const defaults = (stateDir: string = defaultStateDir()): DaemonConfigShape => ({

@@ -412,6 +412,113 @@ export const ServerMessage = Schema.Union(
 )
 export type ServerMessage = typeof ServerMessage.Type
 
+/**
+ * Every message the daemon sends that is not an answer to a command: events, snapshot frames,
+ * `session_attached` and `daemon_closing` (what a client reads as a stream).
+ */
+export const PushMessage = Schema.Union(
+  SessionEvent,
+  SessionStatus,
+  SessionClosed,
+  SessionAttached,
+  SnapshotBegin,
+  SnapshotChunk,
+  SnapshotEnd,
+  SnapshotFailed,
+  DaemonClosing
+)
+export type PushMessage = typeof PushMessage.Type
+
+export type SessionEvent = typeof SessionEvent.Type
+export type SessionStatus = typeof SessionStatus.Type
+export type SessionClosed = typeof SessionClosed.Type
+export type SessionAttached = typeof SessionAttached.Type
+export type SnapshotBegin = typeof SnapshotBegin.Type
+export type SnapshotChunk = typeof SnapshotChunk.Type
+export type SnapshotEnd = typeof SnapshotEnd.Type
+export type SnapshotFailed = typeof SnapshotFailed.Type
+export type DaemonClosing = typeof DaemonClosing.Type
+export type AttachSnapshot = typeof AttachSnapshot.Type
+
+// ---------------------------------------------------------------------------------------------
+// Response data (section 3): what `data` holds in a successful response, per command
+// ---------------------------------------------------------------------------------------------
+
+/** `data` of `ping`. */
+export const PingResult = Schema.Struct({ pong: Schema.Literal(true) })
+export type PingResult = typeof PingResult.Type
+
+/** `data` of `create`: the new session (not attached: `create` never attaches). */
+export const CreateResult = Schema.Struct({ activeSessionId: Schema.String, state: SessionSummary })
+export type CreateResult = typeof CreateResult.Type
+
+/** `data` of `list`. */
+export const ListResult = Schema.Struct({ sessions: Schema.Array(SessionSummary) })
+export type ListResult = typeof ListResult.Type
+
+/** One worker process serving a session, as `status` lists it. */
+export const WorkerInfo = Schema.Struct({
+  pid: Schema.Int,
+  activeSessionId: Schema.String,
+  state: WorkerState,
+  restarts: NonNegativeInt
+})
+export type WorkerInfo = typeof WorkerInfo.Type
+
+/** `data` of `status`; `sessions` is a count. */
+export const StatusResult = Schema.Struct({
+  supervisorGeneration: NonNegativeInt,
+  pid: Schema.Int,
+  uptimeMs: NonNegativeInt,
+  sessions: NonNegativeInt,
+  workers: Schema.Array(WorkerInfo)
+})
+export type StatusResult = typeof StatusResult.Type
+
+/** `data` of `detach`, `kill` and `shutdown`: `{}` (any field a newer daemon adds is dropped). */
+export const EmptyResult = Schema.Struct({})
+export type EmptyResult = typeof EmptyResult.Type
+
+/** `data` of `prompt`: sent once the turn has started (or, reserved, will start). */
+export const PromptResult = Schema.Struct({ accepted: Schema.Literal(true) })
+export type PromptResult = typeof PromptResult.Type
+
+/** `data` of `abort`: whether a running turn ended with `turn_interrupted {reason: "aborted"}`. */
+export const AbortResult = Schema.Struct({ aborted: Schema.Boolean })
+export type AbortResult = typeof AbortResult.Type
+
+/** `data` of `get_messages`: a page of the transcript and the transcript's length. */
+export const GetMessagesResult = Schema.Struct({ messages: Schema.Array(AgentMessage), total: NonNegativeInt })
+export type GetMessagesResult = typeof GetMessagesResult.Type
+
+/** `data` of `checkpoint`: the generation the durable snapshot starts. */
+export const CheckpointResult = Schema.Struct({
+  generation: Schema.Int.pipe(Schema.greaterThanOrEqualTo(1)),
+  snapshotId: Schema.String
+})
+export type CheckpointResult = typeof CheckpointResult.Type
+
+/** The schema of a successful response's `data`, by command type. */
+export const ResponseData = {
+  ping: PingResult,
+  create: CreateResult,
+  list: ListResult,
+  status: StatusResult,
+  attach: DaemonAttachResult,
+  detach: EmptyResult,
+  prompt: PromptResult,
+  abort: AbortResult,
+  get_state: SessionSummary,
+  get_messages: GetMessagesResult,
+  checkpoint: CheckpointResult,
+  retry_worker: SessionSummary,
+  kill: EmptyResult,
+  shutdown: EmptyResult
+} as const satisfies { readonly [T in CommandType]: Schema.Schema<any, any, never> }
+
+/** The decoded `data` of a successful response to a command of type `T`. */
+export type ResponseDataOf<T extends CommandType> = Schema.Schema.Type<(typeof ResponseData)[T]>
+
 /** One outbound message as a JSON line (with its `\n`). */
 export const encode = (message: ServerMessage): string => JSON.stringify(message) + "\n"
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env node
 /**
  * The `agentd` command line (PROTOCOL.md section 8). Exit codes: 0 success, 1 error reported by
- * the daemon, 2 usage error, 3 daemon not reachable.
+ * the daemon (for `prompt`: also a turn that ended with `turn_interrupted`), 2 usage error,
+ * 3 daemon not reachable (or gone while a command waited).
  */
 import * as Args from "@effect/cli/Args"
 import * as Command from "@effect/cli/Command"
@@ -90,12 +91,12 @@ const attach = Command.make("attach", { ...common, id: sessionId }, (o) =>
   )
 
 const kill = Command.make("kill", { stateDir, socket, id: sessionId }, (o) =>
-  Client.simple(socketPathOf(o.stateDir, o.socket), { type: "kill", activeSessionId: o.id })).pipe(
+  Client.kill(socketPathOf(o.stateDir, o.socket), o.id)).pipe(
     Command.withDescription("Kill a session (its files move to the archive).")
   )
 
 const shutdown = Command.make("shutdown", { stateDir, socket }, (o) =>
-  Client.simple(socketPathOf(o.stateDir, o.socket), { type: "shutdown" })).pipe(
+  Client.shutdown(socketPathOf(o.stateDir, o.socket))).pipe(
     Command.withDescription("Stop the daemon.")
   )
 
@@ -110,9 +111,17 @@ cli(process.argv).pipe(
   Effect.catchAll((error) =>
     Effect.sync(() => {
       if (typeof error === "object" && error !== null && "_tag" in error) {
-        if (error._tag === "DaemonUnreachable" || error._tag === "DaemonError") {
+        if (error._tag === "DaemonUnreachable" || error._tag === "DaemonDisconnected") {
           console.error(`agentd: ${(error as unknown as { message: string }).message}`)
-          process.exitCode = error._tag === "DaemonUnreachable" ? 3 : 1
+          process.exitCode = 3
+          return
+        }
+        if (
+          error._tag === "DaemonError" || error._tag === "ProtocolMismatch" || error._tag === "InvalidResponse" ||
+          error._tag === "TurnInterrupted" || error._tag === "SessionClosedError"
+        ) {
+          console.error(`agentd: ${(error as unknown as { message: string }).message}`)
+          process.exitCode = 1
           return
         }
         if (error._tag === "ServerStartError" || error._tag === "FsError") {
