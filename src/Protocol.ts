@@ -317,7 +317,7 @@ export type SequencedMessage = typeof SequencedMessage.Type
 
 /** The replay decision of an attach (section 5). */
 export const ReplayStatus = Schema.Literal("complete", "partial", "unavailable")
-export const ReplayReason = Schema.Literal("cursor_ahead", "cursor_unknown", "cursor_expired", "no_cursor")
+export const ReplayReason = Schema.Literal("cursor_ahead", "cursor_unknown", "cursor_expired", "no_cursor", "transcript_replaced")
 export const Replay = Schema.Struct({
   status: ReplayStatus,
   reason: optional(ReplayReason),

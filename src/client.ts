@@ -22,6 +22,7 @@
 import * as Cause from "effect/Cause"
 import * as Effect from "effect/Effect"
 import * as Exit from "effect/Exit"
+import * as Fiber from "effect/Fiber"
 import * as Scope from "effect/Scope"
 import * as Stream from "effect/Stream"
 import {
@@ -32,7 +33,9 @@ import {
   type DaemonClientService,
   type GetMessagesOptions
 } from "./DaemonClient.js"
+import type { Cursor as CursorType } from "./Cursor.js"
 import type * as Protocol from "./Protocol.js"
+import * as SessionClient from "./SessionClient.js"
 
 export {
   type AttachOptions,
@@ -54,6 +57,19 @@ export {
   TurnInterrupted
 } from "./DaemonClient.js"
 export * as Cursor from "./Cursor.js"
+export {
+  type Baseline,
+  type BaselinePurpose,
+  CursorFileError,
+  type FollowEvent,
+  type SessionClientError,
+  type SessionClientOptions,
+  type SessionClientService,
+  SessionProtocolViolation,
+  type SessionState,
+  SnapshotFailed
+} from "./SessionClient.js"
+export * as SessionClient from "./SessionClient.js"
 export * as Protocol from "./Protocol.js"
 export { defaultSocketPath } from "./StatePaths.js"
 
@@ -84,9 +100,39 @@ export interface Client {
   close(): Promise<void>
 }
 
+/** Options of {@link SessionHandle.follow}. */
+export interface FollowOptions {
+  /** Yield only the events after this cursor (the caller saw the rest). */
+  readonly cursor?: CursorType | undefined
+  /**
+   * A file holding the last yielded cursor (0600, written atomically): a later `follow` with
+   * the same file, in this process or another, goes on after it.
+   */
+  readonly persistPath?: string | undefined
+  /** When to reconnect (an Effect `Schedule`; default exponential from 50 ms, capped at 2 s, forever). */
+  readonly reconnect?: SessionClient.SessionClientOptions["reconnect"]
+}
+
 /** One session, through a {@link Client}'s connection. */
 export interface SessionHandle {
   readonly activeSessionId: string
+  /**
+   * Follows the session: yields every sequenced event (`session_event`, `session_status`,
+   * `session_closed`) once, in cursor order, and a `baseline` whenever a snapshot becomes the
+   * session's state (first attach, resync, history rewrite). Runs on its own connections:
+   * when the daemon restarts or the socket drops it reconnects and resumes from its last
+   * cursor. Ends after `session_closed`; throws `DaemonError` (e.g. `session_not_found`),
+   * `SessionProtocolViolation`, or the last connection error if `reconnect` gives up. Leaving
+   * the loop closes its connection.
+   */
+  follow(options?: FollowOptions): AsyncIterable<SessionClient.FollowEvent>
+  /**
+   * The transcript as the latest {@link follow} has folded it (the baseline's messages, then
+   * each `message_end`'s message); empty before a follow has received its baseline.
+   */
+  readonly messages: ReadonlyArray<Protocol.AgentMessage>
+  /** The whole folded state of the latest {@link follow} (undefined before any). */
+  readonly state: SessionClient.SessionState | undefined
   /**
    * Prompts the session and yields that turn's events, ending with its `agent_end`; throws
    * `TurnInterrupted` (with its `reason`) when the turn ends with `turn_interrupted`, or the
@@ -114,6 +160,55 @@ const run = <A, E>(effect: Effect.Effect<A, E>): Promise<A> =>
   })
 
 /**
+ * A stream as an async iterable whose `return()` (leaving a `for await` loop, or called while
+ * a `next()` waits) interrupts the stream, runs its finalizers, and ends the waiting `next()`
+ * (`Stream.toAsyncIterable` leaves such a `next()` pending). A failure is thrown as the typed
+ * error itself. The stream runs ahead of the consumer (its elements are buffered).
+ */
+const iterate = <A, E>(stream: Stream.Stream<A, E>): AsyncIterable<A> => ({
+  [Symbol.asyncIterator]() {
+    const buffer: Array<A> = []
+    let end: { readonly error?: unknown } | undefined
+    let wake: Array<() => void> = []
+    const notify = () => {
+      const waiting = wake
+      wake = []
+      for (const w of waiting) w()
+    }
+    const fiber = Effect.runFork(Stream.runForEach(stream, (a) =>
+      Effect.sync(() => {
+        buffer.push(a)
+        notify()
+      })))
+    fiber.addObserver((exit) => {
+      if (end === undefined) {
+        end = Exit.isSuccess(exit) || Exit.isInterrupted(exit) ? {} : { error: Cause.squash(exit.cause) }
+      }
+      notify()
+    })
+    return {
+      async next(): Promise<IteratorResult<A>> {
+        for (;;) {
+          if (buffer.length > 0) return { value: buffer.shift()!, done: false }
+          if (end !== undefined) {
+            if ("error" in end) throw end.error
+            return { value: undefined, done: true }
+          }
+          await new Promise<void>((resolve) => wake.push(resolve))
+        }
+      },
+      async return(): Promise<IteratorResult<A>> {
+        end ??= {}
+        buffer.length = 0
+        await Effect.runPromise(Fiber.interrupt(fiber))
+        notify()
+        return { value: undefined, done: true }
+      }
+    }
+  }
+})
+
+/**
  * Connects to the daemon (default socket: `AGENTD_SOCKET`, else the default state dir's).
  * Rejects with `DaemonUnreachable` when nothing answers, `ProtocolMismatch` when the daemon
  * speaks another protocol.
@@ -126,18 +221,42 @@ export const connect = async (options: ConnectOptions = {}): Promise<Client> => 
     throw Cause.squash(exit.cause)
   }
   const core = exit.value
-  const session = (activeSessionId: string): SessionHandle => ({
-    activeSessionId,
-    prompt: (text) => Stream.toAsyncIterable(Stream.map(core.promptTurn(activeSessionId, text), (m) => m.event)),
-    abort: () => run(Effect.map(core.abort(activeSessionId), (r) => r.aborted)),
-    getState: () => run(core.getState(activeSessionId)),
-    getMessages: (options) => run(core.getMessages(activeSessionId, options)),
-    attach: (options) => run(core.attach(activeSessionId, options)),
-    detach: () => run(core.detach(activeSessionId)),
-    checkpoint: () => run(core.checkpoint(activeSessionId)),
-    retryWorker: () => run(core.retryWorker(activeSessionId)),
-    kill: () => run(core.kill(activeSessionId))
-  })
+  const session = (activeSessionId: string): SessionHandle => {
+    // The follower of the latest `follow()`, for `messages` and `state`.
+    let follower: SessionClient.SessionClientService | undefined
+    return {
+      activeSessionId,
+      follow: (options = {}) =>
+        iterate(Stream.unwrap(Effect.map(
+          SessionClient.make({
+            activeSessionId,
+            socketPath: core.socketPath,
+            cursor: options.cursor,
+            persistPath: options.persistPath,
+            reconnect: options.reconnect
+          }),
+          (made) => {
+            follower = made
+            return made.events
+          }
+        ))),
+      get messages() {
+        return follower?.current().messages ?? []
+      },
+      get state() {
+        return follower?.current()
+      },
+      prompt: (text) => Stream.toAsyncIterable(Stream.map(core.promptTurn(activeSessionId, text), (m) => m.event)),
+      abort: () => run(Effect.map(core.abort(activeSessionId), (r) => r.aborted)),
+      getState: () => run(core.getState(activeSessionId)),
+      getMessages: (options) => run(core.getMessages(activeSessionId, options)),
+      attach: (options) => run(core.attach(activeSessionId, options)),
+      detach: () => run(core.detach(activeSessionId)),
+      checkpoint: () => run(core.checkpoint(activeSessionId)),
+      retryWorker: () => run(core.retryWorker(activeSessionId)),
+      kill: () => run(core.kill(activeSessionId))
+    }
+  }
   return {
     socketPath: core.socketPath,
     hello: core.hello,

@@ -466,6 +466,7 @@ console.log(JSON.stringify(report))
       "DaemonClient.js",
       "JsonLines.js",
       "Protocol.js",
+      "SessionClient.js",
       "StatePaths.js",
       "client.js"
     ])
