@@ -108,10 +108,22 @@ const storageLayer = Layer.unwrapEffect(
   })
 )
 
+/**
+ * Why the daemon could not start: its state dir or socket (another daemon listens, no access),
+ * an unknown engine, or storage that cannot be opened.
+ */
+export type DaemonStartError =
+  | Fsx.FsError
+  | DaemonServer.ServerStartError
+  | EngineError
+  | EventLog.EventLogError
+  | SessionStore.SessionStoreError
+  | RecoveryJournal.RecoveryJournalError
+
 /** Every layer of the daemon over a configuration: the socket server and what it needs. */
 export const DaemonLive = (
   config: Partial<DaemonConfigShape> = {}
-): Layer.Layer<DaemonServer.DaemonServer | SessionManager.SessionManager, unknown> => {
+): Layer.Layer<DaemonServer.DaemonServer | SessionManager.SessionManager, DaemonStartError> => {
   const configLayer = DaemonConfigModule.layer(config)
   const info = supervisorInfoLayer.pipe(Layer.provideMerge(enginesLayer), Layer.provideMerge(configLayer))
   const storage = storageLayer.pipe(Layer.provideMerge(info))
