@@ -12,6 +12,7 @@
  * ```
  */
 import * as NodeFileSystem from "@effect/platform-node/NodeFileSystem"
+import type * as ConfigError from "effect/ConfigError"
 import * as Deferred from "effect/Deferred"
 import * as Effect from "effect/Effect"
 import * as Layer from "effect/Layer"
@@ -109,10 +110,11 @@ const storageLayer = Layer.unwrapEffect(
 )
 
 /**
- * Why the daemon could not start: its state dir or socket (another daemon listens, no access),
- * an unknown engine, or storage that cannot be opened.
+ * Why the daemon could not start: an invalid setting, its state dir or socket (another daemon
+ * listens, no access), an unknown engine, or storage that cannot be opened.
  */
 export type DaemonStartError =
+  | ConfigError.ConfigError
   | Fsx.FsError
   | DaemonServer.ServerStartError
   | EngineError

@@ -1,9 +1,14 @@
 /**
- * The daemon's configuration as a service: embedded defaults, overridable per field
- * (`layer(partial)`) or from the environment (`layerFromEnv`).
+ * The daemon's configuration as a service: embedded defaults, then the `AGENTD_*` settings of
+ * the configuration provider (effect/Config: the environment unless an embedder provides
+ * another), then per-field overrides (`layer(partial)`; the CLI's flags).
  */
+import * as Config from "effect/Config"
+import type * as ConfigError from "effect/ConfigError"
 import * as Context from "effect/Context"
+import * as Effect from "effect/Effect"
 import * as Layer from "effect/Layer"
+import * as Option from "effect/Option"
 import * as path from "node:path"
 import { defaultStateDir, resolveSocketPath } from "./StatePaths.js"
 
@@ -68,47 +73,53 @@ export const defaults = (stateDir: string = defaultStateDir()): DaemonConfigShap
   warmSpare: true
 })
 
-/** Numeric settings that may come from the environment, by variable name. */
-const numericEnv: ReadonlyArray<readonly [string, keyof DaemonConfigShape]> = [
-  ["AGENTD_MAX_WORKERS", "maxWorkers"],
-  ["AGENTD_MAX_LINE_BYTES", "maxLineBytes"],
-  ["AGENTD_CHECKPOINT_EVENTS", "checkpointEvents"],
-  ["AGENTD_CHECKPOINT_BYTES", "checkpointBytes"],
-  ["AGENTD_RETAIN_GENERATIONS", "retainGenerations"],
-  ["AGENTD_OUTBOX_BYTES", "outboxBytes"],
-  ["AGENTD_MEMORY_CACHE_BYTES", "memoryCacheBytes"],
-  ["AGENTD_TARGET_CHUNK_BYTES", "targetChunkBytes"],
-  ["AGENTD_MAX_RESTARTS", "maxRestarts"],
-  ["AGENTD_RESTART_WINDOW_MS", "restartWindowMs"]
-]
+/** A whole number of at least `min` under `name`, if set. */
+const count = (name: string, min: number) =>
+  Config.option(Config.integer(name).pipe(Config.validate({ message: `must be an integer >= ${min}`, validation: (n) => n >= min })))
 
-/** The settings the environment gives (`AGENTD_*`); invalid values are ignored. */
-export const fromEnv = (env: NodeJS.ProcessEnv = process.env): Partial<DaemonConfigShape> => {
+/**
+ * The settings the configuration provider gives (by default the environment, `AGENTD_*`). A
+ * value that is set but invalid fails with a ConfigError naming it: the daemon does not start
+ * on a setting it would have to guess.
+ */
+export const settings: Config.Config<Partial<DaemonConfigShape>> = Config.all({
+  maxWorkers: count("AGENTD_MAX_WORKERS", 1),
+  maxLineBytes: count("AGENTD_MAX_LINE_BYTES", 1),
+  checkpointEvents: count("AGENTD_CHECKPOINT_EVENTS", 1),
+  checkpointBytes: count("AGENTD_CHECKPOINT_BYTES", 1),
+  retainGenerations: count("AGENTD_RETAIN_GENERATIONS", 1),
+  outboxBytes: count("AGENTD_OUTBOX_BYTES", 1),
+  memoryCacheBytes: count("AGENTD_MEMORY_CACHE_BYTES", 1),
+  targetChunkBytes: count("AGENTD_TARGET_CHUNK_BYTES", 1),
+  maxRestarts: count("AGENTD_MAX_RESTARTS", 0),
+  restartWindowMs: count("AGENTD_RESTART_WINDOW_MS", 1),
+  clientEnvKeys: Config.option(Config.map(Config.string("AGENTD_CLIENT_ENV_KEYS"), (keys) =>
+    keys.split(",").map((k) => k.trim()).filter((k) => k.length > 0))),
+  warmSpare: Config.option(Config.map(Config.string("AGENTD_WARM_SPARE"), (v) => v !== "0"))
+}).pipe(Config.map((all) => {
   const out: Record<string, unknown> = {}
-  for (const [name, key] of numericEnv) {
-    const raw = env[name]
-    if (raw === undefined) continue
-    const value = Number(raw)
-    if (Number.isSafeInteger(value) && value >= (key === "maxRestarts" ? 0 : 1)) out[key] = value
+  for (const [key, value] of Object.entries(all) as Array<[string, Option.Option<unknown>]>) {
+    if (Option.isSome(value)) out[key] = value.value
   }
-  const keys = env["AGENTD_CLIENT_ENV_KEYS"]
-  if (keys !== undefined) out["clientEnvKeys"] = keys.split(",").map((k) => k.trim()).filter((k) => k.length > 0)
-  if (env["AGENTD_WARM_SPARE"] !== undefined) out["warmSpare"] = env["AGENTD_WARM_SPARE"] !== "0"
   return out as Partial<DaemonConfigShape>
-}
+}))
 
-/** Builds a full configuration: defaults for the state dir, then the environment, then the overrides. */
-export const make = (overrides: Partial<DaemonConfigShape> = {}, env: NodeJS.ProcessEnv = process.env): DaemonConfigShape => {
-  const stateDir = path.resolve(overrides.stateDir ?? defaultStateDir(env))
-  return {
-    ...defaults(stateDir),
-    socketPath: resolveSocketPath(stateDir, undefined, env),
-    ...fromEnv(env),
-    ...overrides,
-    stateDir
-  }
-}
+/** Builds a full configuration: defaults for the state dir, then `settings`, then the overrides. */
+export const make = (
+  overrides: Partial<DaemonConfigShape> = {},
+  env: NodeJS.ProcessEnv = process.env
+): Effect.Effect<DaemonConfigShape, ConfigError.ConfigError> =>
+  Effect.map(settings, (fromConfig) => {
+    const stateDir = path.resolve(overrides.stateDir ?? defaultStateDir(env))
+    return {
+      ...defaults(stateDir),
+      socketPath: resolveSocketPath(stateDir, undefined, env),
+      ...fromConfig,
+      ...overrides,
+      stateDir
+    }
+  })
 
-/** The configuration from defaults, the environment and `overrides`. */
-export const layer = (overrides: Partial<DaemonConfigShape> = {}): Layer.Layer<DaemonConfig> =>
-  Layer.sync(DaemonConfig, () => make(overrides))
+/** The configuration from defaults, the configuration provider and `overrides`. */
+export const layer = (overrides: Partial<DaemonConfigShape> = {}): Layer.Layer<DaemonConfig, ConfigError.ConfigError> =>
+  Layer.effect(DaemonConfig, make(overrides))

@@ -1,0 +1,33 @@
+import { assert, describe, it } from "@effect/vitest"
+import * as ConfigProvider from "effect/ConfigProvider"
+import * as Effect from "effect/Effect"
+import * as DaemonConfig from "../src/DaemonConfig.js"
+
+const withSettings = (entries: Record<string, string>) =>
+  Effect.withConfigProvider(ConfigProvider.fromMap(new Map(Object.entries(entries))))
+
+describe("DaemonConfig", () => {
+  it.effect("AGENTD_* settings come from the configuration provider; overrides win; unset ones keep the defaults", () =>
+    Effect.gen(function*() {
+      const config = yield* DaemonConfig.make({ stateDir: "/tmp/agentd-x", maxRestarts: 9 }, {}).pipe(withSettings({
+        AGENTD_MAX_WORKERS: "3",
+        AGENTD_MAX_RESTARTS: "0",
+        AGENTD_CLIENT_ENV_KEYS: "TERM, LANG ,",
+        AGENTD_WARM_SPARE: "0"
+      }))
+      assert.strictEqual(config.maxWorkers, 3)
+      assert.strictEqual(config.maxRestarts, 9)
+      assert.deepStrictEqual(config.clientEnvKeys, ["TERM", "LANG"])
+      assert.isFalse(config.warmSpare)
+      assert.strictEqual(config.retainGenerations, DaemonConfig.defaults().retainGenerations)
+      assert.strictEqual(config.socketPath, "/tmp/agentd-x/agentd.sock")
+    }))
+
+  it.effect("a setting that is set but invalid fails with a ConfigError naming it", () =>
+    Effect.gen(function*() {
+      for (const [name, value] of [["AGENTD_MAX_WORKERS", "abc"], ["AGENTD_OUTBOX_BYTES", "0"], ["AGENTD_MAX_RESTARTS", "-1"]]) {
+        const error = yield* Effect.flip(DaemonConfig.make({ stateDir: "/tmp/agentd-x" }, {}).pipe(withSettings({ [name!]: value! })))
+        assert.include(String(error), name!)
+      }
+    }))
+})
