@@ -75,7 +75,7 @@ export const supervisorInfoLayer: Layer.Layer<
  * once the configured default engine is found among them: checked before the state dir is
  * touched, so `serve --engine <unknown>` changes nothing.
  */
-const enginesLayer: Layer.Layer<Engine, EngineError, DaemonConfig> = Layer.effectDiscard(
+const checkEngines: Layer.Layer<never, EngineError, DaemonConfig | Engine> = Layer.effectDiscard(
   Effect.gen(function*() {
     const config = yield* DaemonConfig
     const engines = yield* Engine
@@ -86,7 +86,7 @@ const enginesLayer: Layer.Layer<Engine, EngineError, DaemonConfig> = Layer.effec
       })
     }
   })
-).pipe(Layer.provideMerge(EchoEngine.layer))
+)
 
 /** The storage layers over the state dir and supervisor generation. */
 const storageLayer = Layer.unwrapEffect(
@@ -124,9 +124,18 @@ export type DaemonStartError =
 
 /** Every layer of the daemon over a configuration: the socket server and what it needs. */
 export const DaemonLive = (
-  config: Partial<DaemonConfigShape> = {}
+  config: Partial<DaemonConfigShape> = {},
+  options: {
+    /**
+     * The engine registry `create` checks sessions against (default: the built-in `echo`). The
+     * workers must load the same engines: give them an entry calling `Worker.main(engines)` as
+     * `config.workerEntry`.
+     */
+    readonly engines?: Layer.Layer<Engine>
+  } = {}
 ): Layer.Layer<DaemonServer.DaemonServer | SessionManager.SessionManager, DaemonStartError> => {
   const configLayer = DaemonConfigModule.layer(config)
+  const enginesLayer = checkEngines.pipe(Layer.provideMerge(options.engines ?? EchoEngine.layer))
   const info = supervisorInfoLayer.pipe(Layer.provideMerge(enginesLayer), Layer.provideMerge(configLayer))
   const storage = storageLayer.pipe(Layer.provideMerge(info))
   const manager = SessionManager.layer.pipe(Layer.provideMerge(storage))

@@ -416,14 +416,19 @@ export const run = (pipe: WorkerPipe, options: RunOptions = {}) =>
     }
   }).pipe(Effect.scoped)
 
-/** The worker process entry: fd 3 is the pipe; exits when the supervisor goes away. */
-export const main = (): void => {
+/**
+ * The worker process entry: fd 3 is the pipe; exits when the supervisor goes away. `engines`
+ * is the registry the worker loads a session's engine from by name: an embedder with engines of
+ * its own writes a one-line entry calling `main(itsEngines)` and names it as the daemon's
+ * `workerEntry` (giving the daemon the same registry, `DaemonLive(config, { engines })`).
+ */
+export const main = (engines: Layer.Layer<Engine> = EchoEngine.layer): void => {
   const pipe = new FdPipe(3)
   const warmUp = process.argv.includes(WorkerProtocol.WARM_UP_FLAG)
   const program = run(pipe, { warmUp }).pipe(
     Effect.tapErrorCause((cause) => Effect.logError("the worker failed", cause)),
     // stdout and stderr are copied to the daemon's log; the default logger would use stdout.
-    Effect.provide(Layer.merge(EchoEngine.layer, Logger.replace(Logger.defaultLogger, Logger.prettyLogger({ stderr: true, colors: false }))))
+    Effect.provide(Layer.merge(engines, Logger.replace(Logger.defaultLogger, Logger.prettyLogger({ stderr: true, colors: false }))))
   )
   Effect.runPromiseExit(program).then((exit) => {
     // The supervisor is gone (or we failed): a worker never outlives its pipe.

@@ -439,7 +439,7 @@ console.log(JSON.stringify(report))
       types: string
       exports: Record<string, string | { types: string; default: string }>
     }
-    assert.deepStrictEqual(Object.keys(pkg.exports), [".", "./client", "./package.json"])
+    assert.deepStrictEqual(Object.keys(pkg.exports), [".", "./client", "./worker", "./package.json"])
     const files = [pkg.main, pkg.types]
     for (const target of Object.values(pkg.exports)) {
       if (typeof target === "string") files.push(target)
