@@ -5,7 +5,7 @@
  */
 import * as Context from "effect/Context"
 import * as Data from "effect/Data"
-import type * as Effect from "effect/Effect"
+import * as Effect from "effect/Effect"
 import type * as Stream from "effect/Stream"
 import type { AgentEvent, AgentMessage } from "./Protocol.js"
 
@@ -42,6 +42,32 @@ export class Engine extends Context.Tag("agentd/Engine")<Engine, {
   readonly validate: (name: string, config: Readonly<Record<string, unknown>>) => Effect.Effect<void, EngineError>
   readonly make: (name: string, config: Readonly<Record<string, unknown>>) => Effect.Effect<EngineSession, EngineError>
 }>() {}
+
+/** One engine of a registry: how to check a session's config, and how to start it. */
+export interface EngineDefinition {
+  readonly validate: (config: Readonly<Record<string, unknown>>) => Effect.Effect<void, EngineError>
+  readonly make: (config: Readonly<Record<string, unknown>>) => Effect.Effect<EngineSession, EngineError>
+}
+
+/**
+ * A registry of engines by name (the `Engine` service): an unknown name fails `unknown_engine`
+ * listing the known ones. Registries combine by spreading their definitions:
+ * `registry({ ...EchoEngine.engines, mine })`.
+ */
+export const registry = (engines: Readonly<Record<string, EngineDefinition>>): Context.Tag.Service<typeof Engine> => {
+  const names = Object.keys(engines)
+  const find = (name: string): Effect.Effect<EngineDefinition, EngineError> => {
+    const found = Object.hasOwn(engines, name) ? engines[name] : undefined
+    return found !== undefined
+      ? Effect.succeed(found)
+      : Effect.fail(new EngineError({ reason: "unknown_engine", message: `unknown engine \`${name}\` (known: ${names.join(", ")})` }))
+  }
+  return {
+    names,
+    validate: (name, config) => Effect.flatMap(find(name), (engine) => engine.validate(config)),
+    make: (name, config) => Effect.flatMap(find(name), (engine) => engine.make(config))
+  }
+}
 
 /** Folds one event into a transcript (in place; returns whether it changed). */
 export const foldEvent = (messages: Array<AgentMessage>, event: { readonly type: string }): boolean => {

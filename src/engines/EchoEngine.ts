@@ -6,7 +6,7 @@ import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
 import * as Layer from "effect/Layer"
 import * as Stream from "effect/Stream"
-import { Engine, EngineError, type EngineSession, type TurnInput } from "../Engine.js"
+import { Engine, type EngineDefinition, EngineError, type EngineSession, registry, type TurnInput } from "../Engine.js"
 import type { AgentEvent, AgentMessage } from "../Protocol.js"
 
 /** The largest delta of a `/bulk` message. */
@@ -108,12 +108,13 @@ const makeSession = (config: EchoConfig): EngineSession => ({
     })
 })
 
-const unknown = (name: string) =>
-  Effect.fail(new EngineError({ reason: "unknown_engine", message: `unknown engine \`${name}\` (known: echo)` }))
+/** The engines built into agentd (today: `echo`), to combine with others in a registry. */
+export const engines: Readonly<Record<string, EngineDefinition>> = {
+  echo: {
+    validate: (config) => Effect.asVoid(readConfig(config)),
+    make: (config) => Effect.map(readConfig(config), makeSession)
+  }
+}
 
-/** The engines built into agentd (today: `echo`). */
-export const layer: Layer.Layer<Engine> = Layer.succeed(Engine, {
-  names: ["echo"],
-  validate: (name, config) => name === "echo" ? Effect.asVoid(readConfig(config)) : unknown(name),
-  make: (name, config) => name === "echo" ? Effect.map(readConfig(config), makeSession) : unknown(name)
-})
+/** The registry of the built-in engines. */
+export const layer: Layer.Layer<Engine> = Layer.succeed(Engine, registry(engines))
