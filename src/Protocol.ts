@@ -395,23 +395,6 @@ export const DaemonAttachResult = Schema.Struct({
 })
 export type DaemonAttachResult = typeof DaemonAttachResult.Type
 
-/** Every message the daemon sends to a client. */
-export const ServerMessage = Schema.Union(
-  DaemonHello,
-  ResponseSuccess,
-  ResponseFailure,
-  SessionEvent,
-  SessionStatus,
-  SessionClosed,
-  SessionAttached,
-  SnapshotBegin,
-  SnapshotChunk,
-  SnapshotEnd,
-  SnapshotFailed,
-  DaemonClosing
-)
-export type ServerMessage = typeof ServerMessage.Type
-
 /**
  * Every message the daemon sends that is not an answer to a command: events, snapshot frames,
  * `session_attached` and `daemon_closing` (what a client reads as a stream).
@@ -428,6 +411,10 @@ export const PushMessage = Schema.Union(
   DaemonClosing
 )
 export type PushMessage = typeof PushMessage.Type
+
+/** Every message the daemon sends to a client: the hello, responses, and the pushed messages. */
+export const ServerMessage = Schema.Union(DaemonHello, ResponseSuccess, ResponseFailure, ...PushMessage.members)
+export type ServerMessage = typeof ServerMessage.Type
 
 export type SessionEvent = typeof SessionEvent.Type
 export type SessionStatus = typeof SessionStatus.Type
