@@ -564,17 +564,29 @@ const unexplainedJumps = (msgs: ReadonlyArray<Msg>, id: string, truth: ReadonlyA
 
 describe("wedge 5: a client that stops reading while its generations are pruned", () => {
   it("paused past its outbox limit while turns and checkpoints prune what it lacks: a resync snapshot, then the generation's events, then live events; never an unexplained jump", async () => {
+    // Checkpoints are taken explicitly: an automatic one after the last turn would race the
+    // resync (a snapshot holding every event, so none left to replay) and make the test's
+    // outcome a matter of timing. Automatic checkpoints racing paused clients are the chaos
+    // harness's ground.
     const d = await useDaemon({
-      env: { AGENTD_OUTBOX_BYTES: "16384", AGENTD_RETAIN_GENERATIONS: "1", AGENTD_CHECKPOINT_EVENTS: "1" }
+      env: {
+        AGENTD_OUTBOX_BYTES: "16384",
+        AGENTD_RETAIN_GENERATIONS: "1",
+        AGENTD_CHECKPOINT_EVENTS: "1000000",
+        AGENTD_CHECKPOINT_BYTES: "1000000000"
+      }
     })
     const { a, id } = await attachedSession(d)
     await turns(a, id, ["warm up"])
     const p = await d.connect("paused")
     await attachAndReplay(p, { activeSessionId: id })
     p.socket.pause()
-    // Far more than the socket buffers and the 16 KiB outbox hold; every turn ends with a
+    // Far more than the socket buffers and the 16 KiB outbox hold; every turn is followed by a
     // checkpoint, and only the newest generation is kept.
-    await turns(a, id, ["/bulk 400000", "/bulk 400000", "/bulk 400000", "plain words", "/bulk 400000", "more words"])
+    for (const message of ["/bulk 400000", "/bulk 400000", "/bulk 400000", "plain words", "/bulk 400000", "more words"]) {
+      await turns(a, id, [message])
+      await a.ok({ type: "checkpoint", activeSessionId: id }, ANSWER_MS)
+    }
     await a.ok({ type: "checkpoint", activeSessionId: id }, ANSWER_MS)
     await turns(a, id, ["the current generation"])
     const last = cursorOf(a.sequenced(id).pop()!)
