@@ -100,6 +100,14 @@ export interface SnapshotInfo {
   readonly path: string
 }
 
+/** A generation's messages as lines of a file (see {@link SessionStoreService.transcriptSource}). */
+export interface TranscriptSource {
+  readonly path: string
+  readonly start: number
+  readonly end: number
+  readonly messageCount: number
+}
+
 // ---------------------------------------------------------------------------------------------
 // Errors
 
@@ -205,6 +213,15 @@ export interface SessionStoreService {
     activeSessionId: string,
     generation: number
   ) => Stream.Stream<string, SessionNotFound | SessionStoreError>
+  /**
+   * Where a generation's messages are on disk: lines `[start, end)` of `path`, one message per
+   * line, bytes that never change while the generation is retained (for readers that send them
+   * on as they are). `None` for a store without files.
+   */
+  readonly transcriptSource: (
+    activeSessionId: string,
+    generation: number
+  ) => Effect.Effect<Option.Option<TranscriptSource>, SessionNotFound | SessionStoreError>
   /** Where the transcript of a generation lives (what the journal records as `sessionFile`). */
   readonly snapshotPath: (activeSessionId: string, generation: number) => string
   /** Deletes the transcripts of generations below `keepFromGeneration`; returns them. */
@@ -692,6 +709,28 @@ export const make = (options: Options): Effect.Effect<SessionStoreService, Sessi
     const readSnapshot = (id: string, generation: number): Stream.Stream<unknown, SessionNotFound | SessionStoreError> =>
       parseLines(id, paths.snapshotFile(id, generation), readSnapshotLines(id, generation))
 
+    const transcriptSource = Effect.fn("SessionStore.transcriptSource")(function*(id: string, generation: number) {
+      yield* requireSession(id)
+      const header = yield* headerOf(id, generation)
+      if (header.transcript !== undefined) {
+        return Option.some<TranscriptSource>({
+          path: paths.transcriptFile(id, header.transcript.epoch),
+          start: 0,
+          end: header.transcript.bytes,
+          messageCount: header.messageCount
+        })
+      }
+      // Written whole: the messages follow the header line, to the end of the file.
+      const path = paths.snapshotFile(id, generation)
+      const size = yield* Fsx.attempt("stat", path, () => fsp.stat(path)).pipe(
+        Effect.map((st) => st.size),
+        Effect.mapError(ioError(id))
+      )
+      const firstLine = yield* Fsx.readFirstLine(path).pipe(Effect.mapError(ioError(id)))
+      const headerBytes = Option.match(firstLine, { onNone: () => size, onSome: (line) => Buffer.byteLength(line) + 1 })
+      return Option.some<TranscriptSource>({ path, start: Math.min(headerBytes, size), end: size, messageCount: header.messageCount })
+    })
+
     const pruneSnapshots = Effect.fn("SessionStore.pruneSnapshots")(function*(id: string, keepFromGeneration: number) {
       yield* requireSession(id)
       const dir = paths.snapshotsDir(id)
@@ -764,6 +803,7 @@ export const make = (options: Options): Effect.Effect<SessionStoreService, Sessi
       latestSnapshot,
       readSnapshot,
       readSnapshotLines,
+      transcriptSource,
       snapshotPath: paths.snapshotFile,
       pruneSnapshots,
       archive
@@ -893,6 +933,7 @@ export const makeMemory: Effect.Effect<SessionStoreService> = Effect.gen(functio
     readSnapshot: (id, generation) =>
       parseLines(id, paths.snapshotFile(id, generation), readSnapshotLines(id, generation)),
     readSnapshotLines,
+    transcriptSource: () => Effect.succeed(Option.none()),
     snapshotPath: paths.snapshotFile,
     pruneSnapshots: Effect.fn("SessionStore.pruneSnapshots")(function*(id: string, keepFromGeneration: number) {
       const session = yield* getSession(id)

@@ -5,16 +5,18 @@
  * worker as snapshot frames, is written whole and starts the next generation at once. Old
  * generations are pruned. Also the readers of the current generation's snapshot.
  */
+import * as Cause from "effect/Cause"
 import * as Deferred from "effect/Deferred"
 import * as Effect from "effect/Effect"
 import * as Either from "effect/Either"
+import * as Exit from "effect/Exit"
 import * as Option from "effect/Option"
 import * as Stream from "effect/Stream"
 import { randomUUID } from "node:crypto"
 import type * as Protocol from "../../Protocol.js"
 import type { Cursor } from "../../Cursor.js"
 import type { AgentMessage } from "../../Protocol.js"
-import { ChunkBuilder } from "../../SnapshotCache.js"
+import { ChunkBuilder, chunkRanges } from "../../SnapshotCache.js"
 import type { WorkerHandle } from "../../WorkerPool.js"
 import type { LoggedBody } from "../delivery/wireLines.js"
 import type { AnyFrame, Phase } from "./phase.js"
@@ -22,7 +24,7 @@ import { type Core, CommandError, internal, READ_GATE_PERMITS, type Session, sna
 
 /** Checkpoints: the transcript of the next generation, the log's new generation, pruning. */
 export const makeCheckpoints = (core: Core) => {
-  const { cache, config, log, store, record } = core
+  const { cache, config, log, store, record, fork } = core
 
   /**
    * Takes a checkpoint in one step of the entity, between turns: the messages the current
@@ -231,6 +233,44 @@ export const makeCheckpoints = (core: Core) => {
         targetChunkBytes: config.targetChunkBytes,
         cursor: s.snapshotCursor
       }).pipe(Effect.mapError(internal("snapshot cache")))
+      const end = {
+        lastEventSequence: s.snapshotCursor?.sequence ?? -1,
+        lastEventCursor: s.snapshotCursor
+      }
+      const source = s.generation === 1
+        ? Option.none()
+        : yield* Effect.either(store.transcriptSource(s.meta.activeSessionId, s.generation)).pipe(Effect.map(Either.getOrElse(() => Option.none())))
+      if (Option.isSome(source)) {
+        // The chunks are ranges of the transcript file, found by a scan that runs while the first
+        // readers already stream: nothing is copied, whatever the transcript's size.
+        const { path, start, end: stop, messageCount } = source.value
+        const fill = Effect.gen(function*() {
+          const found = yield* chunkRanges(path, start, stop, config.targetChunkBytes, (range) => cache.appendRange(snapshotId, range))
+          if (found.messages !== messageCount) {
+            return yield* Effect.fail({ message: `${path} holds ${found.messages} messages, generation ${s.generation} says ${messageCount}` })
+          }
+          yield* cache.markComplete(snapshotId, { chunkCount: found.chunks, ...end })
+        })
+        yield* fork(fill.pipe(
+          // Readers never wait for an entry whose fill stopped (a pruned file, an interruption).
+          Effect.onExit((exit) =>
+            Exit.isSuccess(exit) ? Effect.void : Effect.ignore(cache.markFailed(
+              snapshotId,
+              Option.match(Cause.failureOption(exit.cause), { onNone: () => "the snapshot could not be read", onSome: (e) => e.message })
+            ))),
+          Effect.catchAll((e) => Effect.logWarning(`snapshot ${snapshotId}: ${e.message}`))
+        ))
+      } else {
+        yield* fillFromLines(s, snapshotId, end)
+      }
+      if (existing !== undefined) yield* Effect.ignore(cache.dispose(existing))
+      s.snapshotId = snapshotId
+      return snapshotId
+    })
+
+  /** Fills an entry from the transcript's lines (a store without files): chunked as they are read. */
+  const fillFromLines = (s: Session, snapshotId: string, end: { readonly lastEventSequence: number; readonly lastEventCursor: Cursor | undefined }) =>
+    Effect.gen(function*() {
       const builder = new ChunkBuilder(s.meta.activeSessionId, snapshotId, config.targetChunkBytes)
       const filled = yield* Effect.either(Effect.gen(function*() {
         yield* snapshotLines(s).pipe(
@@ -241,19 +281,12 @@ export const makeCheckpoints = (core: Core) => {
         )
         const last = builder.finish()
         if (last !== undefined) yield* cache.appendChunk(snapshotId, last)
-        yield* cache.markComplete(snapshotId, {
-          chunkCount: builder.chunkCount,
-          lastEventSequence: s.snapshotCursor?.sequence ?? -1,
-          lastEventCursor: s.snapshotCursor
-        })
+        yield* cache.markComplete(snapshotId, { chunkCount: builder.chunkCount, ...end })
       }))
       if (Either.isLeft(filled)) {
         yield* Effect.ignore(cache.markFailed(snapshotId, filled.left.message))
         return yield* internal("snapshot")(filled.left)
       }
-      if (existing !== undefined) yield* Effect.ignore(cache.dispose(existing))
-      s.snapshotId = snapshotId
-      return snapshotId
     })
 
   return { runCheckpoint, rewriteFrame, abandonRewrite, snapshotLines, transcript, currentSnapshotEntry }
