@@ -11,6 +11,7 @@
  * <stateDir>/snapshot-cache/<gen>/       snapshot chunks spilled to disk
  * ```
  */
+import type * as FileSystem from "@effect/platform/FileSystem"
 import * as NodeFileSystem from "@effect/platform-node/NodeFileSystem"
 import type * as ConfigError from "effect/ConfigError"
 import * as Deferred from "effect/Deferred"
@@ -88,26 +89,95 @@ const checkEngines: Layer.Layer<never, EngineError, DaemonConfig | Engine> = Lay
   })
 )
 
-/** The storage layers over the state dir and supervisor generation. */
-const storageLayer = Layer.unwrapEffect(
-  Effect.gen(function*() {
+/** What the default storage and worker layers are built over: the configuration and this supervisor's paths. */
+export type StorageContext = DaemonConfig | SessionManager.SupervisorInfo
+
+/** The event log under `<stateDir>/events` (the default of {@link DaemonLayers.eventLog}). */
+export const eventLogLayer: Layer.Layer<EventLog.EventLog, EventLog.EventLogError, StorageContext> = Layer.unwrapEffect(
+  Effect.map(SessionManager.SupervisorInfo, (info) => EventLog.layer({ root: info.eventLogRoot }))
+)
+
+/** Session metadata and transcripts under `<stateDir>/sessions` (the default of {@link DaemonLayers.sessionStore}). */
+export const sessionStoreLayer: Layer.Layer<SessionStore.SessionStore, SessionStore.SessionStoreError, StorageContext> = Layer
+  .unwrapEffect(Effect.map(SessionManager.SupervisorInfo, (info) => SessionStore.layer({ root: info.storeRoot })))
+
+/** The recovery journal `<stateDir>/recovery.jsonl` (the default of {@link DaemonLayers.recoveryJournal}). */
+export const recoveryJournalLayer: Layer.Layer<RecoveryJournal.RecoveryJournal, RecoveryJournal.RecoveryJournalError, StorageContext> =
+  Layer.unwrapEffect(Effect.map(SessionManager.SupervisorInfo, (info) => RecoveryJournal.layer({ path: info.journalPath })))
+
+/**
+ * The snapshot cache, spilling past `memoryCacheBytes` to `<stateDir>/snapshot-cache/<generation>`
+ * through the `FileSystem` (the default of {@link DaemonLayers.snapshotCache}).
+ */
+export const snapshotCacheLayer: Layer.Layer<SnapshotCache.SnapshotCache, never, StorageContext | FileSystem.FileSystem> = Layer
+  .unwrapEffect(Effect.gen(function*() {
     const config = yield* DaemonConfig
     const info = yield* SessionManager.SupervisorInfo
-    return Layer.mergeAll(
-      EventLog.layer({ root: info.eventLogRoot }),
-      SessionStore.layer({ root: info.storeRoot }),
-      RecoveryJournal.layer({ path: info.journalPath }),
-      SnapshotCache.layer({
-        cacheRoot: path.join(config.stateDir, "snapshot-cache", String(info.generation)),
-        memoryCacheBytes: config.memoryCacheBytes
-      }).pipe(Layer.provide(NodeFileSystem.layer)),
-      WorkerPool.layer({
-        warmSpare: config.warmSpare,
-        ...(config.workerEntry === undefined ? {} : { workerEntry: config.workerEntry })
-      })
-    )
-  })
+    return SnapshotCache.layer({
+      cacheRoot: path.join(config.stateDir, "snapshot-cache", String(info.generation)),
+      memoryCacheBytes: config.memoryCacheBytes
+    })
+  }))
+
+/** Worker processes spawned from `config.workerEntry` (the default of {@link DaemonLayers.workerPool}). */
+export const workerPoolLayer: Layer.Layer<WorkerPool.WorkerPool, never, StorageContext> = Layer.unwrapEffect(
+  Effect.map(DaemonConfig, (config) =>
+    WorkerPool.layer({
+      warmSpare: config.warmSpare,
+      ...(config.workerEntry === undefined ? {} : { workerEntry: config.workerEntry })
+    }))
 )
+
+/**
+ * The layers {@link DaemonLive} is made of that an embedder may replace; each one left out is
+ * the default named on it. A replacement may use what the defaults use: the configuration
+ * (`DaemonConfig`) and this supervisor's paths and generation (`SessionManager.SupervisorInfo`);
+ * the worker pool may also use the storage and the engines (as `WorkerPool.layerInProcess` does).
+ *
+ * ```ts
+ * DaemonLive({ stateDir }, { engines: MyEngines, recoveryJournal: RecoveryJournal.layerMemory })
+ * ```
+ */
+export interface DaemonLayers {
+  /**
+   * The engine registry: `create` checks sessions against it (default: the built-in `echo`,
+   * `EchoEngine.layer`). The workers must load the same engines: give them an entry calling
+   * `Worker.main(engines)` as `config.workerEntry`.
+   */
+  readonly engines?: Layer.Layer<Engine> | undefined
+  /** Where the snapshot cache spills (default: `NodeFileSystem.layer`). */
+  readonly fileSystem?: Layer.Layer<FileSystem.FileSystem> | undefined
+  /** Default {@link eventLogLayer}; e.g. `EventLog.layerMemory`. */
+  readonly eventLog?: Layer.Layer<EventLog.EventLog, EventLog.EventLogError, StorageContext> | undefined
+  /** Default {@link sessionStoreLayer}; e.g. `SessionStore.layerMemory`. */
+  readonly sessionStore?: Layer.Layer<SessionStore.SessionStore, SessionStore.SessionStoreError, StorageContext> | undefined
+  /**
+   * Default {@link recoveryJournalLayer}; e.g. `RecoveryJournal.layerMemory` (nothing written:
+   * after a daemon restart no session is known to have been busy, so none is restored at once
+   * and no turn gets `turn_interrupted {reason: "daemon_restarted"}`).
+   */
+  readonly recoveryJournal?:
+    | Layer.Layer<RecoveryJournal.RecoveryJournal, RecoveryJournal.RecoveryJournalError, StorageContext>
+    | undefined
+  /** Default {@link snapshotCacheLayer}; e.g. `SnapshotCache.layerMemory` (never spills). */
+  readonly snapshotCache?: Layer.Layer<SnapshotCache.SnapshotCache, never, StorageContext | FileSystem.FileSystem> | undefined
+  /**
+   * Default {@link workerPoolLayer}. Workers that read the daemon's files when they restore (the
+   * default ones do) need the default `eventLog` and `sessionStore`.
+   */
+  readonly workerPool?:
+    | Layer.Layer<
+      WorkerPool.WorkerPool,
+      never,
+      | StorageContext
+      | Engine
+      | EventLog.EventLog
+      | SessionStore.SessionStore
+      | RecoveryJournal.RecoveryJournal
+      | SnapshotCache.SnapshotCache
+    >
+    | undefined
+}
 
 /**
  * Why the daemon could not start: an invalid setting, its state dir or socket (another daemon
@@ -122,23 +192,31 @@ export type DaemonStartError =
   | SessionStore.SessionStoreError
   | RecoveryJournal.RecoveryJournalError
 
-/** Every layer of the daemon over a configuration: the socket server and what it needs. */
+/**
+ * Every layer of the daemon: the socket server and what it needs.
+ *
+ * `config`: overrides of the configuration (each field left out comes from the `AGENTD_*`
+ * settings of the `ConfigProvider`, the environment by default, else the embedded defaults;
+ * see `DaemonConfig.make`), or a `DaemonConfig` layer that replaces it whole. `layers`: the
+ * parts to replace (see {@link DaemonLayers}).
+ */
 export const DaemonLive = (
-  config: Partial<DaemonConfigShape> = {},
-  options: {
-    /**
-     * The engine registry `create` checks sessions against (default: the built-in `echo`). The
-     * workers must load the same engines: give them an entry calling `Worker.main(engines)` as
-     * `config.workerEntry`.
-     */
-    readonly engines?: Layer.Layer<Engine>
-  } = {}
+  config: Partial<DaemonConfigShape> | Layer.Layer<DaemonConfig, ConfigError.ConfigError> = {},
+  layers: DaemonLayers = {}
 ): Layer.Layer<DaemonServer.DaemonServer | SessionManager.SessionManager, DaemonStartError> => {
-  const configLayer = DaemonConfigModule.layer(config)
-  const enginesLayer = checkEngines.pipe(Layer.provideMerge(options.engines ?? EchoEngine.layer))
+  const configLayer = Layer.isLayer(config)
+    ? config as Layer.Layer<DaemonConfig, ConfigError.ConfigError>
+    : DaemonConfigModule.layer(config as Partial<DaemonConfigShape>)
+  const enginesLayer = checkEngines.pipe(Layer.provideMerge(layers.engines ?? EchoEngine.layer))
   const info = supervisorInfoLayer.pipe(Layer.provideMerge(enginesLayer), Layer.provideMerge(configLayer))
-  const storage = storageLayer.pipe(Layer.provideMerge(info))
-  const manager = SessionManager.layer.pipe(Layer.provideMerge(storage))
+  const storage = Layer.mergeAll(
+    layers.eventLog ?? eventLogLayer,
+    layers.sessionStore ?? sessionStoreLayer,
+    layers.recoveryJournal ?? recoveryJournalLayer,
+    (layers.snapshotCache ?? snapshotCacheLayer).pipe(Layer.provide(layers.fileSystem ?? NodeFileSystem.layer))
+  ).pipe(Layer.provideMerge(info))
+  const workers = (layers.workerPool ?? workerPoolLayer).pipe(Layer.provideMerge(storage))
+  const manager = SessionManager.layer.pipe(Layer.provideMerge(workers))
   return DaemonServer.layer.pipe(Layer.provideMerge(manager))
 }
 

@@ -4,7 +4,21 @@ import * as Layer from "effect/Layer"
 import * as fs from "node:fs"
 import * as os from "node:os"
 import * as path from "node:path"
+import * as ConfigProvider from "effect/ConfigProvider"
 import { type DaemonStartError, DaemonLive } from "../src/Daemon.js"
+import * as DaemonConfig from "../src/DaemonConfig.js"
+import * as EventLog from "../src/EventLog.js"
+import * as RecoveryJournal from "../src/RecoveryJournal.js"
+import { SessionManager } from "../src/SessionManager.js"
+import * as SessionStore from "../src/SessionStore.js"
+import * as SnapshotCache from "../src/SnapshotCache.js"
+import * as WorkerPool from "../src/WorkerPool.js"
+import { MemoryConnection, waitFor } from "./support/core.js"
+
+const tempRoot = Effect.acquireRelease(
+  Effect.sync(() => fs.mkdtempSync(path.join(os.tmpdir(), "agentd-daemon-test-"))),
+  (dir) => Effect.sync(() => fs.rmSync(dir, { recursive: true, force: true }))
+)
 
 describe("DaemonLive", () => {
   it.scoped("fails to start with a typed DaemonStartError (an unknown engine), touching nothing", () =>
@@ -25,5 +39,58 @@ describe("DaemonLive", () => {
       }
       assert.isFalse(fs.existsSync(stateDir), "the state dir was not created")
       fs.rmSync(path.dirname(stateDir), { recursive: true, force: true })
+    }))
+
+  it.live("an embedder replaces its layers: memory storage and journal, in-process workers; the state dir holds only the socket and the generation", () =>
+    Effect.gen(function*() {
+      const stateDir = path.join(yield* tempRoot, "state")
+      const context = yield* Layer.build(DaemonLive({ stateDir, warmSpare: false }, {
+        eventLog: EventLog.layerMemory,
+        sessionStore: SessionStore.layerMemory,
+        recoveryJournal: RecoveryJournal.layerMemory,
+        snapshotCache: SnapshotCache.layerMemory,
+        workerPool: WorkerPool.layerInProcess()
+      }))
+      const sm = yield* Effect.provide(SessionManager, context)
+      const { activeSessionId } = yield* sm.create({ type: "create" } as any)
+      const conn = new MemoryConnection("c")
+      const attached = yield* sm.attach("c", conn, { type: "attach", activeSessionId } as any)
+      yield* Effect.forkScoped(attached.deliver)
+      yield* sm.prompt({ type: "prompt", activeSessionId, message: "in memory" } as any)
+      yield* waitFor("the turn's end", () => conn.sequenced().some((l) => l["event"]?.type === "agent_end"))
+      const { messages } = yield* sm.getMessages({ type: "get_messages", activeSessionId } as any)
+      assert.deepStrictEqual(messages.map((m) => m.content), ["in memory", "echo: in memory"])
+      yield* sm.checkpoint(activeSessionId)
+      // Nothing of the sessions reached the disk (the snapshot cache did not spill either).
+      assert.deepStrictEqual(fs.readdirSync(stateDir).sort(), ["agentd.sock", "supervisor-generation"])
+    }).pipe(Effect.scoped))
+
+  it.live("the memory journal alone: sessions on disk, no recovery.jsonl", () =>
+    Effect.gen(function*() {
+      const stateDir = path.join(yield* tempRoot, "state")
+      const context = yield* Layer.build(DaemonLive({ stateDir, warmSpare: false }, {
+        recoveryJournal: RecoveryJournal.layerMemory,
+        workerPool: WorkerPool.layerInProcess()
+      }))
+      const sm = yield* Effect.provide(SessionManager, context)
+      const { activeSessionId } = yield* sm.create({ type: "create" } as any)
+      const conn = new MemoryConnection("c")
+      const attached = yield* sm.attach("c", conn, { type: "attach", activeSessionId } as any)
+      yield* Effect.forkScoped(attached.deliver)
+      yield* sm.prompt({ type: "prompt", activeSessionId, message: "journal" } as any)
+      yield* waitFor("the turn's end", () => conn.sequenced().some((l) => l["event"]?.type === "agent_end"))
+      yield* waitFor("idle", () => conn.sequenced().some((l) => l["type"] === "session_status" && l["state"]?.busy === false))
+      assert.isTrue(fs.existsSync(path.join(stateDir, "events")), "the event log is on disk")
+      assert.isFalse(fs.existsSync(path.join(stateDir, "recovery.jsonl")), "no journal file")
+    }).pipe(Effect.scoped))
+
+  it.scoped("the configuration as a layer: a DaemonConfig layer over the embedder's ConfigProvider replaces it whole", () =>
+    Effect.gen(function*() {
+      const stateDir = path.join(yield* tempRoot, "state")
+      const provider = ConfigProvider.fromMap(new Map([["AGENTD_MAX_WORKERS", "0"]]))
+      const config = DaemonConfig.layer({ stateDir }).pipe(Layer.provide(Layer.setConfigProvider(provider)))
+      const error = yield* Effect.flip(Layer.build(DaemonLive(config)))
+      assert.include(String(error), "AGENTD_MAX_WORKERS")
+      assert.isFalse(fs.existsSync(stateDir), "the state dir was not created")
     }))
 })
