@@ -11,6 +11,13 @@ import * as fs from "node:fs"
 import * as os from "node:os"
 import * as path from "node:path"
 import type * as Protocol from "../src/Protocol.js"
+import * as Chunk from "effect/Chunk"
+import * as Schedule from "effect/Schedule"
+import * as Fiber from "effect/Fiber"
+import * as Stream from "effect/Stream"
+import * as TestClock from "effect/TestClock"
+import * as net from "node:net"
+import * as SessionClient from "../src/SessionClient.js"
 import { readCursorFile, SessionFold, type FollowEvent, writeCursorFileSync } from "../src/SessionClient.js"
 
 const ID = "s-test"
@@ -298,5 +305,77 @@ describe("cursor file", () => {
       } finally {
         fs.rmSync(dir, { recursive: true, force: true })
       }
+    }))
+})
+
+describe("SessionClient: the reconnect schedule (TestClock)", () => {
+  /** Waits in real time (the TestClock does not move by itself), polling `pred`. */
+  const until = (what: string, pred: () => Effect.Effect<boolean>, ms = 10_000) =>
+    Effect.gen(function*() {
+      const deadline = Date.now() + ms
+      while (!(yield* pred())) {
+        if (Date.now() > deadline) return yield* Effect.dieMessage(`timed out waiting for ${what}`)
+        yield* Effect.promise(() => new Promise((resolve) => setTimeout(resolve, 5)))
+      }
+    })
+
+  it.scoped("with the default schedule a follower reconnects after 50, 100, 200, 400, 800, 1600 ms, then every 2 s", () =>
+    Effect.gen(function*() {
+      // A "daemon" that accepts each connection and closes it before any hello: every attempt
+      // fails DaemonUnreachable, which the follower retries.
+      const dir = yield* Effect.acquireRelease(
+        Effect.sync(() => fs.mkdtempSync(path.join(os.tmpdir(), "agentd-reconnect-"))),
+        (d) => Effect.sync(() => fs.rmSync(d, { recursive: true, force: true }))
+      )
+      const socketPath = path.join(dir, "d.sock")
+      let attempts = 0
+      const server = net.createServer((socket) => {
+        attempts++
+        socket.destroy()
+      })
+      yield* Effect.acquireRelease(
+        Effect.async<void>((resume) => void server.listen(socketPath, () => resume(Effect.void))),
+        () => Effect.async<void>((resume) => void server.close(() => resume(Effect.void)))
+      )
+      // No `reconnect`: SessionClient.defaultReconnect.
+      const follower = yield* SessionClient.make({ activeSessionId: ID, socketPath })
+      const fiber = yield* Effect.fork(Stream.runDrain(follower.events))
+      yield* until("the first attempt", () => Effect.succeed(attempts === 1))
+      for (const [i, delay] of [50, 100, 200, 400, 800, 1600, 2000, 2000].entries()) {
+        // The follower now sleeps on the clock until its next attempt: exactly `delay` from now.
+        const now = yield* TestClock.currentTimeMillis
+        yield* until(`the sleep before attempt ${i + 2}`, () => Effect.map(TestClock.sleeps(), (s) => Chunk.some(s, (t) => t === now + delay)))
+        yield* TestClock.adjust(delay - 1)
+        yield* Effect.promise(() => new Promise((resolve) => setTimeout(resolve, 30)))
+        assert.strictEqual(attempts, i + 1, `no attempt ${i + 2} before ${delay} ms`)
+        yield* TestClock.adjust(1)
+        yield* until(`attempt ${i + 2}, ${delay} ms after the last`, () => Effect.succeed(attempts === i + 2))
+      }
+      // Still retrying, never failed.
+      assert.isNull(fiber.unsafePoll())
+      yield* Fiber.interrupt(fiber)
+    }))
+
+  it.scoped("a reconnect schedule that gives up ends the follow with the last connection error", () =>
+    Effect.gen(function*() {
+      const dir = yield* Effect.acquireRelease(
+        Effect.sync(() => fs.mkdtempSync(path.join(os.tmpdir(), "agentd-reconnect-"))),
+        (d) => Effect.sync(() => fs.rmSync(d, { recursive: true, force: true }))
+      )
+      // Nothing listens there.
+      const follower = yield* SessionClient.make({
+        activeSessionId: ID,
+        socketPath: path.join(dir, "none.sock"),
+        reconnect: Schedule.recurs(3).pipe(Schedule.intersect(Schedule.spaced("1 second")))
+      })
+      const fiber = yield* Effect.fork(Effect.either(Stream.runDrain(follower.events)))
+      for (let i = 0; i < 3; i++) {
+        const now = yield* TestClock.currentTimeMillis
+        yield* until(`retry ${i + 1}`, () => Effect.map(TestClock.sleeps(), (s) => Chunk.some(s, (t) => t === now + 1000)))
+        yield* TestClock.adjust("1 second")
+      }
+      const result = yield* Fiber.join(fiber)
+      assert.isTrue(Either.isLeft(result))
+      if (Either.isLeft(result)) assert.strictEqual(result.left._tag, "DaemonUnreachable")
     }))
 })
