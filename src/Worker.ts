@@ -25,7 +25,8 @@ import * as os from "node:os"
 import * as path from "node:path"
 import * as Cursor from "./Cursor.js"
 import { Engine, type EngineSession, foldEvent } from "./Engine.js"
-import * as EchoEngine from "./engines/EchoEngine.js"
+import * as BuiltinEngines from "./engines/builtin.js"
+import { SessionWorkDir } from "./engines/SessionWorkDir.js"
 import * as EventLog from "./EventLog.js"
 import { LineDecoder } from "./JsonLines.js"
 import type { AgentEvent, AgentMessage, InterruptReason } from "./Protocol.js"
@@ -331,7 +332,10 @@ export const run = (pipe: WorkerPipe, options: RunOptions = {}) =>
         case "load":
           return Effect.gen(function*() {
             if (session !== undefined) return yield* fail("this worker already runs a session")
-            const engine = yield* Effect.either(engines.make(frame.engine, frame.config ?? {}))
+            const engine = yield* Effect.either(engines.make(frame.engine, frame.config ?? {}).pipe(
+              // The session's work dir, for engines whose tools need one.
+              frame.workDir === undefined ? (e) => e : Effect.provideService(SessionWorkDir, frame.workDir)
+            ))
             if (Either.isLeft(engine)) return yield* fail(engine.left.message)
             let messages: Array<AgentMessage> = []
             let interrupted: InterruptReason | undefined
@@ -422,7 +426,7 @@ export const run = (pipe: WorkerPipe, options: RunOptions = {}) =>
  * its own writes a one-line entry calling `main(itsEngines)` and names it as the daemon's
  * `workerEntry` (giving the daemon the same registry, `DaemonLive(config, { engines })`).
  */
-export const main = (engines: Layer.Layer<Engine> = EchoEngine.layer): void => {
+export const main = (engines: Layer.Layer<Engine> = BuiltinEngines.layer): void => {
   const pipe = new FdPipe(3)
   const warmUp = process.argv.includes(WorkerProtocol.WARM_UP_FLAG)
   const program = run(pipe, { warmUp }).pipe(

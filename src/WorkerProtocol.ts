@@ -31,6 +31,8 @@ export const Load = Tagged("load", {
   activeSessionId: Schema.String,
   engine: Schema.String,
   config: optional(JsonObject),
+  /** The session's own working directory (`<stateDir>/sessions/<id>/work`), for engines with tools. */
+  workDir: optional(Schema.String),
   /** Where the session's files are; absent for a brand-new session. */
   restore: optional(
     Schema.Struct({
