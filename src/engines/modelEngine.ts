@@ -316,7 +316,9 @@ const turnLoop = (session: ModelSession, input: TurnInput, emit: (event: AgentEv
         let finished = false
         const parts = session.model.streamText({
           prompt: toPrompt(config.system, transcript),
-          ...(offerTools ? { toolkit: session.toolkit, toolChoice: "auto" as const } : {}),
+          // Past the last round the tools stay declared (the transcript holds calls of them, and
+          // a call must decode) but the model may not call one.
+          ...(config.maxToolRounds > 0 ? { toolkit: session.toolkit, toolChoice: offerTools ? "auto" as const : "none" as const } : {}),
           disableToolCallResolution: true
         })
         yield* Stream.runForEach(parts, (part) =>
@@ -352,11 +354,14 @@ const turnLoop = (session: ModelSession, input: TurnInput, emit: (event: AgentEv
         const offerTools = n < config.maxToolRounds
         const calls = yield* round(n, offerTools)
         if (calls.length === 0) return
+        if (!offerTools) {
+          return yield* new TurnError({
+            message: `the model still called tools after ${config.maxToolRounds} rounds of tool calls (maxToolRounds) with none offered`
+          })
+        }
         for (const [i, call] of calls.entries()) {
           yield* emit({ type: "tool_execution_start", toolCallId: call.id, name: call.name, args: call.params })
-          const { isError, result } = offerTools
-            ? yield* Tools.run(session.cwd, call.name, call.params)
-            : { isError: true, result: "no more tool calls in this turn" }
+          const { isError, result } = yield* Tools.run(session.cwd, call.name, call.params)
           yield* emit({ type: "tool_execution_end", toolCallId: call.id, result, isError })
           const toolMessage = message(`${input.turnId}-t${n}-${i}`, "tool", result, {
             toolCallId: call.id,
@@ -368,7 +373,6 @@ const turnLoop = (session: ModelSession, input: TurnInput, emit: (event: AgentEv
           yield* emit({ type: "message_start", message: toolMessage })
           yield* emit({ type: "message_end", message: toolMessage })
         }
-        if (!offerTools) return
       }
     }))
     if (outcome._tag === "Left") {
