@@ -8,7 +8,7 @@
 import * as fs from "node:fs"
 import * as path from "node:path"
 import { afterEach, describe, expect, it } from "vitest"
-import { chat, type FakeModel, startFakeModel } from "../support/fakeModels.js"
+import { anthropic, chat, type FakeModel, responses, startFakeModel, type Step } from "../support/fakeModels.js"
 import { allMessages, cleanUpAfterTests, collectTurn, collectUntil, createSession, isEvent, useDaemon, waitIdle } from "./harness.js"
 
 cleanUpAfterTests()
@@ -141,6 +141,82 @@ describe("model engines (e2e)", () => {
     // What was written is really there (the grep looked at the right files).
     expect(filesContaining(daemon.stateDir, "kumquat").length).toBeGreaterThan(0)
   }, 90_000)
+
+  for (
+    const p of [
+      {
+        engine: "openai",
+        env: "OPENAI_API_KEY",
+        baseUrl: (f: FakeModel) => `${f.url}/v1`,
+        text: (d: Array<string>) => responses.text(d),
+        hang: (d: Array<string>) => responses.text(d, { end: "hang" }),
+        toolCall: (id: string, name: string, args: unknown): Array<Step> => responses.toolCall(id, name, args),
+        key: (h: Record<string, unknown>) => h["authorization"]
+      },
+      {
+        engine: "anthropic",
+        env: "ANTHROPIC_API_KEY",
+        baseUrl: (f: FakeModel) => f.url,
+        text: (d: Array<string>) => anthropic.text(d),
+        hang: (d: Array<string>) => anthropic.text(d, { end: "hang" }),
+        toolCall: (id: string, name: string, args: unknown): Array<Step> => anthropic.toolCall(id, name, args),
+        key: (h: Record<string, unknown>) => h["x-api-key"]
+      }
+    ] as const
+  ) {
+    it(`${p.engine} through the daemon: a tool call, 429 then success, an abort, a worker SIGKILL`, async () => {
+      fake = await startFakeModel()
+      const daemon = await useDaemon({ env: { [p.env]: KEY } })
+      const client = await daemon.connect()
+      const cwd = path.join(daemon.stateDir, "..", "project")
+      fs.mkdirSync(cwd, { recursive: true })
+      fs.writeFileSync(path.join(cwd, "notes.txt"), "the word is kumquat")
+      const { id } = await createSession(client, {
+        engine: p.engine,
+        config: { model: "fake-model", baseUrl: p.baseUrl(fake), retryBaseDelayMs: 10, cwd }
+      })
+      await waitIdle(client, id)
+      await client.ok({ type: "attach", activeSessionId: id, capabilities: ["event_sequence", "slim_attach"] })
+
+      fake.reply({ steps: p.toolCall("call_1", "read_file", { path: "notes.txt" }) }, { steps: p.text(["The word ", "is kumquat."]) })
+      await client.ok({ type: "prompt", activeSessionId: id, message: "what is the word?" })
+      const first = (await collectTurn(client, id, 20_000)).filter((m) => m["type"] === "session_event").map((m) => m["event"])
+      expect(first.find((e) => e.type === "tool_execution_end")?.result).toBe("the word is kumquat")
+      expect(first.filter((e) => e.type === "message_update").map((e) => e.delta).join("")).toBe("The word is kumquat.")
+      expect(String(p.key(fake.requests[0]!.headers))).toContain(KEY)
+
+      fake.reply({ status: 429, headers: { "retry-after": "0" }, body: { error: { message: "rate limited" } } }, { steps: p.text(["retried"]) })
+      await client.ok({ type: "prompt", activeSessionId: id, message: "again" })
+      const second = await collectTurn(client, id, 20_000)
+      expect(second.filter(isEvent("message_end")).at(-1)!["event"].message.content).toBe("retried")
+
+      fake.reply({ steps: p.hang(["partial"]) })
+      await client.ok({ type: "prompt", activeSessionId: id, message: "long one" })
+      await collectUntil(client, id, isEvent("message_update"), 20_000)
+      await client.ok({ type: "abort", activeSessionId: id })
+      expect((await collectTurn(client, id, 20_000)).find(isEvent("turn_interrupted"))!["event"].reason).toBe("aborted")
+      expect(await waitClosed(fake, fake.requests.length - 1)).toBe(true)
+
+      fake.reply({ steps: p.hang(["doomed"]) })
+      await client.ok({ type: "prompt", activeSessionId: id, message: "crash now" })
+      await collectUntil(client, id, isEvent("message_update"), 20_000)
+      const pid = (await client.ok({ type: "get_state", activeSessionId: id }))["workerPid"] as number
+      daemon.recordedWorkerPids.add(pid)
+      process.kill(pid, "SIGKILL")
+      const rest = await collectUntil(client, id, (m) => m["type"] === "session_status" && m["state"].worker === "ready", 20_000)
+      expect(rest.find(isEvent("turn_interrupted"))!["event"].reason).toBe("worker_crashed")
+      expect(await waitClosed(fake, fake.requests.length - 1)).toBe(true)
+
+      fake.reply({ steps: p.text(["alive"]) })
+      await client.ok({ type: "prompt", activeSessionId: id, message: "still there?" })
+      await collectTurn(client, id, 20_000)
+      expect((await allMessages(client, id)).at(-1)!["content"]).toBe("alive")
+      await client.ok({ type: "shutdown" })
+      await daemon.exited
+      expect(filesContaining(daemon.stateDir, KEY)).toEqual([])
+      expect(daemon.stderr).not.toContain(KEY)
+    }, 90_000)
+  }
 
   it("create refuses a bad model-engine config with invalid_command naming the field", async () => {
     const daemon = await useDaemon()
