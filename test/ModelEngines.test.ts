@@ -16,7 +16,11 @@ import * as Stream from "effect/Stream"
 import * as fs from "node:fs"
 import * as os from "node:os"
 import * as path from "node:path"
+import * as HttpClient from "@effect/platform/HttpClient"
+import * as HttpClientResponse from "@effect/platform/HttpClientResponse"
+import * as TestClock from "effect/TestClock"
 import type { EngineSession } from "../src/Engine.js"
+import { retryAfterMs, withRetries } from "../src/engines/modelEngine.js"
 import * as ModelEngines from "../src/engines/ModelEngines.js"
 import type { AgentEvent, AgentMessage } from "../src/Protocol.js"
 import { anthropic, chat, type FakeModel, responses, startFakeModel, type Step } from "./support/fakeModels.js"
@@ -240,6 +244,7 @@ for (const p of providers) {
           assert.deepStrictEqual(transcript.map((m) => m.role), ["user", "assistant", "assistant"])
           assert.strictEqual(transcript[1]!.content, "partial answ")
           assert.isTrue(transcript[2]!.isError)
+          assert.include(transcript[2]!.content, "cut mid-stream")
           assert.deepStrictEqual(types(events).slice(-2), ["turn_end", "agent_end"])
         })))
 
@@ -364,4 +369,83 @@ describe("model engines: config", () => {
         Effect.withConfigProvider(ConfigProvider.fromMap(new Map()))
       )
     }))
+})
+
+describe("model engines: retries on the Clock", () => {
+  /** A client answering with the given statuses in turn (then 200), counting the requests. */
+  const scripted = (answers: ReadonlyArray<{ status: number; headers?: Record<string, string> }>) => {
+    const calls: Array<number> = []
+    const client = HttpClient.make((request) =>
+      Effect.sync(() => {
+        const answer = answers[calls.length] ?? { status: 200 }
+        calls.push(Date.now())
+        return HttpClientResponse.fromWeb(request, new Response(`{"n":${calls.length}}`, { status: answer.status, headers: answer.headers ?? {} }))
+      })
+    )
+    return { calls, client: withRetries(3, 100)(client) }
+  }
+
+  it.effect("a 429 waits its retry-after; 5xx back off exponentially from the base delay", () =>
+    Effect.gen(function*() {
+      const a = scripted([{ status: 429, headers: { "retry-after": "5" } }])
+      const first = yield* Effect.fork(a.client.get("http://model.test/x"))
+      yield* TestClock.adjust("4999 millis")
+      assert.strictEqual(a.calls.length, 1)
+      yield* TestClock.adjust("1 millis")
+      assert.strictEqual((yield* first).status, 200)
+      assert.strictEqual(a.calls.length, 2)
+
+      const b = scripted([{ status: 500 }, { status: 502 }, { status: 503 }])
+      const second = yield* Effect.fork(b.client.get("http://model.test/x"))
+      yield* TestClock.adjust("100 millis")
+      assert.strictEqual(b.calls.length, 2)
+      yield* TestClock.adjust("200 millis")
+      assert.strictEqual(b.calls.length, 3)
+      yield* TestClock.adjust("400 millis")
+      assert.strictEqual((yield* second).status, 200)
+    }))
+
+  it.effect("retries run out: the last answer is passed on whole, its body readable", () =>
+    Effect.gen(function*() {
+      const c = scripted([{ status: 503 }, { status: 503 }, { status: 503 }, { status: 503 }, { status: 503 }])
+      const fiber = yield* Effect.fork(c.client.get("http://model.test/x"))
+      yield* TestClock.adjust("10 seconds")
+      const response = yield* fiber
+      assert.strictEqual(response.status, 503)
+      assert.strictEqual(c.calls.length, 4)
+      assert.strictEqual(yield* response.text, `{"n":4}`)
+    }))
+
+  it.effect("a retry-after over 60 s is not waited for; 4xx other than 429 are not retried", () =>
+    Effect.gen(function*() {
+      const d = scripted([{ status: 429, headers: { "retry-after": "3600" } }])
+      assert.strictEqual((yield* d.client.get("http://model.test/x")).status, 429)
+      assert.strictEqual(d.calls.length, 1)
+      const e = scripted([{ status: 401 }, { status: 404 }])
+      assert.strictEqual((yield* e.client.get("http://model.test/x")).status, 401)
+      assert.strictEqual(e.calls.length, 1)
+    }))
+
+  it("retry-after: seconds, an HTTP date, retry-after-ms", () => {
+    assert.strictEqual(retryAfterMs({ "retry-after": "2" }), 2000)
+    assert.strictEqual(retryAfterMs({ "retry-after": "0.5" }), 500)
+    assert.strictEqual(retryAfterMs({ "retry-after-ms": "250", "retry-after": "9" }), 250)
+    assert.strictEqual(retryAfterMs({ "retry-after": new Date(10_000).toUTCString() }, 7_000), 3000)
+    assert.isUndefined(retryAfterMs({ "retry-after": "soon" }))
+    assert.isUndefined(retryAfterMs({}))
+  })
+})
+
+describe("model engine anthropic: an error event mid-stream", () => {
+  it.live("ends the turn with the endpoint's message", () =>
+    withFake((fake, cwd) =>
+      Effect.gen(function*() {
+        fake.reply({
+          steps: [...anthropic.text(["x"]).slice(0, 2), { event: "error", sse: JSON.stringify({ type: "error", error: { type: "overloaded_error", message: "Overloaded" } }) }]
+        })
+        const session = yield* start(providers[2]!, fake, cwd)
+        const last = transcriptOf(yield* turn(session, "hi")).at(-1)!
+        assert.isTrue(last.isError)
+        assert.include(last.content, "Overloaded")
+      })))
 })

@@ -1,15 +1,16 @@
 /**
- * What the model engines (`openai`, `openai-compat`, `anthropic`) share: their per-session
- * configuration, the agent loop of a turn over an `@effect/ai` `LanguageModel`, the built-in
- * tools, the transcript sent back to the model, retries of 429/5xx answers, and error messages
- * a person can act on.
+ * The running part of the model engines (`openai`, `openai-compat`, `anthropic`; their
+ * configuration is modelConfig.ts): the agent loop of a turn over an `@effect/ai`
+ * `LanguageModel`, the built-in tools, the transcript sent back to the model, retries of 429/5xx
+ * answers, and error messages a person can act on. Loaded by a worker when such a session starts.
  *
  * A turn: the user message, then rounds of one streamed model response each; the tool calls of
  * a round run (events `tool_execution_start/end` and a `tool` message each) and the next round
- * sends their results, until a round calls no tool. After `maxToolRounds` rounds with tools the
- * last request offers none, so the model has to answer. An endpoint error ends the turn with an
- * assistant message marked `isError` (and the partial text already streamed kept as its own
- * message), then `turn_end`/`agent_end`: the session stays usable.
+ * sends their results, until a round calls no tool. After `maxToolRounds` rounds with tool calls
+ * the request declares the tools with tool choice `none`, so the model has to answer. An
+ * endpoint error ends the turn with an assistant message marked `isError` (the partial text
+ * already streamed kept as its own message), then `turn_end`/`agent_end`: the session stays
+ * usable.
  *
  * Secrets: the API key is read from the worker's environment when the session starts, goes
  * only into the request's auth header, and is scrubbed from every message this module writes.
@@ -114,7 +115,9 @@ export const scrub = (text: string, secrets: ReadonlyArray<string>): string => {
 const bodyMessage = (body: string | undefined): string | undefined => {
   if (body === undefined || body.trim() === "") return undefined
   try {
-    const json = JSON.parse(body) as { error?: { message?: unknown } | string; message?: unknown }
+    const json = JSON.parse(body) as { error?: { message?: unknown } | string; message?: unknown } | string
+    // A text body comes quoted (the provider formats it as a JSON string).
+    if (typeof json === "string") return json === body ? json : bodyMessage(json)
     if (typeof json.error === "string") return json.error
     if (typeof json.error?.message === "string") return json.error.message
     if (typeof json.message === "string") return json.message
@@ -151,6 +154,7 @@ export const describeError = (error: unknown, ctx: ErrorContext): string => {
     switch (error._tag) {
       case "HttpResponseError": {
         const status = error.response.status
+        const gaveUp = ctx.maxRetries > 0 ? `; gave up after ${ctx.maxRetries} retries` : ""
         if (error.reason === "StatusCode") {
           const detail = bodyMessage(error.body === undefined ? undefined : String(error.body))
           const hint = status === 401 || status === 403
@@ -158,13 +162,13 @@ export const describeError = (error: unknown, ctx: ErrorContext): string => {
             : status === 404
             ? ` (check the model \`${ctx.model}\` and the baseUrl)`
             : status === 429
-            ? ` (rate limited; gave up after ${ctx.maxRetries} retries)`
+            ? ` (rate limited${gaveUp})`
             : status >= 500
-            ? ` (server error; gave up after ${ctx.maxRetries} retries)`
+            ? ` (server error${gaveUp})`
             : ""
           return `${prefix}: the endpoint answered ${status}${hint}${detail === undefined ? "" : `: ${detail}`}`
         }
-        return `${prefix}: the response could not be read (${error.reason}${error.description ? `: ${error.description}` : ""}); the stream may have been cut`
+        return `${prefix}: the response broke off before its end, the connection cut mid-stream (${error.reason}${error.description ? `: ${error.description}` : ""})`
       }
       case "HttpRequestError": {
         const code = causeCode(error.cause)
@@ -173,7 +177,7 @@ export const describeError = (error: unknown, ctx: ErrorContext): string => {
           : `${prefix}: the request failed (${error.reason}${code !== undefined ? ` ${code}` : ""}${error.description ? `: ${error.description}` : ""})`
       }
       case "MalformedOutput":
-        return `${prefix}: the endpoint sent a malformed response${error.description ? `: ${firstLine(error.description)}` : ""}`
+        return `${prefix}: the endpoint sent a malformed response: ${error.description ? firstLine(error.description) : "a stream event could not be decoded"}`
       case "MalformedInput":
         return `${prefix}: the request could not be built${error.description ? `: ${firstLine(error.description)}` : ""}`
       case "UnknownError":
