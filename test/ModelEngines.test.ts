@@ -20,7 +20,7 @@ import * as HttpClient from "@effect/platform/HttpClient"
 import * as HttpClientResponse from "@effect/platform/HttpClientResponse"
 import * as TestClock from "effect/TestClock"
 import type { EngineSession } from "../src/Engine.js"
-import { retryAfterMs, withRetries } from "../src/engines/modelEngine.js"
+import { retryAfterMs, toPrompt, withRetries } from "../src/engines/modelEngine.js"
 import * as ModelEngines from "../src/engines/ModelEngines.js"
 import type { AgentEvent, AgentMessage } from "../src/Protocol.js"
 import { anthropic, chat, type FakeModel, responses, startFakeModel, type Step } from "./support/fakeModels.js"
@@ -448,4 +448,59 @@ describe("model engine anthropic: an error event mid-stream", () => {
         assert.isTrue(last.isError)
         assert.include(last.content, "Overloaded")
       })))
+})
+
+describe("model engines: the transcript as a prompt", () => {
+  const m = (id: string, role: AgentMessage["role"], content: string, extra: Partial<AgentMessage> = {}): AgentMessage => ({
+    id,
+    role,
+    content,
+    timestamp: 0,
+    ...extra
+  })
+  const tool = (id: string, callId: string, content: string, extra: Partial<AgentMessage> = {}) =>
+    m(id, "tool", content, { toolCallId: callId, toolName: "read_file", toolArgs: { path: callId }, ...extra })
+
+  it("rounds become assistant messages with their calls, then the results; error messages are left out", () => {
+    const prompt = toPrompt("sys", [
+      m("t1-u", "user", "q"),
+      tool("t1-t0-0", "c1", "r1"),
+      tool("t1-t0-1", "c2", "r2", { isError: true }),
+      m("t1-a1", "assistant", "thinking"),
+      tool("t1-t1-0", "c3", "r3"),
+      m("t1-a2", "assistant", "answer"),
+      m("t2-u", "user", "q2"),
+      m("t2-e", "assistant", "Error: boom", { isError: true }),
+      m("t3-u", "user", "q3")
+    ])
+    assert.deepStrictEqual(prompt, [
+      { role: "system", content: "sys" },
+      { role: "user", content: "q" },
+      {
+        role: "assistant",
+        content: [
+          { type: "tool-call", id: "c1", name: "read_file", params: { path: "c1" }, providerExecuted: false },
+          { type: "tool-call", id: "c2", name: "read_file", params: { path: "c2" }, providerExecuted: false }
+        ]
+      },
+      {
+        role: "tool",
+        content: [
+          { type: "tool-result", id: "c1", name: "read_file", result: "r1", isFailure: false, providerExecuted: false },
+          { type: "tool-result", id: "c2", name: "read_file", result: "r2", isFailure: true, providerExecuted: false }
+        ]
+      },
+      {
+        role: "assistant",
+        content: [
+          { type: "text", text: "thinking" },
+          { type: "tool-call", id: "c3", name: "read_file", params: { path: "c3" }, providerExecuted: false }
+        ]
+      },
+      { role: "tool", content: [{ type: "tool-result", id: "c3", name: "read_file", result: "r3", isFailure: false, providerExecuted: false }] },
+      { role: "assistant", content: [{ type: "text", text: "answer" }] },
+      { role: "user", content: "q2" },
+      { role: "user", content: "q3" }
+    ] as any)
+  })
 })

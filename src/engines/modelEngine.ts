@@ -206,16 +206,26 @@ export class TurnError extends Data.TaggedError("TurnError")<{ readonly message:
  * model's and is left out; the `tool` messages after an assistant message carry its tool calls
  * (name and `toolArgs`) and their results.
  */
+const roundOf = (id: string): string | undefined => {
+  const m = /^(.*)-(?:a(\d+)|t(\d+)-\d+)$/.exec(id)
+  return m === null ? undefined : `${m[1]}:${m[2] ?? m[3]}`
+}
+
 export const toPrompt = (system: string | undefined, messages: ReadonlyArray<AgentMessage>): Array<Prompt.MessageEncoded> => {
   const out: Array<Prompt.MessageEncoded> = []
   if (system !== undefined) out.push({ role: "system", content: system })
   let assistant: { role: "assistant"; content: Array<Prompt.AssistantMessagePartEncoded> } | undefined
   let results: { role: "tool"; content: Array<Prompt.ToolMessagePartEncoded> } | undefined
+  // The round the open assistant message belongs to, from the ids this engine gives
+  // (`<turnId>-a<round>`, `<turnId>-t<round>-<i>`): the calls of two rounds are two messages.
+  let round: string | undefined
   const flush = () => {
-    if (assistant !== undefined) out.push(assistant)
+    // An assistant message with neither text nor calls is refused by some APIs.
+    if (assistant !== undefined && assistant.content.length > 0) out.push(assistant)
     if (results !== undefined) out.push(results)
     assistant = undefined
     results = undefined
+    round = undefined
   }
   for (const m of messages) {
     switch (m.role) {
@@ -227,12 +237,16 @@ export const toPrompt = (system: string | undefined, messages: ReadonlyArray<Age
         if (m.isError === true) break
         flush()
         assistant = { role: "assistant", content: m.content.length > 0 ? [{ type: "text", text: m.content }] : [] }
+        round = roundOf(m.id)
         break
       case "tool": {
         if (m.toolCallId === undefined || m.toolName === undefined) break
-        // Tool results follow their calls; a new round's calls start a new assistant message.
-        if (results !== undefined && assistant === undefined) flush()
-        assistant ??= { role: "assistant", content: [] }
+        const its = roundOf(m.id)
+        if (assistant !== undefined && its !== undefined && round !== undefined && its !== round) flush()
+        if (assistant === undefined) {
+          assistant = { role: "assistant", content: [] }
+          round = its
+        }
         results ??= { role: "tool", content: [] }
         assistant.content.push({ type: "tool-call", id: m.toolCallId, name: m.toolName, params: m.toolArgs ?? {}, providerExecuted: false })
         results.content.push({
