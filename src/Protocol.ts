@@ -97,6 +97,8 @@ export const AgentMessage = Schema.Struct({
   toolArgs: optional(Json),
   /** On a `tool` message: the tool failed; on an `assistant` message: the turn ended on this error. */
   isError: optional(Schema.Boolean),
+  /** The message was being streamed when its turn was cut: `content` is the text streamed so far. */
+  interrupted: optional(Schema.Boolean),
   timestamp: EpochMillis
 })
 export type AgentMessage = typeof AgentMessage.Type

@@ -89,6 +89,8 @@ describe("model engines (e2e)", () => {
     expect(aborted["aborted"]).toBe(true)
     const third = await collectTurn(client, id, 20_000)
     expect(third.find(isEvent("turn_interrupted"))!["event"].reason).toBe("aborted")
+    const cut = third.filter(isEvent("message_end")).at(-1)!["event"].message
+    expect([cut.role, cut.content, cut.interrupted]).toEqual(["assistant", "partial text", true])
     expect(await waitClosed(fake, 4)).toBe(true)
 
     // 4. The worker SIGKILLed mid-stream: turn_interrupted, a new worker, the request closed.
@@ -118,6 +120,8 @@ describe("model engines (e2e)", () => {
     const transcript = await allMessages(client, id)
     expect(transcript.at(-1)!["content"]).toBe("still here")
     expect(transcript.filter((m) => m["role"] === "tool")).toHaveLength(1)
+    // The text streamed before the abort and before the crash stayed, marked interrupted.
+    expect(transcript.filter((m) => m["interrupted"] === true).map((m) => m["content"])).toEqual(["partial text", "doomed"])
 
     // A second session gets its key from create's launchEnv instead.
     const launched = await createSession(client, { engine: "openai-compat", config, launchEnv: { OPENAI_API_KEY: LAUNCH_KEY } })
