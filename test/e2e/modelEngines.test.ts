@@ -9,7 +9,7 @@ import * as fs from "node:fs"
 import * as path from "node:path"
 import { afterEach, describe, expect, it } from "vitest"
 import { anthropic, chat, type FakeModel, responses, startFakeModel, type Step } from "../support/fakeModels.js"
-import { allMessages, cleanUpAfterTests, collectTurn, collectUntil, createSession, isEvent, useDaemon, waitIdle } from "./harness.js"
+import { agentMessageProblems, allMessages, cleanUpAfterTests, collectTurn, collectUntil, createSession, isEvent, useDaemon, waitIdle } from "./harness.js"
 
 cleanUpAfterTests()
 
@@ -120,6 +120,7 @@ describe("model engines (e2e)", () => {
     const transcript = await allMessages(client, id)
     expect(transcript.at(-1)!["content"]).toBe("still here")
     expect(transcript.filter((m) => m["role"] === "tool")).toHaveLength(1)
+    for (const m of transcript) expect(agentMessageProblems(m)).toEqual([])
     // The text streamed before the abort and before the crash stayed, marked interrupted.
     expect(transcript.filter((m) => m["interrupted"] === true).map((m) => m["content"])).toEqual(["partial text", "doomed"])
 
