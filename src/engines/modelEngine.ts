@@ -398,7 +398,9 @@ const turnLoop = (session: ModelSession, input: TurnInput, emit: (event: AgentEv
       const text = scrub(describeError(outcome.left, { ...config, engine: session.engine }), session.secrets)
       yield* Effect.logWarning(`turn ${input.turnId}: ${text}`)
       const failed = message(`${input.turnId}-e`, "assistant", `Error: ${text}`, { isError: true })
-      yield* emit({ type: "message_start", message: failed })
+      // Streamed as one delta too, so that a client that prints deltas shows it.
+      yield* emit({ type: "message_start", message: { ...failed, content: "" } })
+      yield* emit({ type: "message_update", messageId: failed.id, delta: failed.content })
       yield* emit({ type: "message_end", message: failed })
     }
     yield* emit({ type: "turn_end" })
