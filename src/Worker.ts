@@ -24,7 +24,7 @@ import * as net from "node:net"
 import * as os from "node:os"
 import * as path from "node:path"
 import * as Cursor from "./Cursor.js"
-import { Engine, type EngineSession, foldEvent } from "./Engine.js"
+import { Engine, type EngineSession, foldEvent, TranscriptReplaced } from "./Engine.js"
 import * as BuiltinEngines from "./engines/builtin.js"
 import { SessionWorkDir } from "./engines/SessionWorkDir.js"
 import * as EventLog from "./EventLog.js"
@@ -32,7 +32,7 @@ import { LineDecoder } from "./JsonLines.js"
 import type { AgentEvent, AgentMessage, InterruptReason } from "./Protocol.js"
 import * as RecoveryJournal from "./RecoveryJournal.js"
 import * as SessionStore from "./SessionStore.js"
-import { chunkMessages } from "./SnapshotCache.js"
+import { chunkMessages, DEFAULT_TARGET_CHUNK_BYTES } from "./SnapshotCache.js"
 import * as WorkerProtocol from "./WorkerProtocol.js"
 
 type LoadFrame = typeof WorkerProtocol.Load.Type
@@ -105,7 +105,9 @@ interface RunningTurn {
 interface LoadedSession {
   readonly activeSessionId: string
   readonly engine: EngineSession
-  readonly messages: Array<AgentMessage>
+  /** The transcript (replaced whole when the engine rewrites history). */
+  messages: Array<AgentMessage>
+  readonly targetChunkBytes: number
   turn: RunningTurn | undefined
 }
 
@@ -371,13 +373,20 @@ export const run = (pipe: WorkerPipe, options: RunOptions = {}) =>
       return s.engine.runTurn({ turnId, message, history: s.messages }).pipe(
         Stream.interruptWhenDeferred(aborted),
         // One pipe write per chunk of events the engine has ready, not one per event.
-        Stream.runForEachChunk((events) => {
+        Stream.runForEachChunk((outputs) => {
           let frames = ""
-          for (const event of events) {
-            foldEvent(s.messages, event)
-            streaming.track(event)
-            if (event.type === "agent_end") ended = true
-            frames += WorkerProtocol.encodeFrame({ type: "worker_event", event })
+          for (const output of outputs) {
+            if (output instanceof TranscriptReplaced) {
+              // The transcript is replaced; the supervisor is sent the new one, in order with
+              // the events, as the snapshot of the generation that starts with it.
+              s.messages = [...output.messages]
+              frames += replacementFrames(s, `${turnId}-replacement`)
+              continue
+            }
+            foldEvent(s.messages, output)
+            streaming.track(output)
+            if (output.type === "agent_end") ended = true
+            frames += WorkerProtocol.encodeFrame({ type: "worker_event", event: output })
           }
           return pipe.sendRaw(frames)
         }),
@@ -389,6 +398,20 @@ export const run = (pipe: WorkerPipe, options: RunOptions = {}) =>
           if (s.turn?.turnId === turnId) s.turn = undefined
         }))
       )
+    }
+
+    /** A transcript replaced by the engine, as snapshot frames (purpose `replacement`). */
+    const replacementFrames = (s: LoadedSession, snapshotId: string): string => {
+      const base = { activeSessionId: s.activeSessionId, snapshotId }
+      const chunks = chunkMessages(s.activeSessionId, snapshotId, s.messages, s.targetChunkBytes)
+      return WorkerProtocol.encodeFrame({
+        type: "session_snapshot_begin",
+        ...base,
+        messageCount: s.messages.length,
+        targetChunkBytes: s.targetChunkBytes,
+        purpose: "replacement"
+      }) + chunks.map((chunk) => Buffer.from(chunk).toString("utf8")).join("") +
+        WorkerProtocol.encodeFrame({ type: "session_snapshot_end", ...base, chunkCount: chunks.length, lastEventSequence: -1 })
     }
 
     const handle = (frame: WorkerProtocol.SupervisorFrame): Effect.Effect<void> => {
@@ -413,7 +436,13 @@ export const run = (pipe: WorkerPipe, options: RunOptions = {}) =>
                 partial = restored.right.streaming
               }
             }
-            session = { activeSessionId: frame.activeSessionId, engine: engine.right, messages, turn: undefined }
+            session = {
+              activeSessionId: frame.activeSessionId,
+              engine: engine.right,
+              messages,
+              targetChunkBytes: frame.targetChunkBytes ?? DEFAULT_TARGET_CHUNK_BYTES,
+              turn: undefined
+            }
             if (interrupted !== undefined) yield* cutTurn(messages, partial, interrupted)
             yield* pipe.send({
               type: "worker_ready",
@@ -437,29 +466,6 @@ export const run = (pipe: WorkerPipe, options: RunOptions = {}) =>
           const turn = session?.turn
           return turn === undefined || turn.turnId !== frame.turnId ? Effect.void : Deferred.done(turn.aborted, Exit.void)
         }
-        case "checkpoint":
-          return Effect.gen(function*() {
-            const s = session
-            if (s === undefined) return yield* fail("no session is loaded")
-            // A checkpoint is the state between turns: wait for a running turn to end.
-            if (s.turn !== undefined) yield* Fiber.await(s.turn.fiber)
-            const base = { activeSessionId: s.activeSessionId, snapshotId: frame.snapshotId }
-            const chunks = chunkMessages(s.activeSessionId, frame.snapshotId, s.messages, frame.targetChunkBytes)
-            yield* pipe.send({
-              type: "session_snapshot_begin",
-              ...base,
-              messageCount: s.messages.length,
-              targetChunkBytes: frame.targetChunkBytes,
-              purpose: "checkpoint"
-            })
-            for (const chunk of chunks) yield* pipe.sendRaw(chunk)
-            yield* pipe.send({
-              type: "session_snapshot_end",
-              ...base,
-              chunkCount: chunks.length,
-              lastEventSequence: -1
-            })
-          })
         case "stop":
           return options.exit ?? Effect.sync(() => process.exit(0))
       }

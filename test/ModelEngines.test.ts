@@ -19,7 +19,7 @@ import * as path from "node:path"
 import * as HttpClient from "@effect/platform/HttpClient"
 import * as HttpClientResponse from "@effect/platform/HttpClientResponse"
 import * as TestClock from "effect/TestClock"
-import type { EngineSession } from "../src/Engine.js"
+import { type EngineSession, TranscriptReplaced } from "../src/Engine.js"
 import { retryAfterMs, toPrompt, withRetries } from "../src/engines/modelEngine.js"
 import * as ModelEngines from "../src/engines/ModelEngines.js"
 import type { AgentEvent, AgentMessage } from "../src/Protocol.js"
@@ -95,8 +95,12 @@ const start = (p: Provider, fake: FakeModel, cwd: string, config: Record<string,
     Effect.withConfigProvider(ConfigProvider.fromMap(new Map([[p.keyEnv, KEY]])))
   )
 
+/** A turn's events (a transcript replacement is not an event). */
 const turn = (session: EngineSession, message: string, history: ReadonlyArray<AgentMessage> = [], turnId = "t1") =>
-  Effect.map(Stream.runCollect(session.runTurn({ turnId, message, history })), Chunk.toArray)
+  Effect.map(
+    Stream.runCollect(session.runTurn({ turnId, message, history })),
+    (outputs) => Chunk.toArray(outputs).filter((o): o is AgentEvent => !(o instanceof TranscriptReplaced))
+  )
 
 const transcriptOf = (events: ReadonlyArray<AgentEvent>): Array<AgentMessage> =>
   events.flatMap((e) => (e.type === "message_end" ? [e.message] : []))
@@ -253,12 +257,12 @@ for (const p of providers) {
         Effect.gen(function*() {
           fake.reply({ steps: p.text(["first "], { end: "hang" }) })
           const session = yield* start(p, fake, cwd)
-          const seen: Array<AgentEvent> = []
+          const seen: Array<unknown> = []
           const fiber = yield* session.runTurn({ turnId: "t1", message: "hi", history: [] }).pipe(
             Stream.runForEach((e) => Effect.sync(() => seen.push(e))),
             Effect.fork
           )
-          while (!seen.some((e) => e.type === "message_update")) yield* Effect.sleep("5 millis")
+          while (!seen.some((e) => (e as AgentEvent).type === "message_update")) yield* Effect.sleep("5 millis")
           assert.isFalse(fake.requests[0]!.closedEarly)
           const t0 = Date.now()
           yield* Fiber.interrupt(fiber)

@@ -187,8 +187,10 @@ describe("chunked snapshot", () => {
     expect(folded.map((m) => m["id"])).toEqual(transcript.map((m) => m["id"]))
   }, 60_000)
 
-  it("state files: snapshot-cache dirs 0700 and files 0600, nothing group/world accessible; idle journal compacted", async () => {
-    // Runs after the > 10 MB checkpoint above, whose chunks spilled past memoryCacheBytes.
+  it("state files: dirs 0700 and files 0600, nothing group/world accessible; idle journal compacted", async () => {
+    // Runs after the > 10 MB checkpoint and the chunked attaches above. (A generation's snapshot
+    // is read from its transcript file, never copied; only snapshots a worker streams, history
+    // rewrites, spill to snapshot-cache/ past memoryCacheBytes.)
     const d = shared()
     const problems: Array<string> = []
     let spilled = 0
@@ -211,8 +213,7 @@ describe("chunked snapshot", () => {
     }
     walk(d.stateDir)
     expect(problems).toEqual([])
-    expect(spilled, "chunks spilled to snapshot-cache/<generation>/<id>/<index>.jsonl").toBeGreaterThan(0)
-    expect(fs.readdirSync(path.join(d.stateDir, "snapshot-cache"))).toContain(String(d.hello!["supervisorGeneration"]))
+    expect(spilled, "a generation's snapshot is not copied to snapshot-cache/").toBe(0)
 
     // Every session idle: the journal is compacted to one line per session.
     const c = await d.connect()

@@ -36,7 +36,7 @@ export const makeDelivery = (core: Core, checkpoints: Checkpoints) => {
   const decide = (s: Session, resume: Cursor.Cursor | undefined) =>
     Effect.gen(function*(): Effect.fn.Return<Decision, CommandError> {
       const last = s.lastCursor
-      const view = { resume, last, generation: s.generation, snapshotCursor: s.snapshotCursor }
+      const view = { resume, last, generation: s.generation, snapshotCursor: s.snapshotCursor, rewriteGeneration: s.rewriteGeneration }
       if (resume === undefined || last === undefined) {
         return decideReplay({ ...view, oldestGeneration: s.generation, lastSequenceOfResumeGeneration: undefined })
       }
@@ -48,12 +48,15 @@ export const makeDelivery = (core: Core, checkpoints: Checkpoints) => {
       return decideReplay({ ...view, oldestGeneration, lastSequenceOfResumeGeneration })
     })
 
-  /** Replaces a client's state with the current generation's snapshot; false when it must re-attach. */
-  const resync = (a: Attachment) =>
+  /**
+   * Replaces a client's state with the current generation's snapshot: a `resync` (the events it
+   * lacked were pruned) or a `replacement` (history was rewritten). False when it must re-attach.
+   */
+  const resync = (a: Attachment, purpose: "resync" | "replacement") =>
     Effect.gen(function*() {
       const s = a.session
       const chosen = yield* Effect.either(s.readGate.withPermits(1)(
-        Effect.map(currentSnapshotEntry(s), (entry) => ({ entry, cursor: s.snapshotCursor }))
+        Effect.map(currentSnapshotEntry(s), (entry) => ({ entry, cursor: s.snapshotCursor, rewrite: s.rewriteGeneration }))
       ))
       if (Either.isLeft(chosen)) {
         // The client must hear that its state is gone: it attaches again.
@@ -66,9 +69,11 @@ export const makeDelivery = (core: Core, checkpoints: Checkpoints) => {
         }))
         return false
       }
-      if (!(yield* streamSnapshot(a, chosen.right.entry, "resync"))) return false
+      a.knownRewrite = chosen.right.rewrite
+      if (!(yield* streamSnapshot(a, chosen.right.entry, purpose))) return false
       a.delivered = chosen.right.cursor
-      a.resumed = true
+      // Events re-sent after a resync existed already; after a replacement they are new.
+      if (purpose === "resync") a.resumed = true
       return true
     })
 
@@ -78,7 +83,13 @@ export const makeDelivery = (core: Core, checkpoints: Checkpoints) => {
       const s = a.session
       const id = s.meta.activeSessionId
       const sessionJson = JSON.stringify(id)
+      /** History was rewritten since the client's state was made: it needs the new snapshot. */
+      const stale = () => a.knownRewrite !== s.rewriteGeneration
       while (!a.detached && !a.outbox.isClosed) {
+        if (stale()) {
+          if (!(yield* resync(a, "replacement"))) return detachAttachment(a)
+          continue
+        }
         const target = s.lastCursor
         if (target === undefined || (a.delivered !== undefined && !Cursor.isBefore(a.delivered, target))) {
           // Caught up: from now on publish writes to this client directly.
@@ -88,6 +99,7 @@ export const makeDelivery = (core: Core, checkpoints: Checkpoints) => {
             a.wake = () => resume(Effect.void)
           })
           if (a.detached || a.outbox.isClosed) return
+          if (stale()) continue
           // Paused: wait for the client to drain, then re-send what it missed from the log.
           yield* a.outbox.awaitBelow(Math.max(1, a.limit / 2))
           a.resumed = true
@@ -95,7 +107,8 @@ export const makeDelivery = (core: Core, checkpoints: Checkpoints) => {
           continue
         }
         const pruned = yield* log.read(id, a.delivered).pipe(
-          Stream.takeWhile((r) => !Cursor.isAfter(r.cursor, target)),
+          // Never into a rewritten history the client has not been sent the snapshot of.
+          Stream.takeWhile((r) => !Cursor.isAfter(r.cursor, target) && !(stale() && r.cursor.generation >= s.rewriteGeneration!)),
           Stream.runForEach((r) =>
             Effect.gen(function*() {
               if (a.detached) return yield* Effect.interrupt
@@ -115,7 +128,7 @@ export const makeDelivery = (core: Core, checkpoints: Checkpoints) => {
         )
         // The events after what the client has were pruned while it was paused: it gets the
         // current generation's snapshot (a resync), then that generation's events.
-        if (pruned && !(yield* resync(a))) return detachAttachment(a)
+        if (pruned && !stale() && !(yield* resync(a, "resync"))) return detachAttachment(a)
       }
     })
 
@@ -202,7 +215,11 @@ export const makeDelivery = (core: Core, checkpoints: Checkpoints) => {
       if (stream !== undefined) {
         data.snapshotStream = { id: stream, messageCount: s.baseMessageCount, targetChunkBytes: config.targetChunkBytes }
       }
-      const purpose: Protocol.SnapshotPurpose = decision.kind === "baseline" && decision.replay.status === "partial"
+      const purpose: Protocol.SnapshotPurpose = decision.kind !== "baseline"
+        ? "attach"
+        : decision.replay.reason === "transcript_replaced"
+        ? "replacement"
+        : decision.replay.status === "partial"
         ? "resync"
         : "attach"
       const deliver = Effect.gen(function*() {
