@@ -20,7 +20,7 @@ import * as HttpClient from "@effect/platform/HttpClient"
 import * as HttpClientResponse from "@effect/platform/HttpClientResponse"
 import * as TestClock from "effect/TestClock"
 import { type EngineSession, TranscriptReplaced } from "../src/Engine.js"
-import { retryAfterMs, toPrompt, withRetries } from "../src/engines/modelEngine.js"
+import { compactionCut, retryAfterMs, toPrompt, withRetries } from "../src/engines/modelEngine.js"
 import * as ModelEngines from "../src/engines/ModelEngines.js"
 import type { AgentEvent, AgentMessage } from "../src/Protocol.js"
 import { anthropic, chat, type FakeModel, responses, startFakeModel, type Step } from "./support/fakeModels.js"
@@ -506,5 +506,70 @@ describe("model engines: the transcript as a prompt", () => {
       { role: "user", content: "q2" },
       { role: "user", content: "q3" }
     ] as any)
+  })
+})
+
+describe("model engines: context compaction", () => {
+  const p = providers[0]!
+  const long = (id: string, role: AgentMessage["role"], word: string): AgentMessage => ({
+    id,
+    role,
+    content: `${word} `.repeat(80),
+    timestamp: 0
+  })
+
+  it.live("past maxContextTokens the older messages are replaced by the model's summary (a transcript replacement)", () =>
+    withFake((fake, cwd) =>
+      Effect.gen(function*() {
+        const history = [
+          long("h1-u", "user", "alpha"),
+          long("h1-a0", "assistant", "bravo"),
+          long("h2-u", "user", "charlie"),
+          long("h2-a0", "assistant", "delta")
+        ]
+        fake.reply({ steps: chat.text(["The user said alpha ", "and charlie."]) }, { steps: chat.text(["fine"]) })
+        const session = yield* start(p, fake, cwd, { maxContextTokens: 300 })
+        const outputs = Chunk.toArray(yield* Stream.runCollect(session.runTurn({ turnId: "t3", message: "and now?", history })))
+        // The summary request: the older messages, no tools.
+        assert.strictEqual(fake.requests.length, 2)
+        const summaryRequest = JSON.stringify(fake.requests[0]!.body)
+        assert.include(summaryRequest, "summarize")
+        assert.include(summaryRequest, "alpha")
+        assert.isUndefined(fake.requests[0]!.body.tools)
+        // The transcript is replaced by [summary, kept messages..., this turn's user message].
+        const replaced = outputs.filter((o): o is TranscriptReplaced => o instanceof TranscriptReplaced)
+        assert.strictEqual(replaced.length, 1)
+        const messages = replaced[0]!.messages
+        assert.strictEqual(messages[0]!.role, "assistant")
+        assert.include(messages[0]!.content, "The user said alpha and charlie.")
+        assert.strictEqual(messages.at(-1)!.content, "and now?")
+        assert.isBelow(messages.length, history.length + 1)
+        // The turn's request carries the summary, not the summarized messages.
+        const turnRequest = fake.requests[1]!.body
+        assert.strictEqual(turnRequest.messages[0].role, "user", "a user message first")
+        assert.include(JSON.stringify(turnRequest), "The user said alpha and charlie.")
+        assert.notInclude(JSON.stringify(turnRequest), "alpha alpha")
+        const events = outputs.filter((o): o is AgentEvent => !(o instanceof TranscriptReplaced))
+        assert.strictEqual(transcriptOf(events).at(-1)!.content, "fine")
+        assert.deepStrictEqual(types(events).slice(-2), ["turn_end", "agent_end"])
+      })))
+
+  it.live("under the limit nothing is compacted", () =>
+    withFake((fake, cwd) =>
+      Effect.gen(function*() {
+        fake.reply({ steps: chat.text(["short"]) })
+        const session = yield* start(p, fake, cwd, { maxContextTokens: 100_000 })
+        const outputs = Chunk.toArray(yield* Stream.runCollect(session.runTurn({ turnId: "t1", message: "hi", history: [long("h-u", "user", "x")] })))
+        assert.isFalse(outputs.some((o) => o instanceof TranscriptReplaced))
+        assert.strictEqual(fake.requests.length, 1)
+      })))
+
+  it("the cut keeps the newest messages that fit, from a user message on", () => {
+    const ms = [long("1-u", "user", "a"), long("1-a0", "assistant", "b"), long("2-u", "user", "c"), long("2-a0", "assistant", "d")]
+    // Each message is ~44 tokens: two fit in 100, from the user message "2-u".
+    assert.strictEqual(compactionCut(ms, 100), 2)
+    // Nothing fits: the last user message is kept anyway.
+    assert.strictEqual(compactionCut(ms, 10), 2)
+    assert.strictEqual(compactionCut(ms, 10_000), 0)
   })
 })

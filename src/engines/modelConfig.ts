@@ -30,6 +30,11 @@ export interface ModelConfig {
   readonly maxRetries: number
   /** The first retry's delay; each next one doubles (a `retry-after` header wins). */
   readonly retryBaseDelayMs: number
+  /**
+   * The most tokens (estimated: characters / 4) the conversation may hold when a turn starts;
+   * past it the older messages are replaced by a summary the model writes. Unset: never.
+   */
+  readonly maxContextTokens: number | undefined
 }
 
 /** Defaults an engine takes when a session's config leaves a setting out. */
@@ -43,6 +48,7 @@ export interface ModelDefaults {
   readonly apiKeyEnv?: string | undefined
   readonly maxRetries?: number | undefined
   readonly retryBaseDelayMs?: number | undefined
+  readonly maxContextTokens?: number | undefined
 }
 
 const CONFIG_KEYS = [
@@ -55,7 +61,8 @@ const CONFIG_KEYS = [
   "cwd",
   "apiKeyEnv",
   "maxRetries",
-  "retryBaseDelayMs"
+  "retryBaseDelayMs",
+  "maxContextTokens"
 ] as const
 
 /** The longest `retry-after` the engine waits for; a longer one ends the turn at once. */
@@ -111,7 +118,10 @@ export const readConfig = (
     const maxToolRounds = num("maxToolRounds", defaults.maxToolRounds ?? 8, 0, 1000, true)
     const maxRetries = num("maxRetries", defaults.maxRetries ?? 3, 0, 20, true)
     const retryBaseDelayMs = num("retryBaseDelayMs", defaults.retryBaseDelayMs ?? 500, 0, MAX_RETRY_AFTER_MS, true)
-    for (const v of [model, baseUrl, system, cwd, apiKeyEnv, temperature, maxTokens, maxToolRounds, maxRetries, retryBaseDelayMs]) {
+    const maxContextTokens = num("maxContextTokens", defaults.maxContextTokens, 100, 100_000_000, true)
+    for (
+      const v of [model, baseUrl, system, cwd, apiKeyEnv, temperature, maxTokens, maxToolRounds, maxRetries, retryBaseDelayMs, maxContextTokens]
+    ) {
       if (v instanceof EngineError) return Effect.fail(v)
     }
     if (model === undefined) return Effect.fail(invalid(engine, "config.model is required (the model's name)"))
@@ -144,7 +154,8 @@ export const readConfig = (
       cwd: cwd as string | undefined,
       apiKeyEnv: apiKeyEnv as string,
       maxRetries: maxRetries as number,
-      retryBaseDelayMs: retryBaseDelayMs as number
+      retryBaseDelayMs: retryBaseDelayMs as number,
+      maxContextTokens: maxContextTokens as number | undefined
     })
   })
 

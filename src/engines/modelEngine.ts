@@ -10,7 +10,8 @@
  * the request declares the tools with tool choice `none`, so the model has to answer. An
  * endpoint error ends the turn with an assistant message marked `isError` (the partial text
  * already streamed kept as its own message), then `turn_end`/`agent_end`: the session stays
- * usable.
+ * usable. With `maxContextTokens`, a turn over the budget starts by replacing the older messages
+ * with a summary the model writes (a history rewrite: `TranscriptReplaced`).
  *
  * Secrets: the API key is read from the worker's environment when the session starts, goes
  * only into the request's auth header, and is scrubbed from every message this module writes.
@@ -31,7 +32,7 @@ import * as Redacted from "effect/Redacted"
 import * as Schedule from "effect/Schedule"
 import * as Stream from "effect/Stream"
 import * as fs from "node:fs"
-import { EngineError, type EngineSession, type TurnInput } from "../Engine.js"
+import { EngineError, type EngineSession, TranscriptReplaced, type TurnInput, type TurnOutput } from "../Engine.js"
 import type { AgentEvent, AgentMessage } from "../Protocol.js"
 import { MAX_RETRY_AFTER_MS, type ModelConfig } from "./modelConfig.js"
 import * as SessionWorkDir from "./SessionWorkDir.js"
@@ -262,6 +263,11 @@ export const toPrompt = (system: string | undefined, messages: ReadonlyArray<Age
     }
   }
   flush()
+  // Some APIs want the user to speak first; a compacted transcript starts with its summary.
+  const first = system === undefined ? 0 : 1
+  if (out[first]?.role === "assistant") {
+    out.splice(first, 0, { role: "user", content: "(The earlier conversation was replaced by the summary that follows.)" })
+  }
   return out
 }
 
@@ -299,9 +305,9 @@ interface ToolCall {
  * One turn's events. Runs the loop in a fiber of the stream's scope: interrupting the stream
  * (an abort) interrupts the loop, which cancels the HTTP request in flight.
  */
-export const runTurn = (session: ModelSession, input: TurnInput): Stream.Stream<AgentEvent, EngineError> =>
+export const runTurn = (session: ModelSession, input: TurnInput): Stream.Stream<TurnOutput, EngineError> =>
   Stream.unwrapScoped(Effect.gen(function*() {
-    const mailbox = yield* Mailbox.make<AgentEvent, EngineError>({ capacity: 256 })
+    const mailbox = yield* Mailbox.make<TurnOutput, EngineError>({ capacity: 256 })
     yield* turnLoop(session, input, (event) => mailbox.offer(event)).pipe(
       Mailbox.into(mailbox),
       Effect.forkScoped
@@ -309,7 +315,7 @@ export const runTurn = (session: ModelSession, input: TurnInput): Stream.Stream<
     return Mailbox.toStream(mailbox)
   }))
 
-const turnLoop = (session: ModelSession, input: TurnInput, emit: (event: AgentEvent) => Effect.Effect<unknown>) =>
+const turnLoop = (session: ModelSession, input: TurnInput, emit: (event: TurnOutput) => Effect.Effect<unknown>) =>
   Effect.gen(function*() {
     const { config } = session
     const user = message(`${input.turnId}-u`, "user", input.message)
@@ -317,7 +323,7 @@ const turnLoop = (session: ModelSession, input: TurnInput, emit: (event: AgentEv
     yield* emit({ type: "turn_start" })
     yield* emit({ type: "message_start", message: user })
     yield* emit({ type: "message_end", message: user })
-    const transcript: Array<AgentMessage> = [...input.history, user]
+    let transcript: Array<AgentMessage> = [...input.history, user]
     // The assistant message being streamed, ended with its partial text if the round fails.
     let open: { id: string; text: string } | undefined
     const endOpen = Effect.suspend(() => {
@@ -368,6 +374,12 @@ const turnLoop = (session: ModelSession, input: TurnInput, emit: (event: AgentEv
       })
 
     const outcome = yield* Effect.either(Effect.gen(function*() {
+      const compacted = yield* compact(session, input.turnId, transcript)
+      if (compacted !== undefined) {
+        // A copy: the loop goes on appending to its own transcript.
+        transcript = [...compacted]
+        yield* emit(new TranscriptReplaced({ messages: compacted }))
+      }
       for (let n = 0;; n++) {
         const offerTools = n < config.maxToolRounds
         const calls = yield* round(n, offerTools)
@@ -405,6 +417,91 @@ const turnLoop = (session: ModelSession, input: TurnInput, emit: (event: AgentEv
     }
     yield* emit({ type: "turn_end" })
     yield* emit({ type: "agent_end" })
+  })
+
+// ---------------------------------------------------------------------------------------------
+// Context compaction
+// ---------------------------------------------------------------------------------------------
+
+/** A message's tokens, estimated (characters / 4: no model's tokenizer is at hand). */
+export const estimateTokens = (m: AgentMessage): number =>
+  Math.ceil((m.content.length + (m.toolArgs === undefined ? 0 : JSON.stringify(m.toolArgs).length) + 16) / 4)
+
+/**
+ * Where the kept part of a transcript starts: the newest messages whose estimate fits in
+ * `budget`, starting at a user message (a round's tool calls and results stay together); the
+ * last user message is kept whatever its size.
+ */
+export const compactionCut = (messages: ReadonlyArray<AgentMessage>, budget: number): number => {
+  let total = 0
+  let cut = messages.length
+  for (let i = messages.length - 1; i >= 0; i--) {
+    total += estimateTokens(messages[i]!)
+    if (total > budget) break
+    if (messages[i]!.role === "user") cut = i
+  }
+  if (cut === messages.length) {
+    let lastUser = messages.length
+    for (let i = messages.length - 1; i >= 0; i--) {
+      if (messages[i]!.role === "user") {
+        lastUser = i
+        break
+      }
+    }
+    cut = lastUser
+  }
+  return cut
+}
+
+const SUMMARY_SYSTEM = "You summarize conversations between a user and an assistant that can read files. " +
+  "Write a concise summary of the conversation you are given, keeping every fact, decision, file name, " +
+  "result and open question needed to continue it. Answer with the summary only."
+
+const clip = (text: string, max = 4000) => (text.length > max ? `${text.slice(0, max)} [...]` : text)
+
+const render = (messages: ReadonlyArray<AgentMessage>): string =>
+  messages
+    .filter((m) => !(m.role === "assistant" && m.isError === true))
+    .map((m) =>
+      m.role === "tool"
+        ? `TOOL ${m.toolName ?? "?"}(${JSON.stringify(m.toolArgs ?? {})}): ${clip(m.content)}`
+        : `${m.role.toUpperCase()}: ${clip(m.content)}`
+    )
+    .join("\n\n")
+
+/**
+ * When the conversation passes `maxContextTokens` (estimated), the transcript that replaces it:
+ * a summary the model writes of the older messages, then the newest ones (about half the
+ * budget) as they are. Undefined when no compaction is due or nothing can be summarized.
+ */
+const compact = (session: ModelSession, turnId: string, transcript: ReadonlyArray<AgentMessage>) =>
+  Effect.gen(function*() {
+    const max = session.config.maxContextTokens
+    if (max === undefined) return undefined
+    const total = transcript.reduce((n, m) => n + estimateTokens(m), Math.ceil((session.config.system?.length ?? 0) / 4))
+    if (total <= max) return undefined
+    const cut = compactionCut(transcript, Math.floor(max / 2))
+    if (cut === 0) return undefined
+    const older = transcript.slice(0, cut)
+    let finished = false
+    const summary = yield* Stream.runFold(
+      session.model.streamText({
+        prompt: [{ role: "system", content: SUMMARY_SYSTEM }, { role: "user", content: render(older) }],
+        disableToolCallResolution: true
+      }),
+      "",
+      (text, part) => {
+        if (part.type === "finish") finished = true
+        return part.type === "text-delta" ? text + part.delta : text
+      }
+    )
+    if (!finished) return yield* new TurnError({ message: "the summary's stream ended before the response was complete" })
+    if (summary.trim() === "") return yield* new TurnError({ message: "the model wrote an empty summary of the conversation" })
+    yield* Effect.logInfo(`turn ${turnId}: the conversation (~${total} tokens) was compacted: ${cut} messages summarized`)
+    return [
+      message(`${turnId}-s`, "assistant", `Summary of the earlier conversation (${cut} messages):\n${summary.trim()}`),
+      ...transcript.slice(cut)
+    ]
   })
 
 const errorText = (error: unknown): string => {
