@@ -223,6 +223,38 @@ describe("model engines (e2e)", () => {
     }, 90_000)
   }
 
+  it("context compaction through the daemon: the client gets the summarized transcript as a replacement snapshot", async () => {
+    fake = await startFakeModel()
+    const daemon = await useDaemon()
+    const client = await daemon.connect()
+    const config = { model: "fake-model", baseUrl: `${fake.url}/v1`, maxContextTokens: 200 }
+    const { id } = await createSession(client, { engine: "openai-compat", config })
+    await waitIdle(client, id)
+    await client.ok({ type: "attach", activeSessionId: id, capabilities: ["event_sequence", "slim_attach"] })
+    const long = (w: string) => `${w} `.repeat(150)
+    fake.reply({ steps: chat.text([long("first-answer")]) })
+    await client.ok({ type: "prompt", activeSessionId: id, message: long("first-question") })
+    await collectTurn(client, id, 20_000)
+
+    // The second turn is over the budget: a summary request, then the turn over the new transcript.
+    const mark = client.all.length
+    fake.reply({ steps: chat.text(["They talked about the first question."]) }, { steps: chat.text(["second answer"]) })
+    await client.ok({ type: "prompt", activeSessionId: id, message: "second question" })
+    await collectTurn(client, id, 20_000)
+    const seen = client.all.slice(mark).filter((m) => m["activeSessionId"] === id)
+    const begin = seen.find((m) => m["type"] === "session_snapshot_begin")
+    expect(begin?.["purpose"]).toBe("replacement")
+    const replaced = seen.filter((m) => m["type"] === "session_snapshot_chunk").flatMap((c) => c["messages"])
+    expect(replaced.map((m: any) => m.content)).toEqual([
+      "Summary of the earlier conversation (2 messages):\nThey talked about the first question.",
+      "second question"
+    ])
+    expect(fake.requests).toHaveLength(3)
+    expect(JSON.stringify(fake.requests[2]!.body)).not.toContain("first-answer")
+    const transcript = await allMessages(client, id)
+    expect(transcript.map((m) => m["content"])).toEqual([replaced[0].content, "second question", "second answer"])
+  }, 60_000)
+
   it("create refuses a bad model-engine config with invalid_command naming the field", async () => {
     const daemon = await useDaemon()
     const client = await daemon.connect()
