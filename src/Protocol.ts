@@ -173,6 +173,8 @@ export const Attach = Tagged("attach", {
   // Unknown capability names are accepted and ignored, so newer clients can talk to us.
   capabilities: optional(Schema.Array(Schema.String)),
   resumeCursor: optional(Cursor),
+  /** Continues a chunked snapshot that was cut off, from chunk `fromChunk`, while it is retained. */
+  snapshotResume: optional(Schema.Struct({ snapshotId: Schema.String, fromChunk: NonNegativeInt })),
   telemetryDisabled: optional(Schema.Boolean),
   supportsExtensionUi: optional(Schema.Boolean),
   env: optional(EnvMap),

@@ -138,11 +138,21 @@ describe("chunked snapshot", () => {
     const keys = after.map((m) => `${cursorOf(m).generation}:${cursorOf(m).sequence}`)
     expect(new Set(keys).size).toBe(keys.length)
 
-    // A plain attach carries the whole transcript inline.
+    // A plain attach: its response would carry the > 10 MB transcript twice (`messages` and
+    // `snapshot.messages`), past the 16 MiB line limit, so it is streamed as frames all the same.
     const c = await d.connect("c")
     const plain = await c.ok({ type: "attach", activeSessionId: id }, 60_000)
-    expect(plain["snapshotStream"]).toBeUndefined()
-    expect(plain["snapshot"]["messages"]).toEqual(baseline)
+    expect(plain["snapshotStream"]).toBeDefined()
+    expect(plain["snapshot"]["messages"]).toEqual([])
+    await c.waitFor((m) => m["type"] === "session_attached", 60_000)
+    const plainChunks = c.received((m) => m["type"] === "session_snapshot_chunk")
+    expect(plainChunks.flatMap((m) => m["messages"])).toEqual(baseline)
+    expect(c.received((m) => m["type"] === "session_snapshot_begin").map((m) => m["purpose"])).toEqual(["attach"])
+    // Under slim_attach it is there once, within the limit: inline.
+    const slim = await d.connect("slim")
+    const inline = await slim.ok({ type: "attach", activeSessionId: id, capabilities: ["attach_snapshot", "event_sequence", "slim_attach"] }, 60_000)
+    expect(inline["snapshotStream"]).toBeUndefined()
+    expect(inline["snapshot"]["messages"]).toEqual(baseline)
   }, 90_000)
 
   it("a reader that stops reading mid-snapshot gets the whole older snapshot and every later event once a newer checkpoint happened", async () => {
