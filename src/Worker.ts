@@ -121,9 +121,10 @@ export interface RestoredSession {
 
 /**
  * Follows the message a turn is streaming (`message_start`, its `message_update` deltas) until
- * it ends. A turn cut in the middle of a message still ends that message, with the text
- * streamed so far and `interrupted: true`, before its `turn_interrupted`: the text a client saw
- * stays in the transcript instead of vanishing with the turn.
+ * it ends. For an engine that asks for it (`EngineSession.endsCutMessages`), a turn cut in the
+ * middle of a message still ends that message, with the text streamed so far and
+ * `interrupted: true`, before its `turn_interrupted`: the text a client saw stays in the
+ * transcript instead of vanishing with the turn.
  */
 export class StreamingMessage {
   private message: AgentMessage | undefined
@@ -368,7 +369,8 @@ export const run = (pipe: WorkerPipe, options: RunOptions = {}) =>
       const interrupted = Effect.suspend(() => {
         if (ended) return Effect.void
         ended = true
-        return cutTurn(s.messages, streaming.take(), "aborted")
+        const partial = streaming.take()
+        return cutTurn(s.messages, s.engine.endsCutMessages === true ? partial : undefined, "aborted")
       })
       return s.engine.runTurn({ turnId, message, history: s.messages }).pipe(
         Stream.interruptWhenDeferred(aborted),
@@ -433,7 +435,7 @@ export const run = (pipe: WorkerPipe, options: RunOptions = {}) =>
               messages = restored.right.messages
               if (restored.right.busy) {
                 interrupted = frame.restore.interruptedReason ?? "worker_crashed"
-                partial = restored.right.streaming
+                if (engine.right.endsCutMessages === true) partial = restored.right.streaming
               }
             }
             session = {

@@ -572,5 +572,5 @@ export const start = (engine: string, config: ModelConfig, provider: ModelProvid
       cwd,
       toolkit
     }
-    return { runTurn: (input) => runTurn(session, input) }
+    return { runTurn: (input) => runTurn(session, input), endsCutMessages: true }
   })
