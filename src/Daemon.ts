@@ -23,7 +23,7 @@ import { DaemonConfig, type DaemonConfigShape } from "./DaemonConfig.js"
 import * as DaemonConfigModule from "./DaemonConfig.js"
 import * as DaemonServer from "./DaemonServer.js"
 import { Engine, EngineError } from "./Engine.js"
-import * as EchoEngine from "./engines/EchoEngine.js"
+import * as BuiltinEngines from "./engines/builtin.js"
 import * as EventLog from "./EventLog.js"
 import * as Fsx from "./internal/fsx.js"
 import * as RecoveryJournal from "./RecoveryJournal.js"
@@ -140,9 +140,9 @@ export const workerPoolLayer: Layer.Layer<WorkerPool.WorkerPool, never, StorageC
  */
 export interface DaemonLayers {
   /**
-   * The engine registry: `create` checks sessions against it (default: the built-in `echo`,
-   * `EchoEngine.layer`). The workers must load the same engines: give them an entry calling
-   * `Worker.main(engines)` as `config.workerEntry`.
+   * The engine registry: `create` checks sessions against it (default: the built-in engines,
+   * `echo` and the model engines). The workers must load the same engines: give them an entry
+   * calling `Worker.main(engines)` as `config.workerEntry`.
    */
   readonly engines?: Layer.Layer<Engine> | undefined
   /** Where the snapshot cache spills (default: `NodeFileSystem.layer`). */
@@ -207,7 +207,7 @@ export const DaemonLive = (
   const configLayer = Layer.isLayer(config)
     ? config as Layer.Layer<DaemonConfig, ConfigError.ConfigError>
     : DaemonConfigModule.layer(config as Partial<DaemonConfigShape>)
-  const enginesLayer = checkEngines.pipe(Layer.provideMerge(layers.engines ?? EchoEngine.layer))
+  const enginesLayer = checkEngines.pipe(Layer.provideMerge(layers.engines ?? BuiltinEngines.layer))
   const info = supervisorInfoLayer.pipe(Layer.provideMerge(enginesLayer), Layer.provideMerge(configLayer))
   const storage = Layer.mergeAll(
     layers.eventLog ?? eventLogLayer,

@@ -42,6 +42,14 @@ export interface EngineSession {
    * turn; the worker then reports `turn_interrupted`.
    */
   readonly runTurn: (input: TurnInput) => Stream.Stream<TurnOutput, EngineError>
+  /**
+   * When a turn of this engine is cut while it streams a message (an abort, a crash of the
+   * worker or of the daemon), the worker ends that message with the text streamed so far and
+   * `interrupted: true` right before `turn_interrupted`, so that it stays in the transcript (a
+   * model's partial answer is worth keeping). Off by default: the message then never ends and
+   * only its logged deltas remain (echo's turns are exact by definition).
+   */
+  readonly endsCutMessages?: boolean
 }
 
 /**

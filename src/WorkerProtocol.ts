@@ -33,6 +33,8 @@ export const Load = Tagged("load", {
   activeSessionId: Schema.String,
   engine: Schema.String,
   config: optional(JsonObject),
+  /** The session's own working directory (`<stateDir>/sessions/<id>/work`), for engines with tools. */
+  workDir: optional(Schema.String),
   /** The chunk size of the snapshot frames of a history rewrite (default: the protocol's). */
   targetChunkBytes: optional(Schema.Int.pipe(Schema.positive())),
   /** Where the session's files are; absent for a brand-new session. */

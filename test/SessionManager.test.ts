@@ -15,7 +15,6 @@ import * as TestClock from "effect/TestClock"
 import * as Chunk from "effect/Chunk"
 import * as Ref from "effect/Ref"
 import { EventLog } from "../src/EventLog.js"
-import { RecoveryJournal } from "../src/RecoveryJournal.js"
 import { type CommandError, SessionManager } from "../src/SessionManager.js"
 import { type WorkerHandle, WorkerPool } from "../src/WorkerPool.js"
 import { describeMsg } from "./chaos/streamCheck.js"
@@ -161,12 +160,6 @@ const workerOf = (id: string) =>
     }
     assert.strictEqual(all.length, 1, `one live worker for ${id}`)
     return all[0]!
-  })
-
-const journalOperation = (id: string) =>
-  Effect.gen(function*() {
-    const journal = yield* RecoveryJournal
-    return Option.getOrUndefined(Option.map(yield* journal.get(id), (r) => r.operation))
   })
 
 /**

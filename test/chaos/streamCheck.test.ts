@@ -38,6 +38,26 @@ const violation = (f: () => void): string => {
 }
 
 describe("SessionStream", () => {
+  it("frames of a resync still in flight when the client attaches again belong to the earlier attachment", () => {
+    const s = new SessionStream(ID, "c", new Truth(ID))
+    attached(s)
+    s.receive(ev(1, 0))
+    const frame = { activeSessionId: ID, snapshotId: "g3" }
+    s.receive({ type: "session_snapshot_begin", ...frame, purpose: "resync", messageCount: 2, cursor: { generation: 2, sequence: 4 } })
+    s.receive({ type: "session_snapshot_chunk", ...frame, index: 0, messages: [{ id: "a", role: "user", content: "a" }] })
+    // The client attaches again (from no cursor) while the resync streams.
+    s.attachSent(undefined)
+    s.receive({ type: "session_snapshot_chunk", ...frame, index: 1, messages: [{ id: "b", role: "assistant", content: "b" }] })
+    s.receive({ type: "session_snapshot_end", ...frame, chunkCount: 2 })
+    s.receive(ev(3, 0))
+    s.attachResponse(baselineAttach({ generation: 2, sequence: 4 }))
+    s.receive({ type: "session_attached", activeSessionId: ID })
+    s.receive(ev(3, 0))
+    // A chunk out of its snapshot is still caught.
+    s.attachSent(undefined)
+    assert.strictEqual(violation(() => s.receive({ type: "session_snapshot_chunk", ...frame, index: 0, messages: [] })), "snapshot frames")
+  })
+
   it("accepts a contiguous stream across a generation and folds message_end", () => {
     const truth = new Truth(ID)
     const s = new SessionStream(ID, "c", truth)

@@ -60,7 +60,8 @@ describe("history rewrites (/compact)", () => {
 
     await driver.ok({ type: "prompt", activeSessionId: id, message: "/compact" })
     await collectTurn(driver, id)
-    await chunked.waitFor((m) => m["activeSessionId"] === id && isEvent("agent_end")(m), 10_000, "the chunked client's agent_end")
+    // (Its queue still holds the earlier turns' events: the rewrite's turn ends in the new generation.)
+    await chunked.waitFor((m) => m["activeSessionId"] === id && isEvent("agent_end")(m) && cursorOf(m).generation > beforeRewrite.generation, 10_000, "the chunked client's agent_end")
 
     for (const [client, mark] of [[driver, marks[0]!], [chunked, marks[1]!]] as const) {
       const { begin, end, chunks, before, after } = around(client, id, mark)

@@ -43,7 +43,8 @@ describe("workers (e2e)", () => {
     expect(after["activeSessionId"]).toBe(id)
     expect(after["workerPid"]).not.toBe(pid)
     expect(after["restarts"]).toBe(1)
-    // The user message's message_end was logged; the cut assistant message never ended.
+    // The user message's message_end was logged; echo's cut assistant message never ended (only
+    // engines with endsCutMessages end it, as interrupted).
     const messages = await allMessages(client, id)
     expect(messages.map((m) => m["role"])).toEqual(["user"])
     expect(messages[0]!["content"]).toBe("/bulk 4000000")

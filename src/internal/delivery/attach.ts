@@ -285,10 +285,13 @@ export const makeDelivery = (core: Core, checkpoints: Checkpoints) => {
         purpose,
         ...(reader.meta.cursor === undefined ? {} : { cursor: reader.meta.cursor })
       }))
+      const window = Math.min(a.limit, 2 * reader.meta.targetChunkBytes)
       let index = fromChunk
       while (true) {
         if (a.detached || a.outbox.isClosed) return false
-        if (a.outbox.queuedBytes >= a.limit) yield* a.outbox.awaitBelow(a.limit)
+        // A couple of chunks in flight keep the socket busy; more would only hold memory (each
+        // reader of a 100 MB snapshot would otherwise queue up to its whole outbox limit).
+        if (a.outbox.queuedBytes >= window) yield* a.outbox.awaitBelow(window)
         const next = yield* reader.waitForChunk(index)
         // Detached while it waited: its detach is answered, nothing may follow.
         if (a.detached || a.outbox.isClosed) return false

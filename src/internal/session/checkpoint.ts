@@ -19,7 +19,7 @@ import type { AgentMessage } from "../../Protocol.js"
 import { ChunkBuilder, chunkRanges } from "../../SnapshotCache.js"
 import type { WorkerHandle } from "../../WorkerPool.js"
 import type { LoggedBody } from "../delivery/wireLines.js"
-import type { AnyFrame, Phase } from "./phase.js"
+import type { AnyFrame } from "./phase.js"
 import { type Core, CommandError, internal, READ_GATE_PERMITS, type Session, snapshotIdOf } from "./session.js"
 
 /** Checkpoints: the transcript of the next generation, the log's new generation, pruning. */

@@ -9,11 +9,13 @@ import * as Deferred from "effect/Deferred"
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
 import { randomUUID } from "node:crypto"
+import * as nodePath from "node:path"
 import type * as Protocol from "../../Protocol.js"
 import type { WorkerState } from "../../Protocol.js"
 import { stepRestart, WorkerCrashed, type WorkerHandle } from "../../WorkerPool.js"
 import type * as WorkerProtocol from "../../WorkerProtocol.js"
 import { eventMessage, type Outgoing } from "../delivery/wireLines.js"
+import { safeSegment } from "../fsx.js"
 import type { Checkpoints } from "./checkpoint.js"
 import type { AnyFrame, PendingPrompt, TurnEnd } from "./phase.js"
 import { workerOf } from "./phase.js"
@@ -46,6 +48,7 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
         type: "load",
         activeSessionId: s.meta.activeSessionId,
         engine: s.meta.engine,
+        workDir: nodePath.join(info.storeRoot, "sessions", safeSegment(s.meta.activeSessionId), "work"),
         targetChunkBytes: config.targetChunkBytes,
         ...(s.meta.config === undefined ? {} : { config: s.meta.config as Record<string, unknown> }),
         ...(restore === undefined ? {} : { restore })
