@@ -9,7 +9,8 @@ const benches: Record<string, () => Promise<{ default: () => Promise<void> }>> =
   eventLog: () => import("./eventLog.js"),
   recovery: () => import("./recovery.js"),
   delivery: () => import("./delivery.js"),
-  attach: () => import("./attach.js")
+  attach: () => import("./attach.js"),
+  cliStartup: () => import("./cliStartup.js")
 }
 
 const wanted = process.argv.slice(2)
