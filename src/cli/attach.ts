@@ -14,7 +14,7 @@ import * as Cursor from "../Cursor.js"
 import type * as Protocol from "../Protocol.js"
 import * as SessionClient from "../SessionClient.js"
 import { type Context, eachMessage, withClient } from "./commands.js"
-import { failed } from "./errors.js"
+import { CliError, EXIT, failed } from "./errors.js"
 import { EventRenderer, LIVE_SEPARATOR } from "./render.js"
 import * as Target from "./target.js"
 
@@ -153,7 +153,19 @@ export const attach = (ctx: Context, target: string, options: AttachOptions) =>
         return Effect.void
       })
 
-    yield* follower.events.pipe(Stream.runForEach(show))
+    yield* follower.events.pipe(
+      Stream.runForEach(show),
+      Effect.catchIf(
+        (e) => lost !== undefined && SessionClient.isRetriable(e),
+        (e) =>
+          Effect.fail(
+            new CliError({
+              message: `gave up: the daemon stayed away for ${Duration.format(options.reconnectFor)} (${e.message})`,
+              exitCode: EXIT.unreachable
+            })
+          )
+      )
+    )
     if (renderer !== undefined) renderer.newline()
     if (closed !== undefined) {
       return yield* failed(`session ${id} was closed (${closed})`)

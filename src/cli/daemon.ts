@@ -4,6 +4,7 @@
  * stdout and stderr appended to `<state dir>/agentd.log`.
  */
 import * as Effect from "effect/Effect"
+import { spawn } from "node:child_process"
 import * as Schedule from "effect/Schedule"
 import * as fs from "node:fs"
 import * as path from "node:path"
@@ -57,8 +58,6 @@ export const detach = (ctx: Context, options: ServeOptions, self: ReadonlyArray<
       ...(options.maxWorkers === undefined ? [] : ["--max-workers", String(options.maxWorkers)]),
       ...(options.logLevel === undefined ? [] : ["--log-level", options.logLevel])
     ]
-    // Loaded here: the other commands need not pay for child_process at start-up.
-    const { spawn } = yield* Effect.promise(() => import("node:child_process"))
     const child = spawn(process.execPath, args, { detached: true, stdio: ["ignore", fd, fd] })
     fs.closeSync(fd)
     let exited: string | undefined
