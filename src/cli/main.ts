@@ -241,7 +241,13 @@ const program = (p: Parsed, hooks: Hooks): Effect.Effect<void, unknown> => {
         logLevel: p.options.get("log-level") as string | undefined
       }
       if (p.options.get("detach") === true) return Daemon.detach(ctx, options, hooks.self)
-      return Effect.promise(() => hooks.loadServe()).pipe(Effect.flatMap((m) => Effect.sync(() => m.serve(options))), Effect.zipRight(Effect.never))
+      // The daemon's runtime owns the process from here (signals, exit code): this program
+      // waits without holding the event loop open (Effect.never would), so the process ends
+      // when the daemon does.
+      return Effect.promise(() => hooks.loadServe()).pipe(
+        Effect.flatMap((m) => Effect.sync(() => m.serve(options))),
+        Effect.zipRight(Effect.async<never>(() => {}))
+      )
     }
     case "status":
       return Commands.status(ctx)
