@@ -62,4 +62,8 @@ const runBundle = (): typeof Main => {
 }
 
 const cli: typeof Main = fs.existsSync(bundle) ? runBundle() : await import("../cli/main.js")
-process.exitCode = await cli.main(process.argv.slice(2), hooks)
+// Not awaited at the top level: `serve` never settles (the daemon's runtime ends the process),
+// and a pending top-level await would make Node exit with code 13.
+void cli.main(process.argv.slice(2), hooks).then((code) => {
+  process.exitCode = code
+})
