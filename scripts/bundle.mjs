@@ -56,3 +56,6 @@ if (!fs.existsSync("dist/src/bin/agentd-cli.cjs.cache")) {
   console.error(`bundle: no code cache written (the CLI exited ${run.status}): ${run.stderr}`)
   process.exitCode = 1
 }
+
+// Last: what `npm start` compares the sources with (scripts/start.mjs).
+if (process.exitCode !== 1) fs.writeFileSync("dist/.build-stamp", `${new Date().toISOString()}\n`)
