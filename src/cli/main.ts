@@ -56,8 +56,10 @@ const socketOption: OptionSpec = {
   description: "The daemon's socket (default $AGENTD_SOCKET, else <state dir>/agentd.sock)."
 }
 const jsonOption: OptionSpec = { name: "json", kind: "flag", description: "Print JSON (one value) instead of text." }
+const jsonLinesOption: OptionSpec = { name: "json", kind: "flag", description: "Print JSON lines (one per event) instead of text." }
 const where = [stateDirOption, socketOption]
 const common = [...where, jsonOption]
+const streaming = [...where, jsonLinesOption]
 const targetArg = {
   name: "TARGET",
   description: "The session: its id, a unique prefix of the id (the s- may be left out), or its name."
@@ -123,7 +125,7 @@ export const commands: ReadonlyArray<CommandSpec> = [
     details:
       "TEXT `-` reads the prompt from stdin (for prompts of any size), as does --file -. Exits 0 when the turn ends, 1 when it was interrupted (the reason on stderr) or refused. Ctrl-C aborts the turn, waits for its end and exits 130. With --json each event of the turn is printed as a JSON line.",
     args: [targetArg, { name: "TEXT", description: "The prompt, or - to read it from stdin.", optional: true }],
-    options: [{ name: "file", kind: "string", value: "PATH", description: "Read the prompt from a file (- for stdin)." }, ...common],
+    options: [{ name: "file", kind: "string", value: "PATH", description: "Read the prompt from a file (- for stdin)." }, ...streaming],
     examples: ["agentd prompt demo \"hello there\"", "cat notes.md | agentd prompt demo -", "agentd prompt demo --file notes.md"]
   },
   {
@@ -151,7 +153,7 @@ export const commands: ReadonlyArray<CommandSpec> = [
         value: "SECONDS",
         description: "How long to keep reconnecting to a daemon that went away (default 30)."
       },
-      ...common
+      ...streaming
     ]
   },
   {
