@@ -14,9 +14,7 @@ import * as Exit from "effect/Exit"
 import * as path from "node:path"
 import { defaultStateDir, resolveSocketPath } from "../StatePaths.js"
 import { type CommandSpec, commandHelp, mainHelp, type OptionSpec, parse, type Parsed, usageLine, useColor } from "./args.js"
-import { attach, parseCursor } from "./attach.js"
 import * as Commands from "./commands.js"
-import * as Daemon from "./daemon.js"
 import { builtinEngines } from "./engines.js"
 import { CliError, EXIT } from "./errors.js"
 
@@ -224,6 +222,12 @@ const stateDirOf = (p: Parsed) => path.resolve((p.options.get("state-dir") as st
 
 const socketOf = (p: Parsed) => resolveSocketPath(stateDirOf(p), p.options.get("socket") as string | undefined)
 
+/**
+ * A module only some commands need (attach's follower, serve --detach's child_process), loaded
+ * when one runs: in the bundle its initialisation is deferred the same way.
+ */
+const load = <A>(f: () => Promise<A>): Effect.Effect<A> => Effect.promise(f)
+
 const program = (p: Parsed, hooks: Hooks): Effect.Effect<void, unknown> => {
   const ctx: Commands.Context = {
     socketPath: socketOf(p),
@@ -242,7 +246,7 @@ const program = (p: Parsed, hooks: Hooks): Effect.Effect<void, unknown> => {
         maxWorkers: int("max-workers"),
         logLevel: p.options.get("log-level") as string | undefined
       }
-      if (p.options.get("detach") === true) return Daemon.detach(ctx, options, hooks.self)
+      if (p.options.get("detach") === true) return Effect.flatMap(load(() => import("./daemon.js")), (m) => m.detach(ctx, options, hooks.self))
       // The daemon's runtime owns the process from here (signals, exit code): this program
       // waits without holding the event loop open (Effect.never would), so the process ends
       // when the daemon does.
@@ -262,15 +266,18 @@ const program = (p: Parsed, hooks: Hooks): Effect.Effect<void, unknown> => {
         Commands.promptText(p.args[1], p.options.get("file") as string | undefined),
         (text) => Commands.prompt(ctx, target, text)
       )
-    case "attach": {
-      const fromText = p.options.get("from") as string | undefined
-      const from = fromText === undefined ? undefined : parseCursor(fromText)
-      if (fromText !== undefined && from === undefined) {
-        return Effect.fail(new CliError({ message: `--from takes a cursor GENERATION:SEQUENCE (e.g. 2:17), got ${JSON.stringify(fromText)}`, exitCode: EXIT.usage }))
-      }
-      const history = int("history") ?? (from !== undefined || ctx.json ? 0 : 20)
-      return attach(ctx, target, { history, from, reconnectFor: Duration.seconds(int("reconnect-timeout") ?? 30) })
-    }
+    case "attach":
+      return Effect.flatMap(load(() => import("./attach.js")), ({ attach, parseCursor }) => {
+        const fromText = p.options.get("from") as string | undefined
+        const from = fromText === undefined ? undefined : parseCursor(fromText)
+        if (fromText !== undefined && from === undefined) {
+          return Effect.fail(
+            new CliError({ message: `--from takes a cursor GENERATION:SEQUENCE (e.g. 2:17), got ${JSON.stringify(fromText)}`, exitCode: EXIT.usage })
+          )
+        }
+        const history = int("history") ?? (from !== undefined || ctx.json ? 0 : 20)
+        return attach(ctx, target, { history, from, reconnectFor: Duration.seconds(int("reconnect-timeout") ?? 30) })
+      })
     case "log":
       return Commands.log(ctx, target, { tail: int("tail"), offset: int("offset"), limit: int("limit") })
     case "state":
@@ -286,7 +293,7 @@ const program = (p: Parsed, hooks: Hooks): Effect.Effect<void, unknown> => {
     case "shutdown":
       return Commands.shutdown(ctx)
     case "logs":
-      return Daemon.logs(stateDirOf(p), { follow: p.options.get("follow") === true, lines: int("lines") })
+      return Effect.flatMap(load(() => import("./daemon.js")), (m) => m.logs(stateDirOf(p), { follow: p.options.get("follow") === true, lines: int("lines") }))
     default:
       return Effect.die(`no program for ${p.command.name}`)
   }
