@@ -38,7 +38,7 @@ describe("the grammar", () => {
     }
     assert.include(error(["sesions"]), "did you mean `agentd sessions`")
     assert.include(error(["status", "--jsno"]), "did you mean --json")
-    assert.include(error(["serve", "--engine", "nope"]), "must be one of echo")
+    assert.include(error(["serve", "--engine", "nope"]), "unknown engine `nope` (known: echo)")
     assert.include(error(["serve", "--max-workers", "x"]), "whole number")
     assert.include(error(["state"]), "missing TARGET")
     assert.include(error(["state", "a", "b"]), `unexpected argument "b"`)

@@ -162,7 +162,8 @@ export const parse = (commands: ReadonlyArray<CommandSpec>, argv: ReadonlyArray<
     const value = inline ?? rest[++i]
     if (value === undefined) return usageError(`--${option.name} needs a value (${option.value ?? "VALUE"})`, command)
     if (option.choices !== undefined && !option.choices.includes(value)) {
-      return usageError(`--${option.name} must be one of ${option.choices.join(", ")} (got ${JSON.stringify(value)})`, command)
+      // Worded as the daemon words an unknown engine, whichever refuses it.
+      return usageError(`unknown ${option.name} \`${value}\` (known: ${option.choices.join(", ")})`, command)
     }
     if (option.kind === "integer") {
       if (!/^\d+$/.test(value)) return usageError(`--${option.name} takes a whole number (got ${JSON.stringify(value)})`, command)

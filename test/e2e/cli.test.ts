@@ -216,7 +216,7 @@ describe("agentd CLI against a daemon", () => {
     assert.strictEqual(unreachable.code, 3)
     assert.include(unreachable.stderr, "nobody.sock")
     assert.strictEqual(badEngine.code, 2)
-    assert.include(badEngine.stderr, "--engine must be one of echo")
+    assert.include(badEngine.stderr, "unknown engine `nope` (known: echo)")
   })
 
   it("prompt: a 3 MB prompt from stdin and from --file, a 9 MB reply whole (exit 0)", async () => {
