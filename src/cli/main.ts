@@ -330,6 +330,11 @@ export const main = async (argv: ReadonlyArray<string>, hooks: Hooks): Promise<n
       )
       return EXIT.usage
     case "Run": {
+      // A reader that went away (`agentd log x | head`): stop quietly, as `cat` would.
+      process.stdout.on("error", (e: NodeJS.ErrnoException) => {
+        if (e.code === "EPIPE") process.exit(EXIT.ok)
+        throw e
+      })
       const exit = await Effect.runPromiseExit(program(result.parsed, hooks))
       if (Exit.isSuccess(exit)) return EXIT.ok
       const failure = Cause.failureOption(exit.cause)
