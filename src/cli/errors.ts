@@ -1,8 +1,9 @@
 /** The command line's own failures, each with the exit code it ends the process with. */
 import * as Data from "effect/Data"
 
-/** Exit codes (section 8 of docs/protocol.md). */
-export const EXIT = { ok: 0, failed: 1, usage: 2, unreachable: 3, interrupted: 130 } as const
+import { EXIT } from "./exitCodes.js"
+
+export { EXIT }
 
 /**
  * A failure found by the command line itself: a target that names no session or several, a
