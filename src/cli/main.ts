@@ -131,7 +131,7 @@ export const commands: ReadonlyArray<CommandSpec> = [
         name: "history",
         kind: "integer",
         value: "N",
-        description: "Show the last N messages of the transcript first (default 20; 0 for none; 0 by default with --from or --json)."
+        description: "Show the last N messages of the transcript first (default 20, or 0 with --json; 0 for none; not with --from)."
       },
       {
         name: "from",

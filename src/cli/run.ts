@@ -73,7 +73,7 @@ const program = (p: Parsed, hooks: Hooks): Effect.Effect<void, unknown> => {
             new CliError({ message: `--from takes a cursor GENERATION:SEQUENCE (e.g. 2:17), got ${JSON.stringify(fromText)}`, exitCode: EXIT.usage })
           )
         }
-        const history = int("history") ?? (from !== undefined || ctx.json ? 0 : 20)
+        const history = from !== undefined ? 0 : int("history") ?? (ctx.json ? 0 : 20)
         return attach(ctx, target, { history, from, reconnectFor: Duration.seconds(int("reconnect-timeout") ?? 30) })
       })
     case "log":
