@@ -42,7 +42,8 @@ interface Run {
 const start = (args: ReadonlyArray<string>, options: { input?: string | Buffer; env?: Record<string, string> } = {}): Run => {
   const proc = spawn(process.execPath, [DAEMON_BIN, ...args], {
     stdio: [options.input === undefined ? "ignore" : "pipe", "pipe", "pipe"],
-    env: { ...process.env, NO_COLOR: "", ...options.env }
+    // The developer's own AGENTD_* settings (a socket, a home) must not reach the command.
+    env: { ...Object.fromEntries(Object.entries(process.env).filter(([k]) => !k.startsWith("AGENTD_"))), NO_COLOR: "", ...options.env }
   })
   const run: Run = {
     proc,
