@@ -1,7 +1,8 @@
 // Bundles the programs that start often, over the compiled modules' output (dist/src/bin/):
 // - agentd-cli.cjs: the command line (src/cli/main.ts, client modules only), CommonJS so that
-//   the entry (dist/src/bin/agentd.js, as tsc wrote it) can run it through vm.Script with V8's
-//   code cache, agentd-cli.cjs.cache, written here by running the bundle once;
+//   the entry can run it through vm.Script with V8's
+//   code cache, agentd-cli.cjs.cache, written here by running the bundle once (the entry,
+//   dist/src/bin/agentd.cjs, the package's bin, is as tsc wrote it);
 // - serve.js: the daemon's program, loaded by `agentd serve` only;
 // - worker.js: the worker program.
 // Measured on the 2-core dev machine (`npm run bench -- cliStartup`): Effect as hundreds of ES
@@ -43,12 +44,12 @@ await esbuild.build({
   banner: { js: `import { createRequire as __agentdCreateRequire } from "node:module"; const require = __agentdCreateRequire(import.meta.url);` }
 })
 
-fs.chmodSync("dist/src/bin/agentd.js", 0o755)
+for (const bin of ["dist/src/bin/agentd.cjs", "dist/src/bin/agentd.js"]) fs.chmodSync(bin, 0o755)
 
 // The code cache: run the command line once (a command that fails at once, no daemon needed;
 // what it compiles is what every command needs first) and let it write the cache.
 fs.rmSync("dist/src/bin/agentd-cli.cjs.cache", { force: true })
-const run = spawnSync(process.execPath, ["dist/src/bin/agentd.js", "status", "--socket", "/nonexistent/agentd-bundle.sock"], {
+const run = spawnSync(process.execPath, ["dist/src/bin/agentd.cjs", "status", "--socket", "/nonexistent/agentd-bundle.sock"], {
   env: { ...process.env, AGENTD_WRITE_CODE_CACHE: "1", NO_COLOR: "1" },
   encoding: "utf8"
 })
