@@ -6,7 +6,6 @@ import * as NodeRuntime from "@effect/platform-node/NodeRuntime"
 import * as Effect from "effect/Effect"
 import * as Logger from "effect/Logger"
 import * as LogLevel from "effect/LogLevel"
-import { fileURLToPath } from "node:url"
 import * as Daemon from "../Daemon.js"
 import type { ServeOptions } from "./main.js"
 
@@ -42,5 +41,3 @@ export const serve = (options: ServeOptions & { readonly workerEntry: string }):
     ),
     NodeRuntime.runMain({ disableErrorReporting: false, disablePrettyLogger: true })
   )
-
-export { fileURLToPath }
