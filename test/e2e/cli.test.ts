@@ -220,7 +220,7 @@ describe("agentd CLI against a daemon", () => {
     assert.include(badEngine.stderr, "unknown engine `nope` (known: echo)")
   })
 
-  it("prompt: a 3 MB prompt from stdin and from --file, a 9 MB reply whole (exit 0)", async () => {
+  it("prompt: a 3 MB prompt from stdin and from --file, a 9 MB reply whole (exit 0); log into a closed pipe ends quietly", async () => {
     const s = sock()
     const id = (await cli(["create", ...s])).stdout.trim()
     // 3 MB, more than the argument limit allows, in 3000 words (the echo engine sends a delta per word).
@@ -239,6 +239,13 @@ describe("agentd CLI against a daemon", () => {
     assert.strictEqual(bulk.code, 0, bulk.stderr)
     assert.strictEqual(bulk.stdout.length, 9_000_001)
     assert.strictEqual(bulk.stdout.at(-1), "\n")
+
+    // A reader that goes away (`agentd log ID | head -c 10`): the command ends quietly, 0.
+    const log = start(["log", id, ...s])
+    log.proc.stdout!.once("data", () => log.proc.stdout!.destroy())
+    const cut = await log.done
+    assert.strictEqual(cut.code, 0, cut.stderr)
+    assert.strictEqual(cut.stderr, "")
     await cli(["kill", id, ...s])
   }, 60_000)
 
