@@ -10,6 +10,7 @@ const benches: Record<string, () => Promise<{ default: () => Promise<void> }>> =
   recovery: () => import("./recovery.js"),
   delivery: () => import("./delivery.js"),
   attach: () => import("./attach.js"),
+  checkpoint: () => import("./checkpoint.js"),
   cliStartup: () => import("./cliStartup.js")
 }
 

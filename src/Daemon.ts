@@ -22,7 +22,7 @@ import { DaemonConfig, type DaemonConfigShape } from "./DaemonConfig.js"
 import * as DaemonConfigModule from "./DaemonConfig.js"
 import * as DaemonServer from "./DaemonServer.js"
 import { Engine, EngineError } from "./Engine.js"
-import * as EchoEngine from "./engines/EchoEngine.js"
+import * as BuiltinEngines from "./engines/builtin.js"
 import * as EventLog from "./EventLog.js"
 import * as Fsx from "./internal/fsx.js"
 import * as RecoveryJournal from "./RecoveryJournal.js"
@@ -127,7 +127,7 @@ export const DaemonLive = (
   config: Partial<DaemonConfigShape> = {},
   options: {
     /**
-     * The engine registry `create` checks sessions against (default: the built-in `echo`). The
+     * The engine registry `create` checks sessions against (default: the built-in engines, `echo` and the model engines). The
      * workers must load the same engines: give them an entry calling `Worker.main(engines)` as
      * `config.workerEntry`.
      */
@@ -135,7 +135,7 @@ export const DaemonLive = (
   } = {}
 ): Layer.Layer<DaemonServer.DaemonServer | SessionManager.SessionManager, DaemonStartError> => {
   const configLayer = DaemonConfigModule.layer(config)
-  const enginesLayer = checkEngines.pipe(Layer.provideMerge(options.engines ?? EchoEngine.layer))
+  const enginesLayer = checkEngines.pipe(Layer.provideMerge(options.engines ?? BuiltinEngines.layer))
   const info = supervisorInfoLayer.pipe(Layer.provideMerge(enginesLayer), Layer.provideMerge(configLayer))
   const storage = storageLayer.pipe(Layer.provideMerge(info))
   const manager = SessionManager.layer.pipe(Layer.provideMerge(storage))

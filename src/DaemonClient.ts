@@ -195,6 +195,10 @@ export interface DaemonClientService {
    * and with the command's error when the prompt is refused (e.g. `session_busy`). The prompt
    * is sent when the stream starts; ending the stream early does not abort the turn.
    *
+   * A connection that falls so far behind that the turn's last events are pruned before it
+   * reads them gets a `resync` snapshot instead: the stream then ends once the session is
+   * idle, without the events it never received (the transcript holds the turn's messages).
+   *
    * The turn followed is the first one to start after the prompt was sent; if another client
    * of the same session runs a whole turn between this client's state query and its prompt,
    * that turn would be taken for this one (the protocol does not tag a turn with its prompt).
@@ -387,7 +391,7 @@ export const make = (options: DaemonClientOptions = {}): Effect.Effect<DaemonCli
             })
           }
           yield* service.prompt(activeSessionId, message)
-          return turnOf(pushes, activeSessionId, before, socketPath)
+          return turnOf(pushes, activeSessionId, before, socketPath, service.getState(activeSessionId))
         }))
     }
     return service
@@ -580,15 +584,33 @@ const turnOf = (
   pushes: Stream.Stream<Protocol.PushMessage, DaemonDisconnected>,
   activeSessionId: string,
   before: Protocol.SessionSummary,
-  socketPath: string
+  socketPath: string,
+  stateNow: Effect.Effect<Protocol.SessionSummary, RequestError>
 ): Stream.Stream<Protocol.SessionEvent, TurnError> =>
   Stream.suspend(() => {
     let last = before.lastEventCursor
     let previousTurnRunning = before.busy
     let ended = false
+    /**
+     * A `resync` or `replacement` snapshot (this connection fell so far behind that the events
+     * it lacked were pruned, or history was rewritten): the events up to its cursor will never
+     * come. If the session is idle by then, the turn's end was among them: the stream ends
+     * (the transcript holds the turn's messages).
+     */
+    const skipped = (cursor: Cursor.Cursor) =>
+      Effect.gen(function*() {
+        if (last !== undefined && !Cursor.isAfter(cursor, last)) return false
+        last = cursor
+        if ((yield* stateNow).busy) return false
+        ended = true
+        return true
+      })
     const step = (
       message: Protocol.PushMessage
-    ): Effect.Effect<Option.Option<Protocol.SessionEvent>, TurnInterrupted | SessionClosedError> => {
+    ): Effect.Effect<Option.Option<Protocol.SessionEvent>, TurnError> => {
+      if (message.type === "session_snapshot_end" && message.activeSessionId === activeSessionId && message.lastEventCursor !== undefined) {
+        return Effect.as(skipped(message.lastEventCursor), Option.none())
+      }
       if (message.type !== "session_event" && message.type !== "session_status" && message.type !== "session_closed") {
         return Effect.succeedNone
       }
@@ -624,8 +646,8 @@ const turnOf = (
     }
     return pushes.pipe(
       Stream.mapEffect(step),
+      Stream.takeUntil(() => ended),
       Stream.filterMap((o) => o),
-      Stream.takeUntil((m) => m.event.type === "agent_end"),
       Stream.concat(Stream.suspend(() =>
         ended
           ? Stream.empty

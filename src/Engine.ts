@@ -22,13 +22,26 @@ export interface TurnInput {
   readonly history: ReadonlyArray<AgentMessage>
 }
 
+/**
+ * What a turn's stream may say besides events: the engine replaced its transcript (compacted
+ * its context, say) with `messages`. The session starts a new generation whose snapshot is
+ * exactly those messages, and attached clients are sent it as a `replacement` snapshot. Events
+ * after it extend the new transcript.
+ */
+export class TranscriptReplaced extends Data.TaggedClass("TranscriptReplaced")<{
+  readonly messages: ReadonlyArray<AgentMessage>
+}> {}
+
+/** One item of a turn's stream: an event, or the replacement of the whole transcript. */
+export type TurnOutput = AgentEvent | TranscriptReplaced
+
 /** One engine configured for one session. */
 export interface EngineSession {
   /**
    * The events of one turn, `agent_start` to `agent_end`. Interrupting the stream aborts the
    * turn; the worker then reports `turn_interrupted`.
    */
-  readonly runTurn: (input: TurnInput) => Stream.Stream<AgentEvent, EngineError>
+  readonly runTurn: (input: TurnInput) => Stream.Stream<TurnOutput, EngineError>
 }
 
 /**
@@ -69,8 +82,13 @@ export const registry = (engines: Readonly<Record<string, EngineDefinition>>): C
   }
 }
 
-/** Folds one event into a transcript (in place; returns whether it changed). */
-export const foldEvent = (messages: Array<AgentMessage>, event: { readonly type: string }): boolean => {
+/** Folds one event (or a replacement) into a transcript, in place; returns whether it changed. */
+export const foldEvent = (messages: Array<AgentMessage>, event: TurnOutput | { readonly type: string }): boolean => {
+  if (event instanceof TranscriptReplaced) {
+    messages.length = 0
+    for (const message of event.messages) messages.push(message)
+    return true
+  }
   if (event.type === "message_end") {
     messages.push((event as Extract<AgentEvent, { type: "message_end" }>).message)
     return true

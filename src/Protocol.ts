@@ -93,6 +93,12 @@ export const AgentMessage = Schema.Struct({
   content: Schema.String,
   toolCallId: optional(Schema.String),
   toolName: optional(Schema.String),
+  /** On a `tool` message: the arguments of the call (so the transcript can be sent to a model again). */
+  toolArgs: optional(Json),
+  /** On a `tool` message: the tool failed; on an `assistant` message: the turn ended on this error. */
+  isError: optional(Schema.Boolean),
+  /** The message was being streamed when its turn was cut: `content` is the text streamed so far. */
+  interrupted: optional(Schema.Boolean),
   timestamp: EpochMillis
 })
 export type AgentMessage = typeof AgentMessage.Type
@@ -167,6 +173,8 @@ export const Attach = Tagged("attach", {
   // Unknown capability names are accepted and ignored, so newer clients can talk to us.
   capabilities: optional(Schema.Array(Schema.String)),
   resumeCursor: optional(Cursor),
+  /** Continues a chunked snapshot that was cut off, from chunk `fromChunk`, while it is retained. */
+  snapshotResume: optional(Schema.Struct({ snapshotId: Schema.String, fromChunk: NonNegativeInt })),
   telemetryDisabled: optional(Schema.Boolean),
   supportsExtensionUi: optional(Schema.Boolean),
   env: optional(EnvMap),

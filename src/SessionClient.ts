@@ -156,6 +156,8 @@ export class SessionFold implements SessionState {
   hasBaseline = false
   closed: string | undefined = undefined
   private assembling: Assembling | undefined = undefined
+  /** A snapshot a dropped connection was in the middle of (its chunks so far), to resume. */
+  private cutOff: Assembling | undefined = undefined
   /** Whether `session_attached` came on this connection (events may flow). */
   private flowing = false
 
@@ -188,15 +190,25 @@ export class SessionFold implements SessionState {
     }
   }
 
-  /** A new connection is about to attach: the cursor to resume from (none: a baseline is needed). */
-  attaching(): Cursor.Cursor | undefined {
+  /**
+   * A new connection is about to attach: the cursor to resume from (none: a baseline is needed),
+   * and the snapshot the last connection was cut off in, to continue from its next chunk.
+   */
+  attaching(): { readonly resumeCursor?: Cursor.Cursor; readonly snapshotResume?: { readonly snapshotId: string; readonly fromChunk: number } } {
+    const cut = this.assembling
     this.assembling = undefined
+    this.cutOff = cut !== undefined && cut.chunks > 0 ? cut : undefined
     this.flowing = false
-    return this.hasBaseline ? this.lastCursor : undefined
+    return {
+      ...(this.hasBaseline && this.lastCursor !== undefined ? { resumeCursor: this.lastCursor } : {}),
+      ...(this.cutOff === undefined ? {} : { snapshotResume: { snapshotId: this.cutOff.snapshotId, fromChunk: this.cutOff.chunks } })
+    }
   }
 
   /** The attach response: an inline baseline, if it carries one. */
   attached(result: Protocol.DaemonAttachResult): Either.Either<ReadonlyArray<FollowEvent>, SessionProtocolViolation> {
+    // The daemon continues the cut-off snapshot only when it streams that one again.
+    if (result.snapshotStream?.id !== this.cutOff?.snapshotId) this.cutOff = undefined
     if (result.replay.status === "complete") {
       if (!this.hasBaseline) return Either.left(this.violation("a complete replay for an attach without a resume cursor"))
       return Either.right([])
@@ -221,6 +233,13 @@ export class SessionFold implements SessionState {
       case "session_snapshot_begin": {
         if (this.assembling !== undefined) return Either.left(this.violation(`snapshot ${m.snapshotId} begins inside ${this.assembling.snapshotId}`))
         if (m.purpose === "checkpoint") return Either.left(this.violation("a snapshot with purpose checkpoint"))
+        const cut = this.cutOff
+        this.cutOff = undefined
+        if (cut !== undefined && cut.snapshotId === m.snapshotId) {
+          // Resumed: its chunks continue from the one after those already here.
+          this.assembling = cut
+          return Either.right([])
+        }
         this.assembling = {
           purpose: m.purpose,
           snapshotId: m.snapshotId,
@@ -480,10 +499,9 @@ export const make = (options: SessionClientOptions): Effect.Effect<SessionClient
         const client = yield* DaemonClient.make({ socketPath: options.socketPath, helloTimeout: options.helloTimeout })
         if (options.onConnect !== undefined) yield* options.onConnect(client.hello)
         const pushes = yield* client.subscribe
-        const resumeCursor = fold.attaching()
         const result = yield* client.attach(activeSessionId, {
           capabilities,
-          ...(resumeCursor === undefined ? {} : { resumeCursor }),
+          ...fold.attaching(),
           ...(options.launchEnv === undefined ? {} : { launchEnv: options.launchEnv }),
           ...(options.env === undefined ? {} : { env: options.env })
         })

@@ -173,6 +173,8 @@ export const make = Effect.gen(function*() {
         mailbox: yield* Queue.unbounded<Input>(),
         pendingPrompt: undefined,
         cutTurn: undefined,
+        rewriteGeneration: undefined,
+        rewrite: undefined,
         checkpointWaiters: [],
         checkpointDue: false,
         passivationWanted: false,
@@ -254,6 +256,7 @@ export const make = Effect.gen(function*() {
       let after: Cursor.Cursor | undefined
       if (Option.isSome(snapshot)) {
         s.messageCount = snapshot.value.header.messageCount
+        s.rewriteGeneration = snapshot.value.header.rewrittenAt
         after = snapshot.value.header.cursor
       }
       const isCurrent = Option.isSome(snapshot) && snapshot.value.header.generation === status.generation

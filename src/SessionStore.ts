@@ -4,19 +4,30 @@
  * Layout under `root` (normally the state dir), every directory 0700 and every file 0600:
  * ```
  * sessions/<sanitized id>/meta.json                 SessionMeta, replaced atomically
- * sessions/<sanitized id>/snapshots/<g>.jsonl       transcript of generation g
+ * sessions/<sanitized id>/snapshots/<g>.jsonl       transcript of generation g (its header, or whole)
+ * sessions/<sanitized id>/transcripts/<e>.jsonl     append-only messages shared by generations e, e+1, ...
  * archive/<sanitized id>-<timestamp>/               a killed session, moved there whole
  * ```
- * A transcript is a header line `{"type":"snapshot_header",snapshotId,generation,cursor?,
- * messageCount}` then one message (opaque JSON) per line. It is written to a temp file, fsynced
- * and renamed, so a file with a final name is always complete: the recovery journal may name it
- * as `sessionFile` and a restoring worker may trust it. Transcripts can be 100 MB, so writing and
- * reading are streamed and never hold a whole file in memory.
+ * A generation's file starts with a header line `{"type":"snapshot_header",snapshotId,
+ * generation,cursor?,messageCount,transcript?,rewrittenAt?}`. Written whole
+ * ({@link SessionStoreService.writeSnapshot}, a history rewrite) the messages follow it, one
+ * (opaque JSON) per line. Written as an extension of the previous generation
+ * ({@link SessionStoreService.appendSnapshot}, every ordinary checkpoint) the file is the header
+ * alone and `transcript: {epoch, bytes}` says that the messages are the first `bytes` bytes of
+ * `transcripts/<epoch>.jsonl`: a checkpoint appends only the new messages there, so it costs
+ * what changed, not the size of the transcript. Bytes below a published length never change.
+ *
+ * Every header is written to a temp file, fsynced and renamed (after the messages it names are
+ * synced), so a file with a final name is always complete: the recovery journal may name it as
+ * `sessionFile` and a restoring worker may trust it. Transcripts can be 100 MB, so writing and
+ * reading are streamed and never hold a whole file in memory. Pruning a generation removes its
+ * file, and an append-only transcript once no retained generation reads it.
  *
  * Session ids come from the wire: they are turned into a single path segment by
  * {@link Fsx.safeSegment} (injective, so ids never collide, and `..`/`/` cannot escape `root`).
  * `env` and `launchEnv` are not part of {@link SessionMeta} and are never written.
  */
+import * as fs from "node:fs"
 import * as fsp from "node:fs/promises"
 import * as nodePath from "node:path"
 import * as Chunk from "effect/Chunk"
@@ -64,19 +75,37 @@ export const SnapshotHeader = Schema.Struct({
   generation: Schema.Int.pipe(Schema.greaterThanOrEqualTo(1)),
   /** The cursor of the last event before this generation (absent for generation 1). */
   cursor: Schema.optional(Cursor),
-  messageCount: Schema.Int.pipe(Schema.nonNegative())
+  messageCount: Schema.Int.pipe(Schema.nonNegative()),
+  /**
+   * Where the messages are when they are not in this file: the first `bytes` bytes of the
+   * session's append-only transcript `transcripts/<epoch>.jsonl`.
+   */
+  transcript: Schema.optional(Schema.Struct({
+    epoch: Schema.Int.pipe(Schema.greaterThanOrEqualTo(1)),
+    bytes: Schema.Int.pipe(Schema.nonNegative())
+  })),
+  /** The latest generation (up to this one) whose transcript rewrote history instead of extending it. */
+  rewrittenAt: Schema.optional(Schema.Int.pipe(Schema.greaterThanOrEqualTo(1)))
 })
 
 /** First line of a transcript. */
 export type SnapshotHeader = typeof SnapshotHeader.Type
 
-/** What a writer says about the transcript it writes (the `type` tag is added). */
-export type SnapshotHeaderInput = Omit<SnapshotHeader, "type">
+/** What a writer says about the transcript it writes (the `type` tag is added, the store says where). */
+export type SnapshotHeaderInput = Omit<SnapshotHeader, "type" | "transcript">
 
 /** A complete transcript: its header and the file it lives in. */
 export interface SnapshotInfo {
   readonly header: SnapshotHeader
   readonly path: string
+}
+
+/** A generation's messages as lines of a file (see {@link SessionStoreService.transcriptSource}). */
+export interface TranscriptSource {
+  readonly path: string
+  readonly start: number
+  readonly end: number
+  readonly messageCount: number
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -156,6 +185,17 @@ export interface SessionStoreService {
     header: SnapshotHeaderInput,
     lines: Stream.Stream<string | Uint8Array, E, R>
   ) => Effect.Effect<SnapshotInfo, SessionNotFound | SessionStoreError | E, R>
+  /**
+   * Writes the transcript of `header.generation` as that of the generation before it followed by
+   * `messages`: the cost is that of the new messages, not of the whole transcript (generation 1
+   * has the empty transcript). `header.messageCount` is the new total; a mismatch fails the
+   * write and nothing is published. Atomic like {@link SessionStoreService.writeSnapshot}.
+   */
+  readonly appendSnapshot: <E = never, R = never>(
+    activeSessionId: string,
+    header: SnapshotHeaderInput,
+    messages: Stream.Stream<unknown, E, R> | Iterable<unknown>
+  ) => Effect.Effect<SnapshotInfo, SessionNotFound | SessionStoreError | E, R>
   /** The latest complete transcript, `None` when the session has none yet. */
   readonly latestSnapshot: (
     activeSessionId: string
@@ -173,6 +213,15 @@ export interface SessionStoreService {
     activeSessionId: string,
     generation: number
   ) => Stream.Stream<string, SessionNotFound | SessionStoreError>
+  /**
+   * Where a generation's messages are on disk: lines `[start, end)` of `path`, one message per
+   * line, bytes that never change while the generation is retained (for readers that send them
+   * on as they are). `None` for a store without files.
+   */
+  readonly transcriptSource: (
+    activeSessionId: string,
+    generation: number
+  ) => Effect.Effect<Option.Option<TranscriptSource>, SessionNotFound | SessionStoreError>
   /** Where the transcript of a generation lives (what the journal records as `sessionFile`). */
   readonly snapshotPath: (activeSessionId: string, generation: number) => string
   /** Deletes the transcripts of generations below `keepFromGeneration`; returns them. */
@@ -205,7 +254,9 @@ const pathsOf = (root: string) => {
     sessionDir,
     metaFile: (id: string) => nodePath.join(sessionDir(id), "meta.json"),
     snapshotsDir,
-    snapshotFile: (id: string, generation: number) => nodePath.join(snapshotsDir(id), `${generation}.jsonl`)
+    snapshotFile: (id: string, generation: number) => nodePath.join(snapshotsDir(id), `${generation}.jsonl`),
+    transcriptsDir: (id: string) => nodePath.join(sessionDir(id), "transcripts"),
+    transcriptFile: (id: string, epoch: number) => nodePath.join(sessionDir(id), "transcripts", `${epoch}.jsonl`)
   }
 }
 
@@ -232,7 +283,8 @@ const makeHeader = (
     snapshotId: input.snapshotId,
     generation: input.generation,
     ...(input.cursor !== undefined ? { cursor: input.cursor } : {}),
-    messageCount: input.messageCount
+    messageCount: input.messageCount,
+    ...(input.rewrittenAt !== undefined ? { rewrittenAt: input.rewrittenAt } : {})
   }).pipe(
     Effect.mapError((e) => invalidInput(activeSessionId, ParseResult.TreeFormatter.formatErrorSync(e)))
   )
@@ -365,6 +417,20 @@ const checkCount = <E>(
         )
       ))
     )
+  })
+
+/** Counts the `\n`-terminated lines of encoded messages. */
+const countLines = (text: string): number => {
+  let count = 0
+  for (let i = text.indexOf("\n"); i !== -1; i = text.indexOf("\n", i + 1)) count++
+  return count
+}
+
+const countMismatch = (activeSessionId: string, header: SnapshotHeader, count: number) =>
+  new SessionStoreError({
+    reason: "InvalidInput",
+    detail: `snapshot ${header.snapshotId} declares ${header.messageCount} messages but has ${count}`,
+    activeSessionId
   })
 
 const GENERATION_FILE = /^([1-9][0-9]*)\.jsonl$/
@@ -501,6 +567,93 @@ export const make = (options: Options): Effect.Effect<SessionStoreService, Sessi
     ): Effect.Effect<SnapshotInfo, SessionNotFound | SessionStoreError | E, R> =>
       writeSnapshotLines(id, header, encodeMessages(id, messages))
 
+    /** The header of a generation's transcript; `SnapshotNotFound` when it has none. */
+    const headerOf = (id: string, generation: number): Effect.Effect<SnapshotHeader, SessionStoreError> => {
+      const path = paths.snapshotFile(id, generation)
+      return readHeader(id, path).pipe(
+        Effect.catchIf((e) => Fsx.errnoCode(e.cause) === "ENOENT", () =>
+          Effect.fail(
+            new SessionStoreError({
+              reason: "SnapshotNotFound",
+              detail: `no transcript for generation ${generation}`,
+              activeSessionId: id,
+              path
+            })
+          )),
+        Effect.flatMap(Option.match({
+          onNone: () => Effect.fail(new SessionStoreError({ reason: "Corrupt", detail: `invalid header in ${path}`, activeSessionId: id, path })),
+          onSome: Effect.succeed
+        }))
+      )
+    }
+
+    const appendSnapshot = <E = never, R = never>(
+      id: string,
+      input: SnapshotHeaderInput,
+      messages: Stream.Stream<unknown, E, R> | Iterable<unknown>
+    ): Effect.Effect<SnapshotInfo, SessionNotFound | SessionStoreError | E, R> =>
+      Effect.gen(function*() {
+        const requested = yield* makeHeader(id, input)
+        yield* requireSession(id)
+        const baseGeneration = requested.generation - 1
+        const base = baseGeneration <= 1 ? undefined : yield* headerOf(id, baseGeneration)
+        // A base whose messages are in the file itself (a rewrite, or an older layout) starts a
+        // new append-only transcript, once: its messages are copied there first.
+        const copied = base !== undefined && base.transcript === undefined
+        const epoch = base?.transcript?.epoch ?? requested.generation
+        const start = base?.transcript?.bytes ?? 0
+        const file = paths.transcriptFile(id, epoch)
+        yield* Fsx.ensureDir(paths.transcriptsDir(id)).pipe(Effect.mapError(ioError(id)))
+        const body = copied
+          ? Stream.concat(Stream.map(readSnapshotLines(id, baseGeneration), (line) => line + "\n"), encodeMessages(id, messages))
+          : encodeMessages(id, messages)
+        // Written after the base's bytes (anything beyond them is the leftover of a write that
+        // never got its header), then cut there, synced, and only then published by the header.
+        const { bytes, count } = yield* Effect.acquireUseRelease(
+          Fsx.attempt("open", file, () => fsp.open(file, fs.constants.O_RDWR | fs.constants.O_CREAT, Fsx.FILE_MODE)),
+          (handle) =>
+            Effect.gen(function*() {
+              const { size } = yield* Fsx.attempt("stat", file, () => handle.stat())
+              if (size < start) {
+                return yield* new SessionStoreError({
+                  reason: "Corrupt",
+                  detail: `${file} holds ${size} bytes, generation ${baseGeneration} says ${start}`,
+                  activeSessionId: id,
+                  path: file
+                })
+              }
+              let position = start
+              let count = 0
+              yield* Stream.runForEach(body, (text) =>
+                Fsx.attempt("write", file, async () => {
+                  const data = Buffer.from(text, "utf8")
+                  let offset = 0
+                  while (offset < data.byteLength) {
+                    const { bytesWritten } = await handle.write(data, offset, data.byteLength - offset, position)
+                    offset += bytesWritten
+                    position += bytesWritten
+                  }
+                  count += countLines(text)
+                }))
+              yield* Fsx.attempt("truncate", file, () => handle.truncate(position))
+              yield* Fsx.attempt("fsync", file, () => handle.datasync())
+              return { bytes: position, count }
+            }),
+          Fsx.closeQuietly
+        ).pipe(Effect.mapError((e) => (e instanceof Fsx.FsError ? ioError(id)(e) : e)))
+        const total = (copied ? 0 : base?.messageCount ?? 0) + count
+        if (total !== requested.messageCount) return yield* countMismatch(id, requested, total)
+        // The transcript file's own entry is durable before a header names it.
+        if (start === 0) yield* Fsx.fsyncDir(paths.transcriptsDir(id)).pipe(Effect.mapError(ioError(id)))
+        const header: SnapshotHeader = { ...requested, transcript: { epoch, bytes } }
+        const path = paths.snapshotFile(id, header.generation)
+        yield* Fsx.ensureDir(paths.snapshotsDir(id)).pipe(
+          Effect.zipRight(Fsx.writeFileAtomic(path, JSON.stringify(header) + "\n")),
+          Effect.mapError(ioError(id))
+        )
+        return { header, path }
+      }).pipe(Effect.withSpan("SessionStore.appendSnapshot", { attributes: { activeSessionId: id } }))
+
     const generationsOf = (id: string) =>
       Fsx.attempt("readdir", paths.snapshotsDir(id), () => fsp.readdir(paths.snapshotsDir(id))).pipe(
         Effect.catchIf(Fsx.isNotFound, () => Effect.succeed<Array<string>>([])),
@@ -534,37 +687,49 @@ export const make = (options: Options): Effect.Effect<SessionStoreService, Sessi
       return Option.none<SnapshotInfo>()
     })
 
-    const readSnapshotLines = (id: string, generation: number): Stream.Stream<string, SessionNotFound | SessionStoreError> =>
-      Stream.unwrap(Effect.gen(function*() {
+    function readSnapshotLines(id: string, generation: number): Stream.Stream<string, SessionNotFound | SessionStoreError> {
+      return Stream.unwrap(Effect.gen(function*() {
         yield* requireSession(id)
-        const path = paths.snapshotFile(id, generation)
-        const header = yield* readHeader(id, path).pipe(
-          Effect.catchIf((e) => Fsx.errnoCode(e.cause) === "ENOENT", () =>
-            Effect.fail(
-              new SessionStoreError({
-                reason: "SnapshotNotFound",
-                detail: `no transcript for generation ${generation}`,
-                activeSessionId: id,
-                path
-              })
-            ))
-        )
-        if (Option.isNone(header)) {
-          return yield* new SessionStoreError({ reason: "Corrupt", detail: `invalid header in ${path}`, activeSessionId: id, path })
-        }
+        const header = yield* headerOf(id, generation)
+        const path = header.transcript === undefined
+          ? paths.snapshotFile(id, generation)
+          : paths.transcriptFile(id, header.transcript.epoch)
         const body = Stream.fromAsyncIterable(
-          Fsx.lineBatches(path),
+          Fsx.lineBatches(path, header.transcript?.bytes),
           (cause) => ioError(id)(new Fsx.FsError({ op: "read", path, cause }))
         ).pipe(
           Stream.flattenIterables,
-          Stream.drop(1),
+          Stream.drop(header.transcript === undefined ? 1 : 0),
           Stream.filter((line) => line.trim().length > 0)
         )
-        return checkCount(id, path, header.value, body)
+        return checkCount(id, path, header, body)
       }))
+    }
 
     const readSnapshot = (id: string, generation: number): Stream.Stream<unknown, SessionNotFound | SessionStoreError> =>
       parseLines(id, paths.snapshotFile(id, generation), readSnapshotLines(id, generation))
+
+    const transcriptSource = Effect.fn("SessionStore.transcriptSource")(function*(id: string, generation: number) {
+      yield* requireSession(id)
+      const header = yield* headerOf(id, generation)
+      if (header.transcript !== undefined) {
+        return Option.some<TranscriptSource>({
+          path: paths.transcriptFile(id, header.transcript.epoch),
+          start: 0,
+          end: header.transcript.bytes,
+          messageCount: header.messageCount
+        })
+      }
+      // Written whole: the messages follow the header line, to the end of the file.
+      const path = paths.snapshotFile(id, generation)
+      const size = yield* Fsx.attempt("stat", path, () => fsp.stat(path)).pipe(
+        Effect.map((st) => st.size),
+        Effect.mapError(ioError(id))
+      )
+      const firstLine = yield* Fsx.readFirstLine(path).pipe(Effect.mapError(ioError(id)))
+      const headerBytes = Option.match(firstLine, { onNone: () => size, onSome: (line) => Buffer.byteLength(line) + 1 })
+      return Option.some<TranscriptSource>({ path, start: Math.min(headerBytes, size), end: size, messageCount: header.messageCount })
+    })
 
     const pruneSnapshots = Effect.fn("SessionStore.pruneSnapshots")(function*(id: string, keepFromGeneration: number) {
       yield* requireSession(id)
@@ -583,6 +748,24 @@ export const make = (options: Options): Effect.Effect<SessionStoreService, Sessi
         if (final !== undefined) removed.push(generation)
       }
       if (removed.length > 0) yield* Fsx.fsyncDir(dir).pipe(Effect.mapError(ioError(id)))
+      // An append-only transcript goes with the last generation that reads it.
+      const referenced = new Set<number>()
+      for (const name of yield* generationsOf(id)) {
+        const generation = Number(GENERATION_FILE.exec(name)?.[1] ?? Number.NaN)
+        if (!(generation >= keepFromGeneration)) continue
+        const header = yield* Effect.option(headerOf(id, generation))
+        if (Option.isSome(header) && header.value.transcript !== undefined) referenced.add(header.value.transcript.epoch)
+      }
+      const transcripts = paths.transcriptsDir(id)
+      const names = yield* Fsx.attempt("readdir", transcripts, () => fsp.readdir(transcripts)).pipe(
+        Effect.catchIf(Fsx.isNotFound, () => Effect.succeed<Array<string>>([])),
+        Effect.mapError(ioError(id))
+      )
+      for (const name of names) {
+        const epoch = Number(GENERATION_FILE.exec(name)?.[1] ?? TEMP_GENERATION.exec(name)?.[1] ?? Number.NaN)
+        if (!(epoch < keepFromGeneration) || referenced.has(epoch)) continue
+        yield* Fsx.unlinkQuietly(nodePath.join(transcripts, name))
+      }
       return removed.sort((a, b) => a - b)
     })
 
@@ -616,9 +799,11 @@ export const make = (options: Options): Effect.Effect<SessionStoreService, Sessi
       list,
       writeSnapshot,
       writeSnapshotLines,
+      appendSnapshot,
       latestSnapshot,
       readSnapshot,
       readSnapshotLines,
+      transcriptSource,
       snapshotPath: paths.snapshotFile,
       pruneSnapshots,
       archive
@@ -693,8 +878,21 @@ export const makeMemory: Effect.Effect<SessionStoreService> = Effect.gen(functio
       return { header, path: paths.snapshotFile(id, header.generation) }
     })
 
-  const readSnapshotLines = (id: string, generation: number): Stream.Stream<string, SessionNotFound | SessionStoreError> =>
-    Stream.unwrap(Effect.gen(function*() {
+  const appendSnapshot = <E = never, R = never>(
+    id: string,
+    input: SnapshotHeaderInput,
+    messages: Stream.Stream<unknown, E, R> | Iterable<unknown>
+  ): Effect.Effect<SnapshotInfo, SessionNotFound | SessionStoreError | E, R> =>
+    Effect.suspend(() => {
+      const base = input.generation - 1
+      return writeSnapshotLines(id, input, Stream.concat(
+        base <= 1 ? Stream.empty : Stream.map(readSnapshotLines(id, base), (line) => line + "\n"),
+        encodeMessages(id, messages)
+      ))
+    })
+
+  function readSnapshotLines(id: string, generation: number): Stream.Stream<string, SessionNotFound | SessionStoreError> {
+    return Stream.unwrap(Effect.gen(function*() {
       const session = yield* getSession(id)
       const snapshot = session.snapshots.get(generation)
       if (snapshot === undefined) {
@@ -707,6 +905,7 @@ export const makeMemory: Effect.Effect<SessionStoreService> = Effect.gen(functio
       }
       return Stream.fromIterable(snapshot.lines)
     }))
+  }
 
   return SessionStore.of({
     create,
@@ -722,6 +921,7 @@ export const makeMemory: Effect.Effect<SessionStoreService> = Effect.gen(functio
     }),
     writeSnapshot: (id, header, messages) => writeSnapshotLines(id, header, encodeMessages(id, messages)),
     writeSnapshotLines,
+    appendSnapshot,
     latestSnapshot: Effect.fn("SessionStore.latestSnapshot")(function*(id: string) {
       const session = yield* getSession(id)
       const generations = Array.from(session.snapshots.keys()).sort((a, b) => b - a)
@@ -733,6 +933,7 @@ export const makeMemory: Effect.Effect<SessionStoreService> = Effect.gen(functio
     readSnapshot: (id, generation) =>
       parseLines(id, paths.snapshotFile(id, generation), readSnapshotLines(id, generation)),
     readSnapshotLines,
+    transcriptSource: () => Effect.succeed(Option.none()),
     snapshotPath: paths.snapshotFile,
     pruneSnapshots: Effect.fn("SessionStore.pruneSnapshots")(function*(id: string, keepFromGeneration: number) {
       const session = yield* getSession(id)

@@ -27,6 +27,7 @@ import * as Ref from "effect/Ref"
 import type * as Scope from "effect/Scope"
 import * as Stream from "effect/Stream"
 import { createHash } from "node:crypto"
+import * as fsp from "node:fs/promises"
 import * as NodePath from "node:path"
 import type { Cursor } from "./Cursor.js"
 
@@ -122,6 +123,62 @@ export class ChunkBuilder {
     return chunk
   }
 }
+
+/**
+ * The chunks of the messages on lines `[start, end)` of a file (one JSON message per
+ * `\n`-terminated line), as the byte ranges of their lines, chunked by the rule of
+ * {@link chunkMessages}; and the number of messages. Only newlines are looked at: the file is
+ * read in blocks, never decoded.
+ */
+export const chunkRanges = (
+  path: string,
+  start: number,
+  end: number,
+  targetChunkBytes: number,
+  onChunk: (range: FileRange) => Effect.Effect<unknown, SnapshotCacheError>
+): Effect.Effect<{ readonly chunks: number; readonly messages: number }, SnapshotCacheError> =>
+  Effect.gen(function*() {
+    const handle = yield* Effect.acquireRelease(
+      Effect.tryPromise({ try: () => fsp.open(path, "r"), catch: (cause) => error("Io", `could not open ${path}: ${String(cause)}`, undefined, cause) }),
+      (h) => Effect.promise(() => h.close().catch(() => undefined))
+    )
+    const block = Buffer.allocUnsafe(1024 * 1024)
+    let chunks = 0
+    let messages = 0
+    let chunkStart = start
+    let lineStart = start
+    let parts = 0
+    let size = 2
+    for (let position = start; position < end;) {
+      const { bytesRead } = yield* Effect.tryPromise({
+        try: () => handle.read(block, 0, Math.min(block.length, end - position), position),
+        catch: (cause) => error("Io", `could not read ${path}: ${String(cause)}`, undefined, cause)
+      })
+      if (bytesRead === 0) return yield* Effect.fail(error("Io", `${path} ends before byte ${end}`))
+      for (let at = block.indexOf(NEWLINE); at !== -1 && at < bytesRead; at = block.indexOf(NEWLINE, at + 1)) {
+        const lineEnd = position + at + 1
+        const bytes = lineEnd - 1 - lineStart
+        if (parts > 0 && size + 1 + bytes > targetChunkBytes) {
+          yield* onChunk({ path, start: chunkStart, end: lineStart })
+          chunks++
+          chunkStart = lineStart
+          parts = 0
+          size = 2
+        }
+        size += parts > 0 ? bytes + 1 : bytes
+        parts++
+        messages++
+        lineStart = lineEnd
+      }
+      position += bytesRead
+    }
+    if (lineStart !== end) return yield* Effect.fail(error("Io", `${path}: bytes ${start}-${end} do not end with a whole line`))
+    if (parts > 0) {
+      yield* onChunk({ path, start: chunkStart, end: lineStart })
+      chunks++
+    }
+    return { chunks, messages }
+  }).pipe(Effect.scoped)
 
 // ---------------------------------------------------------------------------------------------
 // Public types
@@ -231,6 +288,17 @@ export interface SnapshotCacheStats {
   readonly memoryCacheBytes: number
 }
 
+/**
+ * Whole lines `[start, end)` of a file that only ever grows or is replaced whole (a transcript),
+ * one JSON message per `\n`-terminated line: a chunk the cache reads from there when a reader
+ * needs it, instead of holding or spilling a copy.
+ */
+export interface FileRange {
+  readonly path: string
+  readonly start: number
+  readonly end: number
+}
+
 /** The operations of the snapshot cache. */
 export interface SnapshotCacheService {
   /** Starts an entry; fails with `AlreadyExists` when the snapshotId is taken (even if disposing). */
@@ -242,6 +310,12 @@ export interface SnapshotCacheService {
    * I/O failure while spilling also fails the entry, so that no reader waits forever.
    */
   readonly appendChunk: (snapshotId: string, chunkBytes: Uint8Array) => Effect.Effect<number, SnapshotCacheError>
+  /**
+   * Appends the next chunk as the messages on `range`'s lines (see {@link chunkRanges}): the
+   * cache keeps only where they are, and makes the chunk's line from the file for the readers
+   * who ask for it (one read shared by readers who move together). Returns its index.
+   */
+  readonly appendRange: (snapshotId: string, range: FileRange) => Effect.Effect<number, SnapshotCacheError>
   /** Ends the entry; `end.chunkCount` must equal the chunks appended (else the entry fails too). */
   readonly markComplete: (snapshotId: string, end: SnapshotEnd) => Effect.Effect<void, SnapshotCacheError>
   /** Fails the entry: every waiter, present and future, gets `SnapshotFailed` with `error`. */
@@ -311,6 +385,7 @@ export const spillDirectoryName = (snapshotId: string): string => {
 type Slot =
   | { readonly _tag: "Memory"; readonly bytes: Uint8Array }
   | { readonly _tag: "Disk"; readonly byteLength: number }
+  | { readonly _tag: "Range"; readonly range: FileRange }
 
 type Status =
   | { readonly _tag: "Open" }
@@ -547,6 +622,21 @@ const makeWith = (memoryCacheBytes: number, spill: SpillConfig | undefined) =>
       )))
     })
 
+    const appendRange = Effect.fn("SnapshotCache.appendRange")(function*(snapshotId: string, range: FileRange) {
+      const entry = yield* lookup(snapshotId)
+      if (!(Number.isSafeInteger(range.start) && Number.isSafeInteger(range.end) && range.start >= 0 && range.end > range.start)) {
+        return yield* Effect.fail(error("InvalidChunk", `an empty or invalid range of snapshot ${snapshotId}`, snapshotId))
+      }
+      return yield* entry.lock.withPermits(1)(Effect.gen(function*() {
+        yield* checkWritable(entry)
+        const index = entry.slots.length
+        entry.slots.push({ _tag: "Range", range })
+        entry.totalBytes += range.end - range.start
+        yield* publish(entry, (s) => ({ ...s, chunkCount: index + 1 }))
+        return index
+      }))
+    })
+
     const markComplete = Effect.fn("SnapshotCache.markComplete")(function*(snapshotId: string, end: SnapshotEnd) {
       const entry = yield* lookup(snapshotId)
       yield* entry.lock.withPermits(1)(Effect.gen(function*() {
@@ -575,8 +665,8 @@ const makeWith = (memoryCacheBytes: number, spill: SpillConfig | undefined) =>
       }))
     })
 
-    /** Reads a spilled chunk, sharing a read in flight or a buffer another reader still holds. */
-    const readSpilled = (entry: Entry, config: SpillConfig, directory: string, index: number) =>
+    /** Reads a chunk from disk, sharing a read in flight or a buffer another reader still holds. */
+    const readShared = (entry: Entry, index: number, read: Effect.Effect<Uint8Array, SnapshotCacheError>) =>
       Effect.suspend(() => {
         const shared = entry.reads.get(index)
         if (shared?._tag === "Pending") return Deferred.await(shared.deferred)
@@ -585,11 +675,9 @@ const makeWith = (memoryCacheBytes: number, spill: SpillConfig | undefined) =>
         // Registered synchronously, before any other fiber can run, so that one read is shared.
         const deferred = Deferred.unsafeMake<Uint8Array, SnapshotCacheError>(FiberId.none)
         entry.reads.set(index, { _tag: "Pending", deferred })
-        const path = chunkPath(directory, index)
         // Uninterruptible up to the hand-over: the readers sharing this read must always hear back.
         return Effect.uninterruptibleMask((restore) =>
-          config.fs.readFile(path).pipe(
-            Effect.mapError(ioError(entry.snapshotId, `could not read ${path}`)),
+          read.pipe(
             Effect.exit,
             Effect.flatMap((exit) => {
               if (entry.reads.get(index)?._tag === "Pending") {
@@ -601,6 +689,45 @@ const makeWith = (memoryCacheBytes: number, spill: SpillConfig | undefined) =>
             Effect.zipRight(restore(Deferred.await(deferred)))
           )
         )
+      })
+
+    /**
+     * The line of chunk `index` from the messages on `range`: the frame around them, and the
+     * lines' newlines turned into the array's commas, in one buffer.
+     */
+    const readRangeChunk = (entry: Entry, index: number, range: FileRange) =>
+      Effect.tryPromise({
+        try: async () => {
+          const prefix = Buffer.from(
+            `{"type":"session_snapshot_chunk","activeSessionId":${JSON.stringify(entry.meta.activeSessionId)},` +
+              `"snapshotId":${JSON.stringify(entry.snapshotId)},"index":${index},"messages":[`
+          )
+          const length = range.end - range.start
+          // The range's last newline becomes the closing `]`; then `}` and the line's newline.
+          const line = Buffer.allocUnsafe(prefix.length + length + 2)
+          prefix.copy(line, 0)
+          const handle = await fsp.open(range.path, "r")
+          try {
+            let done = 0
+            while (done < length) {
+              const { bytesRead } = await handle.read(line, prefix.length + done, length - done, range.start + done)
+              if (bytesRead === 0) throw new Error(`${range.path} ends before byte ${range.end}`)
+              done += bytesRead
+            }
+          } finally {
+            await handle.close()
+          }
+          const last = prefix.length + length - 1
+          if (line[last] !== NEWLINE) throw new Error(`${range.path}: bytes ${range.start}-${range.end} are not whole lines`)
+          for (let at = line.indexOf(NEWLINE, prefix.length); at !== -1 && at < last; at = line.indexOf(NEWLINE, at + 1)) {
+            line[at] = 0x2c
+          }
+          line[last] = 0x5d
+          line[last + 1] = 0x7d
+          line[last + 2] = NEWLINE
+          return new Uint8Array(line.buffer, line.byteOffset, line.length)
+        },
+        catch: (cause) => error("Io", `snapshot ${entry.snapshotId}: could not read ${range.path}: ${String(cause)}`, entry.snapshotId, cause)
       })
 
     /** Parks until `index` exists or the entry ends. */
@@ -616,10 +743,19 @@ const makeWith = (memoryCacheBytes: number, spill: SpillConfig | undefined) =>
             const slot = entry.slots[index]
             if (slot === undefined) return yield* Effect.die(new Error("SnapshotCache: a published chunk has no slot"))
             if (slot._tag === "Memory") return { _tag: "Chunk", index, bytes: slot.bytes } as const
+            if (slot._tag === "Range") {
+              const bytes = yield* readShared(entry, index, readRangeChunk(entry, index, slot.range))
+              return { _tag: "Chunk", index, bytes } as const
+            }
             if (spill === undefined || entry.directory === undefined) {
               return yield* Effect.die(new Error("SnapshotCache: a spilled chunk in a memory-only cache"))
             }
-            const bytes = yield* readSpilled(entry, spill, entry.directory, index)
+            const path = chunkPath(entry.directory, index)
+            const bytes = yield* readShared(
+              entry,
+              index,
+              spill.fs.readFile(path).pipe(Effect.mapError(ioError(entry.snapshotId, `could not read ${path}`)))
+            )
             return { _tag: "Chunk", index, bytes } as const
           }
           if (s.status._tag === "Complete") return { _tag: "End", end: s.status.end } as const
@@ -760,6 +896,7 @@ const makeWith = (memoryCacheBytes: number, spill: SpillConfig | undefined) =>
     return SnapshotCache.of({
       create,
       appendChunk,
+      appendRange,
       markComplete,
       markFailed,
       retain,

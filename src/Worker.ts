@@ -24,14 +24,15 @@ import * as net from "node:net"
 import * as os from "node:os"
 import * as path from "node:path"
 import * as Cursor from "./Cursor.js"
-import { Engine, type EngineSession, foldEvent } from "./Engine.js"
-import * as EchoEngine from "./engines/EchoEngine.js"
+import { Engine, type EngineSession, foldEvent, TranscriptReplaced } from "./Engine.js"
+import * as BuiltinEngines from "./engines/builtin.js"
+import { SessionWorkDir } from "./engines/SessionWorkDir.js"
 import * as EventLog from "./EventLog.js"
 import { LineDecoder } from "./JsonLines.js"
 import type { AgentEvent, AgentMessage, InterruptReason } from "./Protocol.js"
 import * as RecoveryJournal from "./RecoveryJournal.js"
 import * as SessionStore from "./SessionStore.js"
-import { chunkMessages } from "./SnapshotCache.js"
+import { chunkMessages, DEFAULT_TARGET_CHUNK_BYTES } from "./SnapshotCache.js"
 import * as WorkerProtocol from "./WorkerProtocol.js"
 
 type LoadFrame = typeof WorkerProtocol.Load.Type
@@ -104,7 +105,9 @@ interface RunningTurn {
 interface LoadedSession {
   readonly activeSessionId: string
   readonly engine: EngineSession
-  readonly messages: Array<AgentMessage>
+  /** The transcript (replaced whole when the engine rewrites history). */
+  messages: Array<AgentMessage>
+  readonly targetChunkBytes: number
   turn: RunningTurn | undefined
 }
 
@@ -112,6 +115,48 @@ interface LoadedSession {
 export interface RestoredSession {
   readonly messages: Array<AgentMessage>
   readonly busy: boolean
+  /** The message the cut turn was streaming when it was cut (its logged deltas), if any. */
+  readonly streaming?: AgentMessage | undefined
+}
+
+/**
+ * Follows the message a turn is streaming (`message_start`, its `message_update` deltas) until
+ * it ends. A turn cut in the middle of a message still ends that message, with the text
+ * streamed so far and `interrupted: true`, before its `turn_interrupted`: the text a client saw
+ * stays in the transcript instead of vanishing with the turn.
+ */
+export class StreamingMessage {
+  private message: AgentMessage | undefined
+  private deltas: Array<string> = []
+
+  track(event: { readonly type: string }): void {
+    switch (event.type) {
+      case "message_start":
+        this.message = (event as Extract<AgentEvent, { type: "message_start" }>).message
+        this.deltas = []
+        break
+      case "message_update": {
+        const update = event as Extract<AgentEvent, { type: "message_update" }>
+        if (this.message?.id === update.messageId) this.deltas.push(update.delta)
+        break
+      }
+      case "message_end":
+      case "agent_end":
+      case "turn_interrupted":
+        this.message = undefined
+        this.deltas = []
+    }
+  }
+
+  /** The message being streamed, ended here as interrupted; undefined when there is none. */
+  take(): AgentMessage | undefined {
+    const m = this.message
+    this.message = undefined
+    if (m === undefined) return undefined
+    const content = m.content + this.deltas.join("")
+    this.deltas = []
+    return { ...m, content, timestamp: Date.now(), interrupted: true }
+  }
 }
 
 /** Where a worker reads the session it restores (the `restore` of its `load` frame). */
@@ -129,6 +174,7 @@ export const readTranscript = (activeSessionId: string, busy: Effect.Effect<bool
     const store = yield* SessionStore.SessionStore
     const log = yield* EventLog.EventLog
     const messages: Array<AgentMessage> = []
+    const streaming = new StreamingMessage()
     const latest = yield* store.latestSnapshot(activeSessionId)
     let after: Cursor.Cursor | undefined
     if (Option.isSome(latest)) {
@@ -143,11 +189,14 @@ export const readTranscript = (activeSessionId: string, busy: Effect.Effect<bool
           // A log record holds the wire body (`session_event`, `session_status`, ...); the agent
           // event is inside a `session_event`.
           const body = record.event as { readonly type: string; readonly event?: { readonly type: string } }
-          if (body.type === "session_event" && body.event !== undefined) foldEvent(messages, body.event)
+          if (body.type === "session_event" && body.event !== undefined) {
+            foldEvent(messages, body.event)
+            streaming.track(body.event)
+          }
         })
       )
     )
-    return { messages, busy: yield* busy }
+    return { messages, busy: yield* busy, streaming: streaming.take() }
   })
 
 /** A worker process restores from the daemon's files, read-only (the supervisor may be appending). */
@@ -295,6 +344,18 @@ export const run = (pipe: WorkerPipe, options: RunOptions = {}) =>
 
     const emit = (event: AgentEvent) => pipe.send({ type: "worker_event", event })
 
+    /** A turn's end by interruption: the message it was streaming ends first, as interrupted. */
+    const cutTurn = (messages: Array<AgentMessage>, partial: AgentMessage | undefined, reason: InterruptReason) =>
+      Effect.suspend(() => {
+        if (partial === undefined) return emit({ type: "turn_interrupted", reason })
+        const end: AgentEvent = { type: "message_end", message: partial }
+        foldEvent(messages, end)
+        return pipe.sendRaw(
+          WorkerProtocol.encodeFrame({ type: "worker_event", event: end }) +
+            WorkerProtocol.encodeFrame({ type: "worker_event", event: { type: "turn_interrupted", reason } })
+        )
+      })
+
     /**
      * One turn. An abort completes `aborted`, which ends the engine's stream; the turn then
      * reports `turn_interrupted` unless its `agent_end` is already out (a turn ends with
@@ -303,16 +364,29 @@ export const run = (pipe: WorkerPipe, options: RunOptions = {}) =>
      */
     const runTurn = (s: LoadedSession, turnId: string, message: string, aborted: Deferred.Deferred<void>) => {
       let ended = false
-      const interrupted = Effect.suspend(() => (ended ? Effect.void : emit({ type: "turn_interrupted", reason: "aborted" })))
+      const streaming = new StreamingMessage()
+      const interrupted = Effect.suspend(() => {
+        if (ended) return Effect.void
+        ended = true
+        return cutTurn(s.messages, streaming.take(), "aborted")
+      })
       return s.engine.runTurn({ turnId, message, history: s.messages }).pipe(
         Stream.interruptWhenDeferred(aborted),
         // One pipe write per chunk of events the engine has ready, not one per event.
-        Stream.runForEachChunk((events) => {
+        Stream.runForEachChunk((outputs) => {
           let frames = ""
-          for (const event of events) {
-            foldEvent(s.messages, event)
-            if (event.type === "agent_end") ended = true
-            frames += WorkerProtocol.encodeFrame({ type: "worker_event", event })
+          for (const output of outputs) {
+            if (output instanceof TranscriptReplaced) {
+              // The transcript is replaced; the supervisor is sent the new one, in order with
+              // the events, as the snapshot of the generation that starts with it.
+              s.messages = [...output.messages]
+              frames += replacementFrames(s, `${turnId}-replacement`)
+              continue
+            }
+            foldEvent(s.messages, output)
+            streaming.track(output)
+            if (output.type === "agent_end") ended = true
+            frames += WorkerProtocol.encodeFrame({ type: "worker_event", event: output })
           }
           return pipe.sendRaw(frames)
         }),
@@ -326,23 +400,50 @@ export const run = (pipe: WorkerPipe, options: RunOptions = {}) =>
       )
     }
 
+    /** A transcript replaced by the engine, as snapshot frames (purpose `replacement`). */
+    const replacementFrames = (s: LoadedSession, snapshotId: string): string => {
+      const base = { activeSessionId: s.activeSessionId, snapshotId }
+      const chunks = chunkMessages(s.activeSessionId, snapshotId, s.messages, s.targetChunkBytes)
+      return WorkerProtocol.encodeFrame({
+        type: "session_snapshot_begin",
+        ...base,
+        messageCount: s.messages.length,
+        targetChunkBytes: s.targetChunkBytes,
+        purpose: "replacement"
+      }) + chunks.map((chunk) => Buffer.from(chunk).toString("utf8")).join("") +
+        WorkerProtocol.encodeFrame({ type: "session_snapshot_end", ...base, chunkCount: chunks.length, lastEventSequence: -1 })
+    }
+
     const handle = (frame: WorkerProtocol.SupervisorFrame): Effect.Effect<void> => {
       switch (frame.type) {
         case "load":
           return Effect.gen(function*() {
             if (session !== undefined) return yield* fail("this worker already runs a session")
-            const engine = yield* Effect.either(engines.make(frame.engine, frame.config ?? {}))
+            const engine = yield* Effect.either(engines.make(frame.engine, frame.config ?? {}).pipe(
+              // The session's work dir, for engines whose tools need one.
+              frame.workDir === undefined ? (e) => e : Effect.provideService(SessionWorkDir, frame.workDir)
+            ))
             if (Either.isLeft(engine)) return yield* fail(engine.left.message)
             let messages: Array<AgentMessage> = []
             let interrupted: InterruptReason | undefined
+            let partial: AgentMessage | undefined
             if (frame.restore !== undefined) {
               const restored = yield* Effect.either(restoreSource(frame.activeSessionId, frame.restore))
               if (Either.isLeft(restored)) return yield* fail(`restore failed: ${restored.left.message}`)
               messages = restored.right.messages
-              if (restored.right.busy) interrupted = frame.restore.interruptedReason ?? "worker_crashed"
+              if (restored.right.busy) {
+                interrupted = frame.restore.interruptedReason ?? "worker_crashed"
+                partial = restored.right.streaming
+              }
             }
-            session = { activeSessionId: frame.activeSessionId, engine: engine.right, messages, turn: undefined }
-            if (interrupted !== undefined) yield* emit({ type: "turn_interrupted", reason: interrupted })
+            session = {
+              activeSessionId: frame.activeSessionId,
+              engine: engine.right,
+              messages,
+              targetChunkBytes: frame.targetChunkBytes ?? DEFAULT_TARGET_CHUNK_BYTES,
+              turn: undefined
+            }
+            if (interrupted !== undefined) yield* cutTurn(messages, partial, interrupted)
             yield* pipe.send({
               type: "worker_ready",
               pid,
@@ -365,29 +466,6 @@ export const run = (pipe: WorkerPipe, options: RunOptions = {}) =>
           const turn = session?.turn
           return turn === undefined || turn.turnId !== frame.turnId ? Effect.void : Deferred.done(turn.aborted, Exit.void)
         }
-        case "checkpoint":
-          return Effect.gen(function*() {
-            const s = session
-            if (s === undefined) return yield* fail("no session is loaded")
-            // A checkpoint is the state between turns: wait for a running turn to end.
-            if (s.turn !== undefined) yield* Fiber.await(s.turn.fiber)
-            const base = { activeSessionId: s.activeSessionId, snapshotId: frame.snapshotId }
-            const chunks = chunkMessages(s.activeSessionId, frame.snapshotId, s.messages, frame.targetChunkBytes)
-            yield* pipe.send({
-              type: "session_snapshot_begin",
-              ...base,
-              messageCount: s.messages.length,
-              targetChunkBytes: frame.targetChunkBytes,
-              purpose: "checkpoint"
-            })
-            for (const chunk of chunks) yield* pipe.sendRaw(chunk)
-            yield* pipe.send({
-              type: "session_snapshot_end",
-              ...base,
-              chunkCount: chunks.length,
-              lastEventSequence: -1
-            })
-          })
         case "stop":
           return options.exit ?? Effect.sync(() => process.exit(0))
       }
@@ -422,7 +500,7 @@ export const run = (pipe: WorkerPipe, options: RunOptions = {}) =>
  * its own writes a one-line entry calling `main(itsEngines)` and names it as the daemon's
  * `workerEntry` (giving the daemon the same registry, `DaemonLive(config, { engines })`).
  */
-export const main = (engines: Layer.Layer<Engine> = EchoEngine.layer): void => {
+export const main = (engines: Layer.Layer<Engine> = BuiltinEngines.layer): void => {
   const pipe = new FdPipe(3)
   const warmUp = process.argv.includes(WorkerProtocol.WARM_UP_FLAG)
   const program = run(pipe, { warmUp }).pipe(

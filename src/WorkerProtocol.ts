@@ -2,8 +2,10 @@
  * Frames between the supervisor and a worker process (PROTOCOL.md section 6), one JSON object
  * per line on the worker's private pipe (fd 3), never on its stdout/stderr.
  *
- * A worker starts empty (a warm spare) and becomes a session's worker on `load`. Snapshots use
- * the public begin/chunk/end/failed frames with purpose `checkpoint`.
+ * A worker starts empty (a warm spare) and becomes a session's worker on `load`. Checkpoints
+ * need no worker (the supervisor writes them from its event log); the one snapshot a worker
+ * sends is a history rewrite (its engine replaced the transcript during a turn), with the public
+ * begin/chunk/end/failed frames and purpose `replacement`.
  */
 import * as Either from "effect/Either"
 import * as ParseResult from "effect/ParseResult"
@@ -31,6 +33,10 @@ export const Load = Tagged("load", {
   activeSessionId: Schema.String,
   engine: Schema.String,
   config: optional(JsonObject),
+  /** The session's own working directory (`<stateDir>/sessions/<id>/work`), for engines with tools. */
+  workDir: optional(Schema.String),
+  /** The chunk size of the snapshot frames of a history rewrite (default: the protocol's). */
+  targetChunkBytes: optional(Schema.Int.pipe(Schema.positive())),
   /** Where the session's files are; absent for a brand-new session. */
   restore: optional(
     Schema.Struct({
@@ -52,17 +58,11 @@ export const RunPrompt = Tagged("prompt", { turnId: Schema.String, message: Sche
 /** Aborts the turn `turnId` if it is still running (a turn that already ended is left alone). */
 export const AbortTurn = Tagged("abort", { turnId: Schema.String })
 
-/** Streams the session state as a checkpoint snapshot. */
-export const TakeCheckpoint = Tagged("checkpoint", {
-  snapshotId: Schema.String,
-  targetChunkBytes: Schema.Int.pipe(Schema.positive())
-})
-
 /** Asks the worker to exit cleanly. */
 export const Stop = Tagged("stop", {})
 
 /** Every frame the supervisor sends. */
-export const SupervisorFrame = Schema.Union(Load, RunPrompt, AbortTurn, TakeCheckpoint, Stop)
+export const SupervisorFrame = Schema.Union(Load, RunPrompt, AbortTurn, Stop)
 export type SupervisorFrame = typeof SupervisorFrame.Type
 
 // Worker -> supervisor ---------------------------------------------------------------------------

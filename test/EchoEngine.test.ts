@@ -4,7 +4,7 @@ import * as Effect from "effect/Effect"
 import * as Fiber from "effect/Fiber"
 import * as Stream from "effect/Stream"
 import * as TestClock from "effect/TestClock"
-import { Engine, foldEvent } from "../src/Engine.js"
+import { Engine, foldEvent, TranscriptReplaced, type TurnOutput } from "../src/Engine.js"
 import * as EchoEngine from "../src/engines/EchoEngine.js"
 import type { AgentEvent, AgentMessage } from "../src/Protocol.js"
 
@@ -15,13 +15,16 @@ const turn = (message: string, config: Record<string, unknown> = {}) =>
     return Chunk.toReadonlyArray(yield* Stream.runCollect(session.runTurn({ turnId: "t1", message, history: [] })))
   }).pipe(Effect.provide(EchoEngine.layer))
 
-const types = (events: ReadonlyArray<AgentEvent>) => events.map((e) => e.type)
+const types = (events: ReadonlyArray<TurnOutput>) => events.map((e) => (e instanceof TranscriptReplaced ? e._tag : e.type))
 
-const deltasOf = (events: ReadonlyArray<AgentEvent>, messageId: string) =>
-  events.flatMap((e) => (e.type === "message_update" && e.messageId === messageId ? [e.delta] : []))
+const agentEvents = (outputs: ReadonlyArray<TurnOutput>): ReadonlyArray<AgentEvent> =>
+  outputs.flatMap((e) => (e instanceof TranscriptReplaced ? [] : [e]))
 
-const endOf = (events: ReadonlyArray<AgentEvent>, role: AgentMessage["role"]) =>
-  events.flatMap((e) => (e.type === "message_end" && e.message.role === role ? [e.message] : []))
+const deltasOf = (events: ReadonlyArray<TurnOutput>, messageId: string) =>
+  agentEvents(events).flatMap((e) => (e.type === "message_update" && e.messageId === messageId ? [e.delta] : []))
+
+const endOf = (events: ReadonlyArray<TurnOutput>, role: AgentMessage["role"]) =>
+  agentEvents(events).flatMap((e) => (e.type === "message_end" && e.message.role === role ? [e.message] : []))
 
 describe("EchoEngine", () => {
   it.effect("plain text: echo: then one delta per word", () =>

@@ -119,7 +119,7 @@ const contents = (fold: SessionFold) => fold.messages.map((m) => m.content)
 describe("SessionFold", () => {
   it("an inline baseline, then a turn: transcript, streamed message, busy, cursors; every event emitted once", () => {
     const fold = new SessionFold(ID)
-    assert.strictEqual(fold.attaching(), undefined)
+    assert.deepStrictEqual(fold.attaching(), {})
     const first = fold.attached(attachResult({ status: "unavailable", reason: "no_cursor" }, { messages: [msg("m0", "user", "old")] }))
     assert.isTrue(Either.isRight(first))
     if (Either.isRight(first)) {
@@ -184,6 +184,30 @@ describe("SessionFold", () => {
     assert.deepStrictEqual(contents(fold), ["compacted 4 messages", "three", "echo: three"])
   })
 
+  it("a connection cut off in the middle of a chunked snapshot resumes it from its next chunk (snapshotResume); another snapshot starts over", () => {
+    const fold = new SessionFold(ID)
+    fold.attaching()
+    const streamed = attachResult({ status: "unavailable", reason: "no_cursor" }, { cursor: c(2, 9), messages: [msg("a"), msg("b"), msg("c")] }, true)
+    fold.attached(streamed)
+    feed(fold, [begin(`${ID}~g1`, "attach", 3, c(2, 9)), chunk(`${ID}~g1`, 0, [msg("a")]), chunk(`${ID}~g1`, 1, [msg("b")])])
+    // Dropped after two chunks: the next attach asks for the rest.
+    assert.deepStrictEqual(fold.attaching(), { snapshotResume: { snapshotId: `${ID}~g1`, fromChunk: 2 } })
+    assert.deepStrictEqual(fold.attached(streamed), Either.right([]))
+    const out = feed(fold, [begin(`${ID}~g1`, "attach", 3, c(2, 9)), chunk(`${ID}~g1`, 2, [msg("c")]), end(`${ID}~g1`, 3)])
+    assert.strictEqual(out[0]!.type, "baseline")
+    assert.deepStrictEqual(contents(fold), ["a", "b", "c"])
+    // Cut off again, but the daemon streams another snapshot (the first one is gone): from chunk 0.
+    const again = new SessionFold(ID)
+    again.attaching()
+    again.attached(streamed)
+    feed(again, [begin(`${ID}~g1`, "attach", 3, c(2, 9)), chunk(`${ID}~g1`, 0, [msg("a")])])
+    assert.deepStrictEqual(again.attaching(), { snapshotResume: { snapshotId: `${ID}~g1`, fromChunk: 1 } })
+    const other = { ...streamed, snapshotStream: { id: `${ID}~g2`, messageCount: 2, targetChunkBytes: 100 } }
+    again.attached(other)
+    feed(again, [begin(`${ID}~g2`, "attach", 2, c(3, 1)), chunk(`${ID}~g2`, 0, [msg("x"), msg("y")]), end(`${ID}~g2`, 1)])
+    assert.deepStrictEqual(contents(again), ["x", "y"])
+  })
+
   it("a reconnect resumes from the last cursor; an overlapping replay is dropped up to it", () => {
     const fold = new SessionFold(ID)
     fold.attaching()
@@ -191,7 +215,7 @@ describe("SessionFold", () => {
     const t = turn(1, 0, "a b")
     feed(fold, [attachedMsg(), ...t.slice(0, 5)])
     // The connection drops; the next attach resumes from 1:4.
-    assert.deepStrictEqual(fold.attaching(), c(1, 4))
+    assert.deepStrictEqual(fold.attaching(), { resumeCursor: c(1, 4) })
     assert.deepStrictEqual(fold.attached(attachResult({ status: "complete", fromCursor: c(1, 5) }, undefined)), Either.right([]))
     // Even if the daemon sent some again, nothing at or before 1:4 is folded or emitted twice.
     const out = feed(fold, [attachedMsg("complete"), ...t.slice(2).map((m) => ({ ...m, meta: { ...(m as { meta: Protocol.EventMeta }).meta, replayed: true as const } }))])

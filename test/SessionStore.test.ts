@@ -252,6 +252,42 @@ for (const implementation of implementations) {
         assert.strictEqual((yield* Effect.flip(store.pruneSnapshots("nope", 1)))._tag, "SessionNotFound")
       }))
 
+    it.scoped("appendSnapshot: each generation is the previous one plus its messages, also across a whole (rewritten) one", () =>
+      Effect.gen(function*() {
+        const { store } = yield* implementation.make
+        yield* store.create(meta("a"))
+        const all = Array.from({ length: 10 }, (_, n) => message(n, n === 4 ? "ünïcödé ✓\nnewline" : undefined))
+        // Generation 2 extends generation 1's empty transcript.
+        yield* store.appendSnapshot("a", { snapshotId: "s2", generation: 2, messageCount: 3, cursor: { generation: 1, sequence: 9 } }, all.slice(0, 3))
+        yield* store.appendSnapshot("a", { snapshotId: "s3", generation: 3, messageCount: 5 }, Stream.fromIterable(all.slice(3, 5)))
+        yield* store.appendSnapshot("a", { snapshotId: "s4", generation: 4, messageCount: 5 }, [])
+        assert.deepStrictEqual(yield* collect(store.readSnapshot("a", 2)), all.slice(0, 3))
+        assert.deepStrictEqual(yield* collect(store.readSnapshot("a", 3)), all.slice(0, 5))
+        assert.deepStrictEqual(yield* collect(store.readSnapshot("a", 4)), all.slice(0, 5))
+        const latest = Option.getOrThrow(yield* store.latestSnapshot("a")).header
+        assert.strictEqual(latest.snapshotId, "s4")
+        assert.strictEqual(latest.messageCount, 5)
+        // A rewrite is written whole; the next generation extends it.
+        yield* store.writeSnapshot("a", { snapshotId: "s5", generation: 5, messageCount: 1, rewrittenAt: 5 }, [all[5]])
+        yield* store.appendSnapshot("a", { snapshotId: "s6", generation: 6, messageCount: 3, rewrittenAt: 5 }, all.slice(6, 8))
+        assert.deepStrictEqual(yield* collect(store.readSnapshot("a", 6)), all.slice(5, 8))
+        assert.strictEqual(Option.getOrThrow(yield* store.latestSnapshot("a")).header.rewrittenAt, 5)
+        // Old generations go; the ones kept still read whole.
+        assert.deepStrictEqual(yield* store.pruneSnapshots("a", 4), [2, 3])
+        assert.deepStrictEqual(yield* collect(store.readSnapshot("a", 4)), all.slice(0, 5))
+        assert.deepStrictEqual(yield* store.pruneSnapshots("a", 6), [4, 5])
+        assert.deepStrictEqual(yield* collect(store.readSnapshot("a", 6)), all.slice(5, 8))
+        // A count that does not add up publishes nothing; the same generation can then be written.
+        const wrong = yield* Effect.flip(store.appendSnapshot("a", { snapshotId: "s7", generation: 7, messageCount: 9 }, [all[8]]))
+        assert.strictEqual(wrong._tag === "SessionStoreError" ? wrong.reason : "", "InvalidInput")
+        assert.strictEqual(Option.getOrThrow(yield* store.latestSnapshot("a")).header.generation, 6)
+        yield* store.appendSnapshot("a", { snapshotId: "s7", generation: 7, messageCount: 4 }, [all[9]])
+        assert.deepStrictEqual(yield* collect(store.readSnapshot("a", 7)), [...all.slice(5, 8), all[9]])
+        // The generation before must exist (generation 1 excepted).
+        const orphan = yield* Effect.flip(store.appendSnapshot("a", { snapshotId: "s9", generation: 9, messageCount: 0 }, []))
+        assert.strictEqual(orphan._tag === "SessionStoreError" ? orphan.reason : "", "SnapshotNotFound")
+      }))
+
     it.scoped("archive moves a session away: afterwards it is not found, and its id can be reused", () =>
       Effect.gen(function*() {
         const { root, store } = yield* implementation.make
@@ -346,6 +382,49 @@ describe("SessionStore (file)", () => {
       const archived = yield* store.archive("a")
       assert.strictEqual(yield* mode(nodePath.join(root, "archive")), 0o700)
       assert.strictEqual(yield* mode(nodePath.join(archived, "meta.json")), 0o600)
+    }))
+
+  it.scoped("appendSnapshot writes only the new messages: one append-only file, header-only generations, pruned with the last reader", () =>
+    Effect.gen(function*() {
+      const dir = yield* tempDir
+      const root = nodePath.join(dir, "state")
+      const store = yield* open(root)
+      yield* store.create(meta("a"))
+      const big = (n: number) => message(n, "x".repeat(100_000))
+      const size = (path: string) => Effect.promise(() => fsp.stat(path)).pipe(Effect.map((st) => st.size))
+      const transcript = nodePath.join(root, "sessions", "a", "transcripts", "2.jsonl")
+      let count = 0
+      for (let generation = 2; generation <= 6; generation++) {
+        count++
+        const info = yield* store.appendSnapshot("a", { snapshotId: `s${generation}`, generation, messageCount: count }, [big(count)])
+        // The generation's own file is its header: small whatever the transcript's size.
+        assert.isBelow(yield* size(info.path), 400)
+        assert.strictEqual(yield* mode(info.path), 0o600)
+        assert.strictEqual(yield* size(transcript), info.header.transcript!.bytes)
+      }
+      assert.strictEqual(yield* mode(transcript), 0o600)
+      assert.strictEqual(yield* mode(nodePath.dirname(transcript)), 0o700)
+      assert.isAbove(yield* size(transcript), 5 * 100_000)
+      // A write that never got its header leaves bytes past the last published length: they
+      // are never read, and the next write of that generation replaces them.
+      const failed = yield* Effect.flip(store.appendSnapshot("a", { snapshotId: "s7", generation: 7, messageCount: 99 }, [big(6), big(7)]))
+      assert.strictEqual(failed._tag, "SessionStoreError")
+      assert.strictEqual((yield* collect(store.readSnapshot("a", 6))).length, 5)
+      yield* store.appendSnapshot("a", { snapshotId: "s7", generation: 7, messageCount: 6 }, [message(6)])
+      assert.deepStrictEqual((yield* collect(store.readSnapshot("a", 7))).at(-1), message(6))
+      // A rewrite starts over; once no kept generation reads the old file, it goes.
+      yield* store.writeSnapshot("a", { snapshotId: "s8", generation: 8, messageCount: 1, rewrittenAt: 8 }, [message(0)])
+      yield* store.appendSnapshot("a", { snapshotId: "s9", generation: 9, messageCount: 2 }, [message(1)])
+      assert.deepStrictEqual(yield* readdir(nodePath.dirname(transcript)), ["2.jsonl", "9.jsonl"])
+      yield* store.pruneSnapshots("a", 7)
+      assert.deepStrictEqual(yield* readdir(nodePath.dirname(transcript)), ["2.jsonl", "9.jsonl"])
+      yield* store.pruneSnapshots("a", 8)
+      assert.deepStrictEqual(yield* readdir(nodePath.dirname(transcript)), ["9.jsonl"])
+      assert.deepStrictEqual(yield* collect(store.readSnapshot("a", 9)), [message(0), message(1)])
+      // A transcript shorter than a header says is damage, not zeros.
+      yield* Effect.promise(() => fsp.truncate(nodePath.join(nodePath.dirname(transcript), "9.jsonl"), 3))
+      const damaged = yield* Effect.flip(store.appendSnapshot("a", { snapshotId: "s10", generation: 10, messageCount: 2 }, []))
+      assert.strictEqual(damaged._tag === "SessionStoreError" ? damaged.reason : "", "Corrupt")
     }))
 
   it.scoped("a writer that died before its rename leaves the previous latest transcript", () =>

@@ -169,6 +169,60 @@ describe("chunkMessages", () => {
 // spillDirectoryName
 // ---------------------------------------------------------------------------------------------
 
+describe("chunkRanges and appendRange", () => {
+  const messages = [
+    { id: "m0", role: "user", content: "hello", timestamp: 1 },
+    { id: "m1", role: "assistant", content: "x".repeat(300), timestamp: 2 },
+    { id: "m2", role: "assistant", content: "ünïcödé ✓ \n quoted \"newline\"", timestamp: 3 },
+    { id: "m3", role: "assistant", content: "y".repeat(5000), timestamp: 4 },
+    ...Array.from({ length: 40 }, (_, i) => ({ id: `s${i}`, role: "user", content: `small ${i}`, timestamp: 10 + i }))
+  ]
+
+  for (const target of [1, 64, 400, 1000, 1_000_000]) {
+    it.scoped(`a transcript file's lines read as chunks are byte for byte chunkMessages' (target ${target})`, () =>
+      Effect.gen(function*() {
+        const dir = yield* tempDir
+        const file = path.join(dir, "transcript.jsonl")
+        // Other bytes before and after the range: only [start, end) is read.
+        const head = "a header line\n"
+        const body = messages.map((m) => JSON.stringify(m) + "\n").join("")
+        fs.writeFileSync(file, head + body + "{\"later\":1}\n")
+        const start = Buffer.byteLength(head)
+        const end = start + Buffer.byteLength(body)
+        const cache = yield* SnapshotCache.makeMemory
+        yield* cache.create("snap", meta())
+        const found = yield* SnapshotCache.chunkRanges(file, start, end, target, (range) => cache.appendRange("snap", range))
+        yield* cache.markComplete("snap", endOf(found.chunks))
+        assert.strictEqual(found.messages, messages.length)
+        const expected = SnapshotCache.chunkMessages("session-1", "snap", messages, target).map(text)
+        const got = Chunk.toArray(yield* Stream.runCollect(cache.stream("snap"))).map(text)
+        assert.deepStrictEqual(got, expected)
+        // Two readers at once share what they read and see the same bytes.
+        const [a, b] = yield* Effect.all([Stream.runCollect(cache.stream("snap")), Stream.runCollect(cache.stream("snap"))], { concurrency: 2 })
+        assert.deepStrictEqual(Chunk.toArray(a).map(text), expected)
+        assert.deepStrictEqual(Chunk.toArray(b).map(text), expected)
+      }))
+  }
+
+  it.scoped("a range that is not whole lines, or a file cut short, fails the read instead of sending garbage", () =>
+    Effect.gen(function*() {
+      const dir = yield* tempDir
+      const file = path.join(dir, "transcript.jsonl")
+      fs.writeFileSync(file, "{\"a\":1}\n{\"b\":2}\n")
+      const notWhole = yield* Effect.flip(SnapshotCache.chunkRanges(file, 0, 10, 100, () => Effect.void))
+      assert.strictEqual(notWhole.reason, "Io")
+      const short = yield* Effect.flip(SnapshotCache.chunkRanges(file, 0, 100, 100, () => Effect.void))
+      assert.strictEqual(short.reason, "Io")
+      const cache = yield* SnapshotCache.makeMemory
+      yield* cache.create("snap", meta())
+      yield* cache.appendRange("snap", { path: file, start: 0, end: 12 })
+      yield* cache.markComplete("snap", endOf(1))
+      const failed = yield* Effect.flip(cache.waitForChunk("snap", 0))
+      assert.strictEqual(failed.reason, "Io")
+      assert.strictEqual((yield* Effect.flip(cache.appendRange("snap", { path: file, start: 3, end: 3 }))).reason, "InvalidChunk")
+    }))
+})
+
 describe("spillDirectoryName", () => {
   it("never yields a path separator, a dot or an empty name", () => {
     for (const id of ["../../etc/x", ".", "..", "a/b", "a\\b", "\u0000", "snap.1", "日本", "%2F", "x".repeat(500)]) {

@@ -9,7 +9,7 @@ import { builtinEngines } from "../src/cli/engines.js"
 import { commands } from "../src/cli/main.js"
 import { EventRenderer } from "../src/cli/render.js"
 import { matches } from "../src/cli/target.js"
-import * as EchoEngine from "../src/engines/EchoEngine.js"
+import * as BuiltinEngines from "../src/engines/builtin.js"
 import type * as Protocol from "../src/Protocol.js"
 
 const run = (argv: ReadonlyArray<string>) => {
@@ -38,7 +38,7 @@ describe("the grammar", () => {
     }
     assert.include(error(["sesions"]), "did you mean `agentd sessions`")
     assert.include(error(["status", "--jsno"]), "did you mean --json")
-    assert.include(error(["serve", "--engine", "nope"]), "unknown engine `nope` (known: echo)")
+    assert.include(error(["serve", "--engine", "nope"]), "unknown engine `nope` (known: echo, openai, openai-compat, anthropic)")
     assert.include(error(["serve", "--max-workers", "x"]), "whole number")
     assert.include(error(["state"]), "missing TARGET")
     assert.include(error(["state", "a", "b"]), `unexpected argument "b"`)
@@ -68,7 +68,7 @@ describe("the grammar", () => {
   })
 
   it("--engine's choices are the daemon's built-in engines", () => {
-    assert.deepStrictEqual([...builtinEngines].sort(), Object.keys(EchoEngine.engines).sort())
+    assert.deepStrictEqual(builtinEngines, Object.keys(BuiltinEngines.engines))
   })
 })
 

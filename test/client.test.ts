@@ -296,6 +296,52 @@ describe("DaemonClient: responses and messages", () => {
       })
     }))
 
+  it.scopedLive("promptTurn: a resync snapshot that swallowed the turn's end ends the turn once the session is idle (never waits forever)", () =>
+    Effect.gen(function*() {
+      const summary = (busy: boolean, sequence: number) => ({
+        activeSessionId: "s-1",
+        engine: "echo",
+        createdAt: "2026-01-01T00:00:00.000Z",
+        messageCount: 2,
+        busy,
+        worker: "ready",
+        restarts: 0,
+        telemetry: false,
+        lastEventCursor: { generation: 1, sequence }
+      })
+      const push = (sequence: number, ev: unknown) =>
+        line({ type: "session_event", activeSessionId: "s-1", event: ev, meta: { cursor: { generation: 1, sequence }, emittedAt: 1 } })
+      let states = 0
+      const socketPath = yield* answeringDaemon((envelope, socket) => {
+        const id = envelope["id"]
+        const type = (envelope["command"] as { type: string }).type
+        const ok = (data: unknown) => socket.write(line({ type: "response", id, command: type, success: true, data }))
+        if (type === "get_state") return ok(summary(false, states++ === 0 ? 4 : 12))
+        if (type === "attach") {
+          return ok({
+            protocol: { name: "agentd", version: 1 },
+            activeSessionId: "s-1",
+            snapshot: { snapshotId: "s-1~g1", messageCount: 0, messages: [] },
+            replay: { status: "complete", eventCount: 0 },
+            lastEventSequence: 4,
+            client: { id: "c-fake", capabilities: ["event_sequence", "slim_attach"] }
+          })
+        }
+        ok({ accepted: true })
+        // The turn starts; then the connection falls behind and its events are pruned: a resync.
+        socket.write(push(6, { type: "agent_start" }))
+        socket.write(push(7, { type: "turn_start" }))
+        const frame = { activeSessionId: "s-1", snapshotId: "s-1~g2" }
+        socket.write(line({ type: "session_snapshot_begin", ...frame, messageCount: 4, targetChunkBytes: 524288, purpose: "resync", cursor: { generation: 1, sequence: 12 } }))
+        socket.write(line({ type: "session_snapshot_chunk", ...frame, index: 0, messages: [] }))
+        socket.write(line({ type: "session_snapshot_end", ...frame, chunkCount: 1, lastEventSequence: 12, lastEventCursor: { generation: 1, sequence: 12 } }))
+      })
+      const client = yield* DaemonClient.make({ socketPath })
+      const turn = yield* Stream.runCollect(client.promptTurn("s-1", "hello")).pipe(Effect.timeout("5 seconds"))
+      assert.deepStrictEqual([...turn].map((m) => m.event.type), ["agent_start", "turn_start"])
+      assert.strictEqual(states, 2, "the state was asked again after the resync")
+    }))
+
   it.scopedLive("a daemon that goes away fails what waits with DaemonDisconnected; later commands fail at once", () =>
     Effect.gen(function*() {
       let peer: net.Socket | undefined

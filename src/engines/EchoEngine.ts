@@ -6,7 +6,16 @@ import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
 import * as Layer from "effect/Layer"
 import * as Stream from "effect/Stream"
-import { Engine, type EngineDefinition, EngineError, type EngineSession, registry, type TurnInput } from "../Engine.js"
+import {
+  Engine,
+  type EngineDefinition,
+  EngineError,
+  type EngineSession,
+  registry,
+  TranscriptReplaced,
+  type TurnInput,
+  type TurnOutput
+} from "../Engine.js"
 import type { AgentEvent, AgentMessage } from "../Protocol.js"
 
 /** The largest delta of a `/bulk` message. */
@@ -60,8 +69,16 @@ function* bulkDeltas(size: number): Generator<string> {
 }
 
 /** The events after the user message, per the prompt's form. */
-const reply = (input: TurnInput, config: EchoConfig): Stream.Stream<AgentEvent, EngineError> => {
+const reply = (input: TurnInput, config: EchoConfig): Stream.Stream<TurnOutput, EngineError> => {
   const text = input.message
+  if (/^\/compact\s*$/.test(text)) {
+    // A history rewrite: the transcript so far (this turn's user message included) becomes one
+    // assistant message that says how many it replaced.
+    const replaced = input.history.length + 1
+    return Stream.make(new TranscriptReplaced({
+      messages: [message(`${input.turnId}-c`, "assistant", `compacted ${replaced} messages`)]
+    }))
+  }
   const assistantId = `${input.turnId}-a`
   const bulk = /^\/bulk\s+(\d+)\s*$/.exec(text)
   if (bulk !== null) {
@@ -96,14 +113,14 @@ const makeSession = (config: EchoConfig): EngineSession => ({
   runTurn: (input) =>
     Stream.suspend(() => {
       const user = message(`${input.turnId}-u`, "user", input.message)
-      return Stream.make<Array<AgentEvent>>(
+      return Stream.make<Array<TurnOutput>>(
         { type: "agent_start" },
         { type: "turn_start" },
         { type: "message_start", message: user },
         { type: "message_end", message: user }
       ).pipe(
         Stream.concat(reply(input, config)),
-        Stream.concat(Stream.make<Array<AgentEvent>>({ type: "turn_end" }, { type: "agent_end" }))
+        Stream.concat(Stream.make<Array<TurnOutput>>({ type: "turn_end" }, { type: "agent_end" }))
       )
     })
 })

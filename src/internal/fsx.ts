@@ -161,9 +161,12 @@ export const readFileIfExists = (path: string): Effect.Effect<Option.Option<stri
  * multi-byte UTF-8 sequence, so decoding per line is exact; a trailing `\r` is dropped; the last
  * line is yielded even without a final `\n`. The file is closed when iteration ends, throws or
  * is abandoned (`return()`), which is what `Stream.fromAsyncIterable` does on interruption.
+ * With `byteLength`, only that prefix of the file is read.
  */
-export async function* lineBatches(path: string): AsyncGenerator<ReadonlyArray<string>> {
-  const input = createReadStream(path, { highWaterMark: 64 * 1024 })
+export async function* lineBatches(path: string, byteLength?: number): AsyncGenerator<ReadonlyArray<string>> {
+  if (byteLength === 0) return
+  // `end` is inclusive: the first `byteLength` bytes (a prefix of an append-only file).
+  const input = createReadStream(path, { highWaterMark: 64 * 1024, ...(byteLength === undefined ? {} : { end: byteLength - 1 }) })
   let pending: Array<Buffer> = []
   try {
     for await (const piece of input as AsyncIterable<Buffer>) {

@@ -210,14 +210,14 @@ describe("agentd CLI against a daemon", () => {
     assert.include(helpPrompt.stdout, "Usage: agentd prompt [options] TARGET [TEXT]")
     assert.include(helpPrompt.stdout, "--file PATH")
     assert.include(helpFlag.stdout, "Usage: agentd serve")
-    assert.include(helpFlag.stdout, "One of: echo.")
+    assert.include(helpFlag.stdout, "One of: echo, openai, openai-compat, anthropic.")
     for (const out of [help.stdout, helpPrompt.stdout, helpFlag.stdout, noColor.stdout]) assert.notInclude(out, "\x1b[")
     assert.strictEqual(order.code, 0, order.stderr)
     assert.strictEqual(JSON.parse(order.stdout).pid, daemon().pid)
     assert.strictEqual(unreachable.code, 3)
     assert.include(unreachable.stderr, "nobody.sock")
     assert.strictEqual(badEngine.code, 2)
-    assert.include(badEngine.stderr, "unknown engine `nope` (known: echo)")
+    assert.include(badEngine.stderr, "unknown engine `nope` (known: echo, openai, openai-compat, anthropic)")
   })
 
   it("prompt: a 3 MB prompt from stdin and from --file, a 9 MB reply whole (exit 0); log into a closed pipe ends quietly", async () => {

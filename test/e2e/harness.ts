@@ -780,6 +780,8 @@ export const agentMessageProblems = (m: unknown, where = "message"): Array<strin
   if (typeof o["content"] !== "string") out.push(`${where}.content`)
   if ("toolCallId" in o && typeof o["toolCallId"] !== "string") out.push(`${where}.toolCallId`)
   if ("toolName" in o && typeof o["toolName"] !== "string") out.push(`${where}.toolName`)
+  if ("isError" in o && typeof o["isError"] !== "boolean") out.push(`${where}.isError`)
+  if ("interrupted" in o && o["interrupted"] !== true) out.push(`${where}.interrupted must be true when present`)
   if (!isInt(o["timestamp"]) || o["timestamp"] < 1_000_000_000_000) out.push(`${where}.timestamp must be epoch ms: ${o["timestamp"]}`)
   return out
 }

@@ -75,7 +75,7 @@ describe("server (e2e)", () => {
       timeout: 20_000
     })
     expect(run.status).toBe(2)
-    expect(run.stderr).toContain("unknown engine `nope` (known: echo)")
+    expect(run.stderr).toContain("unknown engine `nope` (known: echo, openai, openai-compat, anthropic)")
     expect(fs.existsSync(stateDir)).toBe(false)
   }, 30_000)
 

@@ -36,17 +36,22 @@ describe("workers (e2e)", () => {
     process.kill(pid, "SIGKILL")
     const rest = await collectUntil(client, id, (m) => m["type"] === "session_status" && m["state"].worker === "ready", 20_000)
     const kinds = rest.map((m) => (m["type"] === "session_event" ? m["event"].type : `status:${m["state"]?.worker}`))
-    expect(kinds.slice(-3)).toEqual(["status:recovering", "turn_interrupted", "status:ready"])
+    // The cut assistant message ends (interrupted, with what was streamed) before turn_interrupted.
+    expect(kinds.slice(-4)).toEqual(["status:recovering", "message_end", "turn_interrupted", "status:ready"])
     expect(rest.at(-2)!["event"].reason).toBe("worker_crashed")
 
     const after = await client.ok({ type: "get_state", activeSessionId: id })
     expect(after["activeSessionId"]).toBe(id)
     expect(after["workerPid"]).not.toBe(pid)
     expect(after["restarts"]).toBe(1)
-    // The user message's message_end was logged; the cut assistant message never ended.
+    // The user message's message_end was logged; the cut assistant message was ended by the
+    // restored worker with the text streamed before the crash, marked interrupted.
     const messages = await allMessages(client, id)
-    expect(messages.map((m) => m["role"])).toEqual(["user"])
+    expect(messages.map((m) => m["role"])).toEqual(["user", "assistant"])
     expect(messages[0]!["content"]).toBe("/bulk 4000000")
+    expect(messages[1]!["interrupted"]).toBe(true)
+    expect((messages[1]!["content"] as string).length).toBeGreaterThan(0)
+    expect((messages[1]!["content"] as string).length).toBeLessThan(4000000)
 
     // Everything logged is still in the log: a full replay from the start has no gap.
     const reader = await daemon.connect("reader")

@@ -5,7 +5,7 @@
  *
  * With a {@link SpawnControl} (always, through {@link withCore}) a test can hold a worker at a
  * chosen step (gates: the spawn, the `load`, a `/hold` turn, the supervisor's reads of a
- * worker's frames, the snapshot cache's chunks), make spawns fail, and make a worker die right
+ * worker's frames), make spawns fail, and make a worker die right
  * after a chosen frame (`crashAfter`): a command then lands in a given phase of the session
  * entity deterministically, without sleeps.
  */
@@ -88,8 +88,6 @@ export interface SpawnControl {
    * interruption, and so the turn's end, waits for it.
    */
   readonly cutGate: Gate
-  /** Passed by the snapshot cache's `appendChunk` (the entity is inside a checkpoint's frames). */
-  readonly chunkGate: Gate
   /**
    * Passed by the supervisor before each read of a worker's frames: while it is closed, what
    * workers write waits in their links (the supervisor has not seen it yet).
@@ -97,10 +95,6 @@ export interface SpawnControl {
   readonly frameGate: Gate
   /** Turns whose engine stream has ended (its last event written to the worker's link). */
   readonly turnsEnded: Ref.Ref<number>
-  /** The snapshot cache entries created, in order. */
-  readonly snapshotCreates: Array<string>
-  /** Called (synchronously) whenever a snapshot cache entry is created. */
-  onSnapshotCreate: ((snapshotId: string) => void) | undefined
   /**
    * One shot: the first frame a worker writes that matches (`type`, and `eventType` for an
    * agent event) is its last: the worker dies right after writing it (what followed it in the
@@ -116,7 +110,6 @@ export const makeSpawnControl = Effect.gen(function*() {
   const spawnGate = new Gate()
   const loadGate = new Gate()
   const holdGate = new Gate()
-  const chunkGate = new Gate()
   const cutGate = new Gate()
   const frameGate = new Gate()
   const control: SpawnControl = {
@@ -127,13 +120,10 @@ export const makeSpawnControl = Effect.gen(function*() {
     loadGate,
     holdGate,
     cutGate,
-    chunkGate,
     frameGate,
-    snapshotCreates: [],
-    onSnapshotCreate: undefined,
     crashAfter: undefined,
     openAll: Effect.sync(() => {
-      for (const g of [spawnGate, loadGate, holdGate, cutGate, chunkGate, frameGate]) g.open()
+      for (const g of [spawnGate, loadGate, holdGate, cutGate, frameGate]) g.open()
     })
   }
   return control
@@ -193,25 +183,6 @@ export const testEngine = (control: SpawnControl): Layer.Layer<Engine> =>
           )
       }))
   ).pipe(Layer.provide(EchoEngine.layer))
-
-/** The memory snapshot cache, watched and gated by `control`. */
-const testCache = (control: SpawnControl): Layer.Layer<SnapshotCache.SnapshotCache> =>
-  Layer.effect(
-    SnapshotCache.SnapshotCache,
-    Effect.map(SnapshotCache.SnapshotCache, (inner) =>
-      SnapshotCache.SnapshotCache.of({
-        ...inner,
-        create: (snapshotId, meta) =>
-          Effect.zipRight(
-            Effect.sync(() => {
-              control.snapshotCreates.push(snapshotId)
-              control.onSnapshotCreate?.(snapshotId)
-            }),
-            inner.create(snapshotId, meta)
-          ),
-        appendChunk: (snapshotId, bytes) => Effect.zipRight(control.chunkGate.pass, inner.appendChunk(snapshotId, bytes))
-      }))
-  ).pipe(Layer.provide(SnapshotCache.layerMemory))
 
 /** A worker as the supervisor sees it, whose frames pass {@link SpawnControl.crashAfter}. */
 class CrashingWorker implements WorkerPool.WorkerHandle {
@@ -299,7 +270,7 @@ export const coreLayer = (config: Partial<DaemonConfigShape> = {}, spawn?: Spawn
     : Layer.succeedContext(stored)
   const storage = Layer.mergeAll(
     durable,
-    spawn === undefined ? SnapshotCache.layerMemory : testCache(spawn),
+    SnapshotCache.layerMemory,
     spawn === undefined ? EchoEngine.layer : testEngine(spawn)
   )
   const pool = WorkerPool.layerInProcess({

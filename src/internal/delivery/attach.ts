@@ -21,6 +21,9 @@ import { Attachment } from "./attachment.js"
 import { type Decision, decideReplay, needsLastSequence } from "./replay.js"
 import { wireLineOfRecord } from "./wireLines.js"
 
+/** Room left in a response line for everything but the inlined messages. */
+const INLINE_MARGIN_BYTES = 64 * 1024
+
 /** Attachments: attach (replay decision, baseline), catch-up from the log, resync, detach. */
 export const makeDelivery = (core: Core, checkpoints: Checkpoints) => {
   const { cache, config, connections, log, get, filterEnv, summary } = core
@@ -36,7 +39,7 @@ export const makeDelivery = (core: Core, checkpoints: Checkpoints) => {
   const decide = (s: Session, resume: Cursor.Cursor | undefined) =>
     Effect.gen(function*(): Effect.fn.Return<Decision, CommandError> {
       const last = s.lastCursor
-      const view = { resume, last, generation: s.generation, snapshotCursor: s.snapshotCursor }
+      const view = { resume, last, generation: s.generation, snapshotCursor: s.snapshotCursor, rewriteGeneration: s.rewriteGeneration }
       if (resume === undefined || last === undefined) {
         return decideReplay({ ...view, oldestGeneration: s.generation, lastSequenceOfResumeGeneration: undefined })
       }
@@ -48,12 +51,15 @@ export const makeDelivery = (core: Core, checkpoints: Checkpoints) => {
       return decideReplay({ ...view, oldestGeneration, lastSequenceOfResumeGeneration })
     })
 
-  /** Replaces a client's state with the current generation's snapshot; false when it must re-attach. */
-  const resync = (a: Attachment) =>
+  /**
+   * Replaces a client's state with the current generation's snapshot: a `resync` (the events it
+   * lacked were pruned) or a `replacement` (history was rewritten). False when it must re-attach.
+   */
+  const resync = (a: Attachment, purpose: "resync" | "replacement") =>
     Effect.gen(function*() {
       const s = a.session
       const chosen = yield* Effect.either(s.readGate.withPermits(1)(
-        Effect.map(currentSnapshotEntry(s), (entry) => ({ entry, cursor: s.snapshotCursor }))
+        Effect.map(currentSnapshotEntry(s), (entry) => ({ entry, cursor: s.snapshotCursor, rewrite: s.rewriteGeneration }))
       ))
       if (Either.isLeft(chosen)) {
         // The client must hear that its state is gone: it attaches again.
@@ -66,9 +72,11 @@ export const makeDelivery = (core: Core, checkpoints: Checkpoints) => {
         }))
         return false
       }
-      if (!(yield* streamSnapshot(a, chosen.right.entry, "resync"))) return false
+      a.knownRewrite = chosen.right.rewrite
+      if (!(yield* streamSnapshot(a, chosen.right.entry, purpose))) return false
       a.delivered = chosen.right.cursor
-      a.resumed = true
+      // Events re-sent after a resync existed already; after a replacement they are new.
+      if (purpose === "resync") a.resumed = true
       return true
     })
 
@@ -78,7 +86,13 @@ export const makeDelivery = (core: Core, checkpoints: Checkpoints) => {
       const s = a.session
       const id = s.meta.activeSessionId
       const sessionJson = JSON.stringify(id)
+      /** History was rewritten since the client's state was made: it needs the new snapshot. */
+      const stale = () => a.knownRewrite !== s.rewriteGeneration
       while (!a.detached && !a.outbox.isClosed) {
+        if (stale()) {
+          if (!(yield* resync(a, "replacement"))) return detachAttachment(a)
+          continue
+        }
         const target = s.lastCursor
         if (target === undefined || (a.delivered !== undefined && !Cursor.isBefore(a.delivered, target))) {
           // Caught up: from now on publish writes to this client directly.
@@ -88,6 +102,7 @@ export const makeDelivery = (core: Core, checkpoints: Checkpoints) => {
             a.wake = () => resume(Effect.void)
           })
           if (a.detached || a.outbox.isClosed) return
+          if (stale()) continue
           // Paused: wait for the client to drain, then re-send what it missed from the log.
           yield* a.outbox.awaitBelow(Math.max(1, a.limit / 2))
           a.resumed = true
@@ -95,7 +110,8 @@ export const makeDelivery = (core: Core, checkpoints: Checkpoints) => {
           continue
         }
         const pruned = yield* log.read(id, a.delivered).pipe(
-          Stream.takeWhile((r) => !Cursor.isAfter(r.cursor, target)),
+          // Never into a rewritten history the client has not been sent the snapshot of.
+          Stream.takeWhile((r) => !Cursor.isAfter(r.cursor, target) && !(stale() && r.cursor.generation >= s.rewriteGeneration!)),
           Stream.runForEach((r) =>
             Effect.gen(function*() {
               if (a.detached) return yield* Effect.interrupt
@@ -115,7 +131,7 @@ export const makeDelivery = (core: Core, checkpoints: Checkpoints) => {
         )
         // The events after what the client has were pruned while it was paused: it gets the
         // current generation's snapshot (a resync), then that generation's events.
-        if (pruned && !(yield* resync(a))) return detachAttachment(a)
+        if (pruned && !stale() && !(yield* resync(a, "resync"))) return detachAttachment(a)
       }
     })
 
@@ -153,7 +169,10 @@ export const makeDelivery = (core: Core, checkpoints: Checkpoints) => {
       let replay: Protocol.Replay
       let snapshotId = `${snapshotIdOf(s, s.generation)}`
       let snapshotMessages: ReadonlyArray<AgentMessage> = []
+      let snapshotCursor = s.snapshotCursor
+      let snapshotMessageCount = s.baseMessageCount
       let stream: string | undefined
+      let fromChunk = 0
       if (decision.kind === "complete") {
         attachment.delivered = decision.after
         const count = lastCursor === undefined ? 0 : yield* countEvents(s, decision.after, lastCursor)
@@ -161,19 +180,42 @@ export const makeDelivery = (core: Core, checkpoints: Checkpoints) => {
           ? { status: "complete", eventCount: 0 }
           : { status: "complete", fromCursor: yield* firstAfter(s, decision.after), toCursor: lastCursor!, eventCount: count }
       } else {
-        attachment.delivered = s.snapshotCursor
-        const count = s.generationEvents
+        const resumed = cmd.snapshotResume === undefined ? undefined : yield* resumable(s, cmd.snapshotResume.snapshotId)
+        if (resumed !== undefined) {
+          // The snapshot a cut-off attach was streaming, still retained: the same frames from
+          // the chunk where it stopped, then the events after it.
+          stream = resumed.snapshotId
+          snapshotId = stream
+          fromChunk = cmd.snapshotResume!.fromChunk
+          snapshotCursor = resumed.cursor
+          snapshotMessageCount = resumed.messageCount
+        }
+        attachment.delivered = snapshotCursor
+        // The events after the snapshot, up to the last one: the current generation's, or for a
+        // resumed older snapshot, everything after its cursor.
+        const count = resumed === undefined
+          ? s.generationEvents
+          : lastCursor === undefined
+          ? 0
+          : yield* countEvents(s, snapshotCursor, lastCursor)
         replay = { ...decision.replay, eventCount: count }
         if (count > 0 && lastCursor !== undefined) {
-          replay = { ...replay, fromCursor: Cursor.make(s.generation, 0), toCursor: lastCursor }
+          const first = resumed === undefined
+            ? Cursor.make(s.generation, 0)
+            : snapshotCursor === undefined
+            ? Cursor.make(1, 0)
+            : yield* firstAfter(s, snapshotCursor)
+          replay = { ...replay, fromCursor: first, toCursor: lastCursor }
         }
-        if (chunked) {
+        // Inline unless the client takes frames, or the response line would pass the line limit
+        // (the messages appear twice in it without slim_attach): then frames all the same.
+        const inline = stream !== undefined || chunked
+          ? undefined
+          : yield* inlineSnapshot(s, (config.maxLineBytes - INLINE_MARGIN_BYTES) / (slim ? 1 : 2))
+        if (inline !== undefined) snapshotMessages = inline
+        else if (stream === undefined) {
           stream = yield* currentSnapshotEntry(s)
           snapshotId = stream
-        } else {
-          snapshotMessages = Chunk.toReadonlyArray(
-            yield* Stream.runCollect(Stream.map(snapshotLines(s), (line) => JSON.parse(line) as AgentMessage))
-          )
         }
       }
       s.attachments.add(attachment)
@@ -186,8 +228,8 @@ export const makeDelivery = (core: Core, checkpoints: Checkpoints) => {
         activeSessionId: s.meta.activeSessionId,
         snapshot: {
           snapshotId,
-          ...(s.snapshotCursor === undefined ? {} : { cursor: s.snapshotCursor }),
-          messageCount: decision.kind === "complete" ? 0 : s.baseMessageCount,
+          ...(snapshotCursor === undefined ? {} : { cursor: snapshotCursor }),
+          messageCount: decision.kind === "complete" ? 0 : snapshotMessageCount,
           messages: snapshotMessages
         },
         replay,
@@ -200,14 +242,18 @@ export const makeDelivery = (core: Core, checkpoints: Checkpoints) => {
       }
       if (lastCursor !== undefined) data.lastEventCursor = lastCursor
       if (stream !== undefined) {
-        data.snapshotStream = { id: stream, messageCount: s.baseMessageCount, targetChunkBytes: config.targetChunkBytes }
+        data.snapshotStream = { id: stream, messageCount: snapshotMessageCount, targetChunkBytes: config.targetChunkBytes }
       }
-      const purpose: Protocol.SnapshotPurpose = decision.kind === "baseline" && decision.replay.status === "partial"
+      const purpose: Protocol.SnapshotPurpose = decision.kind !== "baseline"
+        ? "attach"
+        : decision.replay.reason === "transcript_replaced"
+        ? "replacement"
+        : decision.replay.status === "partial"
         ? "resync"
         : "attach"
       const deliver = Effect.gen(function*() {
         if (stream !== undefined) {
-          const ok = yield* streamSnapshot(attachment, stream, purpose)
+          const ok = yield* streamSnapshot(attachment, stream, purpose, fromChunk)
           if (!ok) {
             detachAttachment(attachment)
             return
@@ -225,8 +271,8 @@ export const makeDelivery = (core: Core, checkpoints: Checkpoints) => {
       return { data: data as Protocol.DaemonAttachResult, deliver }
     })))
 
-  /** Sends begin, every chunk and end (or failed); false when the client must re-attach. */
-  const streamSnapshot = (a: Attachment, snapshotId: string, purpose: Protocol.SnapshotPurpose) =>
+  /** Sends begin, every chunk from `fromChunk` and end (or failed); false when the client must re-attach. */
+  const streamSnapshot = (a: Attachment, snapshotId: string, purpose: Protocol.SnapshotPurpose, fromChunk = 0) =>
     Effect.scoped(Effect.gen(function*() {
       const s = a.session
       const base = { activeSessionId: s.meta.activeSessionId, snapshotId }
@@ -239,10 +285,13 @@ export const makeDelivery = (core: Core, checkpoints: Checkpoints) => {
         purpose,
         ...(reader.meta.cursor === undefined ? {} : { cursor: reader.meta.cursor })
       }))
-      let index = 0
+      const window = Math.min(a.limit, 2 * reader.meta.targetChunkBytes)
+      let index = fromChunk
       while (true) {
         if (a.detached || a.outbox.isClosed) return false
-        if (a.outbox.queuedBytes >= a.limit) yield* a.outbox.awaitBelow(a.limit)
+        // A couple of chunks in flight keep the socket busy; more would only hold memory (each
+        // reader of a 100 MB snapshot would otherwise queue up to its whole outbox limit).
+        if (a.outbox.queuedBytes >= window) yield* a.outbox.awaitBelow(window)
         const next = yield* reader.waitForChunk(index)
         // Detached while it waited: its detach is answered, nothing may follow.
         if (a.detached || a.outbox.isClosed) return false
@@ -273,8 +322,36 @@ export const makeDelivery = (core: Core, checkpoints: Checkpoints) => {
       )
     )
 
-  const countEvents = (s: Session, after: Cursor.Cursor, until: Cursor.Cursor) =>
-    after.generation === until.generation
+  /**
+   * A snapshot of the session still in the cache and whole (complete, or being filled), that a
+   * cut-off attach may continue; undefined otherwise.
+   */
+  const resumable = (s: Session, snapshotId: string) =>
+    Effect.map(Effect.option(cache.info(snapshotId)), (found) => {
+      if (Option.isNone(found)) return undefined
+      const info = found.value
+      if (info.disposed || info.status === "failed" || info.meta.activeSessionId !== s.meta.activeSessionId) return undefined
+      return { snapshotId, cursor: info.meta.cursor, messageCount: info.meta.messageCount }
+    })
+
+  /** The current snapshot's messages if they fit in `budget` bytes (one line each); undefined if not. */
+  const inlineSnapshot = (s: Session, budget: number) =>
+    Effect.gen(function*() {
+      let bytes = 0
+      let fits = true
+      const lines = yield* snapshotLines(s).pipe(
+        Stream.takeWhile((line) => {
+          bytes += Buffer.byteLength(line) + 1
+          fits = bytes <= budget
+          return fits
+        }),
+        Stream.runCollect
+      )
+      return fits ? Chunk.toReadonlyArray(Chunk.map(lines, (line) => JSON.parse(line) as AgentMessage)) : undefined
+    })
+
+  const countEvents = (s: Session, after: Cursor.Cursor | undefined, until: Cursor.Cursor) =>
+    after !== undefined && after.generation === until.generation
       ? Effect.succeed(until.sequence - after.sequence)
       : log.read(s.meta.activeSessionId, after).pipe(
         Stream.takeWhile((r) => !Cursor.isAfter(r.cursor, until)),

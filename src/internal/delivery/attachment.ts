@@ -11,6 +11,8 @@ export class Attachment {
   delivered: Cursor.Cursor | undefined
   /** Set after a backpressure pause: re-sent events are flagged replayed. */
   resumed = false
+  /** The session's latest history rewrite that the client's state includes. */
+  knownRewrite: number | undefined
   wake: (() => void) | undefined
   detached = false
 
@@ -21,7 +23,9 @@ export class Attachment {
     readonly limit: number,
     /** Events up to this cursor existed at attach time: they are flagged replayed. */
     readonly attachCursor: Cursor.Cursor | undefined
-  ) {}
+  ) {
+    this.knownRewrite = session.rewriteGeneration
+  }
 
   /**
    * Called by publish, synchronously, for every batch of new events (`lines`, the last one at
@@ -36,6 +40,15 @@ export class Attachment {
     }
     this.outbox.offer(lines)
     this.delivered = last
+  }
+
+  /**
+   * The session's history was rewritten: the catch-up fiber sends the new snapshot before any
+   * later event (a live attachment stops taking events directly until then).
+   */
+  replaceState() {
+    if (this.mode === "live") this.mode = "catchup"
+    this.signal()
   }
 
   signal() {

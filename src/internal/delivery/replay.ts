@@ -1,7 +1,8 @@
 /**
  * The replay decision of an attach (PROTOCOL.md section 5), as a pure function of what the
  * session and its event log hold: replay the events after the client's cursor (`complete`), or
- * send a baseline (the current generation's snapshot and events) with the reason.
+ * send a baseline (the current generation's snapshot and events) with the reason. A cursor from
+ * before a history rewrite always gets the baseline (`transcript_replaced`).
  */
 import * as Cursor from "../../Cursor.js"
 import type * as Protocol from "../../Protocol.js"
@@ -27,6 +28,8 @@ export interface ReplayView {
    * still holds (-1 when empty); undefined otherwise.
    */
   readonly lastSequenceOfResumeGeneration: number | undefined
+  /** The latest generation whose snapshot rewrote history, if any. */
+  readonly rewriteGeneration?: number | undefined
 }
 
 /** Whether the decision needs {@link ReplayView.lastSequenceOfResumeGeneration}. */
@@ -38,6 +41,10 @@ export const decideReplay = (view: ReplayView): Decision => {
   if (resume === undefined) return { kind: "baseline", replay: { status: "unavailable", reason: "no_cursor" } }
   if (last === undefined || Cursor.isAfter(resume, last)) {
     return { kind: "baseline", replay: { status: "unavailable", reason: "cursor_ahead" } }
+  }
+  if (view.rewriteGeneration !== undefined && resume.generation < view.rewriteGeneration) {
+    // Replay never crosses a rewrite: what the client holds is not what the session extends.
+    return { kind: "baseline", replay: { status: "partial", reason: "transcript_replaced" } }
   }
   if (resume.generation < view.oldestGeneration) {
     // The very end of a pruned generation is the current snapshot's cursor: nothing after it

@@ -1,122 +1,199 @@
 /**
- * A checkpoint, as the session's entity runs it: the worker streams its transcript as snapshot
- * frames into the snapshot cache; once complete, the transcript file is written from the cache
- * and the event log moves to the next generation in the same step of the entity; old
+ * Generations, as the session's entity moves through them: a checkpoint (between turns) appends
+ * the messages the generation added to the transcript and starts the next generation in one
+ * step; a history rewrite (an engine replaced its transcript during a turn) arrives from the
+ * worker as snapshot frames, is written whole and starts the next generation at once. Old
  * generations are pruned. Also the readers of the current generation's snapshot.
  */
+import * as Cause from "effect/Cause"
 import * as Deferred from "effect/Deferred"
 import * as Effect from "effect/Effect"
 import * as Either from "effect/Either"
+import * as Exit from "effect/Exit"
 import * as Option from "effect/Option"
 import * as Stream from "effect/Stream"
 import { randomUUID } from "node:crypto"
 import type * as Protocol from "../../Protocol.js"
+import type { Cursor } from "../../Cursor.js"
 import type { AgentMessage } from "../../Protocol.js"
-import { ChunkBuilder } from "../../SnapshotCache.js"
+import { ChunkBuilder, chunkRanges } from "../../SnapshotCache.js"
 import type { WorkerHandle } from "../../WorkerPool.js"
 import type { LoggedBody } from "../delivery/wireLines.js"
-import type { AnyFrame, Phase } from "./phase.js"
+import type { AnyFrame } from "./phase.js"
 import { type Core, CommandError, internal, READ_GATE_PERMITS, type Session, snapshotIdOf } from "./session.js"
 
-/** Checkpoints: the worker's snapshot into the cache, the transcript file, the new generation, pruning. */
+/** Checkpoints: the transcript of the next generation, the log's new generation, pruning. */
 export const makeCheckpoints = (core: Core) => {
-  const { cache, config, log, store, record } = core
-
-  /** Asks the worker for its state: the first step of a checkpoint (the rest comes as frames). */
-  const beginCheckpoint = (s: Session, worker: WorkerHandle) =>
-    Effect.gen(function*() {
-      const generation = s.generation + 1
-      const snapshotId = snapshotIdOf(s, generation)
-      const waiters = s.checkpointWaiters
-      s.checkpointWaiters = []
-      s.checkpointDue = false
-      s.phase = { _tag: "Checkpointing", worker, snapshotId, generation, waiters, began: false }
-      yield* record(s, false, "snapshot_begin")
-      yield* worker.send({ type: "checkpoint", snapshotId, targetChunkBytes: config.targetChunkBytes })
-    })
+  const { cache, config, log, store, record, fork } = core
 
   /**
-   * The worker's snapshot is complete in the cache: the transcript is written from it and the
-   * log moves on to the new generation, in one step of the entity (no event can come between
-   * the snapshot's cursor and the new generation).
+   * Takes a checkpoint in one step of the entity, between turns: the messages the current
+   * generation added (its `message_end` events, read back from the log) are appended to the
+   * transcript, and the log moves on to the new generation. Its cost is what the generation
+   * added, whatever the transcript's size; no worker is involved (the log is what a worker
+   * restores from, so it holds the same transcript). Answers every checkpoint waiting.
    */
-  const completeCheckpoint = (s: Session, phase: Extract<Phase, { _tag: "Checkpointing" }>) =>
+  const runCheckpoint = (s: Session) =>
+    Effect.gen(function*() {
+      const waiters = s.checkpointWaiters.splice(0)
+      s.checkpointDue = false
+      const outcome = yield* Effect.either(takeCheckpoint(s))
+      if (Either.isLeft(outcome)) yield* Effect.logError(`checkpoint of ${s.meta.activeSessionId} failed: ${outcome.left.message}`)
+      for (const w of waiters) yield* Deferred.complete(w, outcome)
+    })
+
+  const takeCheckpoint = (s: Session) =>
     s.readGate.withPermits(READ_GATE_PERMITS)(Effect.gen(function*() {
-      const { generation, snapshotId } = phase
+      const id = s.meta.activeSessionId
+      const generation = s.generation + 1
+      const snapshotId = snapshotIdOf(s, generation)
       const snapshotCursor = s.lastCursor
-      const messageCount = (yield* cache.info(snapshotId).pipe(Effect.mapError(internal("snapshot")))).meta.messageCount
-      const written = yield* store.writeSnapshot(
-        s.meta.activeSessionId,
-        { snapshotId, generation, messageCount, ...(snapshotCursor === undefined ? {} : { cursor: snapshotCursor }) },
-        entryMessages(snapshotId)
+      const messageCount = s.messageCount
+      yield* record(s, false, "snapshot_begin")
+      const written = yield* store.appendSnapshot(
+        id,
+        {
+          snapshotId,
+          generation,
+          messageCount,
+          ...(snapshotCursor === undefined ? {} : { cursor: snapshotCursor }),
+          ...(s.rewriteGeneration === undefined ? {} : { rewrittenAt: s.rewriteGeneration })
+        },
+        generationMessages(s)
       ).pipe(Effect.mapError(internal("transcript")))
-      yield* log.startGeneration(s.meta.activeSessionId).pipe(Effect.mapError(internal("event log")))
-      const previous = s.snapshotId
-      s.generation = generation
-      s.snapshotCursor = snapshotCursor
-      s.baseMessageCount = messageCount
-      s.generationEvents = 0
-      s.generationBytes = 0
-      s.snapshotId = snapshotId
-      if (previous !== undefined) yield* Effect.ignore(cache.dispose(previous))
+      yield* log.startGeneration(id).pipe(Effect.mapError(internal("event log")))
+      yield* enterGeneration(s, { generation, snapshotCursor, messageCount })
       yield* record(s, false, "snapshot_end", written.path)
-      const keepFrom = generation - config.retainGenerations + 1
-      if (keepFrom > 1) {
-        yield* Effect.ignoreLogged(log.prune(s.meta.activeSessionId, keepFrom))
-        yield* Effect.ignoreLogged(store.pruneSnapshots(s.meta.activeSessionId, keepFrom))
-      }
+      yield* pruneBefore(s, generation)
       return { generation, snapshotId }
     }))
 
-  /** A checkpoint's snapshot that will not be completed: gone, so that a retry can take its id. */
-  const discardSnapshot = (snapshotId: string, why: string) =>
-    Effect.zipRight(Effect.ignore(cache.markFailed(snapshotId, why)), Effect.ignore(cache.dispose(snapshotId)))
-
-  /** A snapshot frame of the running checkpoint; returns true when the checkpoint is over. */
-  const snapshotFrame = (s: Session, phase: Extract<Phase, { _tag: "Checkpointing" }>, frame: AnyFrame) =>
+  /** The session's state moves to a new generation whose snapshot was just written. */
+  const enterGeneration = (
+    s: Session,
+    next: { readonly generation: number; readonly snapshotCursor: Cursor | undefined; readonly messageCount: number; readonly snapshotId?: string }
+  ) =>
     Effect.gen(function*() {
-      if (frame["snapshotId"] !== phase.snapshotId) {
-        yield* Effect.logWarning(`unexpected snapshot frame ${frame.type} from ${s.meta.activeSessionId}`)
-        return false
-      }
-      const id = phase.snapshotId
-      const outcome = yield* Effect.either(Effect.gen(function*(): Effect.fn.Return<{ generation: number; snapshotId: string } | undefined, CommandError> {
+      const previous = s.snapshotId
+      s.generation = next.generation
+      s.snapshotCursor = next.snapshotCursor
+      s.baseMessageCount = next.messageCount
+      s.messageCount = next.messageCount
+      s.generationEvents = 0
+      s.generationBytes = 0
+      // The snapshot's cache entry is made when a reader first needs it.
+      s.snapshotId = next.snapshotId
+      if (previous !== undefined) yield* Effect.ignore(cache.dispose(previous))
+    })
+
+  const pruneBefore = (s: Session, generation: number) =>
+    Effect.gen(function*() {
+      const keepFrom = generation - config.retainGenerations + 1
+      if (keepFrom <= 1) return
+      yield* Effect.ignoreLogged(log.prune(s.meta.activeSessionId, keepFrom))
+      yield* Effect.ignoreLogged(store.pruneSnapshots(s.meta.activeSessionId, keepFrom))
+    })
+
+  /**
+   * A frame of the history rewrite the worker streams during a turn (its engine replaced the
+   * transcript): the snapshot goes into the cache under the next generation's id; at its end the
+   * new generation starts at once, with that snapshot written whole, and every attached client
+   * is sent it (purpose `replacement`). A rewrite that cannot be kept stops the worker: its
+   * replacement restores the transcript the files hold, so the worker never differs from them.
+   */
+  const rewriteFrame = (s: Session, worker: WorkerHandle, frame: AnyFrame) =>
+    Effect.gen(function*() {
+      const id = s.meta.activeSessionId
+      const rewrite = s.rewrite
+      const outcome = yield* Effect.either(Effect.gen(function*(): Effect.fn.Return<void, CommandError> {
+        if (frame.type === "session_snapshot_begin") {
+          if (rewrite !== undefined || frame["purpose"] !== "replacement") {
+            return yield* new CommandError({ code: "internal", message: `unexpected ${frame.type} (purpose ${String(frame["purpose"])})` })
+          }
+          const generation = s.generation + 1
+          const snapshotId = snapshotIdOf(s, generation)
+          // An entry of that id left by an earlier failed attempt is gone first.
+          yield* Effect.ignore(cache.dispose(snapshotId))
+          yield* cache.create(snapshotId, {
+            activeSessionId: id,
+            messageCount: frame["messageCount"] as number,
+            targetChunkBytes: frame["targetChunkBytes"] as number,
+            cursor: s.lastCursor
+          }).pipe(Effect.mapError(internal("snapshot cache")))
+          s.rewrite = { workerSnapshotId: String(frame["snapshotId"]), snapshotId, generation }
+          return
+        }
+        if (rewrite === undefined || frame["snapshotId"] !== rewrite.workerSnapshotId) {
+          return yield* new CommandError({ code: "internal", message: `unexpected ${frame.type}` })
+        }
         switch (frame.type) {
-          case "session_snapshot_begin":
-            phase.began = true
-            yield* cache.create(id, {
-              activeSessionId: s.meta.activeSessionId,
-              messageCount: frame["messageCount"] as number,
-              targetChunkBytes: frame["targetChunkBytes"] as number,
-              cursor: s.lastCursor
-            }).pipe(Effect.mapError(internal("snapshot cache")))
-            return undefined
           case "session_snapshot_chunk":
-            yield* cache.appendChunk(id, Buffer.from(JSON.stringify(frame) + "\n")).pipe(Effect.mapError(internal("snapshot cache")))
-            return undefined
+            // Clients are sent the chunk as it is stored: under the supervisor's snapshot id.
+            yield* cache.appendChunk(
+              rewrite.snapshotId,
+              Buffer.from(JSON.stringify({ ...frame, activeSessionId: id, snapshotId: rewrite.snapshotId }) + "\n")
+            ).pipe(Effect.mapError(internal("snapshot cache")))
+            return
           case "session_snapshot_end":
-            yield* cache.markComplete(id, {
+            yield* cache.markComplete(rewrite.snapshotId, {
               chunkCount: frame["chunkCount"] as number,
               lastEventSequence: s.lastCursor?.sequence ?? -1,
               lastEventCursor: s.lastCursor
             }).pipe(Effect.mapError(internal("snapshot cache")))
-            return yield* completeCheckpoint(s, phase)
+            s.rewrite = undefined
+            return yield* completeRewrite(s, rewrite)
           default:
-            return yield* new CommandError({ code: "internal", message: `the worker could not snapshot: ${JSON.stringify(frame["error"])}` })
+            return yield* new CommandError({ code: "internal", message: `the worker could not stream its rewrite: ${JSON.stringify(frame["error"])}` })
         }
       }))
-      if (Either.isRight(outcome)) {
-        const done = outcome.right
-        if (done === undefined) return false
-        s.phase = { _tag: "Idle", worker: phase.worker }
-        for (const w of phase.waiters) yield* Deferred.succeed(w, done)
-        return true
-      }
-      s.phase = { _tag: "Idle", worker: phase.worker }
-      if (phase.began) yield* discardSnapshot(id, outcome.left.message)
-      for (const w of phase.waiters) yield* Deferred.fail(w, outcome.left)
-      return true
+      if (Either.isRight(outcome)) return
+      yield* Effect.logError(`history rewrite of ${id} not kept: ${outcome.left.message}; its worker is stopped`)
+      yield* abandonRewrite(s, outcome.left.message)
+      worker.kill()
     })
+
+  /** A rewrite being streamed that will not be completed: its entry is gone. */
+  const abandonRewrite = (s: Session, why: string) =>
+    Effect.gen(function*() {
+      const rewrite = s.rewrite
+      s.rewrite = undefined
+      if (rewrite === undefined) return
+      yield* Effect.ignore(cache.markFailed(rewrite.snapshotId, why))
+      yield* Effect.ignore(cache.dispose(rewrite.snapshotId))
+    })
+
+  const completeRewrite = (s: Session, rewrite: { readonly snapshotId: string; readonly generation: number }) =>
+    s.readGate.withPermits(READ_GATE_PERMITS)(Effect.gen(function*() {
+      const id = s.meta.activeSessionId
+      const { generation, snapshotId } = rewrite
+      const snapshotCursor = s.lastCursor
+      const messageCount = (yield* cache.info(snapshotId).pipe(Effect.mapError(internal("snapshot")))).meta.messageCount
+      yield* record(s, true, "snapshot_begin")
+      const written = yield* store.writeSnapshot(
+        id,
+        { snapshotId, generation, messageCount, rewrittenAt: generation, ...(snapshotCursor === undefined ? {} : { cursor: snapshotCursor }) },
+        entryMessages(snapshotId)
+      ).pipe(Effect.mapError(internal("transcript")))
+      yield* log.startGeneration(id).pipe(Effect.mapError(internal("event log")))
+      yield* enterGeneration(s, { generation, snapshotCursor, messageCount, snapshotId })
+      s.rewriteGeneration = generation
+      yield* record(s, true, "snapshot_end", written.path)
+      // Attached clients get the new snapshot before any event of the new generation.
+      for (const a of s.attachments) a.replaceState()
+      yield* pruneBefore(s, generation)
+    }))
+
+  /** The messages the current generation added: its `message_end` events, from the log. */
+  const generationMessages = (s: Session): Stream.Stream<AgentMessage, CommandError> =>
+    log.readGeneration(s.meta.activeSessionId, s.generation).pipe(
+      Stream.filterMap((r) => {
+        const body = r.event as unknown as LoggedBody
+        return body.type === "session_event" && body.event.type === "message_end"
+          ? Option.some((body.event as Extract<Protocol.AgentEvent, { type: "message_end" }>).message)
+          : Option.none()
+      }),
+      Stream.mapError(internal("event log"))
+    )
 
   /** Chunks of a snapshot entry as the messages they hold. */
   const entryMessages = (snapshotId: string) =>
@@ -132,18 +209,7 @@ export const makeCheckpoints = (core: Core) => {
 
   /** Every message of the transcript: the snapshot, then the messages ended since. */
   const transcript = (s: Session): Stream.Stream<AgentMessage, CommandError> =>
-    Stream.concat(
-      Stream.map(snapshotLines(s), (line) => JSON.parse(line) as AgentMessage),
-      log.readGeneration(s.meta.activeSessionId, s.generation).pipe(
-        Stream.filterMap((r) => {
-          const body = r.event as unknown as LoggedBody
-          return body.type === "session_event" && body.event.type === "message_end"
-            ? Option.some((body.event as Extract<Protocol.AgentEvent, { type: "message_end" }>).message)
-            : Option.none()
-        }),
-        Stream.mapError(internal("event log"))
-      )
-    )
+    Stream.concat(Stream.map(snapshotLines(s), (line) => JSON.parse(line) as AgentMessage), generationMessages(s))
 
   /**
    * The current generation's snapshot in the cache: the entry the worker's checkpoint filled,
@@ -156,13 +222,55 @@ export const makeCheckpoints = (core: Core) => {
         const ok = yield* Effect.either(cache.info(existing))
         if (Either.isRight(ok) && !ok.right.disposed && ok.right.status !== "failed") return existing
       }
-      const snapshotId = `${snapshotIdOf(s, s.generation)}~${randomUUID().slice(0, 8)}`
+      // The generation's own id unless an entry of it is still around (failed, or disposed and
+      // still read by someone): a new entry never shares an id with an old one.
+      const plain = snapshotIdOf(s, s.generation)
+      const taken = Either.isRight(yield* Effect.either(cache.info(plain)))
+      const snapshotId = taken ? `${plain}~${randomUUID().slice(0, 8)}` : plain
       yield* cache.create(snapshotId, {
         activeSessionId: s.meta.activeSessionId,
         messageCount: s.baseMessageCount,
         targetChunkBytes: config.targetChunkBytes,
         cursor: s.snapshotCursor
       }).pipe(Effect.mapError(internal("snapshot cache")))
+      const end = {
+        lastEventSequence: s.snapshotCursor?.sequence ?? -1,
+        lastEventCursor: s.snapshotCursor
+      }
+      const source = s.generation === 1
+        ? Option.none()
+        : yield* Effect.either(store.transcriptSource(s.meta.activeSessionId, s.generation)).pipe(Effect.map(Either.getOrElse(() => Option.none())))
+      if (Option.isSome(source)) {
+        // The chunks are ranges of the transcript file, found by a scan that runs while the first
+        // readers already stream: nothing is copied, whatever the transcript's size.
+        const { path, start, end: stop, messageCount } = source.value
+        const fill = Effect.gen(function*() {
+          const found = yield* chunkRanges(path, start, stop, config.targetChunkBytes, (range) => cache.appendRange(snapshotId, range))
+          if (found.messages !== messageCount) {
+            return yield* Effect.fail({ message: `${path} holds ${found.messages} messages, generation ${s.generation} says ${messageCount}` })
+          }
+          yield* cache.markComplete(snapshotId, { chunkCount: found.chunks, ...end })
+        })
+        yield* fork(fill.pipe(
+          // Readers never wait for an entry whose fill stopped (a pruned file, an interruption).
+          Effect.onExit((exit) =>
+            Exit.isSuccess(exit) ? Effect.void : Effect.ignore(cache.markFailed(
+              snapshotId,
+              Option.match(Cause.failureOption(exit.cause), { onNone: () => "the snapshot could not be read", onSome: (e) => e.message })
+            ))),
+          Effect.catchAll((e) => Effect.logWarning(`snapshot ${snapshotId}: ${e.message}`))
+        ))
+      } else {
+        yield* fillFromLines(s, snapshotId, end)
+      }
+      if (existing !== undefined) yield* Effect.ignore(cache.dispose(existing))
+      s.snapshotId = snapshotId
+      return snapshotId
+    })
+
+  /** Fills an entry from the transcript's lines (a store without files): chunked as they are read. */
+  const fillFromLines = (s: Session, snapshotId: string, end: { readonly lastEventSequence: number; readonly lastEventCursor: Cursor | undefined }) =>
+    Effect.gen(function*() {
       const builder = new ChunkBuilder(s.meta.activeSessionId, snapshotId, config.targetChunkBytes)
       const filled = yield* Effect.either(Effect.gen(function*() {
         yield* snapshotLines(s).pipe(
@@ -173,22 +281,15 @@ export const makeCheckpoints = (core: Core) => {
         )
         const last = builder.finish()
         if (last !== undefined) yield* cache.appendChunk(snapshotId, last)
-        yield* cache.markComplete(snapshotId, {
-          chunkCount: builder.chunkCount,
-          lastEventSequence: s.snapshotCursor?.sequence ?? -1,
-          lastEventCursor: s.snapshotCursor
-        })
+        yield* cache.markComplete(snapshotId, { chunkCount: builder.chunkCount, ...end })
       }))
       if (Either.isLeft(filled)) {
         yield* Effect.ignore(cache.markFailed(snapshotId, filled.left.message))
         return yield* internal("snapshot")(filled.left)
       }
-      if (existing !== undefined) yield* Effect.ignore(cache.dispose(existing))
-      s.snapshotId = snapshotId
-      return snapshotId
     })
 
-  return { beginCheckpoint, discardSnapshot, snapshotFrame, snapshotLines, transcript, currentSnapshotEntry }
+  return { runCheckpoint, rewriteFrame, abandonRewrite, snapshotLines, transcript, currentSnapshotEntry }
 }
 
 export type Checkpoints = ReturnType<typeof makeCheckpoints>

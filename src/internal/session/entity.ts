@@ -24,7 +24,7 @@ import type { Supervisor } from "./supervisor.js"
 /** The session entity: one fiber per session takes every input from its mailbox, one at a time. */
 export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Supervisor, delivery: Delivery) => {
   const { cache, journal, log, restarts, sessions, store, publish, publishStatus, record, summary, fork, forkIn } = core
-  const { beginCheckpoint } = checkpoints
+  const { abandonRewrite, runCheckpoint } = checkpoints
   const { answerWaiting, failSession, onCrash, onFrames, pump, startTurn, startWorker } = supervisor
   const { detachAttachment } = delivery
 
@@ -40,21 +40,22 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
         return Deferred.await(reply)
       }))
 
-  /** Idle with work waiting: a checkpoint first (asked during the turn, or due), then a prompt. */
+  /**
+   * Between turns, work waiting runs: a checkpoint first (asked during the turn, or due; it
+   * needs no worker, so a passivated session takes it too), then a reserved prompt, then a
+   * passivation.
+   */
   const drain = (s: Session) =>
     Effect.gen(function*() {
+      const betweenTurns = (s.phase._tag === "Idle" || s.phase._tag === "Passivated") && s.cutTurn === undefined
+      if (betweenTurns && (s.checkpointWaiters.length > 0 || s.checkpointDue)) yield* runCheckpoint(s)
       const phase = s.phase
       if (phase._tag !== "Idle") return
-      if (s.checkpointWaiters.length > 0 || s.checkpointDue) return yield* beginCheckpoint(s, phase.worker)
       if (s.pendingPrompt !== undefined) return yield* startTurn(s, phase.worker, s.pendingPrompt)
       if (s.passivationWanted) {
         s.passivationWanted = false
-        if (s.generationEvents > 0) {
-          // Checkpoint first; passivation is asked again once it is done.
-          s.checkpointDue = true
-          s.passivationWanted = true
-          return yield* beginCheckpoint(s, phase.worker)
-        }
+        // What the generation added is written first: a restore then reads it from the transcript.
+        if (s.generationEvents > 0) yield* runCheckpoint(s)
         s.epoch++
         s.phase = { _tag: "Passivated" }
         // The session's fibers end with its worker; whatever it does next runs in a new scope.
@@ -82,10 +83,9 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
         // Reserved now (busy); runs once the session is idle with a worker.
         s.pendingPrompt = { message: input.message, reply: input.reply }
         if (phase._tag === "Passivated") return wake(s)
-        // Said to attached clients at once, as a prompt that runs at once does; but not during a
-        // checkpoint: nothing may be logged between the snapshot's cursor and its generation
-        // (the status goes out when the turn starts, right after).
-        return phase._tag === "Idle" || phase._tag === "Checkpointing" ? Effect.void : publishStatus(s)
+        // Said to attached clients at once, as a prompt that runs at once does (when idle, the
+        // turn starts right after this input, with its status).
+        return phase._tag === "Idle" ? Effect.void : publishStatus(s)
       }
       case "Abort": {
         // Only a running turn can be aborted; a prompt that has not started yet is not a turn.
@@ -97,13 +97,9 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
         if (phase._tag === "Failed") {
           return Deferred.fail(input.reply, failed(`Session \`${s.meta.activeSessionId}\` has failed; use retry_worker.`))
         }
-        if (phase._tag === "Checkpointing") {
-          // The checkpoint under way answers it (its snapshot is the state when it was asked).
-          phase.waiters.push(input.reply)
-          return Effect.void
-        }
+        // Taken once the session is between turns (at once when it is).
         s.checkpointWaiters.push(input.reply)
-        return phase._tag === "Passivated" ? wake(s) : Effect.void
+        return Effect.void
       }
       case "Retry": {
         if (phase._tag !== "Failed") return Deferred.succeed(input.reply, summary(s))
@@ -170,7 +166,7 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
       yield* Scope.close(s.scope, Exit.void)
       const gone = notFound(id)
       if (phase._tag === "Running") for (const a of phase.aborts) yield* Deferred.fail(a, gone)
-      if (phase._tag === "Checkpointing") for (const w of phase.waiters) yield* Deferred.fail(w, gone)
+      yield* abandonRewrite(s, "the session was killed")
       yield* answerWaiting(s, gone)
       const archived = yield* Effect.either(Effect.gen(function*() {
         yield* record(s, false, "closed")

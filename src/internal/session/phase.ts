@@ -41,15 +41,6 @@ export type Phase =
     /** Aborts answered at the turn's end, with how it ended. */
     readonly aborts: Array<Deferred.Deferred<{ aborted: boolean }, CommandError>>
   }
-  | {
-    readonly _tag: "Checkpointing"
-    readonly worker: WorkerHandle
-    readonly snapshotId: string
-    readonly generation: number
-    readonly waiters: Array<CheckpointReply>
-    /** The worker's snapshot has begun (its cache entry exists). */
-    began: boolean
-  }
   | { readonly _tag: "Passivated" }
   | { readonly _tag: "Failed" }
   | { readonly _tag: "Closed" }
@@ -81,7 +72,7 @@ export type AnyFrame = { readonly type: string; readonly [k: string]: unknown }
 
 /** The worker process of a phase, if it has one. */
 export const workerOf = (phase: Phase): WorkerHandle | undefined =>
-  phase._tag === "Idle" || phase._tag === "Running" || phase._tag === "Checkpointing" || phase._tag === "Starting"
+  phase._tag === "Idle" || phase._tag === "Running" || phase._tag === "Starting"
     ? phase.worker
     : undefined
 
@@ -92,7 +83,6 @@ export const workerStateOf = (phase: Phase): WorkerState => {
       return phase.state
     case "Idle":
     case "Running":
-    case "Checkpointing":
       return "ready"
     case "Passivated":
       return "passivated"

@@ -76,6 +76,10 @@ export interface Session {
   clientEnv: Record<string, string> | undefined
   /** The snapshot cache entry of the current generation, if built. */
   snapshotId: string | undefined
+  /** The latest generation whose snapshot rewrote history (PROTOCOL: replay never crosses it). */
+  rewriteGeneration: number | undefined
+  /** A history rewrite the worker is streaming (during a turn). */
+  rewrite: { readonly workerSnapshotId: string; readonly snapshotId: string; readonly generation: number } | undefined
   closed: boolean
   /**
    * The session's own scope: its fibers (the worker's frame pump, a restart waiting for its

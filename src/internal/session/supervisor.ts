@@ -9,11 +9,13 @@ import * as Deferred from "effect/Deferred"
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
 import { randomUUID } from "node:crypto"
+import * as nodePath from "node:path"
 import type * as Protocol from "../../Protocol.js"
 import type { WorkerState } from "../../Protocol.js"
 import { stepRestart, WorkerCrashed, type WorkerHandle } from "../../WorkerPool.js"
 import type * as WorkerProtocol from "../../WorkerProtocol.js"
 import { eventMessage, type Outgoing } from "../delivery/wireLines.js"
+import { safeSegment } from "../fsx.js"
 import type { Checkpoints } from "./checkpoint.js"
 import type { AnyFrame, PendingPrompt, TurnEnd } from "./phase.js"
 import { workerOf } from "./phase.js"
@@ -22,7 +24,7 @@ import { type CommandError, type Core, failed, PUBLISH_BATCH_BYTES, type Session
 /** Worker supervision: start, frame pump, turns, crash -> restore on the restart schedule, failure. */
 export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
   const { config, info, pool, restartPolicy, restarts, sessions, fork, post, publish, publishAll, publishStatus, record, summary, workerEnv, forkIn } = core
-  const { discardSnapshot, snapshotFrame } = checkpoints
+  const { abandonRewrite, rewriteFrame } = checkpoints
 
   /**
    * Starts a worker for the session (a new session, a wake-up, a restore): the acquisition runs
@@ -46,6 +48,8 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
         type: "load",
         activeSessionId: s.meta.activeSessionId,
         engine: s.meta.engine,
+        workDir: nodePath.join(info.storeRoot, "sessions", safeSegment(s.meta.activeSessionId), "work"),
+        targetChunkBytes: config.targetChunkBytes,
         ...(s.meta.config === undefined ? {} : { config: s.meta.config as Record<string, unknown> }),
         ...(restore === undefined ? {} : { restore })
       }
@@ -177,8 +181,9 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
           case "session_snapshot_end":
           case "session_snapshot_failed": {
             yield* flushEvents
-            if (phase._tag === "Checkpointing") yield* snapshotFrame(s, phase, frame)
-            else yield* Effect.logWarning(`snapshot frame ${frame.type} of ${s.meta.activeSessionId} outside a checkpoint`)
+            // The only snapshot a worker sends: its engine rewrote the transcript during a turn.
+            if (phase._tag === "Running") yield* rewriteFrame(s, phase.worker, frame)
+            else yield* Effect.logWarning(`snapshot frame ${frame.type} of ${s.meta.activeSessionId} outside a turn`)
             break
           }
           default:
@@ -194,11 +199,8 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
       yield* Effect.logWarning(crash.message)
       const phase = s.phase
       if (phase._tag === "Running") s.cutTurn = "worker_crashed"
-      if (phase._tag === "Checkpointing") {
-        // The checkpoint is taken again from the replacement worker.
-        if (phase.began) yield* discardSnapshot(phase.snapshotId, "the worker crashed")
-        s.checkpointWaiters = [...phase.waiters, ...s.checkpointWaiters]
-      }
+      // A rewrite cut short never happened: the replacement restores what the files hold.
+      yield* abandonRewrite(s, "the worker crashed")
       if (phase._tag === "Running") for (const a of phase.aborts) yield* Deferred.succeed(a, { aborted: false })
       s.restarts++
       const { state, step: decision } = yield* stepRestart(restarts, s.restartState, crash)
@@ -226,7 +228,7 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
       const worker = workerOf(phase)
       const cut = phase._tag === "Running" ? "worker_crashed" as const : s.cutTurn
       const aborts = phase._tag === "Running" ? phase.aborts : []
-      if (phase._tag === "Checkpointing") s.checkpointWaiters = [...phase.waiters, ...s.checkpointWaiters]
+      yield* abandonRewrite(s, "the session failed")
       s.epoch++
       s.phase = { _tag: "Failed" }
       s.cutTurn = undefined
