@@ -10,7 +10,8 @@ const benches: Record<string, () => Promise<{ default: () => Promise<void> }>> =
   recovery: () => import("./recovery.js"),
   delivery: () => import("./delivery.js"),
   attach: () => import("./attach.js"),
-  checkpoint: () => import("./checkpoint.js")
+  checkpoint: () => import("./checkpoint.js"),
+  cliStartup: () => import("./cliStartup.js")
 }
 
 const wanted = process.argv.slice(2)

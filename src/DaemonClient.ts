@@ -468,7 +468,17 @@ const formatIssues = (error: ParseResult.ParseError): string => {
   return issues.length > 3 ? `${shown.join("; ")}; ...` : shown.join("; ")
 }
 
-const decodeHello = Schema.decodeUnknownEither(Protocol.DaemonHello)
+/**
+ * A decoder made on first use. Making one compiles its schema's parser at once; a client makes
+ * few kinds of requests in its life (a command line one), so it compiles only those.
+ */
+const lazy = <A>(make: () => A): () => A => {
+  let made: { readonly value: A } | undefined
+  return () => (made ??= { value: make() }).value
+}
+
+const decodeHelloLazy = lazy(() => Schema.decodeUnknownEither(Protocol.DaemonHello))
+const decodeHello = (u: unknown) => decodeHelloLazy()(u)
 const knownCapabilities: ReadonlyArray<unknown> = Protocol.Capability.literals
 
 /** The first message must be a `daemon_hello` of this protocol. */
@@ -513,8 +523,10 @@ const pushSchemas: { readonly [T in Protocol.PushMessage["type"]]: Schema.Schema
   session_snapshot_failed: Protocol.SnapshotFailed,
   daemon_closing: Protocol.DaemonClosing
 }
-const pushDecoders = new Map<string, (u: unknown) => Either.Either<Protocol.PushMessage, ParseResult.ParseError>>(
-  Object.entries(pushSchemas).map(([type, schema]) => [type, Schema.decodeUnknownEither(schema as Schema.Schema<Protocol.PushMessage, any>)])
+const pushDecoders = new Map<string, () => (u: unknown) => Either.Either<Protocol.PushMessage, ParseResult.ParseError>>(
+  Object.entries(pushSchemas).map((
+    [type, schema]
+  ) => [type, lazy(() => Schema.decodeUnknownEither(schema as Schema.Schema<Protocol.PushMessage, any>))])
 )
 
 /** A message that is not a response, decoded with the schema its `type` names; or why not. */
@@ -522,18 +534,18 @@ const decodePush = (json: unknown): Either.Either<Protocol.PushMessage, string> 
   const type = isRecord(json) ? json["type"] : undefined
   const decode = typeof type === "string" ? pushDecoders.get(type) : undefined
   if (decode === undefined) return Either.left(`unknown message type ${show(type)}`)
-  return Either.mapLeft(decode(json), formatIssues)
+  return Either.mapLeft(decode()(json), formatIssues)
 }
 
-const decodeSuccess = Schema.decodeUnknownEither(Protocol.ResponseSuccess)
-const decodeFailure = Schema.decodeUnknownEither(Protocol.ResponseFailure)
+const decodeSuccess = lazy(() => Schema.decodeUnknownEither(Protocol.ResponseSuccess))
+const decodeFailure = lazy(() => Schema.decodeUnknownEither(Protocol.ResponseFailure))
 const decodeResponse = (raw: unknown) =>
   isRecord(raw) && raw["success"] === true
-    ? decodeSuccess(raw)
-    : Either.map(decodeFailure(raw), (r): Protocol.Response => r)
+    ? decodeSuccess()(raw)
+    : Either.map(decodeFailure()(raw), (r): Protocol.Response => r)
 const dataDecoders = Object.fromEntries(
-  Object.entries(Protocol.ResponseData).map(([type, schema]) => [type, Schema.decodeUnknownEither(schema as Schema.Schema<unknown>)])
-) as Record<Protocol.CommandType, (u: unknown) => Either.Either<unknown, ParseResult.ParseError>>
+  Object.entries(Protocol.ResponseData).map(([type, schema]) => [type, lazy(() => Schema.decodeUnknownEither(schema as Schema.Schema<unknown>))])
+) as Record<Protocol.CommandType, () => (u: unknown) => Either.Either<unknown, ParseResult.ParseError>>
 
 /** A response's data, decoded for its command, or its error. */
 const decodeAnswer = (type: Protocol.CommandType, raw: unknown): Effect.Effect<unknown, DaemonError | InvalidResponse> => {
@@ -551,7 +563,7 @@ const decodeAnswer = (type: Protocol.CommandType, raw: unknown): Effect.Effect<u
     const { code, details, message } = answer.error
     return Effect.fail(new DaemonError({ code, command: type, message, ...(details === undefined ? {} : { details }) }))
   }
-  const data = dataDecoders[type](answer.data)
+  const data = dataDecoders[type]()(answer.data)
   return Either.isRight(data)
     ? Effect.succeed(data.right)
     : Effect.fail(

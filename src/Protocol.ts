@@ -517,7 +517,16 @@ export type ResponseDataOf<T extends CommandType> = Schema.Schema.Type<(typeof R
 /** One outbound message as a JSON line (with its `\n`). */
 export const encode = (message: ServerMessage): string => JSON.stringify(message) + "\n"
 
-const decodeServerMessageEither = Schema.decodeUnknownEither(ServerMessage)
+/**
+ * Decoders are compiled on first use, not at load: compiling one builds its whole parser, and
+ * a process loading this module (a short-lived command line among them) needs few of them.
+ */
+const lazily = <A>(make: () => A): () => A => {
+  let made: { readonly value: A } | undefined
+  return () => (made ??= { value: make() }).value
+}
+
+const decodeServerMessageEither = lazily(() => Schema.decodeUnknownEither(ServerMessage))
 
 /** Decodes one line sent by the daemon (used by clients and tests). */
 export const decodeServerLine = (line: string): Either.Either<ServerMessage, ProtocolError> => {
@@ -530,7 +539,7 @@ export const decodeServerLine = (line: string): Either.Either<ServerMessage, Pro
     )
   }
   return Either.mapLeft(
-    decodeServerMessageEither(json),
+    decodeServerMessageEither()(json),
     (e) =>
       new ProtocolError({
         code: "invalid_command",
@@ -563,8 +572,8 @@ export interface DecodedCommand {
 }
 
 const commandDecoders = Object.fromEntries(
-  Object.entries(Commands).map(([type, schema]) => [type, Schema.decodeUnknownEither(schema as Schema.Schema<any>)])
-) as Record<CommandType, (u: unknown) => Either.Either<Command, ParseResult.ParseError>>
+  Object.entries(Commands).map(([type, schema]) => [type, lazily(() => Schema.decodeUnknownEither(schema as Schema.Schema<any>))])
+) as Record<CommandType, () => (u: unknown) => Either.Either<Command, ParseResult.ParseError>>
 
 // When a line is not JSON we still try to echo its id: the first `"id":"..."` pair found.
 const salvageIdPattern = /"id"\s*:\s*"((?:[^"\\]|\\.)*)"/
@@ -685,7 +694,7 @@ export const decodeCommandValue = (json: unknown): Either.Either<DecodedCommand,
   if (!isCommandType(type)) {
     return fail("unknown_command", `Unknown command \`${type}\`.`, type)
   }
-  const decoded = commandDecoders[type](command)
+  const decoded = commandDecoders[type]()(command)
   if (Either.isLeft(decoded)) {
     return fail("invalid_command", invalidFieldMessage(type, decoded.left), type)
   }

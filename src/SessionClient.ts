@@ -445,6 +445,11 @@ export interface SessionClientOptions {
   readonly reconnect?: Schedule.Schedule<unknown, SessionClientError> | undefined
   /** How long to wait for a daemon's hello (default 10 seconds). */
   readonly helloTimeout?: Duration.DurationInput | undefined
+  /**
+   * Called on every connection once the daemon greeted, before the attach: the first, and each
+   * reconnect (a changed `supervisorGeneration` means the daemon restarted meanwhile).
+   */
+  readonly onConnect?: ((hello: Protocol.DaemonHello) => Effect.Effect<void>) | undefined
   /** Passed with every attach (see PROTOCOL.md section 3). */
   readonly launchEnv?: Protocol.CommandOf<"attach">["launchEnv"]
   readonly env?: Protocol.CommandOf<"attach">["env"]
@@ -492,6 +497,7 @@ export const make = (options: SessionClientOptions): Effect.Effect<SessionClient
     const connection: Stream.Stream<FollowEvent, SessionClientError> = Stream.unwrapScoped(
       Effect.gen(function*() {
         const client = yield* DaemonClient.make({ socketPath: options.socketPath, helloTimeout: options.helloTimeout })
+        if (options.onConnect !== undefined) yield* options.onConnect(client.hello)
         const pushes = yield* client.subscribe
         const result = yield* client.attach(activeSessionId, {
           capabilities,

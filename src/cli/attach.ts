@@ -1,0 +1,173 @@
+/**
+ * `agentd attach`: a readable, live view of one session, on the SDK's `SessionClient` (which
+ * folds snapshots and events, reconnects and resumes by cursor). stdout carries the session
+ * (history, then a separator, then user messages, assistant text as it streams, tool calls and
+ * results, turn ends); stderr carries one-line notices of what happens around it (worker
+ * recovering and ready, connection lost and back, daemon restarted, resync, history
+ * rewritten, session closed). With `--json`: the follower's events as JSON lines.
+ */
+import * as Duration from "effect/Duration"
+import * as Effect from "effect/Effect"
+import * as Schedule from "effect/Schedule"
+import * as Stream from "effect/Stream"
+import * as Cursor from "../Cursor.js"
+import type * as Protocol from "../Protocol.js"
+import * as SessionClient from "../SessionClient.js"
+import { type Context, eachMessage, withClient } from "./commands.js"
+import { CliError, EXIT, failed } from "./errors.js"
+import { EventRenderer, LIVE_SEPARATOR } from "./render.js"
+import * as Target from "./target.js"
+
+export interface AttachOptions {
+  /** Print the last N messages of the transcript first (`get_messages`). */
+  readonly history: number
+  /** Follow from this cursor (`G:S`) instead of the session's last event. */
+  readonly from: Cursor.Cursor | undefined
+  /** How long to keep trying to reach a daemon that went away. */
+  readonly reconnectFor: Duration.Duration
+}
+
+/** `G:S` -> a cursor, or undefined. */
+export const parseCursor = (s: string): Cursor.Cursor | undefined => {
+  const m = /^(\d+):(\d+)$/.exec(s)
+  if (m === null) return undefined
+  const generation = Number(m[1])
+  return generation >= 1 ? Cursor.make(generation, Number(m[2])) : undefined
+}
+
+const notice = (renderer: EventRenderer | undefined, ctx: Context, s: string) =>
+  Effect.sync(() => {
+    // On a terminal stdout and stderr share the screen: end the session's line first.
+    if (renderer !== undefined && ctx.stdoutIsTTY && process.stderr.isTTY === true) renderer.newline()
+    process.stderr.write(`agentd: ${s}\n`)
+  })
+
+export const attach = (ctx: Context, target: string, options: AttachOptions) =>
+  Effect.gen(function*() {
+    const renderer = ctx.json ? undefined : new EventRenderer((s) => process.stdout.write(s))
+    const writeJson = (v: unknown) => Effect.sync(() => process.stdout.write(JSON.stringify(v) + "\n"))
+
+    // First connection: find the session and read its history. Fails at once (exit 3) when no
+    // daemon answers: retrying is only for a daemon that was there and went away.
+    const start = yield* withClient(ctx, (c) =>
+      Effect.gen(function*() {
+        const id = yield* Target.resolve(c, target)
+        const state = yield* c.getState(id)
+        if (options.history > 0 && options.from === undefined) {
+          // The transcript up to `state`'s last event: its first messageCount messages.
+          const from = Math.max(0, state.messageCount - options.history)
+          yield* eachMessage(c, id, from, state.messageCount, (m) =>
+            renderer === undefined ? writeJson({ type: "history", message: m }) : Effect.sync(() => renderer.message(m)))
+        }
+        return { id, state, generation: c.hello.supervisorGeneration }
+      }))
+    const { id } = start
+    const from = options.from ?? start.state.lastEventCursor
+    if (options.from !== undefined && start.state.lastEventCursor !== undefined && Cursor.isAfter(options.from, start.state.lastEventCursor)) {
+      return yield* failed(`--from ${Cursor.format(options.from)} is after the session's last event ${Cursor.format(start.state.lastEventCursor)}`)
+    }
+    if (renderer !== undefined && options.history > 0 && options.from === undefined) renderer.line(LIVE_SEPARATOR)
+    else if (renderer === undefined && options.history > 0 && options.from === undefined) yield* writeJson({ type: "live" })
+
+    let generation = start.generation
+    let lost: string | undefined
+    let lostAt = 0
+    const onConnect = (hello: Protocol.DaemonHello) =>
+      Effect.suspend(() => {
+        const restarted = hello.supervisorGeneration !== generation
+        generation = hello.supervisorGeneration
+        const wasLost = lost !== undefined
+        lost = undefined
+        if (restarted) return notice(renderer, ctx, `the daemon restarted (pid ${hello.supervisorPid}, supervisor generation ${generation}); resuming`)
+        if (wasLost) return notice(renderer, ctx, `reconnected; resuming`)
+        return Effect.void
+      })
+    const reconnect = Schedule.exponential("100 millis").pipe(
+      Schedule.union(Schedule.spaced("1 second")),
+      Schedule.tapInput((e: SessionClient.SessionClientError) =>
+        Effect.suspend(() => {
+          if (!SessionClient.isRetriable(e)) return Effect.void
+          if (lost !== undefined) return Effect.void
+          lost = e.message
+          lostAt = Date.now()
+          return notice(renderer, ctx, `lost the daemon (${e.message}); reconnecting for up to ${Duration.format(options.reconnectFor)}`)
+        })
+      ),
+      // Bounded from the moment the daemon went away (each loss starts anew: see below).
+      Schedule.whileOutput(() => Date.now() - lostAt < Duration.toMillis(options.reconnectFor))
+    )
+    const follower = yield* SessionClient.make({
+      socketPath: ctx.socketPath,
+      activeSessionId: id,
+      cursor: from,
+      reconnect,
+      onConnect
+    })
+    let closed: string | undefined
+    let previousWorker: Protocol.WorkerState | undefined = start.state.worker
+    let firstBaseline = true
+    const show = (e: SessionClient.FollowEvent): Effect.Effect<void> => {
+      if (renderer === undefined) {
+        if (e.type === "session_closed") closed = e.reason
+        return Effect.zipRight(writeJson(e), e.type === "baseline" ? baselineNotice(e) : Effect.void)
+      }
+      switch (e.type) {
+        case "baseline":
+          return baselineNotice(e)
+        case "session_event":
+          return Effect.sync(() => renderer.event(e.event))
+        case "session_status": {
+          const worker = e.state.worker
+          const before = previousWorker
+          previousWorker = worker
+          if (worker === before) return Effect.void
+          if (worker === "recovering") return notice(renderer, ctx, `the worker of ${id} stopped; recovering`)
+          if (worker === "ready" && before === "recovering") return notice(renderer, ctx, `the worker of ${id} is ready again`)
+          if (worker === "failed") return notice(renderer, ctx, `the worker of ${id} failed (restarted too often); \`agentd retry ${id}\` starts it again`)
+          return Effect.void
+        }
+        case "session_closed":
+          closed = e.reason
+          return Effect.void
+      }
+    }
+    const baselineNotice = (b: SessionClient.Baseline): Effect.Effect<void> =>
+      Effect.suspend(() => {
+        const first = firstBaseline
+        firstBaseline = false
+        if (b.purpose === "replacement") {
+          return Effect.zipRight(
+            notice(renderer, ctx, `the history of ${id} was rewritten; it now holds ${b.messages.length} messages`),
+            renderer === undefined ? Effect.void : Effect.sync(() => {
+              for (const m of b.messages) renderer.message(m)
+              renderer.line(LIVE_SEPARATOR)
+            })
+          )
+        }
+        if (b.purpose === "resync") {
+          return notice(renderer, ctx, `resync: events this view lacked were checkpointed meanwhile; continuing from snapshot ${b.snapshotId} (${b.messages.length} messages)`)
+        }
+        if (b.skipped && first) {
+          return notice(renderer, ctx, `events after ${from === undefined ? "the start" : Cursor.format(from)} up to ${b.cursor === undefined ? "-" : Cursor.format(b.cursor)} were checkpointed and are not shown one by one (\`agentd log\` shows the transcript)`)
+        }
+        return Effect.void
+      })
+
+    yield* follower.events.pipe(
+      Stream.runForEach(show),
+      Effect.catchIf(
+        (e) => lost !== undefined && SessionClient.isRetriable(e),
+        (e) =>
+          Effect.fail(
+            new CliError({
+              message: `gave up: the daemon stayed away for ${Duration.format(options.reconnectFor)} (${e.message})`,
+              exitCode: EXIT.unreachable
+            })
+          )
+      )
+    )
+    if (renderer !== undefined) renderer.newline()
+    if (closed !== undefined) {
+      return yield* failed(`session ${id} was closed (${closed})`)
+    }
+  })

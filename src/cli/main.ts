@@ -1,0 +1,232 @@
+/**
+ * The `agentd` command line: its commands described once (grammar and help), parsed here; the
+ * command's program runs from run.ts (docs/protocol.md section 8 for the exit codes: 0 success,
+ * 1 error reported by the daemon or a turn that did not finish, 2 usage error, 3 daemon not
+ * reachable, 130 interrupted by Ctrl-C).
+ *
+ * A command line is a short-lived process, so each part loads only when needed: this module
+ * has no dependency (help, --version and usage errors load nothing else), run.ts brings Effect
+ * and the client's modules, and `serve` loads the daemon's through `hooks.loadServe`.
+ */
+import { type CommandSpec, commandHelp, mainHelp, type OptionSpec, parse, usageLine, useColor } from "./args.js"
+import { builtinEngines } from "./engines.js"
+import { EXIT } from "./exitCodes.js"
+
+export const VERSION = "0.1.0"
+
+/** What the entry point gives the command line. */
+export interface Hooks {
+  /** Loads the daemon's program (a separate module: only `serve` needs it). */
+  readonly loadServe: () => Promise<{ readonly serve: (options: ServeOptions) => void }>
+  /** How to start this command line again in another process (`serve --detach`). */
+  readonly self: ReadonlyArray<string>
+}
+
+/** `agentd serve`'s options, resolved. */
+export interface ServeOptions {
+  readonly stateDir: string
+  readonly socketPath: string
+  readonly engine: string | undefined
+  readonly maxWorkers: number | undefined
+  readonly logLevel: string | undefined
+}
+
+// ---------------------------------------------------------------------------------------------
+// The grammar
+// ---------------------------------------------------------------------------------------------
+
+const stateDirOption: OptionSpec = {
+  name: "state-dir",
+  kind: "string",
+  value: "DIR",
+  description: "The daemon's state directory (default $AGENTD_HOME, else $XDG_STATE_HOME/agentd, else ~/.local/state/agentd)."
+}
+const socketOption: OptionSpec = {
+  name: "socket",
+  kind: "string",
+  value: "PATH",
+  description: "The daemon's socket (default $AGENTD_SOCKET, else <state dir>/agentd.sock)."
+}
+const jsonOption: OptionSpec = { name: "json", kind: "flag", description: "Print JSON (one value) instead of text." }
+const jsonLinesOption: OptionSpec = { name: "json", kind: "flag", description: "Print JSON lines (one per event) instead of text." }
+const where = [stateDirOption, socketOption]
+const common = [...where, jsonOption]
+const streaming = [...where, jsonLinesOption]
+const targetArg = {
+  name: "TARGET",
+  description: "The session: its id, a unique prefix of the id (the s- may be left out), or its name."
+}
+
+export const commands: ReadonlyArray<CommandSpec> = [
+  {
+    name: "serve",
+    summary: "Run the daemon (in the foreground, logging to stderr; --detach: in the background).",
+    details:
+      "Stops gracefully on SIGINT or SIGTERM (or `agentd shutdown`) and exits 0. With --detach the daemon runs in the background with its log in <state dir>/agentd.log (`agentd logs`), and this command returns once it listens, or says why it could not start.",
+    args: [],
+    options: [
+      ...where,
+      {
+        name: "engine",
+        kind: "string",
+        value: "NAME",
+        choices: builtinEngines,
+        description: "The engine of sessions created without one (default echo)."
+      },
+      {
+        name: "max-workers",
+        kind: "integer",
+        value: "N",
+        description: "Live worker processes beyond which the least recently used idle session is passivated (default 32)."
+      },
+      {
+        name: "log-level",
+        kind: "string",
+        value: "LEVEL",
+        choices: ["debug", "info", "warning", "error", "none"],
+        description: "The least severe log messages written (default info)."
+      },
+      { name: "detach", kind: "flag", description: "Start the daemon in the background and return once it listens." },
+      { name: "json", kind: "flag", description: "With --detach: print the daemon's pid, socket and log file as JSON." }
+    ],
+    examples: ["agentd serve", "agentd serve --detach --state-dir /tmp/agentd"]
+  },
+  {
+    name: "status",
+    summary: "Show the daemon's status (pid, uptime, sessions, workers).",
+    args: [],
+    options: common
+  },
+  {
+    name: "create",
+    summary: "Create a session and print its id.",
+    details: "A name makes the session a target for the other commands; a name already in use is refused.",
+    args: [],
+    options: [{ name: "name", kind: "string", value: "NAME", description: "A name for the session (unique)." }, ...common],
+    examples: ["agentd create --name demo"]
+  },
+  {
+    name: "sessions",
+    summary: "List the sessions (a table on a terminal, tab-separated with a header when piped).",
+    args: [],
+    options: common
+  },
+  {
+    name: "prompt",
+    summary: "Send a prompt and stream the reply to stdout until the turn ends.",
+    details:
+      "TEXT `-` reads the prompt from stdin (for prompts of any size), as does --file -. Exits 0 when the turn ends, 1 when it was interrupted (the reason on stderr) or refused. Ctrl-C aborts the turn, waits for its end and exits 130. With --json each event of the turn is printed as a JSON line.",
+    args: [targetArg, { name: "TEXT", description: "The prompt, or - to read it from stdin.", optional: true }],
+    options: [{ name: "file", kind: "string", value: "PATH", description: "Read the prompt from a file (- for stdin)." }, ...streaming],
+    examples: ["agentd prompt demo \"hello there\"", "cat notes.md | agentd prompt demo -", "agentd prompt demo --file notes.md"]
+  },
+  {
+    name: "attach",
+    summary: "Follow a session live: history, a separator, then its turns as they happen.",
+    details:
+      "stdout shows user messages (> ...), the assistant's text as it streams, tool calls and results on one line each, and the end of each turn; stderr gets one-line notices: the worker recovering and ready, the connection lost and back, a daemon restart, a resync, a rewritten history. A killed session ends the command with exit 1. When the daemon goes away, attach reconnects and resumes by cursor for --reconnect-timeout, then gives up with exit 3. With --json each event is printed as a JSON line (history lines first, with --history).",
+    args: [targetArg],
+    options: [
+      {
+        name: "history",
+        kind: "integer",
+        value: "N",
+        description: "Show the last N messages of the transcript first (default 20, or 0 with --json; 0 for none; not with --from)."
+      },
+      {
+        name: "from",
+        kind: "string",
+        value: "CURSOR",
+        description: "Follow from this cursor (GENERATION:SEQUENCE, e.g. 2:17): show the events after it."
+      },
+      {
+        name: "reconnect-timeout",
+        kind: "integer",
+        value: "SECONDS",
+        description: "How long to keep reconnecting to a daemon that went away (default 30)."
+      },
+      ...streaming
+    ]
+  },
+  {
+    name: "log",
+    summary: "Print a session's transcript (all of it, or a part), fetched page by page.",
+    args: [targetArg],
+    options: [
+      { name: "tail", kind: "integer", value: "N", description: "Only the last N messages." },
+      { name: "offset", kind: "integer", value: "N", description: "Start at message N (from 0)." },
+      { name: "limit", kind: "integer", value: "N", description: "At most N messages." },
+      ...common
+    ]
+  },
+  {
+    name: "state",
+    summary: "Show a session's state (worker, busy, messages, restarts, last cursor).",
+    args: [targetArg],
+    options: common
+  },
+  { name: "abort", summary: "Abort the turn running in a session.", args: [targetArg], options: common },
+  {
+    name: "retry",
+    summary: "Start the worker of a session again (after it failed: restarted too often).",
+    args: [targetArg],
+    options: common
+  },
+  {
+    name: "checkpoint",
+    summary: "Take a checkpoint of a session now (a new generation); prints it once durable.",
+    args: [targetArg],
+    options: common
+  },
+  {
+    name: "kill",
+    summary: "Kill a session and print its id (its files move to the state dir's archive).",
+    args: [targetArg],
+    options: common
+  },
+  {
+    name: "shutdown",
+    summary: "Stop the daemon (gracefully: it answers, then exits).",
+    args: [],
+    options: common
+  },
+  {
+    name: "logs",
+    summary: "Print the log of a daemon started with `serve --detach` (-f: keep following it).",
+    args: [],
+    options: [
+      stateDirOption,
+      { name: "follow", short: "f", kind: "flag", description: "Keep printing what is appended." },
+      { name: "lines", short: "n", kind: "integer", value: "N", description: "Only the last N lines (default: all)." }
+    ]
+  }
+]
+
+const EPILOGUE = `Run \`agentd help COMMAND\` (or \`agentd COMMAND --help\`) for a command's options.
+
+Sessions are named by their id, a unique prefix of it (the s- may be left out), or their name.
+Exit codes: 0 success, 1 error reported by the daemon or a turn that did not finish, 2 usage
+error, 3 daemon not reachable, 130 interrupted (Ctrl-C).`
+
+/** Runs the command line; resolves with the exit code. */
+export const main = async (argv: ReadonlyArray<string>, hooks: Hooks): Promise<number> => {
+  const result = parse(commands, argv)
+  switch (result._tag) {
+    case "Version":
+      process.stdout.write(`agentd ${VERSION}\n`)
+      return EXIT.ok
+    case "Help":
+      process.stdout.write(
+        result.command === undefined ? mainHelp(commands, useColor(process.stdout), EPILOGUE) : commandHelp(result.command, useColor(process.stdout))
+      )
+      return EXIT.ok
+    case "UsageError":
+      process.stderr.write(
+        `agentd: ${result.message}\n${result.command === undefined ? "Run `agentd help` for the commands." : `Usage: ${usageLine(result.command)}\nRun \`agentd help ${result.command.name}\` for more.`}\n`
+      )
+      return EXIT.usage
+    case "Run":
+      // The programs (and Effect) load only now.
+      return (await import("./run.js")).run(result.parsed, hooks)
+  }
+}

@@ -1,0 +1,43 @@
+/**
+ * `agentd serve` in the foreground: the daemon (all its layers) until SIGINT, SIGTERM or a
+ * `shutdown`, its log on stderr. A separate module, loaded only by `serve`.
+ */
+import * as NodeRuntime from "@effect/platform-node/NodeRuntime"
+import * as Effect from "effect/Effect"
+import * as Logger from "effect/Logger"
+import * as LogLevel from "effect/LogLevel"
+import * as Daemon from "../Daemon.js"
+import type { ServeOptions } from "./main.js"
+
+const levels: Record<string, LogLevel.LogLevel> = {
+  debug: LogLevel.Debug,
+  info: LogLevel.Info,
+  warning: LogLevel.Warning,
+  error: LogLevel.Error,
+  none: LogLevel.None
+}
+
+/**
+ * Runs the daemon; the process exits when it stops (0 after a graceful stop). `workerEntry`
+ * is the worker program's file (default: worker.js next to the running bin).
+ */
+export const serve = (options: ServeOptions & { readonly workerEntry: string }): void =>
+  Daemon.serve({
+    stateDir: options.stateDir,
+    socketPath: options.socketPath,
+    workerEntry: options.workerEntry,
+    ...(options.engine === undefined ? {} : { engine: options.engine }),
+    ...(options.maxWorkers === undefined ? {} : { maxWorkers: options.maxWorkers })
+  }).pipe(
+    // The daemon logs to stderr; stdout stays free.
+    Effect.provide(Logger.replace(Logger.defaultLogger, Logger.prettyLogger({ stderr: true, colors: false }))),
+    Logger.withMinimumLogLevel(levels[options.logLevel ?? "info"] ?? LogLevel.Info),
+    Effect.catchAll((error) =>
+      Effect.sync(() => {
+        process.stderr.write(`agentd: ${error.message}\n`)
+        // `--engine` naming an engine that does not exist is a usage error.
+        process.exitCode = error._tag === "EngineError" ? 2 : 1
+      })
+    ),
+    NodeRuntime.runMain({ disableErrorReporting: false, disablePrettyLogger: true })
+  )

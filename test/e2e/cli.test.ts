@@ -1,0 +1,442 @@
+/**
+ * The `agentd` command line, run as a person would (the built `dist/src/bin/agentd.js`),
+ * against the real daemon: every command, exit codes (0, 1 with the reason on stderr, 2 usage,
+ * 3 unreachable, 130 Ctrl-C with the turn aborted), prompts from stdin larger than the
+ * argument limit, a 9 MB reply, targets by prefix, name and ambiguity, the readable `attach`
+ * and its notices across a worker SIGKILL and a daemon restart, `serve --detach` and `logs`.
+ *
+ * Every CLI process a test starts is killed when the test finishes, pass or fail, and so is
+ * every process carrying the test's marker (a detached daemon and its workers).
+ *
+ * Needs `npm run build` first.
+ */
+import { randomUUID } from "node:crypto"
+import { type ChildProcess, spawn } from "node:child_process"
+import * as fs from "node:fs"
+import * as path from "node:path"
+import { assert, describe, it, onTestFinished } from "vitest"
+import { processesWithEnv } from "../support/procfs.js"
+import {
+  cleanUpAfterTests,
+  createSession,
+  DAEMON_BIN,
+  type Daemon,
+  freshStateDir,
+  isAlive,
+  type Msg,
+  sharedDaemon,
+  sleep,
+  useDaemon
+} from "./harness.js"
+
+cleanUpAfterTests()
+
+interface Run {
+  readonly proc: ChildProcess
+  stdout: string
+  stderr: string
+  readonly done: Promise<{ code: number | null; signal: NodeJS.Signals | null; stdout: string; stderr: string }>
+}
+
+/** Starts the CLI; killed (SIGKILL) when the test finishes if it still runs. */
+const start = (args: ReadonlyArray<string>, options: { input?: string | Buffer; env?: Record<string, string> } = {}): Run => {
+  const proc = spawn(process.execPath, [DAEMON_BIN, ...args], {
+    stdio: [options.input === undefined ? "ignore" : "pipe", "pipe", "pipe"],
+    // The developer's own AGENTD_* settings (a socket, a home) must not reach the command.
+    env: { ...Object.fromEntries(Object.entries(process.env).filter(([k]) => !k.startsWith("AGENTD_"))), NO_COLOR: "", ...options.env }
+  })
+  const run: Run = {
+    proc,
+    stdout: "",
+    stderr: "",
+    done: new Promise((resolve, reject) => {
+      proc.once("error", reject)
+      proc.once("close", (code, signal) => resolve({ code, signal, stdout: run.stdout, stderr: run.stderr }))
+    })
+  }
+  proc.stdout!.setEncoding("utf8").on("data", (d: string) => (run.stdout += d))
+  proc.stderr!.setEncoding("utf8").on("data", (d: string) => (run.stderr += d))
+  if (options.input !== undefined) proc.stdin!.end(options.input)
+  onTestFinished(() => {
+    if (proc.exitCode === null && proc.signalCode === null) proc.kill("SIGKILL")
+  })
+  return run
+}
+
+const cli = (args: ReadonlyArray<string>, options: { input?: string | Buffer; env?: Record<string, string> } = {}) =>
+  start(args, options).done
+
+const until = async (what: string, f: () => boolean | Promise<boolean>, timeoutMs = 10_000): Promise<void> => {
+  const deadline = Date.now() + timeoutMs
+  while (!(await f())) {
+    if (Date.now() > deadline) throw new Error(`timed out waiting for ${what}`)
+    await sleep(25)
+  }
+}
+
+const busyWorker = async (d: Daemon, id: string): Promise<number> => {
+  const c = await d.connect("probe")
+  let pid = 0
+  await until(`a turn running in ${id}`, async () => {
+    const s = await c.ok({ type: "get_state", activeSessionId: id })
+    d.recordWorkers(s)
+    pid = s["workerPid"] as number
+    return s["busy"] === true && typeof pid === "number"
+  })
+  c.close()
+  return pid
+}
+
+describe("agentd CLI against a daemon", () => {
+  const daemon = sharedDaemon()
+  const sock = () => ["--socket", daemon().socketPath]
+
+  it("every command: create, sessions, status, state, prompt, log, checkpoint, abort, retry, kill; --json", async () => {
+    const s = sock()
+    const name = `every-${randomUUID().slice(0, 6)}`
+    const created = await cli(["create", "--name", name, ...s])
+    assert.strictEqual(created.code, 0, created.stderr)
+    const id = created.stdout.trim()
+    assert.match(id, /^s-[0-9a-f-]{36}$/)
+    const again = await cli([...s, "create", "--name", name])
+    assert.strictEqual(again.code, 1)
+    assert.include(again.stderr, `"${name}" is in use by ${id}`)
+
+    const prefix = id.slice(2, 10) // no s-
+    const prompted = await cli(["prompt", prefix, "hello there", ...s])
+    assert.deepStrictEqual([prompted.code, prompted.stdout], [0, "echo: hello there\n"], prompted.stderr)
+    const tool = await cli(["prompt", name, "/sleep 10", ...s])
+    assert.deepStrictEqual([tool.code, tool.stdout], [0, "done\n"], tool.stderr)
+
+    const [sessions, sessionsJson, status, state, stateJson, log, logJson, tail] = await Promise.all([
+      cli(["sessions", ...s]),
+      cli(["sessions", "--json", ...s]),
+      cli(["status", ...s]),
+      cli(["state", name, ...s]),
+      cli(["state", `s-${prefix}`, "--json", ...s]),
+      cli(["log", name, ...s]),
+      cli(["log", name, "--json", ...s]),
+      cli(["log", name, "--tail", "1", ...s])
+    ])
+    // Piped: tab-separated, with a header, whole ids.
+    const lines = sessions.stdout.trim().split("\n")
+    assert.deepStrictEqual(lines[0]!.split("\t"), ["NAME", "ID", "WORKER", "BUSY", "MESSAGES", "CREATED", "RESTARTS"])
+    const row = lines.find((l) => l.includes(id))!.split("\t")
+    assert.deepStrictEqual([row[0], row[1], row[3], row[4]], [name, id, "no", "5"])
+    assert.notInclude(sessions.stdout, "\x1b[")
+    assert.include(JSON.parse(sessionsJson.stdout).sessions.map((x: Msg) => x["activeSessionId"]), id)
+    assert.match(status.stdout, /^agentd pid \d+, supervisor generation \d+/)
+    assert.match(state.stdout, new RegExp(`^id +${id}$`, "m"))
+    assert.match(state.stdout, /^messages +5$/m)
+    assert.strictEqual(JSON.parse(stateJson.stdout).activeSessionId, id)
+    assert.strictEqual(log.stdout, "> hello there\necho: hello there\n> /sleep 10\n[tool sleep -> slept 10 ms]\ndone\n")
+    const transcript = JSON.parse(logJson.stdout) as Msg
+    assert.strictEqual(transcript["total"], 5)
+    assert.deepStrictEqual(transcript["messages"].map((m: Msg) => m["role"]), ["user", "assistant", "user", "tool", "assistant"])
+    assert.strictEqual(tail.stdout, "done\n")
+
+    const checkpoint = await cli(["checkpoint", name, "--json", ...s])
+    assert.strictEqual(checkpoint.code, 0, checkpoint.stderr)
+    assert.strictEqual(JSON.parse(checkpoint.stdout).generation, 2)
+    // The whole transcript stays visible after a checkpoint.
+    assert.strictEqual((await cli(["log", name, ...s])).stdout, log.stdout)
+    const abort = await cli(["abort", name, ...s])
+    assert.deepStrictEqual([abort.code, abort.stdout], [0, `no turn was running in ${id}\n`])
+    const retry = await cli(["retry", name, "--json", ...s])
+    assert.strictEqual(retry.code, 0, retry.stderr)
+    assert.strictEqual(JSON.parse(retry.stdout).activeSessionId, id)
+
+    const killed = await cli(["kill", name, ...s])
+    assert.deepStrictEqual([killed.code, killed.stdout], [0, `killed ${id}\n`])
+    const gone = await cli(["state", id, ...s])
+    assert.strictEqual(gone.code, 1)
+    assert.include(gone.stderr, id)
+    const other = (await cli(["create", ...s])).stdout.trim()
+    const killedJson = await cli(["kill", "--json", other, ...s])
+    assert.deepStrictEqual(JSON.parse(killedJson.stdout), { activeSessionId: other, killed: true })
+  })
+
+  it("targets: a prefix that fits several sessions, or a name two sessions share, lists the candidates (exit 1)", async () => {
+    const s = sock()
+    const c = await daemon().connect()
+    const name = `twin-${randomUUID().slice(0, 6)}`
+    // The daemon lets names repeat (only the CLI refuses them): make two over the protocol.
+    const a = await createSession(c, { name })
+    const b = await createSession(c, { name })
+    const [byName, byPrefix, none] = await Promise.all([
+      cli(["state", name, ...s]),
+      cli(["state", "s-", ...s]),
+      cli(["state", "zzzz", ...s])
+    ])
+    assert.strictEqual(byName.code, 1)
+    assert.include(byName.stderr, `"${name}" matches 2 sessions`)
+    assert.include(byName.stderr, a.id)
+    assert.include(byName.stderr, b.id)
+    assert.strictEqual(byPrefix.code, 1)
+    assert.include(byPrefix.stderr, "sessions")
+    assert.strictEqual(none.code, 1)
+    assert.include(none.stderr, `no session matches "zzzz"`)
+    // A unique prefix still works.
+    const ok = await cli(["state", a.id.slice(0, 14), "--json", ...s])
+    assert.strictEqual(JSON.parse(ok.stdout).activeSessionId, a.id)
+    await c.ok({ type: "kill", activeSessionId: a.id })
+    await c.ok({ type: "kill", activeSessionId: b.id })
+  })
+
+  it("usage: exit 2, help without colour when piped, `agentd help`, options in any order; exit 3 when unreachable", async () => {
+    const s = sock()
+    const [unknown, missing, both, help, helpPrompt, helpFlag, noColor, order, unreachable, badEngine] = await Promise.all([
+      cli(["frobnicate"]),
+      cli(["prompt", ...s]),
+      cli(["prompt", "x", "text", "--file", "/dev/null", ...s]),
+      cli(["help"]),
+      cli(["help", "prompt"]),
+      cli(["serve", "--help"]),
+      cli(["help", "attach"], { env: { NO_COLOR: "1" } }),
+      cli(["status", "--json", ...s]),
+      cli(["status", "--socket", path.join(path.dirname(daemon().stateDir), "nobody.sock")]),
+      cli(["serve", "--engine", "nope", "--state-dir", "/nonexistent"])
+    ])
+    assert.strictEqual(unknown.code, 2)
+    assert.include(unknown.stderr, `unknown command "frobnicate"`)
+    assert.strictEqual(missing.code, 2)
+    assert.include(missing.stderr, "missing TARGET")
+    assert.strictEqual(both.code, 2)
+    assert.include(both.stderr, "not both")
+    assert.strictEqual(help.code, 0)
+    for (const cmd of ["serve", "create", "sessions", "prompt", "attach", "log", "abort", "retry", "checkpoint", "state", "kill", "shutdown", "logs"]) {
+      assert.match(help.stdout, new RegExp(`^  ${cmd} `, "m"))
+    }
+    assert.include(helpPrompt.stdout, "Usage: agentd prompt [options] TARGET [TEXT]")
+    assert.include(helpPrompt.stdout, "--file PATH")
+    assert.include(helpFlag.stdout, "Usage: agentd serve")
+    assert.include(helpFlag.stdout.replace(/\s+/g, " "), "One of: echo, openai, openai-compat, anthropic.")
+    for (const out of [help.stdout, helpPrompt.stdout, helpFlag.stdout, noColor.stdout]) assert.notInclude(out, "\x1b[")
+    assert.strictEqual(order.code, 0, order.stderr)
+    assert.strictEqual(JSON.parse(order.stdout).pid, daemon().pid)
+    assert.strictEqual(unreachable.code, 3)
+    assert.include(unreachable.stderr, "nobody.sock")
+    assert.strictEqual(badEngine.code, 2)
+    assert.include(badEngine.stderr, "unknown engine `nope` (known: echo, openai, openai-compat, anthropic)")
+  })
+
+  it("prompt: a 3 MB prompt from stdin and from --file, a 9 MB reply whole (exit 0); log into a closed pipe ends quietly", async () => {
+    const s = sock()
+    const id = (await cli(["create", ...s])).stdout.trim()
+    // 3 MB, more than the argument limit allows, in 3000 words (the echo engine sends a delta per word).
+    const word = "w".repeat(999)
+    const text = Array.from({ length: 3000 }, () => word).join(" ")
+    const fromStdin = await cli(["prompt", id, "-", ...s], { input: `${text}\n` })
+    assert.strictEqual(fromStdin.code, 0, fromStdin.stderr)
+    assert.strictEqual(fromStdin.stdout, `echo: ${text}\n`)
+    const file = path.join(path.dirname(daemon().stateDir), "prompt.txt")
+    fs.writeFileSync(file, text)
+    const fromFile = await cli(["prompt", id, "--file", file, ...s])
+    assert.strictEqual(fromFile.code, 0, fromFile.stderr)
+    assert.strictEqual(fromFile.stdout, fromStdin.stdout)
+
+    const bulk = await cli(["prompt", id, "/bulk 9000000", ...s])
+    assert.strictEqual(bulk.code, 0, bulk.stderr)
+    assert.strictEqual(bulk.stdout.length, 9_000_001)
+    assert.strictEqual(bulk.stdout.at(-1), "\n")
+
+    // A reader that goes away (`agentd log ID | head -c 10`): the command ends quietly, 0.
+    const log = start(["log", id, ...s])
+    log.proc.stdout!.once("data", () => log.proc.stdout!.destroy())
+    const cut = await log.done
+    assert.strictEqual(cut.code, 0, cut.stderr)
+    assert.strictEqual(cut.stderr, "")
+    await cli(["kill", id, ...s])
+  }, 60_000)
+
+  it("prompt: a worker killed mid-turn exits 1 with the reason on stderr", async () => {
+    const s = sock()
+    const id = (await cli(["create", ...s])).stdout.trim()
+    const run = start(["prompt", id, "/sleep 5000", ...s])
+    const worker = await busyWorker(daemon(), id)
+    process.kill(worker, "SIGKILL")
+    const r = await run.done
+    assert.strictEqual(r.code, 1)
+    assert.include(r.stderr, "interrupted (worker_crashed)")
+    await cli(["kill", id, ...s])
+  })
+
+  it("prompt: Ctrl-C aborts the turn (the daemon shows turn_interrupted aborted) and exits 130", async () => {
+    const s = sock()
+    const d = daemon()
+    const id = (await cli(["create", ...s])).stdout.trim()
+    const watcher = await d.connect("watcher")
+    await watcher.ok({ type: "attach", activeSessionId: id })
+    const started = Date.now()
+    const run = start(["prompt", id, "/sleep 20000", ...s])
+    await busyWorker(d, id)
+    run.proc.kill("SIGINT")
+    const r = await run.done
+    assert.strictEqual(r.code, 130, r.stderr)
+    assert.include(r.stderr, "the turn was aborted")
+    assert.isBelow(Date.now() - started, 15_000, "the turn did not run to its end")
+    const interrupted = await watcher.waitFor((m) => m["type"] === "session_event" && m["event"]?.type === "turn_interrupted")
+    assert.strictEqual(interrupted["event"].reason, "aborted")
+    const state = await watcher.ok({ type: "get_state", activeSessionId: id })
+    assert.isFalse(state["busy"])
+    await cli(["kill", id, ...s])
+  })
+
+  it("attach: history, a separator, live turns, tool calls, notices for a worker crash; a killed session exits 1", async () => {
+    const s = sock()
+    const d = daemon()
+    const name = `att-${randomUUID().slice(0, 6)}`
+    const id = (await cli(["create", "--name", name, ...s])).stdout.trim()
+    await cli(["prompt", name, "before attach", ...s])
+    const att = start(["attach", name, ...s])
+    await until("the separator", () => att.stdout.includes("----- live -----"))
+    assert.strictEqual(att.stdout, "> before attach\necho: before attach\n----- live -----\n")
+
+    await cli(["prompt", name, "/sleep 10", ...s])
+    const crashed = start(["prompt", name, "/sleep 5000", ...s])
+    const worker = await busyWorker(d, id)
+    await until("the tool call", () => att.stdout.includes(`[tool sleep {"ms":5000}]`))
+    process.kill(worker, "SIGKILL")
+    assert.strictEqual((await crashed.done).code, 1)
+    await until("the ready notice", () => att.stderr.includes("is ready again"))
+    await cli(["prompt", name, "after crash", ...s])
+    await until("the last turn", () => att.stdout.includes("echo: after crash\n-- turn ended --"))
+    await cli(["kill", name, ...s])
+    const r = await att.done
+    assert.strictEqual(r.code, 1)
+    assert.strictEqual(
+      r.stdout,
+      [
+        "> before attach",
+        "echo: before attach",
+        "----- live -----",
+        "> /sleep 10",
+        `[tool sleep {"ms":10}]`,
+        "[tool sleep -> slept 10 ms]",
+        "done",
+        "-- turn ended --",
+        "> /sleep 5000",
+        `[tool sleep {"ms":5000}]`,
+        "-- turn interrupted (worker_crashed) --",
+        "> after crash",
+        "echo: after crash",
+        "-- turn ended --",
+        ""
+      ].join("\n")
+    )
+    const notices = r.stderr.trim().split("\n")
+    assert.deepStrictEqual(notices, [
+      `agentd: the worker of ${id} stopped; recovering`,
+      `agentd: the worker of ${id} is ready again`,
+      `agentd: session ${id} was closed (killed)`
+    ])
+  })
+
+  it("attach: a history rewrite (/compact) is a notice, then the new transcript and the separator again", async () => {
+    const s = sock()
+    const id = (await cli(["create", ...s])).stdout.trim()
+    await cli(["prompt", id, "one", ...s])
+    const att = start(["attach", id, ...s])
+    await until("the separator", () => att.stdout.includes("----- live -----"))
+    await cli(["prompt", id, "/compact", ...s])
+    await cli(["prompt", id, "two", ...s])
+    await until("turn two", () => att.stdout.includes("echo: two\n-- turn ended --"))
+    await cli(["kill", id, ...s])
+    const r = await att.done
+    assert.strictEqual(r.code, 1)
+    assert.strictEqual(
+      r.stdout,
+      "> one\necho: one\n----- live -----\n> /compact\ncompacted 3 messages\n----- live -----\n-- turn ended --\n> two\necho: two\n-- turn ended --\n"
+    )
+    assert.include(r.stderr, `agentd: the history of ${id} was rewritten; it now holds 1 messages`)
+  })
+
+  it("attach --from CURSOR shows the events after it; --json prints JSON lines", async () => {
+    const s = sock()
+    const d = daemon()
+    const id = (await cli(["create", ...s])).stdout.trim()
+    await cli(["prompt", id, "one", ...s])
+    const c = await d.connect()
+    const cursor = (await c.ok({ type: "get_state", activeSessionId: id }))["lastEventCursor"] as { generation: number; sequence: number }
+    await cli(["prompt", id, "two", ...s])
+    const att = start(["attach", id, "--from", `${cursor.generation}:${cursor.sequence}`, ...s])
+    await until("turn two", () => att.stdout.includes("-- turn ended --"))
+    assert.strictEqual(att.stdout, "> two\necho: two\n-- turn ended --\n")
+    const json = start(["attach", id, "--json", "--from", `${cursor.generation}:${cursor.sequence}`, ...s])
+    await until("agent_end", () => json.stdout.includes(`"agent_end"`))
+    const first = JSON.parse(json.stdout.split("\n")[0]!) as Msg
+    assert.strictEqual(first["type"], "baseline")
+    const bad = await cli(["attach", id, "--from", "nope", ...s])
+    assert.strictEqual(bad.code, 2)
+    await cli(["kill", id, ...s])
+    assert.strictEqual((await att.done).code, 1)
+    assert.strictEqual((await json.done).code, 1)
+  })
+})
+
+describe("agentd CLI across daemon restarts", () => {
+  it("attach: a daemon restart is noticed, no event is shown twice; gives up (exit 3) when the daemon stays away", async () => {
+    const first = await useDaemon()
+    const s = ["--socket", first.socketPath]
+    const id = (await cli(["create", "--name", "r", ...s])).stdout.trim()
+    await cli(["prompt", "r", "one", ...s])
+    const att = start(["attach", "r", "--reconnect-timeout", "3", ...s])
+    await until("the separator", () => att.stdout.includes("----- live -----"))
+    await cli(["prompt", "r", "two", ...s])
+    await until("turn two", () => att.stdout.includes("echo: two\n-- turn ended --"))
+
+    await first.sigkill()
+    await until("the lost notice", () => att.stderr.includes("lost the daemon"))
+    const second = await useDaemon({ stateDir: first.stateDir })
+    await until("the restart notice", () => att.stderr.includes("the daemon restarted"))
+    await cli(["prompt", "r", "three", ...s])
+    await until("turn three", () => att.stdout.includes("echo: three\n-- turn ended --"))
+    assert.strictEqual(
+      att.stdout,
+      "> one\necho: one\n----- live -----\n> two\necho: two\n-- turn ended --\n> three\necho: three\n-- turn ended --\n"
+    )
+
+    await second.stop("SIGTERM")
+    const r = await att.done
+    assert.strictEqual(r.code, 3)
+    assert.include(r.stderr, "gave up: the daemon stayed away for 3s")
+    assert.isTrue(id.startsWith("s-"))
+    // With no daemon at all, attach does not wait: exit 3 at once.
+    const none = await cli(["attach", "r", ...s])
+    assert.strictEqual(none.code, 3)
+  }, 60_000)
+
+  it("serve --detach returns once the daemon listens; logs shows its log; shutdown --json stops it", async () => {
+    const stateDir = freshStateDir()
+    const mark = randomUUID()
+    onTestFinished(() => {
+      for (const pid of processesWithEnv("AGENTD_E2E_MARK", mark)) {
+        try {
+          process.kill(pid, "SIGKILL")
+        } catch {
+          // gone
+        }
+      }
+      fs.rmSync(path.dirname(stateDir), { recursive: true, force: true })
+    })
+    const env = { AGENTD_E2E_MARK: mark }
+    const started = await cli(["serve", "--detach", "--state-dir", stateDir, "--log-level", "debug"], { env })
+    assert.strictEqual(started.code, 0, started.stderr)
+    const socketPath = path.join(stateDir, "agentd.sock")
+    assert.match(started.stdout, new RegExp(`^agentd listening at ${socketPath} \\(pid (\\d+)\\); log: ${path.join(stateDir, "agentd.log")}\\n$`))
+    const pid = Number(/pid (\d+)/.exec(started.stdout)![1])
+    assert.isTrue(isAlive(pid))
+    const twice = await cli(["serve", "--detach", "--state-dir", stateDir], { env })
+    assert.strictEqual(twice.code, 1)
+    assert.include(twice.stderr, "another daemon is listening")
+    const logs = await cli(["logs", "--state-dir", stateDir])
+    assert.strictEqual(logs.code, 0)
+    assert.include(logs.stdout, "listening")
+    const stopped = await cli(["shutdown", "--json", "--state-dir", stateDir])
+    assert.deepStrictEqual(JSON.parse(stopped.stdout), { shutdown: true })
+    await until("the daemon's exit", () => !isAlive(pid))
+    const noLog = await cli(["logs", "--state-dir", path.join(stateDir, "nothing")])
+    assert.strictEqual(noLog.code, 1)
+  })
+})
+
