@@ -3,22 +3,26 @@
  * (all drawn from one seed), and the protocol's promises checked continuously and at the end.
  *
  * Load: one driver per session prompts continuously (plain text, long word lists, `/bulk`,
- * `/sleep`), sometimes the very moment its turn's `agent_end` arrives; observers attach,
+ * `/sleep`, and now and then `/compact`, a history rewrite in the middle of the turn),
+ * sometimes the very moment its turn's `agent_end` arrives; observers attach,
  * detach, resume, drop their socket and stop reading; commanders race `checkpoint`, `abort`,
  * `kill`, `retry_worker` and prompts against the drivers.
  *
  * Continuously: every command answered within its bound (the watchdog), every accepted prompt
  * of a driver ends, every client's events in cursor order, once, with no gap that a resync
- * explains not (streamCheck.ts), the daemon answers `ping`, no orphan worker after a daemon
- * kill. At the end: every session idle and ready again, every client's folded transcript equal
- * to `get_messages`, the jumps checked against every event seen, then a daemon SIGKILL whose
+ * explains not (streamCheck.ts), a history rewrite's snapshot exactly the compaction of what a
+ * client held when it reached it there (`compacted N messages`), the daemon answers `ping`, no
+ * orphan worker after a daemon kill. At the end: every session idle and ready again, every
+ * client's folded transcript equal to `get_messages`, a rewritten transcript starting with its
+ * compaction message (and holding no other), the jumps checked against every event seen and
+ * every rewrite known, then a daemon SIGKILL whose
  * successor must resume every client completely and serve the same transcripts, then a clean
  * `shutdown` that leaves no process behind.
  */
 import { type Answer, ChaosClient } from "./client.js"
 import { ChaosDaemon, sleep } from "./daemon.js"
 import { Rng } from "./rng.js"
-import { compareCursor, type Cursor, fmtCursor, type Msg, Truth, Violation } from "./streamCheck.js"
+import { COMPACT_PROMPT, compactedCount, compareCursor, type Cursor, fmtCursor, type Msg, Truth, Violation } from "./streamCheck.js"
 
 export const FAULT_KINDS = [
   "worker_kill",
@@ -107,7 +111,9 @@ const words = (rng: Rng, n: number): string => {
 
 /** A prompt and how long its turn may take at most (beyond the usual bound). */
 const drawPrompt = (rng: Rng): { text: string; extraMs: number } => {
-  switch (rng.weighted({ plain: 5, long: 3, bulk: 2, sleep: 3 })) {
+  switch (rng.weighted({ plain: 5, long: 3, bulk: 2, sleep: 3, compact: 1 })) {
+    case "compact":
+      return { text: COMPACT_PROMPT, extraMs: 0 }
     case "plain":
       return { text: words(rng, rng.int(1, 20)), extraMs: 0 }
     case "long":
@@ -167,7 +173,17 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
   const schedule: Array<string> = []
   const notes: Array<string> = []
   const counts: Record<string, number> = {}
-  const stats = { turnsAccepted: 0, turnsEnded: 0, daemonRestarts: 0, resyncs: 0, events: 0, commands: 0 }
+  const stats = {
+    turnsAccepted: 0,
+    turnsEnded: 0,
+    compactsAccepted: 0,
+    daemonRestarts: 0,
+    resyncs: 0,
+    replacements: 0,
+    compactionsChecked: 0,
+    events: 0,
+    commands: 0
+  }
   const truths = new Map<string, Truth>()
   const truthOf = (id: string) => {
     let t = truths.get(id)
@@ -359,8 +375,8 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
   const driverLoop = async (ctl: SessionCtl, drng: Rng) => {
     const d = ctl.driver
     let immediate = false
-    /** Resyncs of the driver's stream by its last prompt: one since may have carried the idle status. */
-    let resyncsAtPrompt = 0
+    /** Skips of the driver's stream by its last prompt: a baseline since may have carried the idle status. */
+    let skipsAtPrompt = 0
     while (!stopped() && !stopLoad && !ctl.killed) {
       if (daemonDown || !d.connected || !d.stream(ctl.id).settled) {
         await sleep(50)
@@ -368,15 +384,17 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
       }
       if (!immediate) {
         // Wait for the previous turn's idle status (it may already be there).
-        // A resync replaces the client's state: the idle status may be inside its snapshot.
-        if (!await waitUntil(() => ctl.idleAfterEnds >= ctl.ends || ctl.killed || daemonDown || d.stream(ctl.id).resyncs > resyncsAtPrompt, SETTLE_BOUND_MS)) {
+        // A baseline past the client's cursor (a resync, a rewrite it reached late) replaces its
+        // state: the idle status may be inside its snapshot. A rewrite reached where the client
+        // is does not: the turn's end follows it.
+        if (!await waitUntil(() => ctl.idleAfterEnds >= ctl.ends || ctl.killed || daemonDown || d.stream(ctl.id).skips > skipsAtPrompt, SETTLE_BOUND_MS)) {
           throw new Violation("busy:false after every turn", `session ${ctl.id}: turn end #${ctl.ends} seen but no busy:false status after it within ${SETTLE_BOUND_MS} ms`)
         }
       }
       const { text, extraMs } = drawPrompt(drng)
       const endsBefore = ctl.ends
-      const resyncsBefore = d.stream(ctl.id).resyncs
-      resyncsAtPrompt = resyncsBefore
+      const skipsBefore = d.stream(ctl.id).skips
+      skipsAtPrompt = skipsBefore
       const r = await send(d, { type: "prompt", activeSessionId: ctl.id, message: text })
       immediate = false
       if (r === undefined) {
@@ -395,8 +413,9 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
       }
       ctl.accepted++
       stats.turnsAccepted++
+      if (text === COMPACT_PROMPT) stats.compactsAccepted++
       const ended = await waitUntil(
-        () => ctl.ends > endsBefore || ctl.killed || d.stream(ctl.id).resyncs > resyncsBefore,
+        () => ctl.ends > endsBefore || ctl.killed || d.stream(ctl.id).skips > skipsBefore,
         TURN_BOUND_MS + extraMs
       )
       if (!ended && !daemonDown && d.connected) {
@@ -597,8 +616,10 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
       }
       case "prompt_race": {
         const c = freeCommander()
-        log(`prompt_race ${sid} via ${c.label}`)
-        void task("prompt", async () => expectCodes(await send(c, { type: "prompt", activeSessionId: ctl.id, message: words(frng, frng.int(1, 50)) }), "prompt", ["session_busy", "session_failed", "session_not_found"]))
+        // Now and then the racing prompt is a history rewrite.
+        const message = frng.chance(0.2) ? COMPACT_PROMPT : words(frng, frng.int(1, 50))
+        log(`prompt_race ${sid} via ${c.label}${message === COMPACT_PROMPT ? ` (${COMPACT_PROMPT})` : ""}`)
+        void task("prompt", async () => expectCodes(await send(c, { type: "prompt", activeSessionId: ctl.id, message }), "prompt", ["session_busy", "session_failed", "session_not_found"]))
         return
       }
       case "retry_worker": {
@@ -709,7 +730,13 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
     // A failed run keeps its state dir for inspection.
     await daemon.cleanup(options.keep === true || violation !== undefined)
     await Promise.race([Promise.all(background), sleep(2000)])
-    for (const c of clients) for (const s of c.streams.values()) stats.resyncs += s.resyncs
+    for (const c of clients) {
+      for (const s of c.streams.values()) {
+        stats.resyncs += s.resyncs
+        stats.replacements += s.replacements
+        stats.compactionsChecked += s.compactionsChecked
+      }
+    }
     return {
       seed: options.seed,
       violation,
@@ -825,6 +852,23 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
         if (page.length === 0 || messages.length >= r!["data"]["total"]) break
       }
       check("messageCount", messages.length === st?.["data"]?.messageCount, () => `${ctl.id}: get_messages has ${messages.length}, messageCount ${st?.["data"]?.messageCount}`)
+      // A rewrite leaves exactly its compaction message, then what later turns add: a compaction
+      // message anywhere but first was appended rather than made the whole transcript.
+      const compactedAt = messages.findIndex((m, i) => i > 0 && compactedCount({ role: String(m["role"]), content: String(m["content"]) }) !== undefined)
+      check("transcript after a rewrite", compactedAt < 0, () => `${ctl.id} ${when}: message ${compactedAt} of ${messages.length} is a compaction (${JSON.stringify(messages[compactedAt]?.["content"])})`)
+      const first = messages[0] === undefined ? undefined : { role: String(messages[0]["role"]), content: String(messages[0]["content"]) }
+      const n = compactedCount(first)
+      check(
+        "transcript after a rewrite",
+        !ctl.truth.rewritten || n !== undefined,
+        () => `${ctl.id} ${when}: history was rewritten (a client was sent a replacement) but the transcript starts with ${JSON.stringify(first ?? null)}`
+      )
+      const expected = messages[0] === undefined ? undefined : ctl.truth.compactions.get(String(messages[0]["id"]))
+      check(
+        "transcript after a rewrite",
+        expected === undefined || expected === n,
+        () => `${ctl.id} ${when}: the transcript starts with \`${first?.content}\`, but a client that held every message before that rewrite counted ${expected}`
+      )
       for (const o of clients) {
         const s = o.streams.get(ctl.id)
         if (s === undefined || !s.attached) continue

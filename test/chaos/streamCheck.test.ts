@@ -1,7 +1,8 @@
 /**
  * The chaos harness's delivery checker must catch what it exists to catch (a skipped event, a
- * duplicate, a jump over a pruned generation without a resync) and accept what the protocol
- * allows (a baseline, a resync, a resume).
+ * duplicate, a jump over a pruned generation without a resync, a client that goes on across a
+ * history rewrite, a rewrite that is not the compaction of what the client held) and accept what
+ * the protocol allows (a baseline, a resync, a replacement, a resume).
  */
 import { assert, describe, it } from "vitest"
 import { type Cursor, type Msg, SessionStream, Truth, Violation } from "./streamCheck.js"
@@ -118,6 +119,191 @@ describe("SessionStream", () => {
     const t = new SessionStream(ID, "d", new Truth(ID))
     attached(t, undefined, { generation: 1, sequence: 3 })
     assert.strictEqual(violation(() => t.receive(ev(1, 0))), "replayed flag")
+  })
+
+  describe("history rewrites (replacement snapshots)", () => {
+    const user = (id: string, content: string) => ({ id, role: "user", content })
+    const compacted = (n: number) => ({ id: "t9-c", role: "assistant", content: `compacted ${n} messages` })
+    /** A /compact turn's start in generation 1: agent_start, turn_start, a user message_end; `at` earlier messages. */
+    const compactTurn = (s: SessionStream, from: number) => {
+      s.receive(ev(1, from, "agent_start"))
+      s.receive(ev(1, from + 1, "message_end", { message: user("t9-u", "/compact") }))
+    }
+    const replacement = (s: SessionStream, cursor: Cursor | undefined, messages: Array<Msg>, chunkSizes = [messages.length]) => {
+      s.receive({ type: "session_snapshot_begin", activeSessionId: ID, snapshotId: "r", messageCount: messages.length, purpose: "replacement", ...(cursor ? { cursor } : {}) })
+      let at = 0
+      chunkSizes.forEach((n, index) => {
+        s.receive({ type: "session_snapshot_chunk", activeSessionId: ID, snapshotId: "r", index, messages: messages.slice(at, at + n) })
+        at += n
+      })
+      s.receive({ type: "session_snapshot_end", activeSessionId: ID, snapshotId: "r", chunkCount: chunkSizes.length })
+    }
+
+    it("a live replacement explains the jump, and the new generation's events from sequence 0 are clean", () => {
+      const truth = new Truth(ID)
+      const s = new SessionStream(ID, "c", truth)
+      attached(s)
+      s.receive(ev(1, 0, "message_end", { message: user("u1", "hi") }))
+      compactTurn(s, 1)
+      // The rewrite at 1:2, in two chunks (a client without chunked_snapshot gets frames too).
+      replacement(s, { generation: 1, sequence: 2 }, [compacted(2)], [1, 0])
+      assert.deepStrictEqual(s.fold, [compacted(2)])
+      s.receive(ev(2, 0, "turn_end"))
+      s.receive(ev(2, 1, "agent_end"))
+      s.receive(ev(2, 2, "message_end", { message: user("u2", "after") }))
+      truth.checkJumps(true)
+      assert.deepStrictEqual(s.fold, [compacted(2), user("u2", "after")])
+      assert.strictEqual(s.replacements, 1)
+      assert.strictEqual(s.resyncs, 1)
+      assert.strictEqual(s.skips, 0) // the turn's end follows the replacement: nothing skipped
+      assert.strictEqual(s.compactionsChecked, 1)
+      assert.strictEqual(truth.rewrites.get("1:2"), 2)
+      assert.strictEqual(truth.compactions.get("t9-c"), 2)
+      assert.deepStrictEqual(s.last, { generation: 2, sequence: 2 })
+    })
+
+    it("a replacement past the client's cursor (it was paused, generations went on) explains the jump and counts as a skip", () => {
+      const truth = new Truth(ID)
+      const full = new SessionStream(ID, "full", truth)
+      const paused = new SessionStream(ID, "paused", truth)
+      attached(full)
+      attached(paused)
+      compactTurn(full, 0)
+      compactTurn(paused, 0)
+      replacement(full, { generation: 1, sequence: 1 }, [compacted(1)])
+      for (let i = 0; i < 3; i++) full.receive(ev(2, i))
+      full.receive(ev(3, 0))
+      // The paused client gets the current (generation 3) snapshot of the rewritten history.
+      paused.receive({ type: "session_snapshot_begin", activeSessionId: ID, snapshotId: "g3", messageCount: 1, purpose: "replacement", cursor: { generation: 2, sequence: 2 } })
+      paused.receive({ type: "session_snapshot_chunk", activeSessionId: ID, snapshotId: "g3", index: 0, messages: [compacted(1)] })
+      paused.receive({ type: "session_snapshot_end", activeSessionId: ID, snapshotId: "g3", chunkCount: 1 })
+      paused.receive(ev(3, 0))
+      truth.checkJumps(true)
+      assert.strictEqual(paused.skips, 1)
+      assert.strictEqual(paused.compactionsChecked, 0)
+    })
+
+    it("a jump no resync or replacement explains is still caught", () => {
+      const truth = new Truth(ID)
+      const full = new SessionStream(ID, "full", truth)
+      const other = new SessionStream(ID, "other", truth)
+      attached(full)
+      attached(other)
+      compactTurn(full, 0)
+      replacement(full, { generation: 1, sequence: 1 }, [compacted(1)])
+      full.receive(ev(2, 0))
+      full.receive(ev(2, 1))
+      full.receive(ev(3, 0))
+      // A replacement whose cursor is 2:0 followed by 3:0 skips 2:1, which exists.
+      other.receive(ev(1, 0, "agent_start"))
+      replacement(other, { generation: 2, sequence: 0 }, [compacted(1)])
+      other.receive(ev(3, 0))
+      assert.strictEqual(violation(() => truth.checkJumps(true)), "no gap")
+      // Events that do not start a generation after the replacement's cursor.
+      const t = new SessionStream(ID, "t", new Truth(ID))
+      attached(t)
+      compactTurn(t, 0)
+      replacement(t, { generation: 1, sequence: 1 }, [compacted(1)])
+      assert.strictEqual(violation(() => t.receive(ev(2, 1))), "no gap after a baseline")
+    })
+
+    it("a client that goes on into the rewritten generation without the replacement is caught", () => {
+      const truth = new Truth(ID)
+      const full = new SessionStream(ID, "full", truth)
+      const missed = new SessionStream(ID, "missed", truth)
+      attached(full)
+      attached(missed)
+      compactTurn(full, 0)
+      compactTurn(missed, 0)
+      replacement(full, { generation: 1, sequence: 1 }, [compacted(1)])
+      full.receive(ev(2, 0))
+      missed.receive(ev(2, 0)) // locally plausible: sequence 0 of the next generation
+      assert.strictEqual(violation(() => truth.checkJumps(true)), "replay never crosses a rewrite")
+    })
+
+    it("a replacement that is not the compaction of what the client held is caught", () => {
+      for (const [messages, what] of [
+        [[compacted(3)], "wrong N"],
+        [[compacted(2), user("x", "y")], "more than the compaction"],
+        [[user("u1", "hi"), user("t9-u", "/compact")], "not a compaction"]
+      ] as const) {
+        const s = new SessionStream(ID, "c", new Truth(ID))
+        attached(s)
+        s.receive(ev(1, 0, "message_end", { message: user("u1", "hi") }))
+        compactTurn(s, 1)
+        assert.strictEqual(violation(() => replacement(s, { generation: 1, sequence: 2 }, [...messages])), "transcript after a rewrite", what)
+      }
+    })
+
+    it("a replacement never moves the client back", () => {
+      const s = new SessionStream(ID, "c", new Truth(ID))
+      attached(s)
+      compactTurn(s, 0)
+      s.receive(ev(1, 2))
+      assert.strictEqual(violation(() => replacement(s, { generation: 1, sequence: 1 }, [compacted(1)])), "a resync or replacement never rewinds")
+    })
+
+    it("a resume from before a rewrite: partial/transcript_replaced is a baseline with purpose replacement, inline or as frames", () => {
+      for (const streamed of [false, true]) {
+        const truth = new Truth(ID)
+        const s = new SessionStream(ID, "c", truth)
+        attached(s)
+        s.receive(ev(1, 0, "message_end", { message: user("u1", "hi") }))
+        compactTurn(s, 1)
+        s.connectionLost()
+        s.attachSent({ generation: 1, sequence: 2 })
+        const snapshot = { snapshotId: "r", cursor: { generation: 1, sequence: 2 }, messageCount: 1, messages: streamed ? [] : [compacted(2)] }
+        s.attachResponse(attachOk({
+          replay: { status: "partial", reason: "transcript_replaced", eventCount: 2 },
+          snapshot,
+          lastEventCursor: { generation: 2, sequence: 1 },
+          ...(streamed ? { snapshotStream: { id: "r", messageCount: 1, targetChunkBytes: 2048 } } : {})
+        }))
+        if (streamed) replacement(s, { generation: 1, sequence: 2 }, [compacted(2)])
+        s.receive({ type: "session_attached", activeSessionId: ID })
+        s.receive({ ...ev(2, 0, "turn_end"), meta: { ...ev(2, 0)["meta"], replayed: true } })
+        s.receive({ ...ev(2, 1, "agent_end"), meta: { ...ev(2, 1)["meta"], replayed: true } })
+        truth.checkJumps(true)
+        assert.deepStrictEqual(s.fold, [compacted(2)])
+        assert.strictEqual(s.replacements, 1)
+        assert.strictEqual(s.compactionsChecked, 1)
+        assert.strictEqual(s.lastReplayStatus, "partial/transcript_replaced")
+      }
+      // Frames whose purpose is not the one the replay reason says.
+      const t = new SessionStream(ID, "t", new Truth(ID))
+      attached(t)
+      t.attachSent(undefined)
+      t.attachResponse(attachOk({
+        replay: { status: "partial", reason: "transcript_replaced" },
+        snapshot: { snapshotId: "r", messageCount: 1, messages: [] },
+        snapshotStream: { id: "r", messageCount: 1, targetChunkBytes: 2048 }
+      }))
+      assert.strictEqual(
+        violation(() => t.receive({ type: "session_snapshot_begin", activeSessionId: ID, snapshotId: "r", messageCount: 1, purpose: "attach" })),
+        "snapshot frames"
+      )
+    })
+
+    it("a replacement that reaches the earlier attachment while a re-attach is in flight belongs to it", () => {
+      const truth = new Truth(ID)
+      const s = new SessionStream(ID, "c", truth)
+      attached(s)
+      compactTurn(s, 0)
+      s.attachSent(undefined) // a re-attach on the same connection
+      s.receive({ type: "session_snapshot_begin", activeSessionId: ID, snapshotId: "r", messageCount: 1, purpose: "replacement", cursor: { generation: 1, sequence: 1 } })
+      // The daemon ended the earlier attachment in the middle of its frames; the attach's baseline follows.
+      s.attachResponse(attachOk({
+        replay: { status: "unavailable", reason: "no_cursor" },
+        snapshot: { snapshotId: "g2", cursor: { generation: 1, sequence: 1 }, messageCount: 1, messages: [compacted(1)] },
+        lastEventCursor: { generation: 2, sequence: 0 }
+      }))
+      s.receive({ type: "session_attached", activeSessionId: ID })
+      s.receive({ ...ev(2, 0), meta: { ...ev(2, 0)["meta"], replayed: true } })
+      truth.checkJumps(true)
+      assert.strictEqual(s.events, 3)
+      assert.deepStrictEqual(s.fold, [compacted(1)])
+      assert.strictEqual(s.compactionsChecked, 1) // the attach baseline at the client's cursor is the compaction
+    })
   })
 
   it("resumes after its own last cursor on a complete replay", () => {

@@ -72,12 +72,40 @@ export interface FoldedMessage {
 
 const foldedOf = (m: Msg): FoldedMessage => ({ id: String(m["id"]), role: String(m["role"]), content: String(m["content"]) })
 
+const sameFold = (a: ReadonlyArray<FoldedMessage>, b: ReadonlyArray<FoldedMessage>): boolean =>
+  a.length === b.length && a.every((m, i) => m.id === b[i]!.id && m.role === b[i]!.role && m.content === b[i]!.content)
+
+const sameCursor = (a: Cursor | undefined, b: Cursor | undefined): boolean =>
+  a === undefined || b === undefined ? a === b : compareCursor(a, b) === 0
+
+/** The prompt that makes echo rewrite its history (PROTOCOL.md section 7). */
+export const COMPACT_PROMPT = "/compact"
+
+/**
+ * N of echo's compaction message (`compacted N messages`, role assistant), the whole transcript
+ * a `/compact` leaves; undefined for any other message.
+ */
+export const compactedCount = (m: { readonly role: string; readonly content: string } | undefined): number | undefined => {
+  if (m === undefined || m.role !== "assistant") return undefined
+  const match = /^compacted (\d+) messages$/.exec(m.content)
+  return match === null ? undefined : Number(match[1])
+}
+
+const describeFold = (fold: ReadonlyArray<FoldedMessage>): string =>
+  `${fold.length} message(s)${fold.length === 0 ? "" : `, first ${JSON.stringify(fold[0]!.content.slice(0, 40))}, last ${fold.at(-1)!.role} ${JSON.stringify(fold.at(-1)!.content.slice(0, 40))}`}`
+
 /** A generation jump a client made (or the start of a baseline), to check against the truth. */
 export interface Jump {
   /** The last cursor before the jump (undefined: the very start of the session). */
   readonly from: Cursor | undefined
   readonly to: Cursor
   readonly where: string
+  /**
+   * `continue`: the client went on from an event to the next generation's first with no
+   * snapshot between (it must not cross a history rewrite); `baseline`: the first event after a
+   * snapshot (attach, resync or replacement) whose cursor is `from`.
+   */
+  readonly kind: "continue" | "baseline"
 }
 
 /** Every event of a session that any client saw, by cursor; and the jumps to check. */
@@ -86,6 +114,17 @@ export class Truth {
   private sorted: Array<Cursor> | undefined
   readonly jumps: Array<Jump> = []
   private checkedJumps = 0
+  /**
+   * History rewrites known for sure, by the cursor of the last event before them: a client that
+   * had every event up to that cursor was sent the rewrite's snapshot (the compaction of what it
+   * held) right there. Value: the N of its `compacted N messages`. Nobody may go on from such a
+   * cursor into the next generation without that snapshot (replay never crosses a rewrite).
+   */
+  readonly rewrites = new Map<string, number>()
+  /** The compaction messages whose N some client checked against its fold: message id -> N. */
+  readonly compactions = new Map<string, number>()
+  /** Some client was sent a `replacement` snapshot of this session: its history was rewritten. */
+  rewritten = false
 
   constructor(readonly activeSessionId: string) {}
 
@@ -123,6 +162,13 @@ export class Truth {
     const start = all ? 0 : this.checkedJumps
     for (let i = start; i < this.jumps.length; i++) {
       const j = this.jumps[i]!
+      if (j.kind === "continue" && j.from !== undefined && this.rewrites.has(fmtCursor(j.from))) {
+        throw new Violation(
+          "replay never crosses a rewrite",
+          `${j.where}: went on from ${fmtCursor(j.from)} to ${fmtCursor(j.to)} of ${this.activeSessionId} without a replacement snapshot, ` +
+            `but history was rewritten right after ${fmtCursor(j.from)} (compacted ${this.rewrites.get(fmtCursor(j.from))} messages)`
+        )
+      }
       const skipped = this.between(j.from, j.to)
       if (skipped.length > 0) {
         throw new Violation(
@@ -141,8 +187,8 @@ type Phase =
   | { readonly kind: "detached" }
   /** An attach was sent; until its response, events still belong to the earlier attachment. */
   | { readonly kind: "attaching"; readonly previous: Phase; readonly resumeCursor: Cursor | undefined }
-  /** The attach response came with a baseline to stream: frames, then `session_attached`. */
-  | { readonly kind: "awaitFrames"; readonly lastAtAttach: Cursor | undefined }
+  /** The attach response came with a baseline to stream (with this purpose): frames, then `session_attached`. */
+  | { readonly kind: "awaitFrames"; readonly purpose: string; readonly lastAtAttach: Cursor | undefined }
   /** Frames came (or none were needed): `session_attached` is next. */
   | { readonly kind: "awaitAttached"; readonly next: Expectation; readonly lastAtAttach: Cursor | undefined }
   /** Attached: events flow. */
@@ -181,6 +227,16 @@ export class SessionStream {
   last: Cursor | undefined
   /** How many `resync`/`replacement` snapshots replaced this client's state. */
   resyncs = 0
+  /** How many of them were `replacement`s (history rewrites), frames or an inline baseline. */
+  replacements = 0
+  /**
+   * How many baselines moved the client's state past its last cursor: events it never saw (its
+   * own turn's end, say) may be inside the snapshot. A replacement sent right where the client
+   * is (the usual live rewrite) is not one: the rewrite's generation's events follow it.
+   */
+  skips = 0
+  /** Compactions whose N this client checked against its own fold (it had every event up to the rewrite). */
+  compactionsChecked = 0
   /** Sequenced events received. */
   events = 0
   /** The replay status (and reason) of the last successful attach. */
@@ -264,26 +320,80 @@ export class SessionStream {
     if (phase.resumeCursor !== undefined && replay["status"] === "partial" && replay["reason"] !== "cursor_expired" && replay["reason"] !== "transcript_replaced") {
       this.fail("replay decision", `partial with reason ${replay["reason"]}`)
     }
+    // A baseline after a history rewrite is a replacement; after pruned generations, a resync.
+    const purpose = replay["reason"] === "transcript_replaced" ? "replacement" : replay["status"] === "partial" ? "resync" : "attach"
     if (data["snapshotStream"] !== undefined) {
-      this.phase = { kind: "awaitFrames", lastAtAttach }
+      this.phase = { kind: "awaitFrames", purpose, lastAtAttach }
       return
     }
     const snap = data["snapshot"] as Msg
     const messages = (snap["messages"] as Array<Msg>).map(foldedOf)
     if (snap["messageCount"] !== messages.length) this.fail("attach baseline", `snapshot.messageCount ${snap["messageCount"]} but ${messages.length} messages inline`)
-    this.baseline(messages)
-    this.last = snap["cursor"] as Cursor | undefined
+    this.baseline(messages, snap["cursor"] as Cursor | undefined, purpose)
+    if (purpose !== "attach") this.resyncs++
     this.phase = { kind: "awaitAttached", next: { kind: "start", cursor: snap["cursor"] as Cursor | undefined }, lastAtAttach }
   }
 
-  /** A snapshot's messages replace the client's state. */
-  private baseline(messages: Array<FoldedMessage>): void {
+  /**
+   * A snapshot's messages (at `cursor`) replace the client's state. What the client held is
+   * checked against it where they meet: a snapshot at the client's own last cursor is the state
+   * the client folded, or (a history rewrite) exactly its compaction, `compacted N messages` with
+   * N the messages it held, the `/compact` user message last among them. A replacement always
+   * starts with a compaction message; a resync or replacement never moves a client back.
+   */
+  private baseline(messages: Array<FoldedMessage>, cursor: Cursor | undefined, purpose: string): void {
+    const fold = this.fold
+    const last = this.last
+    if (purpose === "replacement") {
+      this.replacements++
+      this.truth.rewritten = true
+      if (compactedCount(messages[0]) === undefined) {
+        this.fail("transcript after a rewrite", `a replacement snapshot at ${fmtCursor(cursor)} does not start with \`compacted N messages\`: ${describeFold(messages)}`)
+      }
+    }
+    if (fold !== undefined && last !== undefined && purpose !== "attach" && (cursor === undefined || compareCursor(cursor, last) < 0)) {
+      this.fail("a resync or replacement never rewinds", `a ${purpose} snapshot at ${fmtCursor(cursor)} but the client already had events up to ${fmtCursor(last)}`)
+    }
+    if (fold !== undefined && sameCursor(cursor, last) && (purpose === "replacement" || !sameFold(messages, fold))) {
+      const n = compactedCount(messages[0])
+      const user = fold.at(-1)
+      if (messages.length !== 1 || n !== fold.length || user?.role !== "user" || user.content !== COMPACT_PROMPT) {
+        this.fail(
+          "transcript after a rewrite",
+          `a ${purpose} snapshot at the client's own last cursor ${fmtCursor(cursor)} is neither what it folded nor its compaction ` +
+            `(\`compacted ${fold.length} messages\` after the /compact user message): it holds ${describeFold(messages)}; the client folded ${describeFold(fold)}`
+        )
+      }
+      this.compactionsChecked++
+      if (cursor !== undefined) this.truth.rewrites.set(fmtCursor(cursor), n)
+      this.truth.compactions.set(messages[0]!.id, n)
+    }
+    if (fold !== undefined && cursor !== undefined && (last === undefined || compareCursor(cursor, last) > 0)) this.skips++
     this.fold = messages
+    // The client's state is now the snapshot: a resume starts after the snapshot's cursor, not
+    // after an event seen before it (an event the snapshot rewound, or one before a resync).
+    this.last = cursor
   }
 
   /** Any message of this session other than a response. */
   receive(m: Msg): void {
     this.note(m)
+    const phase = this.phase
+    if (phase.kind === "attaching") {
+      // Until the attach is answered, what arrives belongs to the earlier attachment of this
+      // connection (the daemon ends it when it takes the attach, before the response).
+      this.phase = phase.previous
+      try {
+        this.receiveInPhase(m)
+      } finally {
+        this.phase = { ...phase, previous: this.phase }
+      }
+      return
+    }
+    this.receiveInPhase(m)
+  }
+
+  private receiveInPhase(m: Msg): void {
     const type = m["type"] as string
     if (isSequenced(m)) return this.sequenced(m)
     if (type === "session_attached") {
@@ -312,7 +422,7 @@ export class SessionStream {
     if (type === "session_snapshot_begin") {
       const purpose = m["purpose"] as string
       if (phase.kind === "awaitFrames") {
-        if (purpose !== "attach" && purpose !== "resync" && purpose !== "replacement") this.fail("snapshot frames", `purpose ${purpose} for an attach`)
+        if (purpose !== phase.purpose) this.fail("snapshot frames", `purpose ${purpose} for an attach whose baseline is a(n) ${phase.purpose} (replay ${this.lastReplayStatus})`)
       } else if (phase.kind === "flowing") {
         if (purpose !== "resync" && purpose !== "replacement") this.fail("snapshot frames", `an unsolicited snapshot with purpose ${purpose}`)
       } else {
@@ -331,7 +441,7 @@ export class SessionStream {
       }
       return
     }
-    if (type === "session_snapshot_failed" && phase.kind === "flowing") {
+    if (type === "session_snapshot_failed" && (phase.kind === "flowing" || phase.kind === "awaitFrames")) {
       // A resync that could not even begin: the client attaches again.
       this.phase = { kind: "detached" }
       return
@@ -352,10 +462,7 @@ export class SessionStream {
     // end
     if (m["chunkCount"] !== phase.chunks) this.fail("snapshot frames", `end says ${m["chunkCount"]} chunks, ${phase.chunks} came`)
     if (phase.messages.length !== phase.messageCount) this.fail("snapshot frames", `begin says ${phase.messageCount} messages, ${phase.messages.length} came`)
-    this.baseline(phase.messages)
-    // The client's state is now the snapshot: a resume starts after the snapshot's cursor, not
-    // after an event seen before it (an event the snapshot rewound, or one before a resync).
-    this.last = phase.cursor
+    this.baseline(phase.messages, phase.cursor, phase.purpose)
     if (phase.purpose !== "attach") this.resyncs++
     const next: Expectation = { kind: "start", cursor: phase.cursor }
     this.phase = phase.attaching
@@ -367,8 +474,7 @@ export class SessionStream {
     const c = m["meta"]?.cursor as Cursor | undefined
     if (c === undefined || !Number.isInteger(c.generation) || !Number.isInteger(c.sequence)) this.fail("event shape", `${describeMsg(m)} has no valid meta.cursor`)
     const where = `[${this.label}] ${describeMsg(m)}`
-    let phase = this.phase
-    if (phase.kind === "attaching") phase = phase.previous
+    const phase = this.phase
     if (phase.kind !== "flowing") this.fail("attach order", `sequenced event ${describeMsg(m)} in phase ${phase.kind}`)
     this.truth.see(m, where)
     const next = phase.next
@@ -377,19 +483,17 @@ export class SessionStream {
       const sameGen = c.generation === p.generation && c.sequence === p.sequence + 1
       const laterGen = c.generation > p.generation && c.sequence === 0
       if (!sameGen && !laterGen) this.fail("cursor order, each once, no gap", `${describeMsg(m)} does not follow ${fmtCursor(p)}`)
-      if (laterGen) this.truth.jumps.push({ from: p, to: c, where: `${where} (after ${this.recent.slice(-6, -1).join(", ")})` })
+      if (laterGen) this.truth.jumps.push({ from: p, to: c, where: `${where} (after ${this.recent.slice(-6, -1).join(", ")})`, kind: "continue" })
     } else {
       if (c.sequence !== 0 || (next.cursor !== undefined && c.generation <= next.cursor.generation)) {
         this.fail("no gap after a baseline", `${describeMsg(m)} is not the start of a generation after the snapshot's cursor ${fmtCursor(next.cursor)}`)
       }
-      this.truth.jumps.push({ from: next.cursor, to: c, where: `${where} (after ${this.recent.slice(-40, -1).join(", ")})` })
+      this.truth.jumps.push({ from: next.cursor, to: c, where: `${where} (after ${this.recent.slice(-40, -1).join(", ")})`, kind: "baseline" })
     }
     if (phase.lastAtAttach !== undefined && compareCursor(c, phase.lastAtAttach) <= 0 && m["meta"].replayed !== true) {
       this.fail("replayed flag", `${describeMsg(m)} existed at attach (last ${fmtCursor(phase.lastAtAttach)}) but is not flagged replayed`)
     }
-    const flowing: Phase = { kind: "flowing", next: { kind: "after", cursor: c }, lastAtAttach: phase.lastAtAttach }
-    if (this.phase.kind === "attaching") this.phase = { ...this.phase, previous: flowing }
-    else this.phase = flowing
+    this.phase = { kind: "flowing", next: { kind: "after", cursor: c }, lastAtAttach: phase.lastAtAttach }
     this.last = c
     this.events++
     if (m["type"] === "session_event" && m["event"]?.type === "message_end") this.fold?.push(foldedOf(m["event"].message))
