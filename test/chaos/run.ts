@@ -38,7 +38,8 @@ export const FAULT_KINDS = [
   "prompt_race",
   "kill_session",
   "retry_worker",
-  "spawn_fail"
+  "spawn_fail",
+  "rewrite_while_away"
 ] as const
 export type FaultKind = typeof FAULT_KINDS[number]
 
@@ -56,7 +57,8 @@ const WEIGHTS: Record<FaultKind, number> = {
   prompt_race: 3,
   kill_session: 1,
   retry_worker: 2,
-  spawn_fail: 1
+  spawn_fail: 1,
+  rewrite_while_away: 3
 }
 
 export interface RunOptions {
@@ -643,6 +645,40 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
             expectCodes(r, "kill", ["session_not_found"])
           }
           await addSession(c)
+        })
+        return
+      }
+      case "rewrite_while_away": {
+        // An observer of the session drops; its history is rewritten while it is away (a
+        // /compact raced against the driver until one is accepted and its replacement reached
+        // the driver); then the observer comes back and resumes from before the rewrite:
+        // `partial`/`transcript_replaced` (or `cursor_expired`), never a replay across it.
+        const o = observers.find((x) => wanted.get(x)!.has(ctl.id) && x.stream(ctl.id).settled) ?? frng.pick(observers)
+        wanted.get(o)!.add(ctl.id)
+        const c = freeCommander()
+        log(`rewrite_while_away ${sid}: ${o.label} drops, /compact via ${c.label}`)
+        reconnectAt.set(o, Date.now() + 60_000)
+        o.drop()
+        void task("rewrite_while_away", async () => {
+          const driverStream = ctl.driver.stream(ctl.id)
+          const before = driverStream.replacements
+          const deadline = Date.now() + 10_000
+          try {
+            while (!stopped() && !stopFaults && !ctl.killed && Date.now() < deadline) {
+              const r = await send(c, { type: "prompt", activeSessionId: ctl.id, message: COMPACT_PROMPT })
+              expectCodes(r, "prompt", ["session_busy", "session_failed", "session_not_found"])
+              if (r?.["success"] === true) {
+                stats.compactsAccepted++
+                const seen = await waitUntil(() => driverStream.replacements > before || stopFaults, 10_000)
+                log(`  ${sid} rewritten while ${o.label} was away: ${seen && driverStream.replacements > before}`)
+                return
+              }
+              await sleep(frng.int(50, 300))
+            }
+            log(`  (${sid}: no /compact accepted while ${o.label} was away)`)
+          } finally {
+            reconnectAt.delete(o)
+          }
         })
         return
       }
