@@ -235,6 +235,29 @@ describe("SessionStream", () => {
       }
     })
 
+    it("the same replacement again, after a reconnect from its cursor (partial/transcript_replaced), is accepted", () => {
+      const truth = new Truth(ID)
+      const s = new SessionStream(ID, "c", truth)
+      attached(s)
+      compactTurn(s, 0)
+      replacement(s, { generation: 1, sequence: 1 }, [compacted(1)])
+      // Cut off before any event of generation 2: it resumes from 1:1, still before the rewrite.
+      s.connectionLost()
+      s.attachSent({ generation: 1, sequence: 1 })
+      s.attachResponse(attachOk({
+        replay: { status: "partial", reason: "transcript_replaced", eventCount: 0 },
+        snapshot: { snapshotId: "r", cursor: { generation: 1, sequence: 1 }, messageCount: 1, messages: [] },
+        snapshotStream: { id: "r", messageCount: 1, targetChunkBytes: 2048 }
+      }))
+      replacement(s, { generation: 1, sequence: 1 }, [compacted(1)])
+      s.receive({ type: "session_attached", activeSessionId: ID })
+      s.receive(ev(2, 0, "turn_end"))
+      truth.checkJumps(true)
+      assert.strictEqual(s.replacements, 2)
+      assert.strictEqual(s.compactionsChecked, 1)
+      assert.deepStrictEqual(s.fold, [compacted(1)])
+    })
+
     it("a replacement never moves the client back", () => {
       const s = new SessionStream(ID, "c", new Truth(ID))
       attached(s)

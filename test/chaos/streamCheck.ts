@@ -337,7 +337,8 @@ export class SessionStream {
   /**
    * A snapshot's messages (at `cursor`) replace the client's state. What the client held is
    * checked against it where they meet: a snapshot at the client's own last cursor is the state
-   * the client folded, or (a history rewrite) exactly its compaction, `compacted N messages` with
+   * the client holds (it may have been sent that very snapshot already), or (a history rewrite)
+   * exactly its compaction, `compacted N messages` with
    * N the messages it held, the `/compact` user message last among them. A replacement always
    * starts with a compaction message; a resync or replacement never moves a client back.
    */
@@ -354,7 +355,9 @@ export class SessionStream {
     if (fold !== undefined && last !== undefined && purpose !== "attach" && (cursor === undefined || compareCursor(cursor, last) < 0)) {
       this.fail("a resync or replacement never rewinds", `a ${purpose} snapshot at ${fmtCursor(cursor)} but the client already had events up to ${fmtCursor(last)}`)
     }
-    if (fold !== undefined && sameCursor(cursor, last) && (purpose === "replacement" || !sameFold(messages, fold))) {
+    // The same snapshot again is fine: a client cut off after a replacement resumes from its
+    // cursor, which is still before the rewrite's generation, and is sent it once more.
+    if (fold !== undefined && sameCursor(cursor, last) && !sameFold(messages, fold)) {
       const n = compactedCount(messages[0])
       const user = fold.at(-1)
       if (messages.length !== 1 || n !== fold.length || user?.role !== "user" || user.content !== COMPACT_PROMPT) {
