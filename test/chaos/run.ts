@@ -183,6 +183,7 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
     resyncs: 0,
     replacements: 0,
     compactionsChecked: 0,
+    transcriptReplaced: 0,
     events: 0,
     commands: 0
   }
@@ -771,6 +772,7 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
         stats.resyncs += s.resyncs
         stats.replacements += s.replacements
         stats.compactionsChecked += s.compactionsChecked
+        stats.transcriptReplaced += s.transcriptReplaced
       }
     }
     return {

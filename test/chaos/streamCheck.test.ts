@@ -295,7 +295,9 @@ describe("SessionStream", () => {
       // Frames whose purpose is not the one the replay reason says.
       const t = new SessionStream(ID, "t", new Truth(ID))
       attached(t)
-      t.attachSent(undefined)
+      t.receive(ev(1, 0))
+      t.connectionLost()
+      t.attachSent({ generation: 1, sequence: 0 })
       t.attachResponse(attachOk({
         replay: { status: "partial", reason: "transcript_replaced" },
         snapshot: { snapshotId: "r", messageCount: 1, messages: [] },

@@ -237,6 +237,8 @@ export class SessionStream {
   skips = 0
   /** Compactions whose N this client checked against its own fold (it had every event up to the rewrite). */
   compactionsChecked = 0
+  /** Resumes answered `partial`/`transcript_replaced` (the client's cursor was from before a rewrite). */
+  transcriptReplaced = 0
   /** Sequenced events received. */
   events = 0
   /** The replay status (and reason) of the last successful attach. */
@@ -305,6 +307,10 @@ export class SessionStream {
     const replay = data["replay"] as Msg
     const lastAtAttach = data["lastEventCursor"] as Cursor | undefined
     this.lastReplayStatus = replay["reason"] === undefined ? replay["status"] : `${replay["status"]}/${replay["reason"]}`
+    if (replay["reason"] === "transcript_replaced") {
+      if (phase.resumeCursor === undefined) this.fail("replay decision", "transcript_replaced for an attach without a resume cursor")
+      this.transcriptReplaced++
+    }
     if (replay["status"] === "complete") {
       const from = phase.resumeCursor
       if (from === undefined) this.fail("replay decision", "replay complete for an attach without a resume cursor")
