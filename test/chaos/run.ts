@@ -650,36 +650,51 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
         return
       }
       case "rewrite_while_away": {
-        // An observer of the session drops; its history is rewritten while it is away (a
-        // /compact raced against the driver until one is accepted and its replacement reached
-        // the driver); then the observer comes back and resumes from before the rewrite:
-        // `partial`/`transcript_replaced` (or `cursor_expired`), never a replay across it.
+        // A /compact is raced against the driver until one is accepted; at that moment an
+        // observer of the session drops, so the rewrite happens while it is away (it may have
+        // the turn's user message, or even the replacement, or not); once the replacement has
+        // reached the driver, the observer comes back at once and resumes from its cursor,
+        // before the rewrite: `partial`/`transcript_replaced`, never a replay across it.
         const o = observers.find((x) => wanted.get(x)!.has(ctl.id) && x.stream(ctl.id).settled) ?? frng.pick(observers)
         wanted.get(o)!.add(ctl.id)
         const c = freeCommander()
-        log(`rewrite_while_away ${sid}: ${o.label} drops, /compact via ${c.label}`)
-        reconnectAt.set(o, Date.now() + 60_000)
-        o.drop()
+        log(`rewrite_while_away ${sid}: /compact via ${c.label}, ${o.label} away meanwhile`)
         void task("rewrite_while_away", async () => {
           const driverStream = ctl.driver.stream(ctl.id)
-          const before = driverStream.replacements
           const deadline = Date.now() + 10_000
-          try {
-            while (!stopped() && !stopFaults && !ctl.killed && Date.now() < deadline) {
-              const r = await send(c, { type: "prompt", activeSessionId: ctl.id, message: COMPACT_PROMPT })
-              expectCodes(r, "prompt", ["session_busy", "session_failed", "session_not_found"])
-              if (r?.["success"] === true) {
-                stats.compactsAccepted++
-                const seen = await waitUntil(() => driverStream.replacements > before || stopFaults, 10_000)
-                log(`  ${sid} rewritten while ${o.label} was away: ${seen && driverStream.replacements > before}`)
+          while (!stopped() && !stopFaults && !ctl.killed && Date.now() < deadline) {
+            const before = driverStream.replacements
+            const r = await send(c, { type: "prompt", activeSessionId: ctl.id, message: COMPACT_PROMPT })
+            expectCodes(r, "prompt", ["session_busy", "session_failed", "session_not_found"])
+            if (r?.["success"] !== true) {
+              await sleep(frng.int(20, 200))
+              continue
+            }
+            stats.compactsAccepted++
+            reconnectAt.set(o, Date.now() + 60_000)
+            o.drop()
+            try {
+              const seen = await waitUntil(() => driverStream.replacements > before || stopFaults, 10_000)
+              log(`  ${sid} rewritten while ${o.label} was away: ${seen && driverStream.replacements > before}`)
+              // Back at once, while the generation of its cursor is still retained (the next
+              // checkpoints prune it, and a cursor_expired resync would hide a replay across the
+              // rewrite).
+              reconnectAt.delete(o)
+              if (o.connected || daemonDown || stopped()) return
+              try {
+                await o.connect()
+              } catch {
                 return
               }
-              await sleep(frng.int(50, 300))
+              const from = o.stream(ctl.id).last
+              await attach(o, ctl.id, frng, true)
+              log(`  ${o.label} back on ${sid} from ${fmtCursor(from)}: replay ${o.stream(ctl.id).lastReplayStatus}`)
+            } finally {
+              reconnectAt.delete(o)
             }
-            log(`  (${sid}: no /compact accepted while ${o.label} was away)`)
-          } finally {
-            reconnectAt.delete(o)
+            return
           }
+          log(`  (${sid}: no /compact accepted)`)
         })
         return
       }
