@@ -473,7 +473,12 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
         if (st["busy"] === false) ctl.idleAfterEnds = ctl.ends
       }
     }
-    await driver.connect()
+    try {
+      await driver.connect()
+    } catch {
+      // The daemon is being restarted (a daemon_kill right after a kill_session's create): the
+      // maintenance loop connects the driver and attaches it once the daemon is back.
+    }
     wanted.set(driver, new Set([id]))
     await attach(driver, id, rng, false)
     // Observers follow some sessions.
