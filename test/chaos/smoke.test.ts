@@ -1,7 +1,8 @@
 /**
  * The chaos harness in CI: one short seeded run (about a minute) against the real built
- * daemon: the full load, every fault kind (worker and daemon SIGKILLs, racing commands,
- * failing spawns, dropped and paused clients) and the thresholds the seed draws (checkpoints
+ * daemon: the full load (`/compact` history rewrites included), every fault kind (worker and
+ * daemon SIGKILLs, racing commands, failing spawns, dropped and paused clients, clients away
+ * during a rewrite) and the thresholds the seed draws (checkpoints
  * every few events, one or two generations retained, a small outbox). Longer runs and the
  * regression seeds are `npm run chaos` and `npm run chaos -- --regressions`.
  *
