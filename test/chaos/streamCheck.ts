@@ -414,18 +414,7 @@ export class SessionStream {
   }
 
   private frame(m: Msg): void {
-    if (this.phase.kind === "attaching") {
-      // Frames of the attachment being replaced, sent before the daemon took the new attach:
-      // they belong to the earlier phase (as its events do), the new attach's come after its response.
-      const attaching = this.phase
-      this.phase = attaching.previous
-      try {
-        this.frame(m)
-      } finally {
-        this.phase = { ...attaching, previous: this.phase }
-      }
-      return
-    }
+    // (Frames of an attachment being replaced reach its earlier phase through receive().)
     const type = m["type"] as string
     const phase = this.phase
     if (type === "session_snapshot_begin") {
