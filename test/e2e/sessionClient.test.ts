@@ -208,6 +208,11 @@ describe("SessionClient against the daemon", () => {
       timeout: 20_000
     })
     expect(blocked.status, blocked.stderr).toBe(0)
+    // This process reads again: the follower catches up (through resyncs) before the live turn,
+    // which would otherwise be pruned too (one generation kept, a checkpoint after every turn)
+    // before the follower got there, and reach it inside a resync like the others.
+    const caughtUpTo = (await handle.getState()).lastEventCursor!
+    await f.waitFor(() => handle.state?.lastCursor !== undefined && compareCursor(handle.state.lastCursor, caughtUpTo) >= 0, "the follower caught up", 15_000)
     await drain(handle.prompt("live again"))
     await f.waitFor(() => isIdleAfter(f.events, "echo: live again")(), "the live turn", 15_000)
     const baselines = f.events.filter((e): e is Client.Baseline => e.type === "baseline")
