@@ -18,6 +18,7 @@ import type { Cursor } from "../../Cursor.js"
 import type { AgentMessage } from "../../Protocol.js"
 import { ChunkBuilder, chunkRanges } from "../../SnapshotCache.js"
 import type { WorkerHandle } from "../../WorkerPool.js"
+import type { SnapshotHeaderInput, SnapshotInfo } from "../../SessionStore.js"
 import type { LoggedBody } from "../delivery/wireLines.js"
 import type { AnyFrame } from "./phase.js"
 import { type Core, CommandError, internal, READ_GATE_PERMITS, type Session, snapshotIdOf } from "./session.js"
@@ -43,27 +44,50 @@ export const makeCheckpoints = (core: Core) => {
     })
 
   const takeCheckpoint = (s: Session) =>
+    nextGeneration(s, {
+      busy: false,
+      messageCount: s.messageCount,
+      rewrittenAt: s.rewriteGeneration,
+      write: (header) => store.appendSnapshot(s.meta.activeSessionId, header, generationMessages(s))
+    })
+
+  /**
+   * Moves the session to its next generation in one step, under the whole read gate (no baseline
+   * mixes two generations, no event comes between the snapshot's cursor and the generation):
+   * the snapshot's transcript (`write`, given its header), the log's new generation, the
+   * session's state, the journal, pruning. A rewrite (`rewrittenAt` is the new generation) also
+   * has every attachment send its client the new snapshot before any later event.
+   */
+  const nextGeneration = <E extends { readonly message: string }>(
+    s: Session,
+    next: {
+      readonly busy: boolean
+      readonly messageCount: number
+      readonly rewrittenAt: number | undefined
+      /** The rewrite's cache entry, which becomes the generation's snapshot entry. */
+      readonly snapshotId?: string
+      readonly write: (header: SnapshotHeaderInput) => Effect.Effect<SnapshotInfo, E>
+    }
+  ) =>
     s.readGate.withPermits(READ_GATE_PERMITS)(Effect.gen(function*() {
       const id = s.meta.activeSessionId
       const generation = s.generation + 1
       const snapshotId = snapshotIdOf(s, generation)
       const snapshotCursor = s.lastCursor
-      const messageCount = s.messageCount
-      yield* record(s, false, "snapshot_begin")
-      const written = yield* store.appendSnapshot(
-        id,
-        {
-          snapshotId,
-          generation,
-          messageCount,
-          ...(snapshotCursor === undefined ? {} : { cursor: snapshotCursor }),
-          ...(s.rewriteGeneration === undefined ? {} : { rewrittenAt: s.rewriteGeneration })
-        },
-        generationMessages(s)
-      ).pipe(Effect.mapError(internal("transcript")))
+      const { messageCount, rewrittenAt } = next
+      yield* record(s, next.busy, "snapshot_begin")
+      const written = yield* next.write({
+        snapshotId,
+        generation,
+        messageCount,
+        ...(snapshotCursor === undefined ? {} : { cursor: snapshotCursor }),
+        ...(rewrittenAt === undefined ? {} : { rewrittenAt })
+      }).pipe(Effect.mapError(internal("transcript")))
       yield* log.startGeneration(id).pipe(Effect.mapError(internal("event log")))
-      yield* enterGeneration(s, { generation, snapshotCursor, messageCount })
-      yield* record(s, false, "snapshot_end", written.path)
+      yield* enterGeneration(s, { generation, snapshotCursor, messageCount, ...(next.snapshotId === undefined ? {} : { snapshotId: next.snapshotId }) })
+      s.rewriteGeneration = rewrittenAt
+      yield* record(s, next.busy, "snapshot_end", written.path)
+      if (rewrittenAt === generation) for (const a of s.attachments) a.replaceState()
       yield* pruneBefore(s, generation)
       return { generation, snapshotId }
     }))
@@ -163,25 +187,17 @@ export const makeCheckpoints = (core: Core) => {
     })
 
   const completeRewrite = (s: Session, rewrite: { readonly snapshotId: string; readonly generation: number }) =>
-    s.readGate.withPermits(READ_GATE_PERMITS)(Effect.gen(function*() {
-      const id = s.meta.activeSessionId
+    Effect.gen(function*() {
       const { generation, snapshotId } = rewrite
-      const snapshotCursor = s.lastCursor
       const messageCount = (yield* cache.info(snapshotId).pipe(Effect.mapError(internal("snapshot")))).meta.messageCount
-      yield* record(s, true, "snapshot_begin")
-      const written = yield* store.writeSnapshot(
-        id,
-        { snapshotId, generation, messageCount, rewrittenAt: generation, ...(snapshotCursor === undefined ? {} : { cursor: snapshotCursor }) },
-        entryMessages(snapshotId)
-      ).pipe(Effect.mapError(internal("transcript")))
-      yield* log.startGeneration(id).pipe(Effect.mapError(internal("event log")))
-      yield* enterGeneration(s, { generation, snapshotCursor, messageCount, snapshotId })
-      s.rewriteGeneration = generation
-      yield* record(s, true, "snapshot_end", written.path)
-      // Attached clients get the new snapshot before any event of the new generation.
-      for (const a of s.attachments) a.replaceState()
-      yield* pruneBefore(s, generation)
-    }))
+      yield* nextGeneration(s, {
+        busy: true,
+        messageCount,
+        rewrittenAt: generation,
+        snapshotId,
+        write: (header) => store.writeSnapshot(s.meta.activeSessionId, header, entryMessages(snapshotId))
+      })
+    })
 
   /** The messages the current generation added: its `message_end` events, from the log. */
   const generationMessages = (s: Session): Stream.Stream<AgentMessage, CommandError> =>
