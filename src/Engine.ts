@@ -90,6 +90,15 @@ export const registry = (engines: Readonly<Record<string, EngineDefinition>>): C
   }
 }
 
+/** A transcript message made now (the engines' constructor of the messages they stream). */
+export const agentMessage = (id: string, role: AgentMessage["role"], content: string, extra?: Partial<AgentMessage>): AgentMessage => ({
+  id,
+  role,
+  content,
+  timestamp: Date.now(),
+  ...extra
+})
+
 /** Folds one event (or a replacement) into a transcript, in place; returns whether it changed. */
 export const foldEvent = (messages: Array<AgentMessage>, event: TurnOutput | { readonly type: string }): boolean => {
   if (event instanceof TranscriptReplaced) {

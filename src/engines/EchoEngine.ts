@@ -7,6 +7,7 @@ import * as Effect from "effect/Effect"
 import * as Layer from "effect/Layer"
 import * as Stream from "effect/Stream"
 import {
+  agentMessage,
   Engine,
   type EngineDefinition,
   EngineError,
@@ -16,7 +17,7 @@ import {
   type TurnInput,
   type TurnOutput
 } from "../Engine.js"
-import type { AgentEvent, AgentMessage } from "../Protocol.js"
+import type { AgentEvent } from "../Protocol.js"
 
 /** The largest delta of a `/bulk` message. */
 export const BULK_DELTA_BYTES = 65536
@@ -34,14 +35,6 @@ const readConfig = (config: Readonly<Record<string, unknown>>): Effect.Effect<Ec
     )
 }
 
-const message = (id: string, role: AgentMessage["role"], content: string, extra?: Partial<AgentMessage>): AgentMessage => ({
-  id,
-  role,
-  content,
-  timestamp: Date.now(),
-  ...extra
-})
-
 /** An assistant message streamed as the given deltas, waiting `delayMs` between two. */
 const streamMessage = (id: string, deltas: ReadonlyArray<string> | Iterable<string>, delayMs: number) => {
   const parts = Array.from(deltas)
@@ -54,9 +47,9 @@ const streamMessage = (id: string, deltas: ReadonlyArray<string> | Iterable<stri
       i === 0 ? Effect.succeed(event) : Effect.as(Effect.sleep(Duration.millis(delayMs)), event)
     ))
     : updates
-  return Stream.make<Array<AgentEvent>>({ type: "message_start", message: message(id, "assistant", "") }).pipe(
+  return Stream.make<Array<AgentEvent>>({ type: "message_start", message: agentMessage(id, "assistant", "") }).pipe(
     Stream.concat(paced),
-    Stream.concat(Stream.suspend(() => Stream.make<Array<AgentEvent>>({ type: "message_end", message: message(id, "assistant", content) })))
+    Stream.concat(Stream.suspend(() => Stream.make<Array<AgentEvent>>({ type: "message_end", message: agentMessage(id, "assistant", content) })))
   )
 }
 
@@ -76,7 +69,7 @@ const reply = (input: TurnInput, config: EchoConfig): Stream.Stream<TurnOutput, 
     // assistant message that says how many it replaced.
     const replaced = input.history.length + 1
     return Stream.make(new TranscriptReplaced({
-      messages: [message(`${input.turnId}-c`, "assistant", `compacted ${replaced} messages`)]
+      messages: [agentMessage(`${input.turnId}-c`, "assistant", `compacted ${replaced} messages`)]
     }))
   }
   const assistantId = `${input.turnId}-a`
@@ -95,7 +88,7 @@ const reply = (input: TurnInput, config: EchoConfig): Stream.Stream<TurnOutput, 
       Stream.concat(Stream.fromEffect(Effect.sleep(Duration.millis(ms))).pipe(Stream.drain)),
       Stream.concat(Stream.suspend(() => {
         const result = `slept ${ms} ms`
-        const toolMessage = message(`${input.turnId}-r`, "tool", result, { toolCallId, toolName: "sleep" })
+        const toolMessage = agentMessage(`${input.turnId}-r`, "tool", result, { toolCallId, toolName: "sleep" })
         return Stream.make<Array<AgentEvent>>(
           { type: "tool_execution_end", toolCallId, result, isError: false },
           { type: "message_start", message: toolMessage },
@@ -112,7 +105,7 @@ const reply = (input: TurnInput, config: EchoConfig): Stream.Stream<TurnOutput, 
 const makeSession = (config: EchoConfig): EngineSession => ({
   runTurn: (input) =>
     Stream.suspend(() => {
-      const user = message(`${input.turnId}-u`, "user", input.message)
+      const user = agentMessage(`${input.turnId}-u`, "user", input.message)
       return Stream.make<Array<TurnOutput>>(
         { type: "agent_start" },
         { type: "turn_start" },

@@ -32,8 +32,8 @@ import * as Redacted from "effect/Redacted"
 import * as Schedule from "effect/Schedule"
 import * as Stream from "effect/Stream"
 import * as fs from "node:fs"
-import { EngineError, type EngineSession, TranscriptReplaced, type TurnInput, type TurnOutput } from "../Engine.js"
-import type { AgentEvent, AgentMessage } from "../Protocol.js"
+import { agentMessage, EngineError, type EngineSession, TranscriptReplaced, type TurnInput, type TurnOutput } from "../Engine.js"
+import type { AgentMessage } from "../Protocol.js"
 import { MAX_RETRY_AFTER_MS, type ModelConfig } from "./modelConfig.js"
 import * as SessionWorkDir from "./SessionWorkDir.js"
 import * as Tools from "./tools.js"
@@ -287,14 +287,6 @@ export interface ModelSession {
   readonly toolkit: Toolkit.WithHandler<typeof Tools.toolkit.tools>
 }
 
-const message = (id: string, role: AgentMessage["role"], content: string, extra?: Partial<AgentMessage>): AgentMessage => ({
-  id,
-  role,
-  content,
-  timestamp: Date.now(),
-  ...extra
-})
-
 interface ToolCall {
   readonly id: string
   readonly name: string
@@ -318,7 +310,7 @@ export const runTurn = (session: ModelSession, input: TurnInput): Stream.Stream<
 const turnLoop = (session: ModelSession, input: TurnInput, emit: (event: TurnOutput) => Effect.Effect<unknown>) =>
   Effect.gen(function*() {
     const { config } = session
-    const user = message(`${input.turnId}-u`, "user", input.message)
+    const user = agentMessage(`${input.turnId}-u`, "user", input.message)
     yield* emit({ type: "agent_start" })
     yield* emit({ type: "turn_start" })
     yield* emit({ type: "message_start", message: user })
@@ -328,7 +320,7 @@ const turnLoop = (session: ModelSession, input: TurnInput, emit: (event: TurnOut
     let open: { id: string; text: string } | undefined
     const endOpen = Effect.suspend(() => {
       if (open === undefined) return Effect.void
-      const done = message(open.id, "assistant", open.text)
+      const done = agentMessage(open.id, "assistant", open.text)
       open = undefined
       transcript.push(done)
       return emit({ type: "message_end", message: done })
@@ -352,7 +344,7 @@ const turnLoop = (session: ModelSession, input: TurnInput, emit: (event: TurnOut
                 if (part.delta.length === 0) return
                 if (open === undefined) {
                   open = { id: `${input.turnId}-a${n}`, text: "" }
-                  yield* emit({ type: "message_start", message: message(open.id, "assistant", "") })
+                  yield* emit({ type: "message_start", message: agentMessage(open.id, "assistant", "") })
                 }
                 open.text += part.delta
                 yield* emit({ type: "message_update", messageId: open.id, delta: part.delta })
@@ -393,7 +385,7 @@ const turnLoop = (session: ModelSession, input: TurnInput, emit: (event: TurnOut
           yield* emit({ type: "tool_execution_start", toolCallId: call.id, name: call.name, args: call.params })
           const { isError, result } = yield* Tools.run(session.cwd, call.name, call.params)
           yield* emit({ type: "tool_execution_end", toolCallId: call.id, result, isError })
-          const toolMessage = message(`${input.turnId}-t${n}-${i}`, "tool", result, {
+          const toolMessage = agentMessage(`${input.turnId}-t${n}-${i}`, "tool", result, {
             toolCallId: call.id,
             toolName: call.name,
             toolArgs: call.params,
@@ -409,7 +401,7 @@ const turnLoop = (session: ModelSession, input: TurnInput, emit: (event: TurnOut
       yield* endOpen
       const text = scrub(describeError(outcome.left, { ...config, engine: session.engine }), session.secrets)
       yield* Effect.logWarning(`turn ${input.turnId}: ${text}`)
-      const failed = message(`${input.turnId}-e`, "assistant", `Error: ${text}`, { isError: true })
+      const failed = agentMessage(`${input.turnId}-e`, "assistant", `Error: ${text}`, { isError: true })
       // Streamed as one delta too, so that a client that prints deltas shows it.
       yield* emit({ type: "message_start", message: { ...failed, content: "" } })
       yield* emit({ type: "message_update", messageId: failed.id, delta: failed.content })
@@ -499,7 +491,7 @@ const compact = (session: ModelSession, turnId: string, transcript: ReadonlyArra
     if (summary.trim() === "") return yield* new TurnError({ message: "the model wrote an empty summary of the conversation" })
     yield* Effect.logInfo(`turn ${turnId}: the conversation (~${total} tokens) was compacted: ${cut} messages summarized`)
     return [
-      message(`${turnId}-s`, "assistant", `Summary of the earlier conversation (${cut} messages):\n${summary.trim()}`),
+      agentMessage(`${turnId}-s`, "assistant", `Summary of the earlier conversation (${cut} messages):\n${summary.trim()}`),
       ...transcript.slice(cut)
     ]
   })
