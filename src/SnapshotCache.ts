@@ -82,11 +82,37 @@ export const chunkMessages = (
  * transcript's lines): `add` returns a chunk line when one is full, `finish` the last one. Lets a
  * snapshot be chunked while it is read from disk, without holding it whole.
  */
+/**
+ * The chunking rule of {@link chunkMessages}, on message sizes alone: the current chunk's array
+ * bytes ("[" + "]", each message, the commas between them), and whether the next message must
+ * start a new chunk. Shared by every producer, so their chunk boundaries are the same.
+ */
+class ChunkBudget {
+  private size = 2
+  count = 0
+
+  constructor(readonly targetChunkBytes: number) {}
+
+  /** True when a message of `bytes` does not fit in the current (non-empty) chunk. */
+  isFullFor(bytes: number): boolean {
+    return this.count > 0 && this.size + 1 + bytes > this.targetChunkBytes
+  }
+
+  add(bytes: number): void {
+    this.size += this.count > 0 ? bytes + 1 : bytes
+    this.count++
+  }
+
+  reset(): void {
+    this.size = 2
+    this.count = 0
+  }
+}
+
 export class ChunkBuilder {
   private readonly prefix: string
   private parts: Array<string> = []
-  // Bytes of the current chunk's array: "[" + "]" plus each part and the commas between them.
-  private size = 2
+  private readonly budget: ChunkBudget
   private index = 0
 
   constructor(activeSessionId: string, snapshotId: string, readonly targetChunkBytes: number = DEFAULT_TARGET_CHUNK_BYTES) {
@@ -95,6 +121,7 @@ export class ChunkBuilder {
     }
     this.prefix = `{"type":"session_snapshot_chunk","activeSessionId":${JSON.stringify(activeSessionId)},` +
       `"snapshotId":${JSON.stringify(snapshotId)},"index":`
+    this.budget = new ChunkBudget(targetChunkBytes)
   }
 
   /** How many chunks were produced so far. */
@@ -105,8 +132,8 @@ export class ChunkBuilder {
   /** Adds one message's JSON; returns the previous chunk if this message did not fit in it. */
   add(json: string): Uint8Array | undefined {
     const bytes = Buffer.byteLength(json, "utf8")
-    const full = this.parts.length > 0 && this.size + 1 + bytes > this.targetChunkBytes ? this.flush() : undefined
-    this.size += this.parts.length > 0 ? bytes + 1 : bytes
+    const full = this.budget.isFullFor(bytes) ? this.flush() : undefined
+    this.budget.add(bytes)
     this.parts.push(json)
     return full
   }
@@ -119,7 +146,7 @@ export class ChunkBuilder {
   private flush(): Uint8Array {
     const chunk = Buffer.from(`${this.prefix}${this.index++},"messages":[${this.parts.join(",")}]}\n`, "utf8")
     this.parts = []
-    this.size = 2
+    this.budget.reset()
     return chunk
   }
 }
@@ -147,8 +174,7 @@ export const chunkRanges = (
     let messages = 0
     let chunkStart = start
     let lineStart = start
-    let parts = 0
-    let size = 2
+    const budget = new ChunkBudget(targetChunkBytes)
     for (let position = start; position < end;) {
       const { bytesRead } = yield* Effect.tryPromise({
         try: () => handle.read(block, 0, Math.min(block.length, end - position), position),
@@ -158,22 +184,20 @@ export const chunkRanges = (
       for (let at = block.indexOf(NEWLINE); at !== -1 && at < bytesRead; at = block.indexOf(NEWLINE, at + 1)) {
         const lineEnd = position + at + 1
         const bytes = lineEnd - 1 - lineStart
-        if (parts > 0 && size + 1 + bytes > targetChunkBytes) {
+        if (budget.isFullFor(bytes)) {
           yield* onChunk({ path, start: chunkStart, end: lineStart })
           chunks++
           chunkStart = lineStart
-          parts = 0
-          size = 2
+          budget.reset()
         }
-        size += parts > 0 ? bytes + 1 : bytes
-        parts++
+        budget.add(bytes)
         messages++
         lineStart = lineEnd
       }
       position += bytesRead
     }
     if (lineStart !== end) return yield* Effect.fail(error("Io", `${path}: bytes ${start}-${end} do not end with a whole line`))
-    if (parts > 0) {
+    if (budget.count > 0) {
       yield* onChunk({ path, start: chunkStart, end: lineStart })
       chunks++
     }
