@@ -624,17 +624,13 @@ export const make = (options: Options): Effect.Effect<SessionStoreService, Sessi
               }
               let position = start
               let count = 0
-              yield* Stream.runForEach(body, (text) =>
-                Fsx.attempt("write", file, async () => {
-                  const data = Buffer.from(text, "utf8")
-                  let offset = 0
-                  while (offset < data.byteLength) {
-                    const { bytesWritten } = await handle.write(data, offset, data.byteLength - offset, position)
-                    offset += bytesWritten
-                    position += bytesWritten
-                  }
+              yield* Stream.runForEach(body, (text) => {
+                const data = Buffer.from(text, "utf8")
+                return Fsx.writeAll(handle, file, data, position).pipe(Effect.tap(() => {
+                  position += data.byteLength
                   count += countLines(text)
                 }))
+              })
               yield* Fsx.attempt("truncate", file, () => handle.truncate(position))
               yield* Fsx.attempt("fsync", file, () => handle.datasync())
               return { bytes: position, count }

@@ -70,13 +70,17 @@ export const fsyncDir = (path: string): Effect.Effect<void, FsError> =>
     (handle) => Effect.promise(() => handle.close().catch(() => undefined))
   )
 
-/** Writes every byte (a single `write` may write fewer than asked). */
-export const writeAll = (handle: FileHandle, path: string, data: string | Uint8Array): Effect.Effect<void, FsError> =>
+/**
+ * Writes every byte (a single `write` may write fewer than asked), at the file's position or, if
+ * given, at `position`.
+ */
+export const writeAll = (handle: FileHandle, path: string, data: string | Uint8Array, position?: number): Effect.Effect<void, FsError> =>
   attempt("write", path, async () => {
     const bytes = typeof data === "string" ? Buffer.from(data, "utf8") : data
     let offset = 0
     while (offset < bytes.byteLength) {
-      const { bytesWritten } = await handle.write(bytes, offset, bytes.byteLength - offset)
+      const at = position === undefined ? null : position + offset
+      const { bytesWritten } = await handle.write(bytes, offset, bytes.byteLength - offset, at)
       offset += bytesWritten
     }
   })
