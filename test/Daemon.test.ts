@@ -1,4 +1,5 @@
 import { assert, describe, it } from "@effect/vitest"
+import type * as Context from "effect/Context"
 import * as Effect from "effect/Effect"
 import * as Layer from "effect/Layer"
 import * as fs from "node:fs"
@@ -19,6 +20,18 @@ const tempRoot = Effect.acquireRelease(
   Effect.sync(() => fs.mkdtempSync(path.join(os.tmpdir(), "agentd-daemon-test-"))),
   (dir) => Effect.sync(() => fs.rmSync(dir, { recursive: true, force: true }))
 )
+
+/** A new session with a connection attached, and one turn run to its agent_end. */
+const oneTurn = (sm: Context.Tag.Service<typeof SessionManager>, message: string) =>
+  Effect.gen(function*() {
+    const { activeSessionId } = yield* sm.create({ type: "create" } as any)
+    const conn = new MemoryConnection("c")
+    const attached = yield* sm.attach("c", conn, { type: "attach", activeSessionId } as any)
+    yield* Effect.forkScoped(attached.deliver)
+    yield* sm.prompt({ type: "prompt", activeSessionId, message } as any)
+    yield* waitFor("the turn's end", () => conn.sequenced().some((l) => l["event"]?.type === "agent_end"))
+    return { activeSessionId, conn }
+  })
 
 describe("DaemonLive", () => {
   it.scoped("fails to start with a typed DaemonStartError (an unknown engine), touching nothing", () =>
@@ -52,12 +65,7 @@ describe("DaemonLive", () => {
         workerPool: WorkerPool.layerInProcess()
       }))
       const sm = yield* Effect.provide(SessionManager, context)
-      const { activeSessionId } = yield* sm.create({ type: "create" } as any)
-      const conn = new MemoryConnection("c")
-      const attached = yield* sm.attach("c", conn, { type: "attach", activeSessionId } as any)
-      yield* Effect.forkScoped(attached.deliver)
-      yield* sm.prompt({ type: "prompt", activeSessionId, message: "in memory" } as any)
-      yield* waitFor("the turn's end", () => conn.sequenced().some((l) => l["event"]?.type === "agent_end"))
+      const { activeSessionId } = yield* oneTurn(sm, "in memory")
       const { messages } = yield* sm.getMessages({ type: "get_messages", activeSessionId } as any)
       assert.deepStrictEqual(messages.map((m) => m.content), ["in memory", "echo: in memory"])
       yield* sm.checkpoint(activeSessionId)
@@ -73,12 +81,7 @@ describe("DaemonLive", () => {
         workerPool: WorkerPool.layerInProcess()
       }))
       const sm = yield* Effect.provide(SessionManager, context)
-      const { activeSessionId } = yield* sm.create({ type: "create" } as any)
-      const conn = new MemoryConnection("c")
-      const attached = yield* sm.attach("c", conn, { type: "attach", activeSessionId } as any)
-      yield* Effect.forkScoped(attached.deliver)
-      yield* sm.prompt({ type: "prompt", activeSessionId, message: "journal" } as any)
-      yield* waitFor("the turn's end", () => conn.sequenced().some((l) => l["event"]?.type === "agent_end"))
+      const { conn } = yield* oneTurn(sm, "journal")
       yield* waitFor("idle", () => conn.sequenced().some((l) => l["type"] === "session_status" && l["state"]?.busy === false))
       assert.isTrue(fs.existsSync(path.join(stateDir, "events")), "the event log is on disk")
       assert.isFalse(fs.existsSync(path.join(stateDir, "recovery.jsonl")), "no journal file")
