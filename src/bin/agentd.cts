@@ -5,21 +5,26 @@
  * brings Node's ES module loader, and its namespace import of `node:fs` reads every property
  * (fs.promises: streams, readline), ~20 internal modules a command does not need.
  *
- * When the build made a bundle of the command line next to it (`agentd-cli.cjs`, see
- * scripts/bundle.mjs), it runs that bundle with V8's code cache (`agentd-cli.cjs.cache`: the
- * bytecode, so the bundle is not compiled again at every start); otherwise (compiled modules,
- * or tsx on the sources) it imports the command line's modules. `serve` loads the daemon's
- * program, a separate module, only then.
+ * When the build made bundles of the command line next to it (see scripts/bundle.mjs), it
+ * runs them with V8's code cache (`<bundle>.cache`: the bytecode, so a bundle is not compiled
+ * again at every start): `agentd-cli.cjs` (the grammar, help and the one-shot commands, no
+ * Effect), then, for the commands that need Effect, `agentd-run.cjs`. Without bundles (compiled
+ * modules, or tsx on the sources) it imports the command line's modules. `serve` loads the
+ * daemon's program, a separate module, only then.
  */
 import fs = require("node:fs")
 import nodeModule = require("node:module")
 import path = require("node:path")
 import vm = require("node:vm")
 import type * as Main from "../cli/main.js"
+import type * as Run from "../cli/run.js"
 
-const bundle = path.join(__dirname, "agentd-cli.cjs")
+const cliBundle = path.join(__dirname, "agentd-cli.cjs")
+const runBundle = path.join(__dirname, "agentd-run.cjs")
+const bundled = fs.existsSync(cliBundle)
 
 const hooks: Main.Hooks = {
+  loadRun: () => (bundled ? Promise.resolve(loadBundle<typeof Run>(runBundle)) : import("../cli/run.js")),
   loadServe: () => import("./serve.js"),
   self: [...process.execArgv, process.argv[1]!]
 }
@@ -28,7 +33,7 @@ const hooks: Main.Hooks = {
  * Runs the CommonJS bundle through `vm.Script` with its code cache. A cache that is missing or
  * rejected (another Node version) is written again after the run, if the directory allows.
  */
-const runBundle = (): typeof Main => {
+function loadBundle<Exports>(bundle: string): Exports {
   // The bundle is a function expression (esbuild's banner and footer): no copy of it is made.
   const source = fs.readFileSync(bundle, "utf8")
   const cacheFile = `${bundle}.cache`
@@ -40,7 +45,7 @@ const runBundle = (): typeof Main => {
     cachedData = undefined
   }
   const script = new vm.Script(source, { filename: bundle, ...(cachedData === undefined ? {} : { cachedData }) })
-  const module = { exports: {} as typeof Main }
+  const module = { exports: {} as Exports }
   script.runInThisContext()(module.exports, nodeModule.createRequire(bundle), module, bundle, __dirname)
   const write = process.env["AGENTD_WRITE_CODE_CACHE"] === "1" ||
     (process.env["AGENTD_NO_CODE_CACHE"] !== "1" && (cachedData === undefined || script.cachedDataRejected === true))
@@ -64,5 +69,5 @@ const start = (cli: typeof Main) =>
     process.exitCode = code
   })
 
-if (fs.existsSync(bundle)) void start(runBundle())
+if (bundled) void start(loadBundle<typeof Main>(cliBundle))
 else void import("../cli/main.js").then(start)

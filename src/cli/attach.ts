@@ -13,7 +13,8 @@ import * as Stream from "effect/Stream"
 import * as Cursor from "../Cursor.js"
 import type * as Protocol from "../Protocol.js"
 import * as SessionClient from "../SessionClient.js"
-import { type Context, eachMessage, withClient } from "./commands.js"
+import { type Context, eachMessage } from "./commands.js"
+import { withConnection } from "./connection.js"
 import { CliError, EXIT, failed } from "./errors.js"
 import { EventRenderer, LIVE_SEPARATOR } from "./render.js"
 import * as Target from "./target.js"
@@ -49,22 +50,25 @@ export const attach = (ctx: Context, target: string, options: AttachOptions) =>
 
     // First connection: find the session and read its history. Fails at once (exit 3) when no
     // daemon answers: retrying is only for a daemon that was there and went away.
-    const start = yield* withClient(ctx, (c) =>
-      Effect.gen(function*() {
-        const id = yield* Target.resolve(c, target)
-        const state = yield* c.getState(id)
+    const start = yield* Effect.tryPromise({
+      try: () => withConnection(ctx.socketPath, async (c) => {
+        const id = await Target.resolve(c, target)
+        const state = await c.request<Protocol.SessionSummary>({ type: "get_state", activeSessionId: id })
         if (options.history > 0 && options.from === undefined) {
           // The transcript up to `state`'s last event: its first messageCount messages.
           const from = Math.max(0, state.messageCount - options.history)
-          yield* eachMessage(c, id, from, state.messageCount, (m) =>
-            renderer === undefined ? writeJson({ type: "history", message: m }) : Effect.sync(() => renderer.message(m)))
+          await eachMessage(c, id, from, state.messageCount, (m) =>
+            renderer === undefined ? process.stdout.write(JSON.stringify({ type: "history", message: m }) + "\n") : renderer.message(m))
         }
         return { id, state, generation: c.hello.supervisorGeneration }
-      }))
+      }),
+      // The plain connection fails only with CliErrors (unreachable, an error response, a target).
+      catch: (e) => e as CliError
+    })
     const { id } = start
     const from = options.from ?? start.state.lastEventCursor
     if (options.from !== undefined && start.state.lastEventCursor !== undefined && Cursor.isAfter(options.from, start.state.lastEventCursor)) {
-      return yield* failed(`--from ${Cursor.format(options.from)} is after the session's last event ${Cursor.format(start.state.lastEventCursor)}`)
+      return yield* Effect.fail(failed(`--from ${Cursor.format(options.from)} is after the session's last event ${Cursor.format(start.state.lastEventCursor)}`))
     }
     if (renderer !== undefined && options.history > 0 && options.from === undefined) renderer.line(LIVE_SEPARATOR)
     else if (renderer === undefined && options.history > 0 && options.from === undefined) yield* writeJson({ type: "live" })
@@ -159,15 +163,12 @@ export const attach = (ctx: Context, target: string, options: AttachOptions) =>
         (e) => lost !== undefined && SessionClient.isRetriable(e),
         (e) =>
           Effect.fail(
-            new CliError({
-              message: `gave up: the daemon stayed away for ${Duration.format(options.reconnectFor)} (${e.message})`,
-              exitCode: EXIT.unreachable
-            })
+            new CliError(`gave up: the daemon stayed away for ${Duration.format(options.reconnectFor)} (${e.message})`, EXIT.unreachable)
           )
       )
     )
     if (renderer !== undefined) renderer.newline()
     if (closed !== undefined) {
-      return yield* failed(`session ${id} was closed (${closed})`)
+      return yield* Effect.fail(failed(`session ${id} was closed (${closed})`))
     }
   })

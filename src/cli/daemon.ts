@@ -37,7 +37,7 @@ export const detach = (ctx: Context, options: ServeOptions, self: ReadonlyArray<
   Effect.gen(function*() {
     const running = yield* Effect.option(greets(options.socketPath))
     if (running._tag === "Some") {
-      return yield* failed(`another daemon is listening at ${options.socketPath} (pid ${running.value.supervisorPid})`)
+      return yield* Effect.fail(failed(`another daemon is listening at ${options.socketPath} (pid ${running.value.supervisorPid})`))
     }
     const log = logFile(options.stateDir)
     const fd = yield* Effect.try({
@@ -68,7 +68,7 @@ export const detach = (ctx: Context, options: ServeOptions, self: ReadonlyArray<
     const started = Date.now()
     const attempt = Effect.suspend((): Effect.Effect<Protocol.DaemonHello, CliError | DaemonClient.ConnectError> =>
       exited !== undefined
-        ? Effect.fail(new CliError({ message: `the daemon stopped (${exited})`, exitCode: EXIT.failed }))
+        ? Effect.fail(failed(`the daemon stopped (${exited})`))
         : greets(options.socketPath)
     )
     const hello = yield* attempt.pipe(
@@ -93,7 +93,7 @@ export const logs = (stateDir: string, options: { readonly follow: boolean; read
   Effect.gen(function*() {
     const file = logFile(stateDir)
     if (!fs.existsSync(file)) {
-      return yield* failed(`no log at ${file} (a daemon started with \`agentd serve --detach\` writes it)`)
+      return yield* Effect.fail(failed(`no log at ${file} (a daemon started with \`agentd serve --detach\` writes it)`))
     }
     const text = fs.readFileSync(file)
     let position = text.length

@@ -5,17 +5,23 @@
  * reachable, 130 interrupted by Ctrl-C).
  *
  * A command line is a short-lived process, so each part loads only when needed: this module
- * has no dependency (help, --version and usage errors load nothing else), run.ts brings Effect
- * and the client's modules, and `serve` loads the daemon's through `hooks.loadServe`.
+ * and the one-shot commands (commands.ts) load no Effect; run.ts brings Effect and the
+ * client SDK for `prompt`, `attach`, `serve` and `logs`, through `hooks.loadRun`; `serve`
+ * loads the daemon's program through `hooks.loadServe`.
  */
 import { type CommandSpec, commandHelp, mainHelp, type OptionSpec, parse, usageLine, useColor } from "./args.js"
+import { type Context, runOneShot } from "./commands.js"
 import { builtinEngines } from "./engines.js"
+import { report } from "./errors.js"
 import { EXIT } from "./exitCodes.js"
+import { socketOf } from "./paths.js"
 
 export const VERSION = "0.1.0"
 
 /** What the entry point gives the command line. */
 export interface Hooks {
+  /** Loads the programs of the commands that run on Effect (run.ts: a bundle of its own). */
+  readonly loadRun: () => Promise<typeof import("./run.js")>
   /** Loads the daemon's program (a separate module: only `serve` needs it). */
   readonly loadServe: () => Promise<{ readonly serve: (options: ServeOptions) => void }>
   /** How to start this command line again in another process (`serve --detach`). */
@@ -225,8 +231,23 @@ export const main = async (argv: ReadonlyArray<string>, hooks: Hooks): Promise<n
         `agentd: ${result.message}\n${result.command === undefined ? "Run `agentd help` for the commands." : `Usage: ${usageLine(result.command)}\nRun \`agentd help ${result.command.name}\` for more.`}\n`
       )
       return EXIT.usage
-    case "Run":
-      // The programs (and Effect) load only now.
-      return (await import("./run.js")).run(result.parsed, hooks)
+    case "Run": {
+      // A reader that went away (`agentd log x | head`): stop quietly, as `cat` would.
+      process.stdout.on("error", (e: NodeJS.ErrnoException) => {
+        if (e.code === "EPIPE") process.exit(EXIT.ok)
+        throw e
+      })
+      const p = result.parsed
+      const ctx: Context = {
+        socketPath: socketOf(p),
+        json: p.options.get("json") === true,
+        color: useColor(process.stdout),
+        stdoutIsTTY: process.stdout.isTTY === true
+      }
+      const oneShot = runOneShot(p, ctx)
+      if (oneShot !== undefined) return oneShot.then(() => EXIT.ok, (e: unknown) => report(e, p.command))
+      // The commands that follow events (and Effect) load only now.
+      return (await hooks.loadRun()).run(p, ctx, hooks)
+    }
   }
 }

@@ -3,14 +3,14 @@
  * (the `s-` may be left out), or by its name. An exact id wins, then an exact name, then a
  * prefix; a target that fits several sessions is refused with the list of them.
  */
-import * as Effect from "effect/Effect"
-import type { DaemonClientService, RequestError } from "../DaemonClient.js"
 import type * as Protocol from "../Protocol.js"
-import { type CliError, failed } from "./errors.js"
+import type { Connection } from "./connection.js"
+import { failed } from "./errors.js"
 import { shortDate } from "./render.js"
 
 /** A whole session id: then no `list` is needed, the daemon is the judge. */
-const FULL_ID = /^s-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/
+export const isFullId = (target: string): boolean =>
+  /^s-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/.test(target)
 
 /** The sessions `target` may mean, best rule first (pure; exported for tests). */
 export const matches = (
@@ -29,17 +29,16 @@ export const matches = (
 const candidate = (s: Protocol.SessionSummary) =>
   `  ${s.activeSessionId}  ${s.name ?? "-"}  created ${shortDate(s.createdAt)}  ${s.messageCount} messages`
 
-/** The session id `target` names, or why it names none or several. */
-export const resolve = (client: DaemonClientService, target: string): Effect.Effect<string, CliError | RequestError> =>
-  FULL_ID.test(target)
-    ? Effect.succeed(target)
-    : Effect.flatMap(client.list(), ({ sessions }) => {
-      const found = matches(sessions, target)
-      if (found.length === 1) return Effect.succeed(found[0]!.activeSessionId)
-      if (found.length === 0) {
-        return Effect.fail(failed(`no session matches ${JSON.stringify(target)} (an id, a unique prefix of one, or a name; see \`agentd sessions\`)`))
-      }
-      return Effect.fail(
-        failed(`${JSON.stringify(target)} matches ${found.length} sessions; name one by a longer prefix of its id:\n${found.map(candidate).join("\n")}`)
-      )
-    })
+/** The id of the one session of `sessions` that `target` names; throws a CliError (exit 1) otherwise. */
+export const pick = (sessions: ReadonlyArray<Protocol.SessionSummary>, target: string): string => {
+  const found = matches(sessions, target)
+  if (found.length === 1) return found[0]!.activeSessionId
+  if (found.length === 0) {
+    throw failed(`no session matches ${JSON.stringify(target)} (an id, a unique prefix of one, or a name; see \`agentd sessions\`)`)
+  }
+  throw failed(`${JSON.stringify(target)} matches ${found.length} sessions; name one by a longer prefix of its id:\n${found.map(candidate).join("\n")}`)
+}
+
+/** The session id `target` names, asking the daemon for its sessions when it is not a whole id. */
+export const resolve = async (c: Connection, target: string): Promise<string> =>
+  isFullId(target) ? target : pick((await c.request<Protocol.ListResult>({ type: "list" })).sessions, target)

@@ -1,0 +1,136 @@
+/**
+ * `agentd prompt`: sends a prompt and streams the assistant's reply until the turn ends, over
+ * the client SDK (`DaemonClient.promptTurn` sees the turn to its end however its events come:
+ * live, replayed after a backpressure pause, or after a reconnect).
+ */
+import * as Deferred from "effect/Deferred"
+import * as Duration from "effect/Duration"
+import * as Effect from "effect/Effect"
+import * as Either from "effect/Either"
+import * as Fiber from "effect/Fiber"
+import * as Option from "effect/Option"
+import * as Schedule from "effect/Schedule"
+import * as Stream from "effect/Stream"
+import * as fs from "node:fs"
+import * as DaemonClient from "../DaemonClient.js"
+import type { Context } from "./commands.js"
+import { CliError, EXIT, failed, usage } from "./errors.js"
+import * as Target from "./target.js"
+
+/** The target's session id, over the SDK's connection. */
+export const resolveTarget = (c: DaemonClient.DaemonClientService, target: string) =>
+  Target.isFullId(target)
+    ? Effect.succeed(target)
+    : Effect.flatMap(c.list(), ({ sessions }) => Effect.try({ try: () => Target.pick(sessions, target), catch: (e) => e as CliError }))
+
+/** Reads a whole stream (stdin) as UTF-8. */
+const readAll = (stream: NodeJS.ReadableStream): Effect.Effect<string, CliError> =>
+  Effect.async<string, CliError>((resume) => {
+    const chunks: Array<Buffer> = []
+    const onData = (b: Buffer) => chunks.push(b)
+    const onEnd = () => resume(Effect.succeed(Buffer.concat(chunks).toString("utf8")))
+    const onError = (e: Error) => resume(Effect.fail(failed(`cannot read the prompt from stdin: ${e.message}`)))
+    stream.on("data", onData)
+    stream.once("end", onEnd)
+    stream.once("error", onError)
+    return Effect.sync(() => {
+      stream.off("data", onData)
+      stream.off("end", onEnd)
+      stream.off("error", onError)
+    })
+  })
+
+/** The prompt's text: the argument, stdin (`-`), or `--file` (`-` for stdin too). */
+export const promptText = (text: string | undefined, file: string | undefined): Effect.Effect<string, CliError> => {
+  if (text !== undefined && file !== undefined) return Effect.fail(usage("give the prompt as TEXT or with --file, not both"))
+  const source = file ?? text
+  if (source === undefined) return Effect.fail(usage("missing TEXT (or `-` to read it from stdin, or --file PATH)"))
+  if (file === undefined && text !== "-") return Effect.succeed(source)
+  if (source === "-") {
+    if (process.stdin.isTTY === true) process.stderr.write("agentd: reading the prompt from stdin (end it with Ctrl-D)\n")
+    return Effect.map(readAll(process.stdin), withoutFinalNewline)
+  }
+  return Effect.try({
+    try: () => withoutFinalNewline(fs.readFileSync(source, "utf8")),
+    catch: (e) => failed(`cannot read ${source}: ${(e as NodeJS.ErrnoException).code ?? String(e)}`)
+  })
+}
+
+/** A text read from a file or a pipe loses one final newline (as `$(...)` in a shell would). */
+const withoutFinalNewline = (s: string): string => s.replace(/\r?\n$/, "")
+
+/** How long `prompt` waits, after Ctrl-C, for its turn to end once aborted. */
+const ABORT_WAIT = Duration.seconds(10)
+
+/**
+ * `agentd prompt`: sends the prompt and streams the assistant's reply to stdout until the turn
+ * ends. A turn that ends with `turn_interrupted` is an error (exit 1, the reason on stderr).
+ * Ctrl-C aborts the turn (`abort`, repeated until the daemon says it aborted one or the turn
+ * ends), waits for its end, and exits 130; a second Ctrl-C exits 130 at once.
+ */
+export const prompt = (ctx: Context, target: string, message: string) =>
+  Effect.scoped(Effect.gen(function*() {
+      const c = yield* DaemonClient.make({ socketPath: ctx.socketPath })
+      const id = yield* resolveTarget(c, target)
+      const sigint = yield* Deferred.make<void>()
+      let signals = 0
+      const onSigint = () => {
+        if (++signals > 1) process.exit(EXIT.interrupted)
+        Deferred.unsafeDone(sigint, Effect.void)
+      }
+      yield* Effect.acquireRelease(
+        Effect.sync(() => process.on("SIGINT", onSigint)),
+        () => Effect.sync(() => process.off("SIGINT", onSigint))
+      )
+      const roles = new Map<string, string>()
+      let wrote = false
+      const turn = c.promptTurn(id, message).pipe(
+        Stream.runForEach((m) =>
+          Effect.sync(() => {
+            if (ctx.json) {
+              process.stdout.write(JSON.stringify(m) + "\n")
+              return
+            }
+            const e = m.event
+            if (e.type === "message_start") roles.set(e.message.id, e.message.role)
+            else if (e.type === "message_update" && (roles.get(e.messageId) ?? "assistant") === "assistant") {
+              process.stdout.write(e.delta)
+              wrote = true
+            }
+          })
+        ),
+        Effect.ensuring(Effect.sync(() => {
+          if (!ctx.json && wrote) process.stdout.write("\n")
+        }))
+      )
+      const running = yield* Effect.fork(Effect.either(turn))
+      const first = yield* Effect.raceFirst(
+        Effect.map(Fiber.join(running), Option.some),
+        Effect.as(Deferred.await(sigint), Option.none())
+      )
+      if (Option.isSome(first)) {
+        // The turn ended before any Ctrl-C.
+        if (Either.isLeft(first.value)) return yield* first.value.left
+        return
+      }
+      // Ctrl-C: abort the turn (until the daemon says it aborted one: the prompt may still
+      // wait for a worker), then wait for the turn's end.
+      const aborting = yield* Effect.fork(
+        c.abort(id).pipe(
+          Effect.repeat({ until: (r) => r.aborted, schedule: Schedule.spaced("100 millis") }),
+          Effect.ignore
+        )
+      )
+      const ended = yield* Fiber.join(running).pipe(Effect.timeout(ABORT_WAIT), Effect.option)
+      yield* Fiber.interrupt(aborting)
+      const how = Option.match(ended, {
+        onNone: () => `the turn did not end within ${Duration.format(ABORT_WAIT)} of the abort`,
+        onSome: (r) =>
+          Either.isLeft(r) && r.left._tag === "TurnInterrupted"
+            ? `the turn was aborted`
+            : Either.isRight(r)
+            ? `the turn had ended`
+            : `the turn's end was not seen (${r.left.message})`
+      })
+      return yield* Effect.fail(new CliError(`interrupted (Ctrl-C): ${how}`, EXIT.interrupted))
+    }))
