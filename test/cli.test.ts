@@ -1,11 +1,19 @@
 /**
- * The command line's pure parts: the grammar (options in any order, `--x=v`, `--`, usage
- * errors, help), targets (id, name, prefix, ambiguity), the event renderer, and the list of
- * built-in engines against the daemon's registry.
+ * The command line's parts: the grammar (options in any order, `--x=v`, `--`, usage errors,
+ * help), targets (id, name, prefix, ambiguity), the event renderer, the list of built-in
+ * engines against the daemon's registry, and the one-shot commands' connection against a
+ * scripted peer on a real socket.
  */
 import { assert, describe, it } from "@effect/vitest"
+import * as fs from "node:fs"
+import * as net from "node:net"
+import * as os from "node:os"
+import * as path from "node:path"
+import { onTestFinished } from "vitest"
 import { commandHelp, mainHelp, parse, useColor } from "../src/cli/args.js"
+import { connect, withConnection } from "../src/cli/connection.js"
 import { builtinEngines } from "../src/cli/engines.js"
+import { type CliError, EXIT, isCliError } from "../src/cli/errors.js"
 import { commands } from "../src/cli/main.js"
 import { EventRenderer } from "../src/cli/render.js"
 import { matches } from "../src/cli/target.js"
@@ -151,5 +159,124 @@ describe("the event renderer", () => {
         ""
       ].join("\n")
     )
+  })
+})
+
+describe("the one-shot commands' connection (plain node:net) against a scripted peer", () => {
+  const HELLO = { type: "daemon_hello", protocol: { name: "agentd", version: 1 }, clientId: "c1", supervisorGeneration: 3, supervisorPid: 42 }
+
+  /** A socket in a fresh 0700 dir whose peer runs `script` on each connection; closed after the test. */
+  const peer = async (script: (socket: net.Socket, lines: Array<unknown>) => void): Promise<string> => {
+    const dir = fs.mkdtempSync(path.join(os.tmpdir(), "agentd-cli-peer-"))
+    const socketPath = path.join(dir, "peer.sock")
+    const server = net.createServer((socket) => {
+      const lines: Array<unknown> = []
+      let buffered = ""
+      socket.on("data", (d) => {
+        buffered += d.toString("utf8")
+        let nl: number
+        while ((nl = buffered.indexOf("\n")) >= 0) {
+          lines.push(JSON.parse(buffered.slice(0, nl)))
+          buffered = buffered.slice(nl + 1)
+          script(socket, lines)
+        }
+      })
+      socket.on("error", () => {})
+      script(socket, lines)
+    })
+    await new Promise<void>((resolve) => server.listen(socketPath, resolve))
+    onTestFinished(async () => {
+      await new Promise<void>((resolve) => server.close(() => resolve()))
+      fs.rmSync(dir, { recursive: true, force: true })
+    })
+    return socketPath
+  }
+
+  const failure = async (p: Promise<unknown>) => {
+    const e = await p.then(() => assert.fail("expected a failure"), (e: unknown) => e)
+    assert.isTrue(isCliError(e), String(e))
+    return e as CliError
+  }
+
+  it("a response's data; the hello and a response split across chunks, other messages and ids skipped", async () => {
+    const socketPath = await peer((socket, lines) => {
+      if (lines.length === 0) {
+        const hello = JSON.stringify(HELLO)
+        socket.write(hello.slice(0, 10))
+        setTimeout(() => socket.write(`${hello.slice(10)}\r\n\n`), 5)
+        return
+      }
+      const command = lines.at(-1) as { id: string; command: { type: string } }
+      assert.deepStrictEqual(Object.keys(command).sort(), ["command", "id", "protocol", "type"])
+      socket.write(`{"type":"session_event"}\n{"type":"response","id":"other","success":true,"data":{}}\n`)
+      const response = JSON.stringify({ type: "response", id: command.id, command: command.command.type, success: true, data: { n: lines.length } })
+      socket.write(response.slice(0, 7))
+      setTimeout(() => socket.write(`${response.slice(7)}\n`), 5)
+    })
+    const c = await connect(socketPath)
+    try {
+      assert.deepStrictEqual(c.hello, { supervisorGeneration: 3, supervisorPid: 42 })
+      assert.deepStrictEqual(await c.request({ type: "status" }), { n: 1 })
+      assert.deepStrictEqual(await c.request({ type: "list" }), { n: 2 })
+    } finally {
+      c.close()
+    }
+  })
+
+  it("an error response fails with the daemon's message (exit 1), and the connection stays usable", async () => {
+    const socketPath = await peer((socket, lines) => {
+      if (lines.length === 0) return void socket.write(`${JSON.stringify(HELLO)}\n`)
+      const { id } = lines.at(-1) as { id: string }
+      socket.write(
+        `${
+          JSON.stringify(
+            lines.length === 1
+              ? { type: "response", id, command: "kill", success: false, error: { code: "session_not_found", message: "No session `x`." } }
+              : { type: "response", id, command: "ping", success: true, data: { pong: true } }
+          )
+        }\n`
+      )
+    })
+    await withConnection(socketPath, async (c) => {
+      const e = await failure(c.request({ type: "kill", activeSessionId: "x" }))
+      assert.strictEqual(e.message, "No session `x`.")
+      assert.strictEqual(e.exitCode, EXIT.failed)
+      assert.deepStrictEqual(await c.request({ type: "ping" }), { pong: true })
+    })
+  })
+
+  it("not reachable (exit 3): nothing listens, the peer closes before its hello or before the response", async () => {
+    const none = await failure(connect(path.join(os.tmpdir(), `agentd-none-${process.pid}.sock`)))
+    assert.strictEqual(none.exitCode, EXIT.unreachable)
+    assert.include(none.message, "no daemon listens at")
+
+    const silent = await peer((socket) => socket.end())
+    const early = await failure(connect(silent))
+    assert.strictEqual(early.exitCode, EXIT.unreachable)
+    assert.include(early.message, "closed before the daemon's hello")
+
+    const closing = await peer((socket, lines) => {
+      if (lines.length === 0) socket.write(`${JSON.stringify(HELLO)}\n`)
+      else socket.destroy()
+    })
+    const c = await connect(closing)
+    const cut = await failure(c.request({ type: "status" }))
+    assert.strictEqual(cut.exitCode, EXIT.unreachable)
+    assert.strictEqual(cut.message, "the daemon closed the connection")
+    // Later requests fail the same way at once.
+    assert.strictEqual((await failure(c.request({ type: "status" }))).message, "the daemon closed the connection")
+  })
+
+  it("another protocol, or something that is not a daemon, is refused (exit 1)", async () => {
+    const other = await peer((socket) => socket.write(`${JSON.stringify({ ...HELLO, protocol: { name: "agentd", version: 2 } })}\n`))
+    const e = await failure(connect(other))
+    assert.strictEqual(e.exitCode, EXIT.failed)
+    assert.include(e.message, `speaks protocol {"name":"agentd","version":2}`)
+
+    const notJson = await peer((socket) => socket.write("SSH-2.0-OpenSSH\n"))
+    assert.include((await failure(connect(notJson))).message, "not JSON")
+
+    const notHello = await peer((socket) => socket.write(`{"type":"response"}\n`))
+    assert.include((await failure(connect(notHello))).message, "did not greet with daemon_hello")
   })
 })
