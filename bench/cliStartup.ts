@@ -4,8 +4,10 @@
  * the same machine load; the median of each. The project aims at most 1.5x `node -e 0`: a
  * command line is a short-lived process and most of its life is start-up.
  *
- * Also shown: `agentd --version` (the command line loaded, no connection) and `agentd status`
- * run without the code cache (AGENTD_NO_CODE_CACHE=1), to see what the cache saves.
+ * Also shown: `agentd --version` (the command line loaded, no connection), `agentd status` run
+ * without the code cache (AGENTD_NO_CODE_CACHE=1), to see what the cache saves, and `agentd
+ * prompt` (a whole echo turn), whose command loads Effect and the client SDK (the one-shot
+ * commands such as `status` do not), with and without its code cache.
  */
 import { spawnSync } from "node:child_process"
 import * as fs from "node:fs"
@@ -21,21 +23,29 @@ const BIN = path.join(root, (JSON.parse(fs.readFileSync(path.join(root, "package
 const RUNS = Number(process.env["AGENTD_BENCH_CLI_RUNS"] ?? 21)
 const TARGET = 1.5
 
-const time = (args: ReadonlyArray<string>, env: NodeJS.ProcessEnv = process.env): number => {
-  const start = nowMs()
+const spawn = (args: ReadonlyArray<string>, env: NodeJS.ProcessEnv) => {
   const r = spawnSync(process.execPath, args, { stdio: ["ignore", "pipe", "pipe"], env })
   if (r.status !== 0) throw new Error(`${args.join(" ")} exited ${r.status}: ${r.stderr.toString()}`)
+  return r.stdout.toString()
+}
+
+const time = (args: ReadonlyArray<string>, env: NodeJS.ProcessEnv = process.env): number => {
+  const start = nowMs()
+  spawn(args, env)
   return nowMs() - start
 }
 
 export default async (): Promise<void> => {
   await withDaemon({}, async (d) => {
     const env = { ...process.env, AGENTD_SOCKET: d.socketPath }
+    const session = spawn([BIN, "create"], env).trim()
     const cases: ReadonlyArray<{ readonly name: string; readonly run: () => number }> = [
       { name: "node -e 0", run: () => time(["-e", "0"]) },
       { name: "agentd status", run: () => time([BIN, "status"], env) },
       { name: "agentd --version", run: () => time([BIN, "--version"], env) },
-      { name: "agentd status (no code cache)", run: () => time([BIN, "status"], { ...env, AGENTD_NO_CODE_CACHE: "1" }) }
+      { name: "agentd status (no code cache)", run: () => time([BIN, "status"], { ...env, AGENTD_NO_CODE_CACHE: "1" }) },
+      { name: "agentd prompt (a whole turn)", run: () => time([BIN, "prompt", session, "hello there"], env) },
+      { name: "agentd prompt (no code cache)", run: () => time([BIN, "prompt", session, "hello there"], { ...env, AGENTD_NO_CODE_CACHE: "1" }) }
     ]
     // Warm the file cache once.
     for (const c of cases) c.run()
