@@ -156,6 +156,47 @@ describe("agentd CLI against a daemon", () => {
     assert.deepStrictEqual(JSON.parse(killedJson.stdout), { activeSessionId: other, killed: true })
   })
 
+  // util-linux `script` gives the command a terminal (a pty) for stdout, as a person's shell would.
+  const hasScript = fs.existsSync("/usr/bin/script")
+  const onTerminal = (args: ReadonlyArray<string>, env: Record<string, string> = {}) =>
+    new Promise<{ code: number | null; output: string }>((resolve, reject) => {
+      const command = [process.execPath, DAEMON_BIN, ...args].map((a) => `'${a.replace(/'/g, "'\\''")}'`).join(" ")
+      const proc = spawn("/usr/bin/script", ["-qec", command, "/dev/null"], {
+        stdio: ["ignore", "pipe", "pipe"],
+        env: { ...Object.fromEntries(Object.entries(process.env).filter(([k]) => !k.startsWith("AGENTD_") && k !== "NO_COLOR")), TERM: "xterm", ...env }
+      })
+      let output = ""
+      proc.stdout.setEncoding("utf8").on("data", (d: string) => (output += d))
+      proc.once("error", reject)
+      proc.once("close", (code) => resolve({ code, output: output.replace(/\r\n/g, "\n") }))
+      onTestFinished(() => {
+        if (proc.exitCode === null && proc.signalCode === null) proc.kill("SIGKILL")
+      })
+    })
+
+  it.skipIf(!hasScript)("on a terminal: sessions is an aligned table (short ids, a bold header), without colour under NO_COLOR", async () => {
+    const s = sock()
+    const name = `tty-${randomUUID().slice(0, 6)}`
+    const id = (await cli(["create", "--name", name, ...s])).stdout.trim()
+    const table = await onTerminal(["sessions", ...s])
+    assert.strictEqual(table.code, 0, table.output)
+    const lines = table.output.trimEnd().split("\n")
+    assert.strictEqual(lines[0], "\x1b[1m" + lines[0]!.slice(4, -5) + "\x1b[22m")
+    const header = lines[0]!.slice(4, -5)
+    assert.match(header, /^NAME +ID +WORKER +BUSY +MESSAGES +CREATED +RESTARTS$/)
+    const row = lines.find((l) => l.startsWith(`${name} `))
+    assert.isDefined(row, table.output)
+    // Columns line up under the header; the id is shortened; the date has no seconds.
+    assert.strictEqual(row!.indexOf(id.slice(0, 10)), header.indexOf("ID"))
+    assert.notInclude(row!, id)
+    assert.strictEqual(row!.slice(header.indexOf("WORKER")).split(/ +/)[0], "ready")
+    assert.match(row!.slice(header.indexOf("CREATED")), /^\d{4}-\d\d-\d\d \d\d:\d\d +0$/)
+
+    const plain = await onTerminal(["sessions", ...s], { NO_COLOR: "1" })
+    assert.notInclude(plain.output, "\x1b[")
+    assert.match(plain.output, /^NAME +ID +WORKER/)
+  })
+
   it("targets: a prefix that fits several sessions, or a name two sessions share, lists the candidates (exit 1)", async () => {
     const s = sock()
     const c = await daemon().connect()
