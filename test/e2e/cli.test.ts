@@ -3,7 +3,8 @@
  * against the real daemon: every command, exit codes (0, 1 with the reason on stderr, 2 usage,
  * 3 unreachable, 130 Ctrl-C with the turn aborted), prompts from stdin larger than the
  * argument limit, a 9 MB reply, targets by prefix, name and ambiguity, the readable `attach`
- * and its notices across a worker SIGKILL and a daemon restart, `serve --detach` and `logs`.
+ * and its notices across a worker SIGKILL, a daemon restart and a resync, `sessions` on a
+ * terminal (a pty), `serve --detach` and `logs`.
  *
  * Every CLI process a test starts is killed when the test finishes, pass or fail, and so is
  * every process carrying the test's marker (a detached daemon and its workers).
@@ -445,6 +446,37 @@ describe("agentd CLI across daemon restarts", () => {
     // With no daemon at all, attach does not wait: exit 3 at once.
     const none = await cli(["attach", "r", ...s])
     assert.strictEqual(none.code, 3)
+  }, 60_000)
+
+  it("attach: a view paused while its events are checkpointed away gets a resync notice, then follows on", async () => {
+    // A 64 KiB outbox, one generation kept, a checkpoint every few events: a view that stops
+    // reading falls behind the outbox, and the events it lacks are pruned before it reads again.
+    const d = await useDaemon({
+      env: { AGENTD_OUTBOX_BYTES: "65536", AGENTD_RETAIN_GENERATIONS: "1", AGENTD_CHECKPOINT_EVENTS: "4" }
+    })
+    const s = ["--socket", d.socketPath]
+    await cli(["create", "--name", "p", ...s])
+    const att = start(["attach", "p", "--history", "0", ...s])
+    await cli(["prompt", "p", "first", ...s])
+    await until("turn one", () => att.stdout.includes("echo: first\n-- turn ended --"))
+
+    att.proc.kill("SIGSTOP")
+    try {
+      for (let i = 0; i < 6; i++) {
+        const r = await cli(["prompt", "p", "/bulk 300000", ...s])
+        assert.strictEqual(r.code, 0, r.stderr)
+      }
+    } finally {
+      att.proc.kill("SIGCONT")
+    }
+    await until("the resync notice", () => att.stderr.includes("resync: events this view lacked were checkpointed meanwhile"), 20_000)
+    await cli(["prompt", "p", "after the resync", ...s])
+    await until("the next turn", () => att.stdout.includes("echo: after the resync\n-- turn ended --"), 20_000)
+    // Shown once: the turn after the resync, after whatever the view saw before it.
+    assert.strictEqual(att.stdout.split("> after the resync").length, 2)
+    assert.isTrue(att.stdout.startsWith("> first\necho: first\n-- turn ended --\n"), att.stdout.slice(0, 200))
+    att.proc.kill("SIGINT")
+    await att.done
   }, 60_000)
 
   it("serve --detach returns once the daemon listens; logs shows its log; shutdown --json stops it", async () => {
