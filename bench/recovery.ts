@@ -6,7 +6,7 @@
  * (median of 20), the floor of anything that starts a Node process.
  *
  * Settings: AGENTD_MAX_RESTARTS=1000 and AGENTD_RESTART_WINDOW_MS=1, so every kill is measured
- * as the "first restart after a crash" of PROTOCOL.md section 6 (immediate, no exponential
+ * as the "first restart after a crash" of docs/protocol.md section 6 (immediate, no exponential
  * back-off); automatic checkpoints are off and the transcript is checkpointed explicitly, so a
  * restore loads one snapshot and folds no events. Before each kill the bench waits until the
  * daemon's worker processes (the session's worker and the pool's warm spare, started at the

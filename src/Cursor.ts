@@ -1,5 +1,5 @@
 /**
- * Event cursors: `{ generation, sequence }`, ordered lexicographically (PROTOCOL.md section 4).
+ * Event cursors: `{ generation, sequence }`, ordered lexicographically (docs/protocol.md section 4).
  *
  * A session starts at generation 1; every checkpoint starts a new generation whose sequence
  * restarts at 0. The supervisor assigns cursors in one place (EventLog.append).

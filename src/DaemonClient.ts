@@ -1,5 +1,5 @@
 /**
- * The Effect client of the daemon (PROTOCOL.md sections 2-5): one connection to the daemon's
+ * The Effect client of the daemon (docs/protocol.md sections 2-5): one connection to the daemon's
  * socket, each command a typed method whose answer is decoded with the protocol's own Schemas,
  * each failure a typed error, and the daemon's other messages (events, snapshot frames,
  * `session_attached`, `daemon_closing`) as a `Stream`.
@@ -71,7 +71,7 @@ export class DaemonDisconnected extends Schema.TaggedError<DaemonDisconnected>()
 
 /**
  * The daemon answered a command with an error response. Switch on `code` (one of
- * PROTOCOL.md section 3's error codes); `command` is the command's type.
+ * docs/protocol.md section 3's error codes); `command` is the command's type.
  *
  * ```ts
  * client.getState(id).pipe(

@@ -1,12 +1,12 @@
 /**
- * The socket server (PROTOCOL.md sections 1-3): stale-socket probe, 0700 dir, 0600 socket,
+ * The socket server (docs/protocol.md sections 1-3): stale-socket probe, 0700 dir, 0600 socket,
  * `daemon_hello`, envelope and bare commands, one response per command in order, and every
  * documented error code for bad input. Each connection runs in its own fibers; a connection's
  * failure is logged and contained.
  *
  * Built on `node:net` rather than @effect/platform's SocketServer: the protocol needs responses
  * to reach half-closed clients (the platform socket is destroyed once its reader ends) and
- * per-write drain callbacks for the outbox's byte accounting (DESIGN.md).
+ * per-write drain callbacks for the outbox's byte accounting.
  */
 import * as Context from "effect/Context"
 import * as Deferred from "effect/Deferred"

@@ -1,7 +1,7 @@
 /**
  * The agent engine a worker runs. An engine turns a prompt into a stream of AgentEvents; the
  * worker folds those events into the session's transcript, which is all the state a session
- * has (PROTOCOL.md section 4: a `message_end` appends its message).
+ * has (docs/protocol.md section 4: a `message_end` appends its message).
  */
 import * as Context from "effect/Context"
 import * as Data from "effect/Data"

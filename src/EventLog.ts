@@ -1,5 +1,5 @@
 /**
- * The per-session durable event log (PROTOCOL.md sections 4 and 5).
+ * The per-session durable event log (docs/protocol.md sections 4 and 5).
  *
  * Every sequenced event of a session is appended here before anyone sees it: `append` assigns
  * the event's cursor (the one place cursors are assigned) and answers only once the record is on

@@ -1,5 +1,5 @@
 /**
- * JSON-lines framing (PROTOCOL.md section 1): bytes to lines and messages to bytes.
+ * JSON-lines framing (docs/protocol.md section 1): bytes to lines and messages to bytes.
  *
  * Inbound: `\n` ends a line, a `\r` before it is dropped, a last line without `\n` still counts,
  * empty and whitespace-only lines are skipped, UTF-8 split across chunks is reassembled (invalid

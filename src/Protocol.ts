@@ -1,5 +1,5 @@
 /**
- * The public wire protocol of agentd, version 1 (PROTOCOL.md sections 2-5, docs/protocol.md).
+ * The public wire protocol of agentd, version 1 (docs/protocol.md sections 2-5).
  *
  * Every message is one JSON object per line, discriminated on `type`. Inbound lines are decoded
  * with {@link decodeCommandLine}, which never throws and maps every failure to one of the

@@ -1,5 +1,5 @@
 /**
- * The recovery journal (PROTOCOL.md section 6): `<stateDir>/recovery.jsonl`, one JSON record per
+ * The recovery journal (docs/protocol.md section 6): `<stateDir>/recovery.jsonl`, one JSON record per
  * line saying, per session, whether a turn was running (`busy`), what the supervisor was doing
  * (`operation`) and which transcript file restores it (`sessionFile`).
  *

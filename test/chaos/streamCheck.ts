@@ -78,7 +78,7 @@ const sameFold = (a: ReadonlyArray<FoldedMessage>, b: ReadonlyArray<FoldedMessag
 const sameCursor = (a: Cursor | undefined, b: Cursor | undefined): boolean =>
   a === undefined || b === undefined ? a === b : compareCursor(a, b) === 0
 
-/** The prompt that makes echo rewrite its history (PROTOCOL.md section 7). */
+/** The prompt that makes echo rewrite its history (docs/protocol.md section 7). */
 export const COMPACT_PROMPT = "/compact"
 
 /**

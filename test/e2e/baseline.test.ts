@@ -1,5 +1,5 @@
 /**
- * Large baselines against the real daemon (PROTOCOL.md section 5), on a ~100 MB session built by
+ * Large baselines against the real daemon (docs/protocol.md section 5), on a ~100 MB session built by
  * turns with the default (automatic) checkpoints: a client without `chunked_snapshot` gets the
  * baseline as frames (its response line would pass the line limit), and a client cut off in the
  * middle of a chunked snapshot continues it with `snapshotResume` from the chunk where it

@@ -1,5 +1,5 @@
 /**
- * Wire conformance of the real daemon (PROTOCOL.md sections 1-3, docs/protocol.md section 9):
+ * Wire conformance of the real daemon (docs/protocol.md sections 1-3, docs/protocol.md section 9):
  * handshake, file modes, every command's success shape, every error code reachable from the
  * socket, framing, half-close, bad input, logging, and a refused second daemon. Most tests share
  * one daemon (each on sessions of its own); lifecycle.test.ts has the ones that stop daemons.

@@ -1,5 +1,5 @@
 /**
- * Events, cursors, attach and replay against the real daemon (PROTOCOL.md sections 4, 5, 7):
+ * Events, cursors, attach and replay against the real daemon (docs/protocol.md sections 4, 5, 7):
  * the echo engine's turns, cursor continuity, every replay status, slim and chunked attach,
  * fan-out to many clients, and kill.
  *

@@ -1,5 +1,5 @@
 /**
- * A seeded fuzz of the public socket (PROTOCOL.md sections 1 and 3, docs/protocol.md section 9).
+ * A seeded fuzz of the public socket (docs/protocol.md sections 1 and 3, docs/protocol.md section 9).
  *
  * 12,000 generated lines go, pipelined in batches, over 6 concurrent connections to one real
  * daemon started with `AGENTD_MAX_LINE_BYTES=65536` (small enough that lines around the limit
@@ -261,7 +261,7 @@ const cursorVerdict = (x: unknown): Verdict =>
 const optionalField = (o: Record<string, unknown>, k: string, check: (x: unknown) => Verdict): Verdict =>
   has(o, k) ? check(o[k]) : "valid"
 
-/** The command's own fields (PROTOCOL.md section 3 table; unknown fields are ignored). */
+/** The command's own fields (docs/protocol.md section 3 table; unknown fields are ignored). */
 const fieldsVerdict = (type: string, c: Record<string, unknown>): Verdict => {
   switch (type) {
     case "ping":

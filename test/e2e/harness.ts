@@ -3,7 +3,7 @@
  * fresh temporary state dir and talks to it with a plain line-based client on `node:net`.
  *
  * Deliberately independent of the project's own client and protocol code: the point is to check
- * the wire contract (PROTOCOL.md) from the outside.
+ * the wire contract (docs/protocol.md) from the outside.
  *
  * Process hygiene: every daemon gets a unique marker in its environment (`AGENTD_E2E_MARK`),
  * which workers inherit; cleanup kills, with SIGKILL, the daemon, its process group, every

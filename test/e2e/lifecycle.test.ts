@@ -1,5 +1,5 @@
 /**
- * Process lifecycle of the real daemon (PROTOCOL.md sections 1, 2 and 8): `--socket`, `shutdown`,
+ * Process lifecycle of the real daemon (docs/protocol.md sections 1, 2 and 8): `--socket`, `shutdown`,
  * SIGTERM/SIGINT, and a refused second start. Every test here starts (and stops) daemons of its
  * own.
  *
@@ -123,7 +123,7 @@ describe("process lifecycle", () => {
     expect(replayed.map(unflag)).toEqual(log)
   }, 40_000)
 
-  // Not literally required by PROTOCOL.md, but a daemon that refuses to start because another
+  // Not literally required by docs/protocol.md, but a daemon that refuses to start because another
   // one is listening must not change that daemon's state dir. (An earlier build bumped the
   // persisted supervisor generation and deleted <stateDir>/snapshot-cache/*, the live daemon's
   // spilled snapshot chunks, before it probed the socket.)

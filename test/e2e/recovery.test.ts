@@ -1,5 +1,5 @@
 /**
- * Crash recovery against the real daemon (PROTOCOL.md sections 4 and 6): a worker SIGKILLed
+ * Crash recovery against the real daemon (docs/protocol.md sections 4 and 6): a worker SIGKILLed
  * mid-turn, and the daemon SIGKILLed and restarted in the same state dir, with clients that
  * reconnect and resume by cursor.
  *

@@ -1,5 +1,5 @@
 /**
- * History rewrites against the real daemon (PROTOCOL.md sections 4, 5 and 7): echo's `/compact`
+ * History rewrites against the real daemon (docs/protocol.md sections 4, 5 and 7): echo's `/compact`
  * replaces the transcript in the middle of its turn. Clients attached at that moment get the new
  * snapshot as `replacement` frames, then the new generation's events; a client resuming from
  * before the rewrite gets the baseline with `partial`/`transcript_replaced`; the rewritten

@@ -1,5 +1,5 @@
 /**
- * Chunked snapshots, fan-out to many clients, and kill, against the real daemon (PROTOCOL.md
+ * Chunked snapshots, fan-out to many clients, and kill, against the real daemon (docs/protocol.md
  * sections 3 and 5).
  *
  * Needs `npm run build` first.
@@ -121,7 +121,7 @@ describe("chunked snapshot", () => {
     expect(problems).toEqual([])
     expect(chunks.flatMap((m) => m["messages"])).toEqual(baseline)
     expect(end).toMatchObject({ type: "session_snapshot_end", activeSessionId: id, snapshotId: stream["id"], chunkCount: chunks.length })
-    // PROTOCOL.md does not say whether the end frame's lastEventCursor is the snapshot's own
+    // docs/protocol.md does not say whether the end frame's lastEventCursor is the snapshot's own
     // cursor (what it covers) or the session's last event at attach time; accept either, but it
     // must be one of them and lastEventSequence must match it.
     const endCursor = end["lastEventCursor"] as Cursor | undefined

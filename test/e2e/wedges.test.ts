@@ -1,6 +1,6 @@
 /**
  * Wedges: the races that left a session stuck in the old session core (found by the chaos
- * harness), each created on purpose against the real daemon. PROTOCOL.md section 5: "Every
+ * harness), each created on purpose against the real daemon. docs/protocol.md section 5: "Every
  * command gets exactly one response, whatever else happens to the session meanwhile ... A
  * session is never left `busy` without a turn running", and a client never sees a cursor jump
  * that no `resync` or `replacement` snapshot explains.

@@ -1,5 +1,5 @@
 /**
- * Delivery to attached clients (PROTOCOL.md section 5). An attachment that is not live (streaming
+ * Delivery to attached clients (docs/protocol.md section 5). An attachment that is not live (streaming
  * its baseline, catching up, or paused because its client does not read) reads the events it
  * lacks from the EventLog and turns live in the same synchronous step in which it finds itself
  * caught up, so nothing is lost or sent twice. A client paused while the events it lacks were

@@ -1,5 +1,5 @@
 /**
- * The replay decision of an attach (PROTOCOL.md section 5), as a pure function of what the
+ * The replay decision of an attach (docs/protocol.md section 5), as a pure function of what the
  * session and its event log hold: replay the events after the client's cursor (`complete`), or
  * send a baseline (the current generation's snapshot and events) with the reason. A cursor from
  * before a history rewrite always gets the baseline (`transcript_replaced`).

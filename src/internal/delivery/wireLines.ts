@@ -1,5 +1,5 @@
 /**
- * Sequenced messages as they are logged and as they go on the wire (PROTOCOL.md section 4).
+ * Sequenced messages as they are logged and as they go on the wire (docs/protocol.md section 4).
  * An agent event is serialized once, by the worker: its JSON text is the start of both its log
  * record and its wire line, and it is never parsed on the live path.
  */
