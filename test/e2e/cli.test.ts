@@ -456,7 +456,9 @@ describe("agentd CLI across daemon restarts", () => {
     })
     const s = ["--socket", d.socketPath]
     await cli(["create", "--name", "p", ...s])
-    const att = start(["attach", "p", "--history", "0", ...s])
+    const att = start(["attach", "p", ...s])
+    // Past the separator, the view follows from the cursor it read: the next turn is shown.
+    await until("the separator", () => att.stdout.includes("----- live -----"))
     await cli(["prompt", "p", "first", ...s])
     await until("turn one", () => att.stdout.includes("echo: first\n-- turn ended --"))
 
@@ -474,7 +476,7 @@ describe("agentd CLI across daemon restarts", () => {
     await until("the next turn", () => att.stdout.includes("echo: after the resync\n-- turn ended --"), 20_000)
     // Shown once: the turn after the resync, after whatever the view saw before it.
     assert.strictEqual(att.stdout.split("> after the resync").length, 2)
-    assert.isTrue(att.stdout.startsWith("> first\necho: first\n-- turn ended --\n"), att.stdout.slice(0, 200))
+    assert.isTrue(att.stdout.startsWith("----- live -----\n> first\necho: first\n-- turn ended --\n"), att.stdout.slice(0, 200))
     att.proc.kill("SIGINT")
     await att.done
   }, 60_000)
