@@ -138,6 +138,13 @@ export interface EventLogService {
   readonly lastCursor: (sessionId: string) => Effect.Effect<Option.Option<Cursor.Cursor>, EventLogError>
   /** The retained generations, ascending (always including the current one). */
   readonly generations: (sessionId: string) => Effect.Effect<ReadonlyArray<number>, EventLogError>
+  /**
+   * Where the history stood when a retained generation began: the cursor of the last event
+   * before it (none before generation 1's first event, or when its header cannot say);
+   * `GenerationNotFound` when the generation is not retained. It outlives the generations
+   * before it: the replay decision knows from it where a pruned generation ended.
+   */
+  readonly generationStart: (sessionId: string, generation: number) => Effect.Effect<Option.Option<Cursor.Cursor>, EventLogError>
   /** Generation, last cursor, retained generations and the size of the current generation at once. */
   readonly status: (sessionId: string) => Effect.Effect<EventLogStatus, EventLogError>
   /**
@@ -824,6 +831,12 @@ export const make = (options: EventLogOptions): Effect.Effect<EventLogService, E
     const status = Effect.fn("EventLog.status")(function*(sessionId: string) {
       return statusOf(yield* handleFor(sessionId))
     })
+    const generationStart = Effect.fn("EventLog.generationStart")(function*(sessionId: string, generation: number) {
+      const h = yield* handleFor(sessionId)
+      if (h.segments.includes(generation)) return yield* segmentStart(sessionId, segmentPath(h, generation), generation)
+      if (h.segments.length === 0 && generation === h.generation) return Option.none<Cursor.Cursor>()
+      return yield* Effect.fail(fail("GenerationNotFound", sessionId, `generation ${generation} is not retained`))
+    })
     const currentGeneration = Effect.fn("EventLog.currentGeneration")(function*(sessionId: string) {
       return (yield* handleFor(sessionId)).generation
     })
@@ -1031,6 +1044,7 @@ export const make = (options: EventLogOptions): Effect.Effect<EventLogService, E
       currentGeneration,
       lastCursor,
       generations,
+      generationStart,
       status,
       prune,
       remove
@@ -1183,6 +1197,12 @@ export const makeMemory: Effect.Effect<EventLogService> = Effect.sync(() => {
     currentGeneration: (sessionId) => Effect.map(sessionFor(sessionId), (s) => s.generation),
     lastCursor: (sessionId) => Effect.map(sessionFor(sessionId), (s) => s.last),
     generations: (sessionId) => Effect.map(sessionFor(sessionId), (s) => statusOf(s).generations),
+    generationStart: (sessionId, generation) =>
+      Effect.flatMap(sessionFor(sessionId), (s) => {
+        if (s.segments.has(generation)) return Effect.succeed(s.starts.get(generation) ?? Option.none())
+        if (s.segments.size === 0 && generation === s.generation) return Effect.succeed(Option.none())
+        return Effect.fail(fail("GenerationNotFound", sessionId, `generation ${generation} is not retained`))
+      }),
     status: (sessionId) => Effect.map(sessionFor(sessionId), statusOf),
     prune,
     remove

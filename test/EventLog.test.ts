@@ -168,6 +168,23 @@ for (const impl of implementations) {
       assert.deepStrictEqual(yield* log.append("s", { g: 4 }), Cursor.make(4, 1))
     }))
 
+    test("generationStart: the last event before a retained generation, kept after the generations before it are pruned", Effect.gen(function*() {
+      const log = yield* EventLog.EventLog
+      assert.isTrue(Option.isNone(yield* log.generationStart("s", 1)))
+      yield* log.append("s", { g: 1 })
+      yield* log.append("s", { g: 1 })
+      yield* log.startGeneration("s")
+      yield* log.startGeneration("s") // generation 2 stays empty
+      yield* log.append("s", { g: 3 })
+      assert.isTrue(Option.isNone(yield* log.generationStart("s", 1)))
+      assert.deepStrictEqual(yield* log.generationStart("s", 2), Option.some(Cursor.make(1, 1)))
+      assert.deepStrictEqual(yield* log.generationStart("s", 3), Option.some(Cursor.make(1, 1)))
+      yield* log.prune("s", 3)
+      assert.deepStrictEqual(yield* log.generationStart("s", 3), Option.some(Cursor.make(1, 1)))
+      assert.strictEqual((yield* Effect.flip(log.generationStart("s", 2))).reason, "GenerationNotFound")
+      assert.strictEqual((yield* Effect.flip(log.generationStart("s", 4))).reason, "GenerationNotFound")
+    }))
+
     test("64 concurrent appenders to one session: no duplicate, no gap", Effect.gen(function*() {
       const log = yield* EventLog.EventLog
       const perAppender = 20

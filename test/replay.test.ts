@@ -3,13 +3,16 @@ import * as Cursor from "../src/Cursor.js"
 import { type Decision, decideReplay, needsLastSequence, type ReplayView } from "../src/internal/delivery/replay.js"
 
 const c = Cursor.make
-/** A session in generation 5 whose log holds generations 4 and 5; generation 5's snapshot is at 4:9. */
+/**
+ * A session in generation 5 whose log holds generations 4 and 5; generation 4 began after 3:6,
+ * generation 5 (its snapshot) after 4:9.
+ */
 const view = (resume: Cursor.Cursor | undefined, over: Partial<ReplayView> = {}): ReplayView => ({
   resume,
   last: c(5, 20),
   generation: 5,
   oldestGeneration: 4,
-  snapshotCursor: c(4, 9),
+  oldestGenerationStart: c(3, 6),
   lastSequenceOfResumeGeneration: resume?.generation === 4 ? 9 : undefined,
   ...over
 })
@@ -40,12 +43,24 @@ describe("replay decision", () => {
     assert.isFalse(needsLastSequence(c(3, 2), c(5, 20), 4))
   })
 
-  it("a cursor in a pruned generation: partial (cursor_expired), unless it is exactly the current snapshot's cursor", () => {
+  it("a cursor in a pruned generation: partial (cursor_expired), complete at the very last event before the oldest kept generation, cursor_unknown past it", () => {
     const expired: Decision = { kind: "baseline", replay: { status: "partial", reason: "cursor_expired" } }
+    const unknown: Decision = { kind: "baseline", replay: { status: "unavailable", reason: "cursor_unknown" } }
     assert.deepStrictEqual(decideReplay(view(c(3, 4))), expired)
-    // Only generation 5 is kept: the snapshot's cursor is the end of pruned generation 4.
-    const onlyCurrent = { oldestGeneration: 5, lastSequenceOfResumeGeneration: undefined }
+    assert.deepStrictEqual(decideReplay(view(c(2, 100))), expired)
+    // The end of pruned generation 3, while 4 and 5 are kept: every event after it is in the log.
+    assert.deepStrictEqual(decideReplay(view(c(3, 6))), { kind: "complete", after: c(3, 6) })
+    assert.deepStrictEqual(decideReplay(view(c(3, 7))), unknown)
+    // Where the oldest kept generation began is unknown: expired.
+    assert.deepStrictEqual(decideReplay(view(c(3, 6), { oldestGenerationStart: undefined })), expired)
+    // Only generation 5 is kept: its snapshot's cursor is the end of pruned generation 4.
+    const onlyCurrent = { oldestGeneration: 5, oldestGenerationStart: c(4, 9), lastSequenceOfResumeGeneration: undefined }
     assert.deepStrictEqual(decideReplay(view(c(4, 9), onlyCurrent)), { kind: "complete", after: c(4, 9) })
     assert.deepStrictEqual(decideReplay(view(c(4, 8), onlyCurrent)), expired)
+    assert.deepStrictEqual(decideReplay(view(c(4, 10), onlyCurrent)), unknown)
+    // Generation 4 was empty and is pruned: 3:6 is still the last event before generation 5.
+    const emptyBetween = { oldestGeneration: 5, oldestGenerationStart: c(3, 6), lastSequenceOfResumeGeneration: undefined }
+    assert.deepStrictEqual(decideReplay(view(c(3, 6), emptyBetween)), { kind: "complete", after: c(3, 6) })
+    assert.deepStrictEqual(decideReplay(view(c(4, 0), emptyBetween)), unknown)
   })
 })

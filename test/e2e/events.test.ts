@@ -532,7 +532,7 @@ describe("attach and replay", () => {
     expect(r2.replayed.map(unflag)).toEqual(full.slice(3))
   }, 30_000)
 
-  it("partial / cursor_expired once the cursor's generation is pruned (retainGenerations 4)", async () => {
+  it("partial / cursor_expired once the cursor's generation is pruned (retainGenerations 4); complete from the very end of a pruned one", async () => {
     const d = shared()
     const a = await d.connect("a")
     const { id, log } = await sessionWithTurns(a, 1)
@@ -552,7 +552,7 @@ describe("attach and replay", () => {
     const gen6Events = a.sequenced(id).filter((m) => cursorOf(m).generation === 6).map(unflag)
 
     // Generations 3..6 are retained; 1 and 2 are pruned.
-    for (const cursor of [gen1, lastOf[2]!]) {
+    for (const cursor of [gen1, lastOf[1]!, { generation: 2, sequence: 0 }]) {
       const b = await d.connect("b")
       const r = await attachAndReplay(b, { activeSessionId: id, resumeCursor: cursor })
       expect(r.data["replay"], `resume from ${JSON.stringify(cursor)}`).toMatchObject({ status: "partial", reason: "cursor_expired" })
@@ -570,6 +570,16 @@ describe("attach and replay", () => {
     expect(begin?.["purpose"]).toBe("resync")
     const chunks = cc.all.filter((m) => m["type"] === "session_snapshot_chunk")
     expect(chunks.flatMap((m) => m["messages"])).toEqual(transcript.slice(0, 10))
+    // The very last event of pruned generation 2: every event after it is kept, so complete
+    // (from 3:0); one past it names no event (generation 3 began right after 2's last).
+    const end = await d.connect("end")
+    const atEnd = await attachAndReplay(end, { activeSessionId: id, resumeCursor: lastOf[2]! })
+    expect(atEnd.data["replay"]).toMatchObject({ status: "complete", fromCursor: { generation: 3, sequence: 0 } })
+    expect(cursorOf(atEnd.replayed[0]!)).toEqual({ generation: 3, sequence: 0 })
+    expect(cursorGap(atEnd.replayed, lastOf[2])).toBeUndefined()
+    const past = await d.connect("past")
+    const beyond = await attachAndReplay(past, { activeSessionId: id, resumeCursor: { generation: 2, sequence: lastOf[2]!.sequence + 1 } })
+    expect(beyond.data["replay"]).toMatchObject({ status: "unavailable", reason: "cursor_unknown" })
     // A cursor in a retained generation (3) is still complete.
     const k = await d.connect("kept")
     const kept = await attachAndReplay(k, { activeSessionId: id, resumeCursor: lastOf[3]! })

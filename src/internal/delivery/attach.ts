@@ -39,16 +39,26 @@ export const makeDelivery = (core: Core, checkpoints: Checkpoints) => {
   const decide = (s: Session, resume: Cursor.Cursor | undefined) =>
     Effect.gen(function*(): Effect.fn.Return<Decision, CommandError> {
       const last = s.lastCursor
-      const view = { resume, last, generation: s.generation, snapshotCursor: s.snapshotCursor, rewriteGeneration: s.rewriteGeneration }
+      const view = { resume, last, generation: s.generation, rewriteGeneration: s.rewriteGeneration }
       if (resume === undefined || last === undefined) {
-        return decideReplay({ ...view, oldestGeneration: s.generation, lastSequenceOfResumeGeneration: undefined })
+        return decideReplay({
+          ...view,
+          oldestGeneration: s.generation,
+          oldestGenerationStart: undefined,
+          lastSequenceOfResumeGeneration: undefined
+        })
       }
-      const generations = yield* log.generations(s.meta.activeSessionId).pipe(Effect.mapError(internal("event log")))
+      const id = s.meta.activeSessionId
+      const generations = yield* log.generations(id).pipe(Effect.mapError(internal("event log")))
       const oldestGeneration = generations[0] ?? s.generation
       const lastSequenceOfResumeGeneration = needsLastSequence(resume, last, oldestGeneration)
         ? yield* lastSequenceOf(s, resume.generation)
         : undefined
-      return decideReplay({ ...view, oldestGeneration, lastSequenceOfResumeGeneration })
+      // Pruned meanwhile (or unreadable): then where the pruned generations ended is unknown.
+      const oldestGenerationStart = resume.generation < oldestGeneration
+        ? Option.getOrUndefined(yield* log.generationStart(id, oldestGeneration).pipe(Effect.orElseSucceed(() => Option.none())))
+        : undefined
+      return decideReplay({ ...view, oldestGeneration, oldestGenerationStart, lastSequenceOfResumeGeneration })
     })
 
   /**

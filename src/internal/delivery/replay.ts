@@ -21,8 +21,11 @@ export interface ReplayView {
   readonly generation: number
   /** The oldest generation the log still holds. */
   readonly oldestGeneration: number
-  /** The cursor of the current generation's snapshot (the last event before it). */
-  readonly snapshotCursor: Cursor.Cursor | undefined
+  /**
+   * Where the oldest retained generation began: the last event before it (its snapshot's
+   * cursor), if any. Only looked at for a cursor in a pruned generation.
+   */
+  readonly oldestGenerationStart: Cursor.Cursor | undefined
   /**
    * The last sequence of the resume cursor's generation when it is an older generation the log
    * still holds (-1 when empty); undefined otherwise.
@@ -47,13 +50,15 @@ export const decideReplay = (view: ReplayView): Decision => {
     return { kind: "baseline", replay: { status: "partial", reason: "transcript_replaced" } }
   }
   if (resume.generation < view.oldestGeneration) {
-    // The very end of a pruned generation is the current snapshot's cursor: nothing after it
-    // is missing.
-    const snapshot = view.snapshotCursor
-    const atSnapshot = view.oldestGeneration === view.generation && snapshot !== undefined &&
-      resume.generation === snapshot.generation && resume.sequence === snapshot.sequence
-    if (!atSnapshot) return { kind: "baseline", replay: { status: "partial", reason: "cursor_expired" } }
-    return { kind: "complete", after: resume }
+    // The cursor's generation was pruned. Where the oldest retained generation began says where
+    // the pruned ones ended: the very last event before it leaves nothing missing; a cursor
+    // after that event and before the oldest retained generation names no event.
+    const start = view.oldestGenerationStart
+    if (start !== undefined && Cursor.equals(resume, start)) return { kind: "complete", after: resume }
+    if (start !== undefined && Cursor.isAfter(resume, start)) {
+      return { kind: "baseline", replay: { status: "unavailable", reason: "cursor_unknown" } }
+    }
+    return { kind: "baseline", replay: { status: "partial", reason: "cursor_expired" } }
   }
   if (resume.generation < last.generation && resume.sequence > (view.lastSequenceOfResumeGeneration ?? -1)) {
     return { kind: "baseline", replay: { status: "unavailable", reason: "cursor_unknown" } }
