@@ -3,7 +3,8 @@
  * turns with the default (automatic) checkpoints: a client without `chunked_snapshot` gets the
  * baseline as frames (its response line would pass the line limit), and a client cut off in the
  * middle of a chunked snapshot continues it with `snapshotResume` from the chunk where it
- * stopped: the daemon sends only the chunks from there.
+ * stopped: the daemon sends only the chunks from there. With a small line limit, a baseline is
+ * inlined exactly while its response line fits.
  *
  * Needs `npm run build` first.
  */
@@ -112,4 +113,42 @@ describe("large baselines", () => {
     expect(third.received((m) => m["type"] === "session_snapshot_chunk")[0]!["index"]).toBe(0)
     expect(plainAgain.data["snapshotStream"]).toBeDefined()
   }, 150_000)
+
+  it("with a small maxLineBytes: a baseline inlined while its response line fits, as frames once it would not (slim_attach counts the messages once)", async () => {
+    const LIMIT = 20_000
+    const d = await useDaemon({ env: { AGENTD_MAX_LINE_BYTES: String(LIMIT) } })
+    const ctl = await d.connect("ctl")
+    const { id } = await createSession(ctl)
+    await attachAndReplay(ctl, { activeSessionId: id, capabilities: ["event_sequence", "slim_attach"] })
+    const turn = async (message: string) => {
+      await ctl.ok({ type: "prompt", activeSessionId: id, message })
+      await collectTurn(ctl, id)
+      await ctl.ok({ type: "checkpoint", activeSessionId: id })
+    }
+    const attach = async (capabilities?: ReadonlyArray<string>) => {
+      const c = await d.connect(`attach-${String(capabilities)}`)
+      const r = await attachAndReplay(c, { activeSessionId: id, ...(capabilities === undefined ? {} : { capabilities }) })
+      const lines = c.received().map((m) => c.lineBytes.get(m) ?? 0)
+      c.close()
+      return { data: r.data, longest: Math.max(...lines) }
+    }
+    // About 2 KB of messages: far below the limit, inlined for every client without chunked_snapshot.
+    await turn("/bulk 2000")
+    for (const capabilities of [undefined, ["attach_snapshot", "event_sequence"], ["slim_attach"]]) {
+      const { data, longest } = await attach(capabilities)
+      expect(data["snapshotStream"], `capabilities ${String(capabilities)}`).toBeUndefined()
+      expect(data["snapshot"]["messages"]).toHaveLength(2)
+      expect(longest).toBeLessThanOrEqual(LIMIT)
+    }
+    // About 11 KB: twice that passes the limit, once does not.
+    await turn("/bulk 9000")
+    const full = await attach()
+    expect(full.data["snapshotStream"]).toBeDefined()
+    expect(full.data["snapshot"]["messages"]).toEqual([])
+    expect(full.longest).toBeLessThanOrEqual(LIMIT)
+    const slim = await attach(["slim_attach", "event_sequence"])
+    expect(slim.data["snapshotStream"]).toBeUndefined()
+    expect(slim.data["snapshot"]["messages"]).toHaveLength(4)
+    expect(slim.longest).toBeLessThanOrEqual(LIMIT)
+  }, 30_000)
 })

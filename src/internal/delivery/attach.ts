@@ -21,8 +21,11 @@ import { Attachment } from "./attachment.js"
 import { type Decision, decideReplay, needsLastSequence } from "./replay.js"
 import { wireLineOfRecord } from "./wireLines.js"
 
-/** Room left in a response line for everything but the inlined messages. */
-const INLINE_MARGIN_BYTES = 64 * 1024
+/**
+ * Room left in an attach's response line for what surrounds its data (`type`, `id`, `command`,
+ * `success`): the data itself is measured.
+ */
+const ENVELOPE_BYTES = 1024
 
 /** Attachments: attach (replay decision, baseline), catch-up from the log, resync, detach. */
 export const makeDelivery = (core: Core, checkpoints: Checkpoints) => {
@@ -176,13 +179,38 @@ export const makeDelivery = (core: Core, checkpoints: Checkpoints) => {
       const lastCursor = s.lastCursor
       const attachment = new Attachment(s, outbox, connectionId, config.outboxBytes, lastCursor)
       const state = summary(s)
-      let replay: Protocol.Replay
       let snapshotId = `${snapshotIdOf(s, s.generation)}`
       let snapshotMessages: ReadonlyArray<AgentMessage> = []
       let snapshotCursor = s.snapshotCursor
       let snapshotMessageCount = s.baseMessageCount
       let stream: string | undefined
       let fromChunk = 0
+      let replay: Protocol.Replay = { status: "complete", eventCount: 0 }
+      /** The response's data as things stand. */
+      const responseData = () => {
+        const data: { -readonly [K in keyof Protocol.DaemonAttachResult]: Protocol.DaemonAttachResult[K] } = {
+          protocol: Protocol.PROTOCOL,
+          activeSessionId: s.meta.activeSessionId,
+          snapshot: {
+            snapshotId,
+            ...(snapshotCursor === undefined ? {} : { cursor: snapshotCursor }),
+            messageCount: decision.kind === "complete" ? 0 : snapshotMessageCount,
+            messages: snapshotMessages
+          },
+          replay,
+          lastEventSequence: lastCursor?.sequence ?? -1,
+          client: { id: connectionId, capabilities }
+        }
+        if (!slim) {
+          data.state = state
+          data.messages = snapshotMessages
+        }
+        if (lastCursor !== undefined) data.lastEventCursor = lastCursor
+        if (stream !== undefined) {
+          data.snapshotStream = { id: stream, messageCount: snapshotMessageCount, targetChunkBytes: config.targetChunkBytes }
+        }
+        return data
+      }
       if (decision.kind === "complete") {
         attachment.delivered = decision.after
         const count = lastCursor === undefined ? 0 : yield* countEvents(s, decision.after, lastCursor)
@@ -219,9 +247,11 @@ export const makeDelivery = (core: Core, checkpoints: Checkpoints) => {
         }
         // Inline unless the client takes frames, or the response line would pass the line limit
         // (the messages appear twice in it without slim_attach): then frames all the same.
-        const inline = stream !== undefined || chunked
-          ? undefined
-          : yield* inlineSnapshot(s, (config.maxLineBytes - INLINE_MARGIN_BYTES) / (slim ? 1 : 2))
+        let inline: ReadonlyArray<AgentMessage> | undefined
+        if (stream === undefined && !chunked) {
+          const rest = Buffer.byteLength(JSON.stringify(responseData()))
+          inline = yield* inlineSnapshot(s, (config.maxLineBytes - rest - ENVELOPE_BYTES) / (slim ? 1 : 2))
+        }
         if (inline !== undefined) snapshotMessages = inline
         else if (stream === undefined) {
           stream = yield* currentSnapshotEntry(s)
@@ -232,28 +262,7 @@ export const makeDelivery = (core: Core, checkpoints: Checkpoints) => {
       let byConn = connections.get(connectionId)
       if (byConn === undefined) connections.set(connectionId, byConn = new Map())
       byConn.set(s.meta.activeSessionId, attachment)
-
-      const data: { -readonly [K in keyof Protocol.DaemonAttachResult]: Protocol.DaemonAttachResult[K] } = {
-        protocol: Protocol.PROTOCOL,
-        activeSessionId: s.meta.activeSessionId,
-        snapshot: {
-          snapshotId,
-          ...(snapshotCursor === undefined ? {} : { cursor: snapshotCursor }),
-          messageCount: decision.kind === "complete" ? 0 : snapshotMessageCount,
-          messages: snapshotMessages
-        },
-        replay,
-        lastEventSequence: lastCursor?.sequence ?? -1,
-        client: { id: connectionId, capabilities }
-      }
-      if (!slim) {
-        data.state = state
-        data.messages = snapshotMessages
-      }
-      if (lastCursor !== undefined) data.lastEventCursor = lastCursor
-      if (stream !== undefined) {
-        data.snapshotStream = { id: stream, messageCount: snapshotMessageCount, targetChunkBytes: config.targetChunkBytes }
-      }
+      const data = responseData()
       const purpose: Protocol.SnapshotPurpose = decision.kind !== "baseline"
         ? "attach"
         : decision.replay.reason === "transcript_replaced"
