@@ -139,7 +139,7 @@ export const make = Effect.gen(function*() {
     restarts,
     sessionScope
   })
-  const { connections, sessions, filterEnv, get, post, publishStatus, record, summary } = core
+  const { connections, sessions, filterEnv, get, post, publishStatus, publishedState, record, summary } = core
   const checkpoints = makeCheckpoints(core)
   const delivery = makeDelivery(core, checkpoints)
   const supervisor = makeSupervisor(core, checkpoints)
@@ -303,7 +303,9 @@ export const make = Effect.gen(function*() {
 
   return SessionManager.of({
     create,
-    list: Effect.sync(() => ({ sessions: [...sessions.values()].filter((s) => !s.closed).map(summary) })),
+    list: Effect.suspend(() =>
+      Effect.forEach([...sessions.values()].filter((s) => !s.closed), (s) => Effect.map(publishedState(s), ({ state }) => state))
+    ).pipe(Effect.map((summaries) => ({ sessions: summaries }))),
     status: Effect.gen(function*() {
       const live = yield* pool.live
       return {
@@ -336,7 +338,7 @@ export const make = Effect.gen(function*() {
       Effect.flatMap(get(cmd.activeSessionId), (s) =>
         send<{ aborted: boolean }>(s, (reply) => ({ _tag: "Abort", reply }))),
     // Under the publish lock: a change of state being published is out before it is read here.
-    getState: (id) => Effect.flatMap(get(id), (s) => s.publishLock.withPermits(1)(Effect.sync(() => summary(s)))),
+    getState: (id) => Effect.flatMap(get(id), (s) => Effect.map(publishedState(s), ({ state }) => state)),
     getMessages: (cmd) =>
       Effect.gen(function*() {
         const s = yield* get(cmd.activeSessionId)

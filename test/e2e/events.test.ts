@@ -108,6 +108,28 @@ describe("echo engine turns as seen by an attached client", () => {
     expect(st["lastEventCursor"]).toEqual(cursorOf(turn[turn.length - 1]!))
   })
 
+  it("an attach right after create says the worker is ready only with its ready status in the baseline", async () => {
+    const d = shared()
+    const a = await d.connect("creator")
+    // Attaches, one after another, from the create until one sees the worker ready: some land
+    // while the worker turns ready (the warm spare makes that moments after the create).
+    for (let i = 0; i < 4; i++) {
+      const { activeSessionId: id } = await a.ok({ type: "create" })
+      for (let attempt = 0;; attempt++) {
+        expect(attempt, "the worker became ready").toBeLessThan(500)
+        const b = await d.connect(`early-${i}-${attempt}`)
+        const r = await attachAndReplay(b, { activeSessionId: id })
+        b.close()
+        const worker = r.data["state"]["worker"]
+        expect(r.attached["state"]["worker"]).toBe(worker)
+        const readyInBaseline = r.replayed.some((m) => m["type"] === "session_status" && m["state"]["worker"] === "ready")
+        expect(readyInBaseline, `attach ${i}/${attempt} said ${worker} at ${r.data["lastEventSequence"]}`).toBe(worker === "ready")
+        if (worker === "ready") break
+      }
+    }
+    a.close()
+  })
+
   it("/sleep and /bulk turns have the shapes of section 7", async () => {
     const d = shared()
     const c = await d.connect()

@@ -29,7 +29,7 @@ const ENVELOPE_BYTES = 1024
 
 /** Attachments: attach (replay decision, baseline), catch-up from the log, resync, detach. */
 export const makeDelivery = (core: Core, checkpoints: Checkpoints) => {
-  const { cache, config, connections, log, get, filterEnv, summary } = core
+  const { cache, config, connections, log, get, filterEnv, publishedState } = core
   const { currentSnapshotEntry, snapshotLines } = checkpoints
 
   /** The last sequence of a generation, read from the log (only for cursor_unknown checks). */
@@ -173,12 +173,13 @@ export const makeDelivery = (core: Core, checkpoints: Checkpoints) => {
       const chunked = capabilities.includes("chunked_snapshot")
       const slim = capabilities.includes("slim_attach")
       const decision = yield* decide(s, cmd.resumeCursor)
-      // From here to the registration nothing yields: the attachment sees every later event.
+      // The state and the last event at one moment, as logged (a change of phase is read only
+      // with the status that says it). Events after `lastCursor` reach the attachment from the
+      // log: it starts in catch-up and turns live only once it has read up to the last one.
+      const { state, lastCursor } = yield* publishedState(s)
       const previous = connections.get(connectionId)?.get(s.meta.activeSessionId)
       if (previous !== undefined) detachAttachment(previous)
-      const lastCursor = s.lastCursor
       const attachment = new Attachment(s, outbox, connectionId, config.outboxBytes, lastCursor)
-      const state = summary(s)
       let snapshotId = `${snapshotIdOf(s, s.generation)}`
       let snapshotMessages: ReadonlyArray<AgentMessage> = []
       let snapshotCursor = s.snapshotCursor

@@ -57,12 +57,11 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
         // What the generation added is written first: a restore then reads it from the transcript.
         if (s.generationEvents > 0) yield* runCheckpoint(s)
         s.epoch++
-        s.phase = { _tag: "Passivated" }
         // The session's fibers end with its worker; whatever it does next runs in a new scope.
         const previous = s.scope
         Object.assign(s, yield* core.sessionScope)
         yield* fork(Effect.zipRight(phase.worker.stop(), Scope.close(previous, Exit.void)))
-        yield* publishStatus(s)
+        yield* publishStatus(s, () => (s.phase = { _tag: "Passivated" }))
       }
     })
 

@@ -166,7 +166,11 @@ export const makeCore = (deps: CoreDeps) => {
 
   /** Appends messages to the log (one group commit) and hands them to live attachments. */
   const publishAll = (s: Session, messages: ReadonlyArray<Outgoing>) =>
-    s.publishLock.withPermits(1)(Effect.gen(function*() {
+    s.publishLock.withPermits(1)(appendAndDeliver(s, messages)).pipe(Effect.orDie)
+
+  /** What publishAll does under the publish lock. */
+  const appendAndDeliver = (s: Session, messages: ReadonlyArray<Outgoing>) =>
+    Effect.gen(function*() {
       if (messages.length === 0) return
       const emittedAt = Date.now()
       // One write and one fsync for the batch; cursors follow the array order.
@@ -186,11 +190,24 @@ export const makeCore = (deps: CoreDeps) => {
       s.generationEvents += messages.length
       s.generationBytes += lines.byteLength
       for (const a of s.attachments) a.onLive(last, lines)
-    })).pipe(Effect.orDie)
+    })
 
   const publish = (s: Session, body: LoggedBody) => publishAll(s, [bodyMessage(body)])
 
-  const publishStatus = (s: Session) => publish(s, { type: "session_status", state: summary(s) })
+  /**
+   * Publishes the session's status; `change` (a change of phase) is made under the publish lock
+   * first, so that whoever reads a summary under that lock (`get_state`, an attach) sees the
+   * new phase only together with the status event that says it, never ahead of the log.
+   */
+  const publishStatus = (s: Session, change?: () => void) =>
+    s.publishLock.withPermits(1)(Effect.suspend(() => {
+      change?.()
+      return appendAndDeliver(s, [bodyMessage({ type: "session_status", state: summary(s) })])
+    })).pipe(Effect.orDie)
+
+  /** The session's summary and last cursor at one moment, consistent with what is logged. */
+  const publishedState = (s: Session) =>
+    s.publishLock.withPermits(1)(Effect.sync(() => ({ state: summary(s), lastCursor: s.lastCursor })))
 
   const record = (s: Session, busy: boolean, operation: string, sessionFile?: string) =>
     journal.record({
@@ -218,7 +235,7 @@ export const makeCore = (deps: CoreDeps) => {
     return out
   }
 
-  return { ...deps, fork, forkIn, summary, get, publishAll, publish, publishStatus, record, workerEnv, post, filterEnv }
+  return { ...deps, fork, forkIn, summary, publishedState, get, publishAll, publish, publishStatus, record, workerEnv, post, filterEnv }
 }
 
 export type Core = ReturnType<typeof makeCore>

@@ -34,8 +34,9 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
     Effect.gen(function*() {
       const epoch = ++s.epoch
       const before = summary(s).worker
-      s.phase = { _tag: "Starting", worker: undefined, state: worker, epoch }
-      if (before !== worker) yield* publishStatus(s)
+      const starting = () => (s.phase = { _tag: "Starting", worker: undefined, state: worker, epoch })
+      if (before !== worker) yield* publishStatus(s, starting)
+      else starting()
       const restore = restoring
         ? {
           journalPath: info.journalPath,
@@ -95,11 +96,14 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
       const phase = s.phase
       const aborts = phase._tag === "Running" ? phase.aborts : []
       yield* record(s, false, "turn_end")
-      // Not busy from here, and said so at once: `get_state` waits for the status (it reads
-      // under the publish lock), so nobody sees busy:false before the stream does.
-      s.cutTurn = undefined
-      if (phase._tag === "Running") s.phase = { _tag: "Idle", worker: phase.worker }
-      if (publishIdle) yield* publishStatus(s)
+      // Not busy from here, and said so at once, under the publish lock: nobody reading under it
+      // (`get_state`, an attach) sees busy:false before the stream does.
+      const idle = () => {
+        s.cutTurn = undefined
+        if (phase._tag === "Running") s.phase = { _tag: "Idle", worker: phase.worker }
+      }
+      if (publishIdle) yield* publishStatus(s, idle)
+      else idle()
       for (const a of aborts) yield* Deferred.succeed(a, { aborted: how === "aborted" })
       if (s.generationEvents >= config.checkpointEvents || s.generationBytes >= config.checkpointBytes) s.checkpointDue = true
     })
@@ -109,10 +113,9 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
     Effect.gen(function*() {
       s.pendingPrompt = undefined
       const turnId = `t-${randomUUID()}`
-      s.phase = { _tag: "Running", worker, turnId, aborts: [] }
       s.lastUsed = Date.now()
       yield* record(s, true, "prompt")
-      yield* publishStatus(s)
+      yield* publishStatus(s, () => (s.phase = { _tag: "Running", worker, turnId, aborts: [] }))
       yield* worker.send({ type: "prompt", turnId, message: prompt.message })
       yield* Deferred.succeed(prompt.reply, { accepted: true as const })
     })
@@ -163,8 +166,8 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
                 yield* publish(s, { type: "session_event", event: { type: "turn_interrupted", reason: s.cutTurn } as Protocol.AgentEvent })
                 yield* endTurn(s, s.cutTurn, false)
               }
-              s.phase = { _tag: "Idle", worker: phase.worker }
-              yield* publishStatus(s)
+              const worker = phase.worker
+              yield* publishStatus(s, () => (s.phase = { _tag: "Idle", worker }))
               for (const w of s.retryWaiters.splice(0)) yield* Deferred.succeed(w, summary(s))
             }
             break
@@ -209,8 +212,7 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
         return yield* failSession(s, `its worker crashed ${decision.crashes} times within ${restartPolicy.restartWindowMs} ms`)
       }
       const epoch = ++s.epoch
-      s.phase = { _tag: "Starting", worker: undefined, state: "recovering", epoch }
-      yield* publishStatus(s)
+      yield* publishStatus(s, () => (s.phase = { _tag: "Starting", worker: undefined, state: "recovering", epoch }))
       // The first restart is immediate; later ones back off on the Clock.
       if (decision.delayMs === 0) return yield* startWorker(s, "recovering", true)
       yield* forkIn(s, Effect.zipRight(Effect.sleep(Duration.millis(decision.delayMs)), post(s, { _tag: "RestartDue", epoch })))
