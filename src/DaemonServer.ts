@@ -12,6 +12,7 @@ import * as Context from "effect/Context"
 import * as Deferred from "effect/Deferred"
 import * as Effect from "effect/Effect"
 import * as Either from "effect/Either"
+import * as Fiber from "effect/Fiber"
 import * as FiberSet from "effect/FiberSet"
 import * as Layer from "effect/Layer"
 import * as Queue from "effect/Queue"
@@ -23,7 +24,7 @@ import { DaemonConfig } from "./DaemonConfig.js"
 import { Outbox } from "./internal/outbox.js"
 import { LineDecoder, type LineItem } from "./JsonLines.js"
 import * as Protocol from "./Protocol.js"
-import { CommandError, SessionManager, SupervisorInfo } from "./SessionManager.js"
+import { CommandError, CommandTakesEffect, SessionManager, SupervisorInfo } from "./SessionManager.js"
 
 /** The version this daemon reports in `daemon_hello`. */
 export const APP_VERSION = "0.1.0"
@@ -104,7 +105,7 @@ export const make = Effect.gen(function*() {
   // and logger), interrupted when it closes.
   const runFork = yield* FiberSet.runtime(connectionFibers)<never>()
 
-  const dispatch = (clientId: string, outbox: Outbox, id: string | null, command: Protocol.Command, forkDelivery: (e: Effect.Effect<void>) => void) =>
+  const dispatch = (clientId: string, outbox: Outbox, command: Protocol.Command) =>
     Effect.gen(function*(): Effect.fn.Return<unknown, CommandError> {
       if (stopping && command.type !== "ping") {
         return yield* new CommandError({ code: "shutting_down", message: "The daemon is shutting down." })
@@ -119,11 +120,9 @@ export const make = Effect.gen(function*() {
         case "status":
           return yield* manager.status
         case "attach": {
-          const outcome = yield* manager.attach(clientId, outbox, command)
           // The response goes out first; the snapshot frames and events follow it.
-          outbox.offer(Protocol.encode(Protocol.success(id, "attach", outcome.data)))
-          forkDelivery(outcome.deliver)
-          return NO_RESPONSE
+          const outcome = yield* manager.attach(clientId, outbox, command)
+          return new Delivered(outcome.data, outcome.deliver)
         }
         case "detach":
           yield* manager.detach(clientId, command.activeSessionId)
@@ -196,18 +195,19 @@ export const make = Effect.gen(function*() {
 
       const respond = (message: Protocol.ServerMessage) => Effect.sync(() => outbox.offer(Protocol.encode(message)))
       const runDelivery = yield* FiberSet.runtime(deliveries)<never>()
-      const forkDelivery = (delivery: Effect.Effect<void>) => {
-        runDelivery(delivery)
-      }
 
-      const handleLine = (item: LineItem) =>
-        Effect.gen(function*() {
+      /** A line's answer: its response, and for an attach the delivery that follows it. */
+      type Answer = { readonly response: Protocol.ServerMessage; readonly deliver?: Effect.Effect<void> }
+      const answerLine = (item: LineItem) =>
+        Effect.gen(function*(): Effect.fn.Return<Answer> {
           if (typeof item !== "string") {
-            return yield* respond(Protocol.failure(null, "parse", {
-              code: "line_too_long",
-              message: `The line is longer than ${item.maxLineBytes} bytes; it was discarded.`,
-              details: { maxLineBytes: item.maxLineBytes }
-            }))
+            return {
+              response: Protocol.failure(null, "parse", {
+                code: "line_too_long",
+                message: `The line is longer than ${item.maxLineBytes} bytes; it was discarded.`,
+                details: { maxLineBytes: item.maxLineBytes }
+              })
+            }
           }
           // The decoder never throws by contract; should it ever, the line still gets its one
           // response and the connection lives on (a defect here would end the connection).
@@ -216,11 +216,11 @@ export const make = Effect.gen(function*() {
             decoded = Protocol.decodeCommandLine(item)
           } catch (defect) {
             yield* Effect.logError(`decoding a line of ${clientId} died`, defect)
-            return yield* respond(Protocol.failure(null, "parse", { code: "internal", message: `Internal error: ${String(defect)}` }))
+            return { response: Protocol.failure(null, "parse", { code: "internal", message: `Internal error: ${String(defect)}` }) }
           }
-          if (Either.isLeft(decoded)) return yield* respond(Protocol.failureOf(decoded.left))
+          if (Either.isLeft(decoded)) return { response: Protocol.failureOf(decoded.left) }
           const { id, command } = decoded.right
-          const result = yield* Effect.either(dispatch(clientId, outbox, id, command, forkDelivery)).pipe(
+          const result = yield* Effect.either(dispatch(clientId, outbox, command)).pipe(
             Effect.catchAllDefect((defect) =>
               Effect.gen(function*() {
                 yield* Effect.logError(`command ${command.type} of ${clientId} died`, defect)
@@ -229,19 +229,44 @@ export const make = Effect.gen(function*() {
             )
           )
           if (Either.isLeft(result)) {
-            return yield* respond(Protocol.failure(id, command.type, { code: result.left.code, message: result.left.message }))
+            return { response: Protocol.failure(id, command.type, { code: result.left.code, message: result.left.message }) }
           }
-          if (result.right !== NO_RESPONSE) yield* respond(Protocol.success(id, command.type, result.right))
+          if (result.right instanceof Delivered) {
+            return { response: Protocol.success(id, command.type, result.right.data), deliver: result.right.deliver }
+          }
+          return { response: Protocol.success(id, command.type, result.right) }
         })
 
-      // Commands run one at a time, in order: one response per command, in the order received.
+      // Commands take effect one at a time, in the order received; their answers are written
+      // in that order too, but a command that waits for its answer (a checkpoint during a turn,
+      // a prompt while the worker starts) does not hold back the ones after it: an abort behind
+      // a checkpoint still aborts the turn. A bounded number of answers may be outstanding.
+      const answering = yield* FiberSet.make<Answer>()
+      const answers = yield* Queue.unbounded<Fiber.Fiber<Answer> | null>()
+      const outstanding = yield* Effect.makeSemaphore(MAX_PENDING_LINES)
+      const writer = yield* Effect.forkScoped(Effect.gen(function*() {
+        while (true) {
+          const next = yield* Queue.take(answers)
+          if (next === null) return
+          const answer = yield* Fiber.join(next)
+          yield* respond(answer.response)
+          if (answer.deliver !== undefined) runDelivery(answer.deliver)
+          yield* outstanding.release(1)
+        }
+      }))
       while (true) {
         const item = yield* Queue.take(lines)
         if (item === null) break
         pending--
         if (pending <= MAX_PENDING_LINES / 2 && socket.isPaused()) socket.resume()
-        yield* handleLine(item)
+        yield* outstanding.take(1)
+        const taken = yield* Deferred.make<void>()
+        const answer = yield* FiberSet.run(answering, Effect.locally(answerLine(item), CommandTakesEffect, taken))
+        yield* Effect.raceFirst(Deferred.await(taken), Fiber.await(answer))
+        yield* Queue.offer(answers, answer)
       }
+      yield* Queue.offer(answers, null)
+      yield* Fiber.join(writer)
       // Half-closed: events keep flowing to the sessions it is attached to; once none is left,
       // the connection ends after its last response.
       while (manager.attachedCount(clientId) > 0 && !outbox.isClosed) {
@@ -289,8 +314,10 @@ export const make = Effect.gen(function*() {
   return DaemonServer.of({ socketPath, shutdownRequested })
 })
 
-/** Marks a command whose response was already written (attach writes it before the frames). */
-const NO_RESPONSE = Symbol("NO_RESPONSE")
+/** An attach's answer: its response's data, then its delivery (snapshot frames, events). */
+class Delivered {
+  constructor(readonly data: unknown, readonly deliver: Effect.Effect<void>) {}
+}
 
 /** The socket server layer. */
 export const layer: Layer.Layer<DaemonServer, ServerStartError, DaemonConfig | SessionManager | SupervisorInfo> = Layer

@@ -52,6 +52,7 @@ import { SnapshotCache } from "./SnapshotCache.js"
 import { defaultRestartPolicy, restartSchedule, WorkerPool } from "./WorkerPool.js"
 
 export { CommandError } from "./internal/session/session.js"
+export { CommandTakesEffect } from "./internal/session/phase.js"
 
 /**
  * What the core needs of a client's connection: a queue of outgoing bytes it can fill without
@@ -333,10 +334,10 @@ export const make = Effect.gen(function*() {
     attachedCount: (connectionId) => connections.get(connectionId)?.size ?? 0,
     prompt: (cmd) =>
       Effect.flatMap(get(cmd.activeSessionId), (s) =>
-        send<{ accepted: true }>(s, (reply) => ({ _tag: "Prompt", message: cmd.message, reply }))),
+        send<{ accepted: true }>(s, (c) => ({ _tag: "Prompt", message: cmd.message, ...c }))),
     abort: (cmd) =>
       Effect.flatMap(get(cmd.activeSessionId), (s) =>
-        send<{ aborted: boolean }>(s, (reply) => ({ _tag: "Abort", reply }))),
+        send<{ aborted: boolean }>(s, (c) => ({ _tag: "Abort", ...c }))),
     // Under the publish lock: a change of state being published is out before it is read here.
     getState: (id) => Effect.flatMap(get(id), (s) => Effect.map(publishedState(s), ({ state }) => state)),
     getMessages: (cmd) =>
@@ -354,10 +355,10 @@ export const make = Effect.gen(function*() {
       }),
     checkpoint: (id) =>
       Effect.flatMap(get(id), (s) =>
-        send<{ generation: number; snapshotId: string }>(s, (reply) => ({ _tag: "Checkpoint", reply }))),
+        send<{ generation: number; snapshotId: string }>(s, (c) => ({ _tag: "Checkpoint", ...c }))),
     retryWorker: (id) =>
-      Effect.flatMap(get(id), (s) => send<SessionSummary>(s, (reply) => ({ _tag: "Retry", reply }))),
-    kill: (id) => Effect.flatMap(get(id), (s) => send<{}>(s, (reply) => ({ _tag: "Kill", reply })))
+      Effect.flatMap(get(id), (s) => send<SessionSummary>(s, (c) => ({ _tag: "Retry", ...c }))),
+    kill: (id) => Effect.flatMap(get(id), (s) => send<{}>(s, (c) => ({ _tag: "Kill", ...c })))
   })
 })
 

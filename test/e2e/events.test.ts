@@ -218,6 +218,31 @@ describe("echo engine turns as seen by an attached client", () => {
     expect(r.replayed.map(unflag)).toEqual(c.sequenced(id).filter((m) => cursorOf(m).generation === 2).map(unflag))
   }, 20_000)
 
+  it("a command waiting for its answer does not hold back the next: an abort behind a pending checkpoint aborts the turn; answers stay in order", async () => {
+    const d = shared()
+    const c = await d.connect()
+    const { id } = await createSession(c)
+    await attachAndReplay(c, { activeSessionId: id })
+    const started = Date.now()
+    const promptId = c.sendCommand({ type: "prompt", activeSessionId: id, message: "/sleep 20000" })
+    await c.waitFor(isEvent("tool_execution_start"))
+    // One write: the checkpoint waits for the turn's end; the state and the abort do not wait for it.
+    const cpId = c.sendCommand({ type: "checkpoint", activeSessionId: id })
+    const stateId = c.sendCommand({ type: "get_state", activeSessionId: id })
+    const abortId = c.sendCommand({ type: "abort", activeSessionId: id })
+    const turn = await collectTurn(c, id)
+    expect(Date.now() - started, "the turn did not run its 20 s").toBeLessThan(15_000)
+    expect(turn.find(isEvent("turn_interrupted"))?.["event"]["reason"]).toBe("aborted")
+    const [prompt, cp, state, abort] = [await c.response(promptId), await c.response(cpId, 15_000), await c.response(stateId), await c.response(abortId)]
+    expect(abort["data"]).toEqual({ aborted: true })
+    // Taken in order: the state was read during the turn, after the checkpoint was asked for.
+    expect(state["data"]["busy"]).toBe(true)
+    expect(cp["data"]["generation"]).toBe(2)
+    const order = [prompt, cp, state, abort].map((m) => c.all.indexOf(m))
+    expect(order, "answers in the order of their commands").toEqual([...order].sort((a, b) => a - b))
+    expect(turn.every((m) => cursorOf(m).generation === 1)).toBe(true)
+  }, 30_000)
+
   it("back-to-back turns: a prompt sent on the busy:false status is accepted at once", async () => {
     const d = shared()
     const c = await d.connect()

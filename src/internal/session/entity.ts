@@ -7,6 +7,7 @@
  */
 import * as Cause from "effect/Cause"
 import * as Deferred from "effect/Deferred"
+import * as FiberRef from "effect/FiberRef"
 import * as Effect from "effect/Effect"
 import * as Either from "effect/Either"
 import * as Exit from "effect/Exit"
@@ -17,7 +18,7 @@ import { WorkerCrashed } from "../../WorkerPool.js"
 import type { Delivery } from "../delivery/attach.js"
 import type { Checkpoints } from "./checkpoint.js"
 import type { Input } from "./phase.js"
-import { workerOf } from "./phase.js"
+import { CommandTakesEffect, workerOf } from "./phase.js"
 import { CommandError, type Core, failed, internal, notFound, type Session } from "./session.js"
 import type { Supervisor } from "./supervisor.js"
 
@@ -32,13 +33,17 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
    * Hands an input to the session's entity. Checked and offered in one synchronous step: once
    * the entity has closed the session nothing more is offered, so nothing waits forever.
    */
-  const send = <A>(s: Session, make: (reply: Deferred.Deferred<A, CommandError>) => Input) =>
-    Effect.flatMap(Deferred.make<A, CommandError>(), (reply) =>
-      Effect.suspend(() => {
-        if (s.closed) return Effect.fail(notFound(s.meta.activeSessionId))
-        s.mailbox.unsafeOffer(make(reply))
-        return Deferred.await(reply)
-      }))
+  const send = <A>(
+    s: Session,
+    make: (command: { readonly reply: Deferred.Deferred<A, CommandError>; readonly taken: Deferred.Deferred<void> | undefined }) => Input
+  ) =>
+    Effect.gen(function*() {
+      const reply = yield* Deferred.make<A, CommandError>()
+      const taken = yield* FiberRef.get(CommandTakesEffect)
+      if (s.closed) return yield* Effect.fail(notFound(s.meta.activeSessionId))
+      s.mailbox.unsafeOffer(make({ reply, taken }))
+      return yield* Deferred.await(reply)
+    })
 
   /**
    * Between turns, work waiting runs: a checkpoint first (asked during the turn, or due; it
@@ -214,6 +219,7 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
         const input = yield* Queue.take(s.mailbox)
         yield* onInput(s, input).pipe(Effect.catchAllCause((cause) => onDefect(s, cause)))
         if (!s.closed) yield* drain(s).pipe(Effect.catchAllCause((cause) => onDefect(s, cause)))
+        if ("taken" in input && input.taken !== undefined) yield* Deferred.succeed(input.taken, undefined)
       }
       // Closed: nothing more is offered; what was offered before is answered.
       for (const input of yield* Queue.takeAll(s.mailbox)) yield* answerGone(s, input)

@@ -4,6 +4,7 @@
  * SessionManager.ts for the transitions.
  */
 import type * as Deferred from "effect/Deferred"
+import * as FiberRef from "effect/FiberRef"
 import type * as Protocol from "../../Protocol.js"
 import type { SessionSummary, WorkerState } from "../../Protocol.js"
 import type { CommandError } from "./session.js"
@@ -46,13 +47,29 @@ export type Phase =
   | { readonly _tag: "Closed" }
 
 
+/**
+ * Completed once a command has taken effect in its session: its input handled by the entity (a
+ * prompt reserved or started, an abort sent, a checkpoint taken or waiting for the turn's end,
+ * a kill done), which may be long before its answer. Set by a caller that takes commands one
+ * after another but lets their answers come as they may (the socket server, per connection):
+ * a command that waits does not hold back the commands after it.
+ */
+export const CommandTakesEffect = FiberRef.unsafeMake<Deferred.Deferred<void> | undefined>(undefined)
+
+/** What every command's input carries. */
+interface CommandInput<A> {
+  readonly reply: Deferred.Deferred<A, CommandError>
+  /** The caller's {@link CommandTakesEffect}, if any. */
+  readonly taken: Deferred.Deferred<void> | undefined
+}
+
 /** What the entity of a session takes from its mailbox: commands, its worker's frames and exit, timers. */
 export type Input =
-  | { readonly _tag: "Prompt"; readonly message: string; readonly reply: PendingPrompt["reply"] }
-  | { readonly _tag: "Abort"; readonly reply: Deferred.Deferred<{ aborted: boolean }, CommandError> }
-  | { readonly _tag: "Checkpoint"; readonly reply: CheckpointReply }
-  | { readonly _tag: "Retry"; readonly reply: Deferred.Deferred<SessionSummary, CommandError> }
-  | { readonly _tag: "Kill"; readonly reply: Deferred.Deferred<{}, CommandError> }
+  | { readonly _tag: "Prompt"; readonly message: string } & CommandInput<{ accepted: true }>
+  | { readonly _tag: "Abort" } & CommandInput<{ aborted: boolean }>
+  | { readonly _tag: "Checkpoint" } & CommandInput<{ generation: number; snapshotId: string }>
+  | { readonly _tag: "Retry" } & CommandInput<SessionSummary>
+  | { readonly _tag: "Kill" } & CommandInput<{}>
   | { readonly _tag: "Passivate" }
   /** At daemon start: the session was running a turn when the last daemon died. */
   | { readonly _tag: "Restore" }
