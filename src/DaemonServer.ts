@@ -122,7 +122,7 @@ export const make = Effect.gen(function*() {
         case "attach": {
           // The response goes out first; the snapshot frames and events follow it.
           const outcome = yield* manager.attach(clientId, outbox, command)
-          return new Delivered(outcome.data, outcome.deliver)
+          return new ThenRun(outcome.data, outcome.deliver)
         }
         case "detach":
           yield* manager.detach(clientId, command.activeSessionId)
@@ -143,8 +143,8 @@ export const make = Effect.gen(function*() {
           return yield* manager.kill(command.activeSessionId)
         case "shutdown":
           stopping = true
-          yield* Deferred.succeed(shutdownRequested, undefined)
-          return {}
+          // Asked once its response is written: `daemon_closing` comes after it.
+          return new ThenRun({}, Deferred.succeed(shutdownRequested, undefined))
       }
     })
 
@@ -196,8 +196,8 @@ export const make = Effect.gen(function*() {
       const respond = (message: Protocol.ServerMessage) => Effect.sync(() => outbox.offer(Protocol.encode(message)))
       const runDelivery = yield* FiberSet.runtime(deliveries)<never>()
 
-      /** A line's answer: its response, and for an attach the delivery that follows it. */
-      type Answer = { readonly response: Protocol.ServerMessage; readonly deliver?: Effect.Effect<void> }
+      /** A line's answer: its response, and what follows it (an attach's delivery). */
+      type Answer = { readonly response: Protocol.ServerMessage; readonly then?: Effect.Effect<void> }
       const answerLine = (item: LineItem) =>
         Effect.gen(function*(): Effect.fn.Return<Answer> {
           if (typeof item !== "string") {
@@ -231,8 +231,8 @@ export const make = Effect.gen(function*() {
           if (Either.isLeft(result)) {
             return { response: Protocol.failure(id, command.type, { code: result.left.code, message: result.left.message }) }
           }
-          if (result.right instanceof Delivered) {
-            return { response: Protocol.success(id, command.type, result.right.data), deliver: result.right.deliver }
+          if (result.right instanceof ThenRun) {
+            return { response: Protocol.success(id, command.type, result.right.data), then: result.right.then }
           }
           return { response: Protocol.success(id, command.type, result.right) }
         })
@@ -250,7 +250,7 @@ export const make = Effect.gen(function*() {
           if (next === null) return
           const answer = yield* Fiber.join(next)
           yield* respond(answer.response)
-          if (answer.deliver !== undefined) runDelivery(answer.deliver)
+          if (answer.then !== undefined) runDelivery(answer.then)
           yield* outstanding.release(1)
         }
       }))
@@ -314,9 +314,12 @@ export const make = Effect.gen(function*() {
   return DaemonServer.of({ socketPath, shutdownRequested })
 })
 
-/** An attach's answer: its response's data, then its delivery (snapshot frames, events). */
-class Delivered {
-  constructor(readonly data: unknown, readonly deliver: Effect.Effect<void>) {}
+/**
+ * A command's data, and what runs once its response is written: an attach's delivery (snapshot
+ * frames, events), a shutdown's request (then `daemon_closing`).
+ */
+class ThenRun {
+  constructor(readonly data: unknown, readonly then: Effect.Effect<unknown>) {}
 }
 
 /** The socket server layer. */
