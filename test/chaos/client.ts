@@ -194,6 +194,12 @@ export class ChaosClient {
           `[${this.label}] ${this.answeredIds.has(id) ? "a second" : "an unexpected"} response ${describeMsg(m)} id ${id}`
         )
       }
+      if (i > 0) {
+        throw new Violation(
+          "responses in order",
+          `[${this.label}] ${describeMsg(m)} (${this.pending[i]!.type}) answered before the earlier ${this.pending[0]!.type} (id ${this.pending[0]!.id})`
+        )
+      }
       const [p] = this.pending.splice(i, 1)
       this.answeredIds.add(id)
       this.lastAnswerAt = Date.now()

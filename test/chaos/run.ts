@@ -6,9 +6,11 @@
  * `/sleep`, and now and then `/compact`, a history rewrite in the middle of the turn),
  * sometimes the very moment its turn's `agent_end` arrives; observers attach,
  * detach, resume, drop their socket and stop reading; commanders race `checkpoint`, `abort`,
- * `kill`, `retry_worker` and prompts against the drivers.
+ * `kill`, `retry_worker` and prompts against the drivers (an abort now and then sent together
+ * with a checkpoint on one connection).
  *
- * Continuously: every command answered within its bound (the watchdog), every accepted prompt
+ * Continuously: every command answered once, in the order sent on its connection, within its
+ * bound (the watchdog), every accepted prompt
  * of a driver ends, every client's events in cursor order, once, with no gap that a resync
  * explains not (streamCheck.ts), a history rewrite's snapshot exactly the compaction of what a
  * client held when it reached it there (`compacted N messages`), the daemon answers `ping`, no
@@ -618,7 +620,14 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
       }
       case "abort": {
         const c = freeCommander()
-        log(`abort ${sid} via ${c.label} (in turn: ${ctl.inTurn})`)
+        // Now and then behind a checkpoint on the same connection, sent together: the checkpoint
+        // waits for the turn's end, the abort must not wait for the checkpoint.
+        const behindCheckpoint = frng.chance(0.3)
+        log(`abort ${sid} via ${c.label} (in turn: ${ctl.inTurn})${behindCheckpoint ? " behind a checkpoint" : ""}`)
+        if (behindCheckpoint) {
+          void task("checkpoint", async () =>
+            expectCodes(await send(c, { type: "checkpoint", activeSessionId: ctl.id }), "checkpoint", ["session_not_found", "session_failed"]))
+        }
         void task("abort", async () => expectCodes(await send(c, { type: "abort", activeSessionId: ctl.id }), "abort", ["session_not_found"]))
         return
       }
