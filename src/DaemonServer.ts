@@ -98,6 +98,8 @@ export const make = Effect.gen(function*() {
   const outboxes = new Set<Outbox>()
   let stopping = false
   let counter = 0
+  /** Commands taken on any connection whose response is not written yet. */
+  let unanswered = 0
 
   yield* claimSocketPath(socketPath)
 
@@ -143,7 +145,10 @@ export const make = Effect.gen(function*() {
           return yield* manager.kill(command.activeSessionId)
         case "shutdown":
           stopping = true
-          // Asked once its response is written: `daemon_closing` comes after it.
+          // Whatever waits in a session is answered now (so this response is not held behind
+          // an earlier one); the stop is asked once this response is written: `daemon_closing`
+          // comes after it.
+          yield* manager.settleForShutdown
           return new ThenRun({}, Deferred.succeed(shutdownRequested, undefined))
       }
     })
@@ -252,6 +257,7 @@ export const make = Effect.gen(function*() {
           yield* respond(answer.response)
           if (answer.then !== undefined) runDelivery(answer.then)
           yield* outstanding.release(1)
+          unanswered--
         }
       }))
       while (true) {
@@ -260,6 +266,7 @@ export const make = Effect.gen(function*() {
         pending--
         if (pending <= MAX_PENDING_LINES / 2 && socket.isPaused()) socket.resume()
         yield* outstanding.take(1)
+        unanswered++
         const taken = yield* Deferred.make<void>()
         const answer = yield* FiberSet.run(answering, Effect.locally(answerLine(item), CommandTakesEffect, taken))
         yield* Effect.raceFirst(Deferred.await(taken), Fiber.await(answer))
@@ -294,6 +301,10 @@ export const make = Effect.gen(function*() {
   yield* Effect.addFinalizer(() =>
     Effect.gen(function*() {
       stopping = true
+      // Every command gets its response first: those waiting in a session are answered
+      // `shutting_down`, then their responses are written (bounded: a stuck one is not waited for).
+      yield* manager.settleForShutdown
+      yield* Effect.sleep("10 millis").pipe(Effect.repeat({ while: () => unanswered > 0 }), Effect.timeout("2 seconds"), Effect.ignore)
       // Tell every client, give the kernel a moment to take it, then close everything.
       const closing = Protocol.encode({ type: "daemon_closing", reason: "shutdown" })
       for (const outbox of outboxes) outbox.offer(closing)

@@ -101,6 +101,12 @@ export class SessionManager extends Context.Tag("agentd/SessionManager")<Session
   readonly checkpoint: (activeSessionId: string) => Effect.Effect<{ generation: number; snapshotId: string }, CommandError>
   readonly retryWorker: (activeSessionId: string) => Effect.Effect<SessionSummary, CommandError>
   readonly kill: (activeSessionId: string) => Effect.Effect<{}, CommandError>
+  /**
+   * The daemon stops: later commands are refused with `shutting_down`, and those waiting in a
+   * session (for a turn's end, for a worker) are answered the same way, so that each gets its
+   * one response before the connections close.
+   */
+  readonly settleForShutdown: Effect.Effect<void>
 }>() {}
 
 export const make = Effect.gen(function*() {
@@ -144,7 +150,7 @@ export const make = Effect.gen(function*() {
   const checkpoints = makeCheckpoints(core)
   const delivery = makeDelivery(core, checkpoints)
   const supervisor = makeSupervisor(core, checkpoints)
-  const { runEntity, send } = makeEntity(core, checkpoints, supervisor, delivery)
+  const { runEntity, send, settleForShutdown } = makeEntity(core, checkpoints, supervisor, delivery)
   const { attach, detachAttachment } = delivery
   const { startWorker } = supervisor
   const { transcript } = checkpoints
@@ -358,7 +364,8 @@ export const make = Effect.gen(function*() {
         send<{ generation: number; snapshotId: string }>(s, (c) => ({ _tag: "Checkpoint", ...c }))),
     retryWorker: (id) =>
       Effect.flatMap(get(id), (s) => send<SessionSummary>(s, (c) => ({ _tag: "Retry", ...c }))),
-    kill: (id) => Effect.flatMap(get(id), (s) => send<{}>(s, (c) => ({ _tag: "Kill", ...c })))
+    kill: (id) => Effect.flatMap(get(id), (s) => send<{}>(s, (c) => ({ _tag: "Kill", ...c }))),
+    settleForShutdown
   })
 })
 

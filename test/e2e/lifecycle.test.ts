@@ -94,6 +94,45 @@ describe("process lifecycle", () => {
     }))
   }, 45_000)
 
+  it("every command waiting when the daemon stops is answered shutting_down: shutdown on its connection, on another, SIGTERM", async () => {
+    await Promise.all((["same connection", "other connection", "SIGTERM"] as const).map(async (how) => {
+      const d = await useDaemon()
+      const c = await d.connect(how)
+      const { id } = await createSession(c)
+      await c.ok({ type: "attach", activeSessionId: id })
+      await c.ok({ type: "prompt", activeSessionId: id, message: "/sleep 20000" })
+      await c.waitFor((m) => m["type"] === "session_event" && m["event"]?.type === "tool_execution_start")
+      // Both wait for the turn's end, which the daemon will not wait for.
+      const checkpointId = c.sendCommand({ type: "checkpoint", activeSessionId: id })
+      const secondId = c.sendCommand({ type: "checkpoint", activeSessionId: id })
+      await sleep(200)
+      const started = Date.now()
+      let shutdown: Msg | undefined
+      if (how === "SIGTERM") {
+        const { code } = await d.stop("SIGTERM")
+        expect(code, `${how}: exit code`).toBe(0)
+      } else {
+        const s = how === "same connection" ? c : await d.connect("other")
+        shutdown = await s.response(s.sendCommand({ type: "shutdown" }), 10_000)
+        expect(shutdown, how).toMatchObject({ success: true, data: {} })
+        await s.waitFor((m) => m["type"] === "daemon_closing", 10_000)
+      }
+      for (const commandId of [checkpointId, secondId]) {
+        const r = await c.response(commandId, 10_000)
+        expect(r["error"]?.code, `${how}: ${JSON.stringify(r)}`).toBe("shutting_down")
+      }
+      // In the order of their commands, then the daemon's goodbye.
+      const closing = c.all.findIndex((m) => m["type"] === "daemon_closing")
+      const answers = [checkpointId, secondId].map((commandId) => c.all.findIndex((m) => m["type"] === "response" && m["id"] === commandId))
+      if (shutdown !== undefined && how === "same connection") answers.push(c.all.indexOf(shutdown))
+      expect(answers, how).toEqual([...answers].sort((a, b) => a - b))
+      expect(answers.every((i) => i < closing), `${how}: answered before daemon_closing`).toBe(true)
+      expect(Date.now() - started, `${how}: the daemon did not wait for the turn`).toBeLessThan(10_000)
+      await Promise.race([d.exited, sleep(15_000)])
+      expect(d.exitCode, d.output).toBe(0)
+    }))
+  }, 60_000)
+
   it("a refused second start does not disturb the running daemon's turn or event log", async () => {
     const d = await useDaemon()
     const a = await d.connect("a")

@@ -7,6 +7,7 @@
  */
 import * as Cause from "effect/Cause"
 import * as Deferred from "effect/Deferred"
+import * as FiberId from "effect/FiberId"
 import * as FiberRef from "effect/FiberRef"
 import * as Effect from "effect/Effect"
 import * as Either from "effect/Either"
@@ -33,6 +34,10 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
    * Hands an input to the session's entity. Checked and offered in one synchronous step: once
    * the entity has closed the session nothing more is offered, so nothing waits forever.
    */
+  /** Set once the daemon stops: commands are refused from then on (see {@link settleForShutdown}). */
+  let stopping = false
+  const shuttingDown = () => new CommandError({ code: "shutting_down", message: "The daemon is shutting down." })
+
   const send = <A>(
     s: Session,
     make: (command: { readonly reply: Deferred.Deferred<A, CommandError>; readonly taken: Deferred.Deferred<void> | undefined }) => Input
@@ -40,6 +45,7 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
     Effect.gen(function*() {
       const reply = yield* Deferred.make<A, CommandError>()
       const taken = yield* FiberRef.get(CommandTakesEffect)
+      if (stopping) return yield* Effect.fail(shuttingDown())
       if (s.closed) return yield* Effect.fail(notFound(s.meta.activeSessionId))
       s.mailbox.unsafeOffer(make({ reply, taken }))
       return yield* Deferred.await(reply)
@@ -117,6 +123,16 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
       }
       case "Kill":
         return killSession(s, input.reply)
+      case "ShuttingDown": {
+        // What would wait for a turn's end or a worker is answered now: the daemon will not wait.
+        const error = shuttingDown()
+        const aborts = phase._tag === "Running" ? phase.aborts.splice(0) : []
+        return Effect.gen(function*() {
+          for (const a of aborts) yield* Deferred.fail(a, error)
+          yield* answerWaiting(s, error)
+          yield* Deferred.succeed(input.done, undefined)
+        })
+      }
       case "Acquired": {
         if (phase._tag !== "Starting" || phase.epoch !== input.epoch) return Effect.asVoid(input.worker.stop())
         s.phase = { ...phase, worker: input.worker }
@@ -198,10 +214,30 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
         return Effect.asVoid(input.worker.stop())
       case "Frames":
         return Deferred.succeed(input.handled, undefined).pipe(Effect.asVoid)
+      case "ShuttingDown":
+        return Deferred.succeed(input.done, undefined).pipe(Effect.asVoid)
       default:
         return Effect.void
     }
   }
+
+  /**
+   * The daemon stops: refuses every later command (`shutting_down`) and has each session answer
+   * the commands waiting in it the same way (a checkpoint or an abort waiting for a turn's end,
+   * a prompt or a retry waiting for a worker), so that every command gets its one response
+   * before the connections close. Bounded: an entity stuck in a long step is not waited for.
+   */
+  const settleForShutdown = Effect.suspend(() => {
+    stopping = true
+    const dones: Array<Deferred.Deferred<void>> = []
+    for (const s of sessions.values()) {
+      if (s.closed) continue
+      const done = Deferred.unsafeMake<void>(FiberId.none)
+      s.mailbox.unsafeOffer({ _tag: "ShuttingDown", done })
+      dones.push(done)
+    }
+    return Effect.forEach(dones, Deferred.await, { discard: true }).pipe(Effect.timeout("5 seconds"), Effect.ignore)
+  })
 
   /** Something broke inside a transition (the log refuses writes): the session fails, loudly. */
   const onDefect = (s: Session, cause: Cause.Cause<unknown>) =>
@@ -225,5 +261,5 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
       for (const input of yield* Queue.takeAll(s.mailbox)) yield* answerGone(s, input)
     })
 
-  return { send, runEntity }
+  return { send, runEntity, settleForShutdown }
 }

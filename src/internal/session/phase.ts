@@ -71,6 +71,8 @@ export type Input =
   | { readonly _tag: "Retry" } & CommandInput<SessionSummary>
   | { readonly _tag: "Kill" } & CommandInput<{}>
   | { readonly _tag: "Passivate" }
+  /** The daemon stops: every command waiting in the session is answered `shutting_down`. */
+  | { readonly _tag: "ShuttingDown"; readonly done: Deferred.Deferred<void> }
   /** At daemon start: the session was running a turn when the last daemon died. */
   | { readonly _tag: "Restore" }
   /** A worker for attempt `epoch`, already sent its `load`. */
