@@ -104,6 +104,24 @@ export const settings: Config.Config<Partial<DaemonConfigShape>> = Config.all({
   return out as Partial<DaemonConfigShape>
 }))
 
+/**
+ * A configuration error in one line that names each setting at fault, e.g.
+ * `AGENTD_MAX_WORKERS: Expected an integer value but received "abc"` (a lone ConfigError's
+ * own message leaves the name out).
+ */
+export const describeConfigError = (error: ConfigError.ConfigError): string => {
+  switch (error._op) {
+    case "And":
+    case "Or":
+      return `${describeConfigError(error.left)}; ${describeConfigError(error.right)}`
+    case "InvalidData":
+    case "MissingData":
+    case "SourceUnavailable":
+    case "Unsupported":
+      return `${error.path.length === 0 ? "" : `${error.path.join(".")}: `}${error.message}`
+  }
+}
+
 /** Builds a full configuration: defaults for the state dir, then `settings`, then the overrides. */
 export const make = (
   overrides: Partial<DaemonConfigShape> = {},

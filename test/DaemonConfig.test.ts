@@ -28,6 +28,15 @@ describe("DaemonConfig", () => {
       for (const [name, value] of [["AGENTD_MAX_WORKERS", "abc"], ["AGENTD_OUTBOX_BYTES", "0"], ["AGENTD_MAX_RESTARTS", "-1"]]) {
         const error = yield* Effect.flip(DaemonConfig.make({ stateDir: "/tmp/agentd-x" }, {}).pipe(withSettings({ [name!]: value! })))
         assert.include(String(error), name!)
+        // What `agentd serve` prints: the name, then why (a lone error's message leaves it out).
+        assert.isTrue(DaemonConfig.describeConfigError(error).startsWith(`${name}: `), DaemonConfig.describeConfigError(error))
       }
+      const both = yield* Effect.flip(
+        DaemonConfig.make({ stateDir: "/tmp/agentd-x" }, {}).pipe(withSettings({ AGENTD_MAX_WORKERS: "abc", AGENTD_RETAIN_GENERATIONS: "0" }))
+      )
+      assert.strictEqual(
+        DaemonConfig.describeConfigError(both),
+        `AGENTD_MAX_WORKERS: Expected an integer value but received "abc"; AGENTD_RETAIN_GENERATIONS: must be an integer >= 1`
+      )
     }))
 })

@@ -3,10 +3,12 @@
  * `shutdown`, its log on stderr. A separate module, loaded only by `serve`.
  */
 import * as NodeRuntime from "@effect/platform-node/NodeRuntime"
+import * as ConfigError from "effect/ConfigError"
 import * as Effect from "effect/Effect"
 import * as Logger from "effect/Logger"
 import * as LogLevel from "effect/LogLevel"
 import * as Daemon from "../Daemon.js"
+import { describeConfigError } from "../DaemonConfig.js"
 import type { ServeOptions } from "./main.js"
 
 const levels: Record<string, LogLevel.LogLevel> = {
@@ -34,7 +36,8 @@ export const serve = (options: ServeOptions & { readonly workerEntry: string }):
     Logger.withMinimumLogLevel(levels[options.logLevel ?? "info"] ?? LogLevel.Info),
     Effect.catchAll((error) =>
       Effect.sync(() => {
-        process.stderr.write(`agentd: ${error.message}\n`)
+        const message = ConfigError.isConfigError(error) ? `invalid setting: ${describeConfigError(error)}` : error.message
+        process.stderr.write(`agentd: ${message}\n`)
         // `--engine` naming an engine that does not exist is a usage error.
         process.exitCode = error._tag === "EngineError" ? 2 : 1
       })
