@@ -55,14 +55,19 @@ const probe = (socketPath: string): Promise<boolean> =>
 
 /**
  * Makes the socket path ours: creates its directory (0700) if missing, removes a stale socket
- * file (nothing answers), fails if a daemon answers there. Run before anything touches the
- * state dir, so a refused second daemon changes nothing.
+ * file (nothing answers), fails if a daemon answers there. Anything else at the path (a file, a
+ * directory) is refused, never removed: it is not ours. Run before anything touches the state
+ * dir, so a refused second daemon changes nothing.
  */
 export const claimSocketPath = (socketPath: string): Effect.Effect<void, ServerStartError> =>
   Effect.gen(function*() {
     const socketDir = path.dirname(socketPath)
     if (!fs.existsSync(socketDir)) fs.mkdirSync(socketDir, { recursive: true, mode: 0o700 })
-    if (!fs.existsSync(socketPath)) return
+    const existing = fs.lstatSync(socketPath, { throwIfNoEntry: false })
+    if (existing === undefined) return
+    if (!existing.isSocket()) {
+      return yield* Effect.fail(new ServerStartError(`${socketPath} exists and is not a socket; not removing it`))
+    }
     if (yield* Effect.promise(() => probe(socketPath))) {
       return yield* Effect.fail(new ServerStartError(`another daemon is listening at ${socketPath}`))
     }

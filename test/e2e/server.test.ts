@@ -67,6 +67,17 @@ describe("server (e2e)", () => {
     expect((await client.ok({ type: "ping" }))["pong"]).toBe(true)
   }, 40_000)
 
+  it("anything but a socket at the socket path (a file of the user's) is refused and left as it was", () => {
+    const stateDir = freshStateDir()
+    fs.mkdirSync(stateDir, { recursive: true, mode: 0o700 })
+    const notes = path.join(stateDir, "notes.txt")
+    fs.writeFileSync(notes, "precious\n")
+    const run = spawnSync(process.execPath, [DAEMON_BIN, "serve", "--state-dir", stateDir, "--socket", notes], { encoding: "utf8", timeout: 20_000 })
+    expect(run.status).not.toBe(0)
+    expect(run.stderr).toContain(`${notes} exists and is not a socket`)
+    expect(fs.readFileSync(notes, "utf8")).toBe("precious\n")
+  }, 30_000)
+
   it("serve --engine with an unknown engine exits 2 with a clear message and leaves no state dir", () => {
     // Its temp root goes with the file's other temp roots (cleanUpAfterTests).
     const stateDir = freshStateDir()
