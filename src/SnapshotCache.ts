@@ -443,6 +443,13 @@ interface Entry {
    * reading the file. A `WeakRef` never keeps a chunk alive: memory stays what readers hold.
    */
   readonly reads: Map<number, SharedRead>
+  /**
+   * The files its ranges are read from, kept open from its disposal (a newer generation took
+   * over) until it is gone: a file that generation prunes or replaces meanwhile still reads as
+   * it was, so a newer snapshot never disturbs a reader of an older one. Before, each read
+   * opens the file (no descriptor held per cached session).
+   */
+  readonly files: Map<string, fsp.FileHandle>
   spilled: boolean
   /** Set before the first file operation, so that a half-done spill is cleaned up too. */
   touchedDisk: boolean
@@ -521,6 +528,9 @@ const makeWith = (memoryCacheBytes: number, spill: SpillConfig | undefined) =>
         entry.memoryBytes = 0
         entry.slots.length = 0
         entry.reads.clear()
+        const files = [...entry.files.values()]
+        entry.files.clear()
+        yield* Effect.forEach(files, (handle) => Effect.promise(() => handle.close().catch(() => undefined)), { discard: true })
         yield* Ref.update(memoryUsed, (used) => used - freed)
         if (entry.touchedDisk && spill !== undefined && entry.directory !== undefined) {
           const directory = entry.directory
@@ -582,6 +592,7 @@ const makeWith = (memoryCacheBytes: number, spill: SpillConfig | undefined) =>
         lock: yield* Effect.makeSemaphore(1),
         slots: [],
         reads: new Map(),
+        files: new Map(),
         spilled: false,
         touchedDisk: false,
         memoryBytes: 0,
@@ -730,7 +741,8 @@ const makeWith = (memoryCacheBytes: number, spill: SpillConfig | undefined) =>
           // The range's last newline becomes the closing `]`; then `}` and the line's newline.
           const line = Buffer.allocUnsafe(prefix.length + length + 2)
           prefix.copy(line, 0)
-          const handle = await fsp.open(range.path, "r")
+          const kept = entry.files.get(range.path)
+          const handle = kept ?? await fsp.open(range.path, "r")
           try {
             let done = 0
             while (done < length) {
@@ -739,7 +751,7 @@ const makeWith = (memoryCacheBytes: number, spill: SpillConfig | undefined) =>
               done += bytesRead
             }
           } finally {
-            await handle.close()
+            if (kept === undefined) await handle.close()
           }
           const last = prefix.length + length - 1
           if (line[last] !== NEWLINE) throw new Error(`${range.path}: bytes ${range.start}-${range.end} are not whole lines`)
@@ -861,6 +873,13 @@ const makeWith = (memoryCacheBytes: number, spill: SpillConfig | undefined) =>
       // Under the lock: an append in flight finishes first, and none starts after.
       yield* entry.lock.withPermits(1)(Effect.gen(function*() {
         yield* failEntry(entry, error("Disposed", `snapshot ${snapshotId} was disposed before it was complete`, snapshotId))
+        // Its readers may outlive the files it reads (see `files`); cleanup closes them.
+        const paths = new Set(entry.slots.flatMap((slot) => slot._tag === "Range" && !entry.files.has(slot.range.path) ? [slot.range.path] : []))
+        for (const file of paths) {
+          const handle = yield* Effect.promise(() => fsp.open(file, "r").catch(() => undefined))
+          // A file already gone: its reads fail as they would have (with its name).
+          if (handle !== undefined) entry.files.set(file, handle)
+        }
         const drop = yield* Ref.modify(entry.state, (s) => {
           const drop = s.readers === 0 && !s.removed
           return [drop, { ...s, disposed: true, removed: s.removed || drop }] as const

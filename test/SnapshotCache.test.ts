@@ -204,6 +204,38 @@ describe("chunkRanges and appendRange", () => {
       }))
   }
 
+  it.scoped("a reader of a disposed entry reads on after its file is removed or replaced (a newer generation pruned it)", () =>
+    Effect.gen(function*() {
+      const dir = yield* tempDir
+      const file = path.join(dir, "transcript.jsonl")
+      const body = messages.map((m) => JSON.stringify(m) + "\n").join("")
+      fs.writeFileSync(file, body)
+      const expected = SnapshotCache.chunkMessages("session-1", "snap", messages, 400).map(text)
+      const cache = yield* SnapshotCache.makeMemory
+      yield* cache.create("snap", meta())
+      const found = yield* SnapshotCache.chunkRanges(file, 0, Buffer.byteLength(body), 400, (range) => cache.appendRange("snap", range))
+      yield* cache.markComplete("snap", endOf(found.chunks))
+      const early = yield* cache.retain("snap")
+      const late = yield* cache.retain("snap")
+      const first = yield* early.waitForChunk(0)
+      assert.strictEqual(first._tag === "Chunk" ? text(first.bytes) : first._tag, expected[0])
+      // A newer generation takes over, then prunes the file: one reader is mid-way, one has not begun.
+      yield* cache.dispose("snap")
+      fs.unlinkSync(file)
+      fs.writeFileSync(file, "{\"other\":\"file\"}\n")
+      const rest: Array<string> = []
+      for (let i = 1; i < expected.length; i++) {
+        const chunk = yield* early.waitForChunk(i)
+        rest.push(chunk._tag === "Chunk" ? text(chunk.bytes) : chunk._tag)
+      }
+      assert.deepStrictEqual(rest, expected.slice(1))
+      assert.deepStrictEqual(Chunk.toArray(yield* Stream.runCollect(late.stream)).map(text), expected)
+      yield* early.release
+      yield* late.release
+      // The last reader gone, so is the entry (and its open file).
+      assert.strictEqual((yield* Effect.flip(cache.info("snap"))).reason, "NotFound")
+    }))
+
   it.scoped("a range that is not whole lines, or a file cut short, fails the read instead of sending garbage", () =>
     Effect.gen(function*() {
       const dir = yield* tempDir
