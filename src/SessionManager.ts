@@ -179,6 +179,7 @@ export const make = Effect.gen(function*() {
         epoch: 0,
         mailbox: yield* Queue.unbounded<Input>(),
         pendingPrompt: undefined,
+        promptAfterCut: undefined,
         cutTurn: undefined,
         rewriteGeneration: undefined,
         rewrite: undefined,

@@ -690,7 +690,7 @@ describe("SessionManager (in-process)", () => {
           assert.deepStrictEqual((yield* messagesOf(sm, id)).contents, ["user:one", "assistant:echo: one", "user:two", "assistant:echo: two"])
         })))
 
-    it.scopedLive("the replacement crashes while it loads: backoff, a third worker; one turn_interrupted; a checkpoint asked meanwhile is answered", () =>
+    it.scopedLive("the replacement crashes while it loads: backoff, a third worker; one turn_interrupted; a checkpoint and a prompt asked meanwhile are answered", () =>
       withCore({}, (ctl) =>
         Effect.gen(function*() {
           const sm = yield* SessionManager
@@ -705,8 +705,12 @@ describe("SessionManager (in-process)", () => {
           yield* waitFor("the replacement loading", () => ctl.loadGate.waiting === 1)
           yield* waitUntil("the replacement is the session's", Effect.map(sm.getState(id), (s) => s.workerPid !== undefined && s.workerPid !== first.pid))
           const second = yield* workerOf(id)
-          // Meanwhile: the cut turn has not ended yet (busy); a checkpoint waits for a worker.
-          yield* failsWith("a prompt while the cut turn is owed", prompt(sm, id, "x"), "session_busy")
+          // Meanwhile: the cut turn has not ended yet (busy); a prompt waits for its end (a second
+          // one is refused), a checkpoint waits for a worker.
+          const waiting = yield* Effect.fork(prompt(sm, id, "x"))
+          yield* barrier(sm, id)
+          yield* failsWith("a second prompt while one waits", prompt(sm, id, "y"), "session_busy")
+          assert.isTrue((yield* sm.getState(id)).busy)
           assert.deepStrictEqual(yield* abort(sm, id), { aborted: false })
           const checkpoint = yield* Effect.fork(sm.checkpoint(id))
           yield* barrier(sm, id)
@@ -715,19 +719,22 @@ describe("SessionManager (in-process)", () => {
           assert.isTrue(yield* isPending(checkpoint))
           ctl.loadGate.open()
           assert.deepStrictEqual(yield* joinWithin("the checkpoint", checkpoint), Either.right({ generation: 2, snapshotId: `${id}~g2` }))
+          assert.deepStrictEqual(yield* joinWithin("the waiting prompt", waiting), Either.right({ accepted: true as const }))
+          yield* waitFor("the cut turn and the waiting prompt's turn", () => turnsDone(since(conn, start)) === 2)
           const after = since(conn, start)
-          assert.deepStrictEqual(after.map((l) => describeMsg(l).replace(/@.*/, "")), [
+          // The cut turn ends, then the waiting prompt's turn runs (after the checkpoint).
+          assert.deepStrictEqual(after.slice(0, 5).map((l) => describeMsg(l).replace(/@.*/, "")), [
             "status(busy=true,worker=recovering)",
             "status(busy=true,worker=recovering)",
             "ev:turn_interrupted(worker_crashed)",
-            "status(busy=false,worker=ready)"
+            "status(busy=false,worker=ready)",
+            "status(busy=true,worker=ready)"
           ], show(after))
-          assert.deepStrictEqual(after.map((l) => l["state"]?.restarts), [1, 2, undefined, 2])
+          assert.deepStrictEqual(after.slice(0, 4).map((l) => l["state"]?.restarts), [1, 2, undefined, 2])
           const state = yield* sm.getState(id)
           assert.strictEqual(state.restarts, 2)
           assert.isFalse(state.busy)
-          yield* runTurn(sm, id, conn, "works")
-          assert.deepStrictEqual((yield* messagesOf(sm, id)).contents, ["user:/sleep 10000", "user:works", "assistant:echo: works"])
+          assert.deepStrictEqual((yield* messagesOf(sm, id)).contents, ["user:/sleep 10000", "user:x", "assistant:echo: x"])
           assertContiguous(seq(conn), true)
           yield* assertMatchesLog(id, seq(conn))
         })))

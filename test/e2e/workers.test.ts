@@ -64,6 +64,44 @@ describe("workers (e2e)", () => {
     expect(isAlive(pid)).toBe(false)
   }, 60_000)
 
+  it("a prompt sent while the worker recovers (after a worker crash, after a daemon restart) waits and runs once the cut turn has ended", async () => {
+    // No warm spare: a recovery spawns its worker, so the prompt surely lands while it recovers.
+    const env = { AGENTD_WARM_SPARE: "0" }
+    const first = await useDaemon({ env })
+    const client = await first.connect()
+    const { id } = await createSession(client)
+    await waitIdle(client, id)
+    await client.ok({ type: "attach", activeSessionId: id, capabilities: ["event_sequence", "slim_attach"] })
+    await client.ok({ type: "prompt", activeSessionId: id, message: "/sleep 20000" })
+    await collectUntil(client, id, isEvent("tool_execution_start"))
+    const pid = (await client.ok({ type: "get_state", activeSessionId: id }))["workerPid"] as number
+    process.kill(pid, "SIGKILL")
+    await collectUntil(client, id, (m) => m["type"] === "session_status" && m["state"].worker === "recovering", 20_000)
+    const accepted = await client.ok({ type: "prompt", activeSessionId: id, message: "after the crash" }, 20_000)
+    expect(accepted).toEqual({ accepted: true })
+    const turn = await collectUntil(client, id, isEvent("agent_end"), 20_000)
+    const shape = (m: Record<string, any>) => (m["type"] === "session_event" ? m["event"].type : `status:${m["state"]?.worker}:${m["state"]?.busy}`)
+    const seen = client.sequenced(id).map(shape)
+    const cut = seen.lastIndexOf("turn_interrupted")
+    // The cut turn ends (turn_interrupted, then ready and idle), then the waiting prompt's turn.
+    expect(seen.slice(cut, cut + 4)).toEqual(["turn_interrupted", "status:ready:false", "status:ready:true", "agent_start"])
+    expect(turn.filter(isEvent("message_end")).map((m) => m["event"].message.content)).toEqual(["after the crash", "echo: after the crash"])
+
+    // The daemon killed during a turn: the new one restores the session; a prompt sent at once waits the same way.
+    await client.ok({ type: "prompt", activeSessionId: id, message: "/sleep 20000" })
+    await collectUntil(client, id, isEvent("tool_execution_start"))
+    await first.sigkill()
+    const second = await useDaemon({ stateDir: first.stateDir, env })
+    const again = await second.connect("again")
+    const promptId = again.sendCommand({ type: "prompt", activeSessionId: id, message: "after the restart" })
+    const response = await again.response(promptId, 20_000)
+    expect(response["success"], JSON.stringify(response)).toBe(true)
+    await again.ok({ type: "attach", activeSessionId: id, resumeCursor: (await again.ok({ type: "get_state", activeSessionId: id }))["lastEventCursor"] })
+    await waitIdle(again, id, 20_000)
+    const messages = await allMessages(again, id)
+    expect(messages.slice(-2).map((m) => m["content"])).toEqual(["after the restart", "echo: after the restart"])
+  }, 90_000)
+
   it("a crash loop ends in failed after maxRestarts; retry_worker brings the session back", async () => {
     const daemon = await useDaemon({ env: { AGENTD_MAX_RESTARTS: "3" } })
     const client = await daemon.connect()

@@ -87,8 +87,14 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
         if (phase._tag === "Failed") {
           return Deferred.fail(input.reply, failed(`Session \`${s.meta.activeSessionId}\` has failed; use retry_worker.`))
         }
-        if (phase._tag === "Running" || s.pendingPrompt !== undefined || s.cutTurn !== undefined) {
+        if (phase._tag === "Running" || s.pendingPrompt !== undefined || s.promptAfterCut !== undefined) {
           return Deferred.fail(input.reply, new CommandError({ code: "session_busy", message: `Session \`${s.meta.activeSessionId}\` is running a turn.` }))
+        }
+        if (s.cutTurn !== undefined) {
+          // The worker recovers from a crash that cut a turn: the prompt waits for it, and is
+          // taken once that turn has ended (its turn_interrupted, then the idle status).
+          s.promptAfterCut = { message: input.message, reply: input.reply }
+          return Effect.void
         }
         // Reserved now (busy); runs once the session is idle with a worker.
         s.pendingPrompt = { message: input.message, reply: input.reply }

@@ -96,6 +96,11 @@ export interface Session {
   pendingPrompt: PendingPrompt | undefined
   /** A turn cut by a crash (of the worker or the daemon) whose `turn_interrupted` is owed. */
   cutTurn: Protocol.InterruptReason | undefined
+  /**
+   * A prompt that came while a cut turn waited for its end (the worker recovering): it becomes
+   * the reserved prompt right after that turn's `turn_interrupted` and idle status.
+   */
+  promptAfterCut: PendingPrompt | undefined
   /** Checkpoints asked for, run when the session is next idle (during a turn: at its end). */
   checkpointWaiters: Array<CheckpointReply>
   /** An automatic checkpoint is due (one mark, however many turns asked). */

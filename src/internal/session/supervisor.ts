@@ -169,6 +169,11 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
               const worker = phase.worker
               yield* publishStatus(s, () => (s.phase = { _tag: "Idle", worker }))
               for (const w of s.retryWaiters.splice(0)) yield* Deferred.succeed(w, summary(s))
+              // A prompt that waited for the cut turn's end is reserved now: its turn starts next.
+              if (s.promptAfterCut !== undefined) {
+                s.pendingPrompt = s.promptAfterCut
+                s.promptAfterCut = undefined
+              }
             }
             break
           }
@@ -255,13 +260,14 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
    * with a reserved prompt from here); the effect returned answers them with `error`.
    */
   const answerWaiting = (s: Session, error: CommandError): Effect.Effect<void> => {
-    const prompt = s.pendingPrompt
+    const prompts = [s.pendingPrompt, s.promptAfterCut].filter((p) => p !== undefined)
     s.pendingPrompt = undefined
+    s.promptAfterCut = undefined
     const checkpoints = s.checkpointWaiters.splice(0)
     const retries = s.retryWaiters.splice(0)
     s.checkpointDue = false
     return Effect.gen(function*() {
-      if (prompt !== undefined) yield* Deferred.fail(prompt.reply, error)
+      for (const p of prompts) yield* Deferred.fail(p.reply, error)
       for (const w of checkpoints) yield* Deferred.fail(w, error)
       for (const w of retries) yield* Deferred.fail(w, error)
     })
