@@ -121,9 +121,18 @@ export const commands: ReadonlyArray<CommandSpec> = [
     name: "prompt",
     summary: "Send a prompt and stream the reply to stdout until the turn ends.",
     details:
-      "TEXT `-` reads the prompt from stdin (for prompts of any size), as does --file -. Exits 0 when the turn ends, 1 when it was interrupted (the reason on stderr) or refused. Ctrl-C aborts the turn, waits for its end and exits 130. With --json each event of the turn is printed as a JSON line.",
+      "TEXT `-` reads the prompt from stdin (for prompts of any size), as does --file -. Exits 0 when the turn ends, 1 when it was interrupted (the reason on stderr) or refused. When the daemon goes away during the turn, prompt reconnects to see the turn's end (a restarted daemon ends it with turn_interrupted: exit 1), for --reconnect-timeout, then gives up with exit 3. Ctrl-C aborts the turn, waits for its end and exits 130. With --json each event of the turn is printed as a JSON line.",
     args: [targetArg, { name: "TEXT", description: "The prompt, or - to read it from stdin.", optional: true }],
-    options: [{ name: "file", kind: "string", value: "PATH", description: "Read the prompt from a file (- for stdin)." }, ...streaming],
+    options: [
+      { name: "file", kind: "string", value: "PATH", description: "Read the prompt from a file (- for stdin)." },
+      {
+        name: "reconnect-timeout",
+        kind: "integer",
+        value: "SECONDS",
+        description: "How long to keep reconnecting to a daemon that went away during the turn, to see its end (default 30)."
+      },
+      ...streaming
+    ],
     examples: ["agentd prompt demo \"hello there\"", "cat notes.md | agentd prompt demo -", "agentd prompt demo --file notes.md"]
   },
   {

@@ -12,7 +12,10 @@ import * as Option from "effect/Option"
 import * as Schedule from "effect/Schedule"
 import * as Stream from "effect/Stream"
 import * as fs from "node:fs"
+import type * as Cursor from "../Cursor.js"
 import * as DaemonClient from "../DaemonClient.js"
+import type * as Protocol from "../Protocol.js"
+import * as SessionClient from "../SessionClient.js"
 import type { Context } from "./commands.js"
 import { CliError, EXIT, failed, usage } from "./errors.js"
 import * as Target from "./target.js"
@@ -59,6 +62,60 @@ export const promptText = (text: string | undefined, file: string | undefined): 
 /** A text read from a file or a pipe loses one final newline (as `$(...)` in a shell would). */
 const withoutFinalNewline = (s: string): string => s.replace(/\r?\n$/, "")
 
+/**
+ * Follows the session from `from` (the turn's last event seen) over a new connection, through
+ * the daemon's restart, until the turn's end: `agent_end` (success), `turn_interrupted` (its
+ * reason: `daemon_restarted` after a daemon crash), the session closed, or (the events in
+ * between checkpointed away) the session idle again. Gives up (exit 3) after `reconnectFor`.
+ */
+const followToEnd = (
+  ctx: Context,
+  id: string,
+  from: Cursor.Cursor,
+  why: string,
+  reconnectFor: Duration.Duration,
+  show: (m: Protocol.SessionEvent) => void
+) =>
+  Effect.scoped(Effect.gen(function*() {
+    process.stderr.write(`agentd: lost the daemon during the turn (${why}); reconnecting for up to ${Duration.format(reconnectFor)} to see its end\n`)
+    const lostAt = Date.now()
+    const follower = yield* SessionClient.make({
+      socketPath: ctx.socketPath,
+      activeSessionId: id,
+      cursor: from,
+      reconnect: Schedule.spaced("200 millis").pipe(Schedule.whileOutput(() => Date.now() - lostAt < Duration.toMillis(reconnectFor)))
+    })
+    let swallowed = false
+    const end = yield* follower.events.pipe(
+      Stream.map((e): Option.Option<Effect.Effect<void, CliError>> => {
+        switch (e.type) {
+          case "session_event": {
+            show(e)
+            if (e.event.type === "agent_end") return Option.some(Effect.void)
+            if (e.event.type === "turn_interrupted") {
+              return Option.some(Effect.fail(failed(`the turn of session ${id} was interrupted (${e.event.reason})`)))
+            }
+            return Option.none()
+          }
+          case "session_closed":
+            return Option.some(Effect.fail(failed(`session ${id} was closed (${e.reason}) before its turn ended`)))
+          case "baseline":
+            // A resync: the events after `from` were checkpointed away, the turn's end perhaps
+            // with them; the session's next idle status then ends the wait.
+            if (e.purpose !== "attach") swallowed = true
+            return Option.none()
+          case "session_status":
+            return swallowed && !e.state.busy ? Option.some(Effect.void) : Option.none()
+        }
+      }),
+      Stream.filterMap((x) => x),
+      Stream.runHead,
+      Effect.catchAll((e) => Effect.fail(new CliError(`gave up: the daemon stayed away for ${Duration.format(reconnectFor)} (${e.message})`, EXIT.unreachable)))
+    )
+    if (Option.isNone(end)) return yield* Effect.fail(new CliError("the turn's end was not seen", EXIT.unreachable))
+    yield* end.value
+  }))
+
 /** How long `prompt` waits, after Ctrl-C, for its turn to end once aborted. */
 const ABORT_WAIT = Duration.seconds(10)
 
@@ -68,7 +125,7 @@ const ABORT_WAIT = Duration.seconds(10)
  * Ctrl-C aborts the turn (`abort`, repeated until the daemon says it aborted one or the turn
  * ends), waits for its end, and exits 130; a second Ctrl-C exits 130 at once.
  */
-export const prompt = (ctx: Context, target: string, message: string) =>
+export const prompt = (ctx: Context, target: string, message: string, reconnectFor: Duration.Duration) =>
   Effect.scoped(Effect.gen(function*() {
       const c = yield* DaemonClient.make({ socketPath: ctx.socketPath })
       const id = yield* resolveTarget(c, target)
@@ -84,20 +141,28 @@ export const prompt = (ctx: Context, target: string, message: string) =>
       )
       const roles = new Map<string, string>()
       let wrote = false
+      /** The last event of the turn seen: where to follow from after a lost connection. */
+      let seen: Cursor.Cursor | undefined
+      const show = (m: Protocol.SessionEvent) => {
+        seen = m.meta.cursor
+        if (ctx.json) {
+          process.stdout.write(JSON.stringify(m) + "\n")
+          return
+        }
+        const e = m.event
+        if (e.type === "message_start") roles.set(e.message.id, e.message.role)
+        else if (e.type === "message_update" && (roles.get(e.messageId) ?? "assistant") === "assistant") {
+          process.stdout.write(e.delta)
+          wrote = true
+        }
+      }
       const turn = c.promptTurn(id, message).pipe(
-        Stream.runForEach((m) =>
-          Effect.sync(() => {
-            if (ctx.json) {
-              process.stdout.write(JSON.stringify(m) + "\n")
-              return
-            }
-            const e = m.event
-            if (e.type === "message_start") roles.set(e.message.id, e.message.role)
-            else if (e.type === "message_update" && (roles.get(e.messageId) ?? "assistant") === "assistant") {
-              process.stdout.write(e.delta)
-              wrote = true
-            }
-          })
+        Stream.runForEach((m) => Effect.sync(() => show(m))),
+        // The daemon went away during the turn (it was killed, or restarts): its end is still
+        // to be seen, from the daemon that comes back (a cut turn ends with turn_interrupted).
+        Effect.catchIf(
+          (e): e is DaemonClient.DaemonDisconnected => e._tag === "DaemonDisconnected" && seen !== undefined,
+          (e) => followToEnd(ctx, id, seen!, e.message, reconnectFor, show)
         ),
         Effect.ensuring(Effect.sync(() => {
           if (!ctx.json && wrote) process.stdout.write("\n")
@@ -110,7 +175,7 @@ export const prompt = (ctx: Context, target: string, message: string) =>
       )
       if (Option.isSome(first)) {
         // The turn ended before any Ctrl-C.
-        if (Either.isLeft(first.value)) return yield* first.value.left
+        if (Either.isLeft(first.value)) return yield* Effect.fail(first.value.left)
         return
       }
       // Ctrl-C: abort the turn (until the daemon says it aborted one: the prompt may still

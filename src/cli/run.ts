@@ -45,7 +45,7 @@ const program = (p: Parsed, ctx: Context, hooks: Hooks): Effect.Effect<void, unk
     case "prompt":
       return Effect.flatMap(
         Prompt.promptText(p.args[1], p.options.get("file") as string | undefined),
-        (text) => Prompt.prompt(ctx, target, text)
+        (text) => Prompt.prompt(ctx, target, text, Duration.seconds(int("reconnect-timeout") ?? 30))
       )
     case "attach":
       return Effect.flatMap(load(() => import("./attach.js")), ({ attach, parseCursor }) => {

@@ -448,6 +448,31 @@ describe("agentd CLI across daemon restarts", () => {
     assert.strictEqual(none.code, 3)
   }, 60_000)
 
+  it("prompt across a daemon restart: reconnects and exits 1 with the turn's end (daemon_restarted); exit 3 when the daemon stays away", async () => {
+    const first = await useDaemon()
+    const s = ["--socket", first.socketPath]
+    const id = (await cli(["create", ...s])).stdout.trim()
+    // --json: the test sees which of the turn's events the command has (it follows from the last).
+    const run = start(["prompt", id, "/sleep 20000", "--json", ...s])
+    await until("the turn's tool call", () => run.stdout.includes("tool_execution_start"))
+    await first.sigkill()
+    await until("the lost notice", () => run.stderr.includes("lost the daemon during the turn"))
+    const second = await useDaemon({ stateDir: first.stateDir })
+    const r = await run.done
+    assert.strictEqual(r.code, 1, r.stderr)
+    assert.include(r.stderr, "interrupted (daemon_restarted)")
+    const events = r.stdout.trim().split("\n").map((l) => JSON.parse(l)["event"]["type"])
+    assert.deepStrictEqual(events.slice(-2), ["tool_execution_start", "turn_interrupted"])
+
+    // Gone for good: gives up after --reconnect-timeout, exit 3.
+    const away = start(["prompt", id, "/sleep 20000", "--reconnect-timeout", "2", "--json", ...s])
+    await until("the turn's tool call", () => away.stdout.includes("tool_execution_start"))
+    await second.sigkill()
+    const gone = await away.done
+    assert.strictEqual(gone.code, 3, gone.stderr)
+    assert.include(gone.stderr, "gave up: the daemon stayed away for 2s")
+  }, 60_000)
+
   it("attach: a view paused while its events are checkpointed away gets a resync notice, then follows on", async () => {
     // A 64 KiB outbox, one generation kept, a checkpoint every few events: a view that stops
     // reading falls behind the outbox, and the events it lacks are pruned before it reads again.
