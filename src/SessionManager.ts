@@ -180,6 +180,7 @@ export const make = Effect.gen(function*() {
         mailbox: yield* Queue.unbounded<Input>(),
         pendingPrompt: undefined,
         promptAfterCut: undefined,
+        sessionFile: undefined,
         cutTurn: undefined,
         rewriteGeneration: undefined,
         rewrite: undefined,
@@ -258,6 +259,7 @@ export const make = Effect.gen(function*() {
         status = yield* log.status(id)
       }
       s.generation = status.generation
+      s.sessionFile = Option.getOrUndefined(Option.map(snapshot, (found) => found.path))
       s.lastCursor = Option.getOrUndefined(status.lastCursor)
       s.generationEvents = status.generationEvents
       s.generationBytes = status.generationBytes

@@ -227,6 +227,14 @@ describe("chunked snapshot", () => {
 
     // Every session idle: the journal is compacted to one line per session.
     const c = await d.connect()
+    // One with a checkpoint, then a turn after it: its line still names the snapshot file.
+    const { id: checkpointed } = await createSession(c)
+    await c.ok({ type: "attach", activeSessionId: checkpointed, capabilities: ["event_sequence", "slim_attach"] })
+    await c.ok({ type: "prompt", activeSessionId: checkpointed, message: "before" })
+    await collectTurn(c, checkpointed)
+    await c.ok({ type: "checkpoint", activeSessionId: checkpointed })
+    await c.ok({ type: "prompt", activeSessionId: checkpointed, message: "after" })
+    await collectTurn(c, checkpointed)
     const sessions = ((await c.ok({ type: "list" }))["sessions"] as Array<Msg>)
     expect(sessions.every((x) => x["busy"] === false)).toBe(true)
     const journal = path.join(d.stateDir, "recovery.jsonl")
@@ -246,6 +254,10 @@ describe("chunked snapshot", () => {
       expect(typeof r["recordedAt"]).toBe("string")
     }
     for (const x of sessions) expect(ids).toContain(x["activeSessionId"])
+    const line = records.find((r) => r["activeSessionId"] === checkpointed)!
+    expect(line["operation"]).toBe("turn_end")
+    expect(typeof line["sessionFile"], JSON.stringify(line)).toBe("string")
+    expect(fs.existsSync(line["sessionFile"])).toBe(true)
   })
 })
 

@@ -86,7 +86,8 @@ export const makeCheckpoints = (core: Core) => {
       yield* log.startGeneration(id).pipe(Effect.mapError(internal("event log")))
       yield* enterGeneration(s, { generation, snapshotCursor, messageCount, ...(next.snapshotId === undefined ? {} : { snapshotId: next.snapshotId }) })
       s.rewriteGeneration = rewrittenAt
-      yield* record(s, next.busy, "snapshot_end", written.path)
+      s.sessionFile = written.path
+      yield* record(s, next.busy, "snapshot_end")
       if (rewrittenAt === generation) for (const a of s.attachments) a.replaceState()
       yield* pruneBefore(s, generation)
       return { generation, snapshotId }

@@ -94,6 +94,8 @@ export interface Session {
   epoch: number
   mailbox: Queue.Queue<Input>
   pendingPrompt: PendingPrompt | undefined
+  /** The latest checkpoint's snapshot file: every journal record names it (once there is one). */
+  sessionFile: string | undefined
   /** A turn cut by a crash (of the worker or the daemon) whose `turn_interrupted` is owed. */
   cutTurn: Protocol.InterruptReason | undefined
   /**
@@ -214,13 +216,13 @@ export const makeCore = (deps: CoreDeps) => {
   const publishedState = (s: Session) =>
     s.publishLock.withPermits(1)(Effect.sync(() => ({ state: summary(s), lastCursor: s.lastCursor })))
 
-  const record = (s: Session, busy: boolean, operation: string, sessionFile?: string) =>
+  const record = (s: Session, busy: boolean, operation: string) =>
     journal.record({
       activeSessionId: s.meta.activeSessionId,
       sessionId: s.meta.sessionId,
       busy,
       operation,
-      ...(sessionFile === undefined ? {} : { sessionFile })
+      ...(s.sessionFile === undefined ? {} : { sessionFile: s.sessionFile })
     }).pipe(Effect.catchAll((e) => Effect.logError(`journal: ${e.message}`)))
 
   const workerEnv = (s: Session): Record<string, string> | undefined =>
