@@ -161,11 +161,16 @@ export const make = Effect.gen(function*() {
   const handleConnection = (socket: net.Socket) =>
     Effect.gen(function*() {
       const clientId = `c-${++counter}-${randomUUID().slice(0, 8)}`
+      /** This connection's share of `unanswered`. */
+      let owed = 0
       const outbox = new Outbox(socket)
       outboxes.add(outbox)
       yield* Effect.addFinalizer(() =>
         Effect.gen(function*() {
           outboxes.delete(outbox)
+          // Answers this connection will not write any more (it closed or was interrupted).
+          unanswered -= owed
+          owed = 0
           yield* manager.detachAll(clientId)
           socket.destroy()
         })
@@ -263,6 +268,7 @@ export const make = Effect.gen(function*() {
           if (answer.then !== undefined) runDelivery(answer.then)
           yield* outstanding.release(1)
           unanswered--
+          owed--
         }
       }))
       while (true) {
@@ -272,6 +278,7 @@ export const make = Effect.gen(function*() {
         if (pending <= MAX_PENDING_LINES / 2 && socket.isPaused()) socket.resume()
         yield* outstanding.take(1)
         unanswered++
+        owed++
         const taken = yield* Deferred.make<void>()
         const answer = yield* FiberSet.run(answering, Effect.locally(answerLine(item), CommandTakesEffect, taken))
         yield* Effect.raceFirst(Deferred.await(taken), Fiber.await(answer))
