@@ -105,12 +105,13 @@ describe("process lifecycle", () => {
       // Both wait for the turn's end, which the daemon will not wait for.
       const checkpointId = c.sendCommand({ type: "checkpoint", activeSessionId: id })
       const secondId = c.sendCommand({ type: "checkpoint", activeSessionId: id })
-      await sleep(200)
+      await sleep(300)
       const started = Date.now()
+      const trace = () => `${how}: ${c.all.slice(-8).map((m) => `${m["type"]}${m["id"] === undefined ? "" : `:${m["id"]}`}${m["error"] === undefined ? "" : `:${m["error"].code}`}`).join(", ")}`
       let shutdown: Msg | undefined
       if (how === "SIGTERM") {
         const { code } = await d.stop("SIGTERM")
-        expect(code, `${how}: exit code`).toBe(0)
+        expect(code, `exit code / ${trace()}`).toBe(0)
       } else {
         const s = how === "same connection" ? c : await d.connect("other")
         shutdown = await s.response(s.sendCommand({ type: "shutdown" }), 10_000)
@@ -119,14 +120,14 @@ describe("process lifecycle", () => {
       }
       for (const commandId of [checkpointId, secondId]) {
         const r = await c.response(commandId, 10_000)
-        expect(r["error"]?.code, `${how}: ${JSON.stringify(r)}`).toBe("shutting_down")
+        expect(r["error"]?.code, `${JSON.stringify(r)} / ${trace()}`).toBe("shutting_down")
       }
       // In the order of their commands, then the daemon's goodbye.
       const closing = c.all.findIndex((m) => m["type"] === "daemon_closing")
       const answers = [checkpointId, secondId].map((commandId) => c.all.findIndex((m) => m["type"] === "response" && m["id"] === commandId))
       if (shutdown !== undefined && how === "same connection") answers.push(c.all.indexOf(shutdown))
-      expect(answers, how).toEqual([...answers].sort((a, b) => a - b))
-      expect(answers.every((i) => i < closing), `${how}: answered before daemon_closing`).toBe(true)
+      expect(answers, trace()).toEqual([...answers].sort((a, b) => a - b))
+      expect(answers.every((i) => i < closing), `answered before daemon_closing / ${trace()}`).toBe(true)
       expect(Date.now() - started, `${how}: the daemon did not wait for the turn`).toBeLessThan(10_000)
       await Promise.race([d.exited, sleep(15_000)])
       expect(d.exitCode, d.output).toBe(0)
