@@ -1,8 +1,9 @@
 /**
  * The socket server (docs/protocol.md sections 1-3): stale-socket probe, 0700 dir, 0600 socket,
- * `daemon_hello`, envelope and bare commands, one response per command in order, and every
- * documented error code for bad input. Each connection runs in its own fibers; a connection's
- * failure is logged and contained.
+ * `daemon_hello`, envelope and bare commands, one response per command in order (a command that
+ * waits for its answer does not hold back the next one's effect), every documented error code
+ * for bad input, and at shutdown a response for every command taken. Each connection runs in
+ * its own fibers; a connection's failure is logged and contained.
  *
  * Built on `node:net` rather than @effect/platform's SocketServer: the protocol needs responses
  * to reach half-closed clients (the platform socket is destroyed once its reader ends) and
