@@ -209,13 +209,15 @@ export const make = Effect.gen(function*() {
         Deferred.unsafeDone(closed, Effect.void)
       })
 
-      const respond = (message: Protocol.ServerMessage) => Effect.sync(() => outbox.offer(Protocol.encode(message)))
+      /** Runs what follows an answer (an attach's delivery), and the writer of owed answers. */
       const runDelivery = yield* FiberSet.runtime(deliveries)<never>()
 
       /** A line's answer: its response, and what follows it (an attach's delivery). */
       type Answer = { readonly response: Protocol.ServerMessage; readonly then?: Effect.Effect<void> }
-      const answerLine = (item: LineItem) =>
-        Effect.gen(function*(): Effect.fn.Return<Answer> {
+
+      /** A line as a command to run, or its answer already (bad input). */
+      const decodeLine = (item: LineItem) =>
+        Effect.gen(function*(): Effect.fn.Return<Answer | Protocol.DecodedCommand> {
           if (typeof item !== "string") {
             return {
               response: Protocol.failure(null, "parse", {
@@ -234,8 +236,11 @@ export const make = Effect.gen(function*() {
             yield* Effect.logError(`decoding a line of ${clientId} died`, defect)
             return { response: Protocol.failure(null, "parse", { code: "internal", message: `Internal error: ${String(defect)}` }) }
           }
-          if (Either.isLeft(decoded)) return { response: Protocol.failureOf(decoded.left) }
-          const { id, command } = decoded.right
+          return Either.isLeft(decoded) ? { response: Protocol.failureOf(decoded.left) } : decoded.right
+        })
+
+      const answerCommand = ({ command, id }: Protocol.DecodedCommand) =>
+        Effect.gen(function*(): Effect.fn.Return<Answer> {
           const result = yield* Effect.either(dispatch(clientId, outbox, command)).pipe(
             Effect.catchAllDefect((defect) =>
               Effect.gen(function*() {
@@ -253,40 +258,65 @@ export const make = Effect.gen(function*() {
           return { response: Protocol.success(id, command.type, result.right) }
         })
 
-      // Commands take effect one at a time, in the order received; their answers are written
-      // in that order too, but a command that waits for its answer (a checkpoint during a turn,
-      // a prompt while the worker starts) does not hold back the ones after it: an abort behind
-      // a checkpoint still aborts the turn. A bounded number of answers may be outstanding.
+      // Commands take effect one at a time, in the order received, and their answers are
+      // written in that order. A command that may wait for its answer (a checkpoint during a
+      // turn, a prompt while the worker starts) runs in a fiber of its own once it has taken
+      // effect, so that it does not hold back the ones after it: an abort behind a checkpoint
+      // still aborts the turn. The others answer at once. A bounded number may be owed.
       const answering = yield* FiberSet.make<Answer>()
-      const answers = yield* Queue.unbounded<Fiber.Fiber<Answer> | null>()
-      const outstanding = yield* Effect.makeSemaphore(MAX_PENDING_LINES)
-      const writer = yield* Effect.forkScoped(Effect.gen(function*() {
-        while (true) {
-          const next = yield* Queue.take(answers)
-          if (next === null) return
-          const answer = yield* Fiber.join(next)
-          yield* respond(answer.response)
-          if (answer.then !== undefined) runDelivery(answer.then)
-          yield* outstanding.release(1)
-          unanswered--
-          owed--
+      /** Answers owed behind one still being answered, in command order. */
+      const owedAnswers: Array<Answer | Fiber.Fiber<Answer>> = []
+      let flushing = false
+      const write = (answer: Answer) => {
+        outbox.offer(Protocol.encode(answer.response))
+        if (answer.then !== undefined) runDelivery(answer.then)
+        unanswered--
+        owed--
+      }
+      /** Writes the owed answers in order, waiting for each one still being answered. */
+      const flush = Effect.gen(function*() {
+        while (owedAnswers.length > 0) {
+          const head = owedAnswers[0]!
+          const answer = Fiber.isFiber(head) ? yield* Fiber.join(head) : head
+          owedAnswers.shift()
+          write(answer)
         }
-      }))
+        flushing = false
+      })
+      const owe = (answer: Answer | Fiber.Fiber<Answer>) => {
+        // Nothing owed ahead of a ready answer: written at once.
+        if (!flushing && !Fiber.isFiber(answer)) return write(answer)
+        owedAnswers.push(answer)
+        if (flushing) return
+        flushing = true
+        runDelivery(flush)
+      }
       while (true) {
         const item = yield* Queue.take(lines)
         if (item === null) break
         pending--
         if (pending <= MAX_PENDING_LINES / 2 && socket.isPaused()) socket.resume()
-        yield* outstanding.take(1)
+        // Bounded: a client whose answers wait is not read further meanwhile.
+        while (owedAnswers.length >= MAX_PENDING_LINES) yield* Effect.sleep("5 millis")
         unanswered++
         owed++
-        const taken = yield* Deferred.make<void>()
-        const answer = yield* FiberSet.run(answering, Effect.locally(answerLine(item), CommandTakesEffect, taken))
-        yield* Effect.raceFirst(Deferred.await(taken), Fiber.await(answer))
-        yield* Queue.offer(answers, answer)
+        const decoded = yield* decodeLine(item)
+        if ("response" in decoded) {
+          owe(decoded)
+        } else if (MAY_WAIT.has(decoded.command.type)) {
+          const taken = yield* Deferred.make<void>()
+          const answer = yield* FiberSet.run(
+            answering,
+            answerCommand(decoded).pipe(Effect.locally(CommandTakesEffect, taken), Effect.ensuring(Deferred.succeed(taken, undefined)))
+          )
+          yield* Deferred.await(taken)
+          owe(answer)
+        } else {
+          owe(yield* answerCommand(decoded))
+        }
       }
-      yield* Queue.offer(answers, null)
-      yield* Fiber.join(writer)
+      // Every answer owed is written before the connection may end.
+      while (owedAnswers.length > 0) yield* Effect.sleep("5 millis")
       // Half-closed: events keep flowing to the sessions it is attached to; once none is left,
       // the connection ends after its last response.
       while (manager.attachedCount(clientId) > 0 && !outbox.isClosed) {
@@ -337,6 +367,9 @@ export const make = Effect.gen(function*() {
 
   return DaemonServer.of({ socketPath, shutdownRequested })
 })
+
+/** The commands whose answer may wait for a turn's end or a worker (see handleConnection). */
+const MAY_WAIT: ReadonlySet<string> = new Set(["prompt", "abort", "checkpoint", "retry_worker", "kill"])
 
 /**
  * A command's data, and what runs once its response is written: an attach's delivery (snapshot
