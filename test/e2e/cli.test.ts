@@ -319,6 +319,8 @@ describe("agentd CLI against a daemon", () => {
     assert.isBelow(Date.now() - started, 15_000, "the turn did not run to its end")
     const interrupted = await watcher.waitFor((m) => m["type"] === "session_event" && m["event"]?.type === "turn_interrupted")
     assert.strictEqual(interrupted["event"].reason, "aborted")
+    // The idle status follows the turn's end (get_state says busy until it is out).
+    await watcher.waitFor((m) => m["type"] === "session_status" && m["state"]?.busy === false && m["meta"]?.cursor?.sequence > interrupted["meta"].cursor.sequence)
     const state = await watcher.ok({ type: "get_state", activeSessionId: id })
     assert.isFalse(state["busy"])
     await cli(["kill", id, ...s])
