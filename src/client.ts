@@ -34,6 +34,7 @@ import {
   type GetMessagesOptions
 } from "./DaemonClient.js"
 import type { Cursor as CursorType } from "./Cursor.js"
+import * as CursorModule from "./Cursor.js"
 import type * as Protocol from "./Protocol.js"
 import * as SessionClient from "./SessionClient.js"
 
@@ -165,7 +166,11 @@ const run = <A, E>(effect: Effect.Effect<A, E>): Promise<A> =>
  * (`Stream.toAsyncIterable` leaves such a `next()` pending). A failure is thrown as the typed
  * error itself. The stream runs ahead of the consumer (its elements are buffered).
  */
-const iterate = <A, E>(stream: Stream.Stream<A, E>): AsyncIterable<A> => ({
+const iterate = <A, E>(
+  stream: Stream.Stream<A, E>,
+  /** Told of each element handed to the consumer, and once the iteration is over. */
+  hooks: { readonly yielded?: (a: A) => void; readonly over?: () => void } = {}
+): AsyncIterable<A> => ({
   [Symbol.asyncIterator]() {
     const buffer: Array<A> = []
     let end: { readonly error?: unknown } | undefined
@@ -189,8 +194,13 @@ const iterate = <A, E>(stream: Stream.Stream<A, E>): AsyncIterable<A> => ({
     return {
       async next(): Promise<IteratorResult<A>> {
         for (;;) {
-          if (buffer.length > 0) return { value: buffer.shift()!, done: false }
+          if (buffer.length > 0) {
+            const value = buffer.shift()!
+            hooks.yielded?.(value)
+            return { value, done: false }
+          }
           if (end !== undefined) {
+            hooks.over?.()
             if ("error" in end) throw end.error
             return { value: undefined, done: true }
           }
@@ -201,6 +211,7 @@ const iterate = <A, E>(stream: Stream.Stream<A, E>): AsyncIterable<A> => ({
         end ??= {}
         buffer.length = 0
         await Effect.runPromise(Fiber.interrupt(fiber))
+        hooks.over?.()
         notify()
         return { value: undefined, done: true }
       }
@@ -226,20 +237,47 @@ export const connect = async (options: ConnectOptions = {}): Promise<Client> => 
     let follower: SessionClient.SessionClientService | undefined
     return {
       activeSessionId,
-      follow: (options = {}) =>
-        iterate(Stream.unwrap(Effect.map(
-          SessionClient.make({
-            activeSessionId,
-            socketPath: core.socketPath,
-            cursor: options.cursor,
-            persistPath: options.persistPath,
-            reconnect: options.reconnect
-          }),
-          (made) => {
-            follower = made
-            return made.events
+      follow: (options = {}) => {
+        // The cursor file holds the last event handed to the loop, which the follower's own
+        // persistence (the last event it emitted) would run past: the stream runs ahead.
+        const persistPath = options.persistPath
+        let last: CursorType | undefined
+        let written: CursorType | undefined
+        let pending = false
+        const save = () => {
+          pending = false
+          if (persistPath === undefined || last === written) return
+          SessionClient.writeCursorFileSync(persistPath, activeSessionId, last)
+          written = last
+        }
+        const yielded = (e: SessionClient.FollowEvent) => {
+          const cursor = e.type === "baseline" ? e.cursor : e.meta.cursor
+          if (cursor === undefined || (last !== undefined && !CursorModule.isAfter(cursor, last))) return
+          last = cursor
+          // Coalesced: one write for a burst of events.
+          if (persistPath !== undefined && !pending) {
+            pending = true
+            setImmediate(save)
           }
-        ))),
+        }
+        return iterate(
+          Stream.unwrap(Effect.gen(function*() {
+            const persisted = persistPath === undefined ? undefined : yield* SessionClient.readCursorFile(persistPath, activeSessionId)
+            last = persisted === undefined || options.cursor === undefined
+              ? persisted ?? options.cursor
+              : CursorModule.max(persisted, options.cursor)
+            written = persisted
+            follower = yield* SessionClient.make({
+              activeSessionId,
+              socketPath: core.socketPath,
+              cursor: last,
+              reconnect: options.reconnect
+            })
+            return follower.events
+          })),
+          { yielded, over: save }
+        )
+      },
       get messages() {
         return follower?.current().messages ?? []
       },

@@ -195,6 +195,39 @@ describe("client against the daemon", () => {
       }
     }), 30_000)
 
+  it.live("Promise facade: follow with a cursor file keeps the last event the loop was given, not what was read ahead", () =>
+    Effect.promise(async () => {
+      const d = daemon()
+      const client = await Client.connect({ socketPath: d.socketPath })
+      const dir = fs.mkdtempSync(path.join(d.stateDir, "..", "cursor-"))
+      const file = path.join(dir, "cursor.json")
+      try {
+        const session = await client.create({ engine: "echo" })
+        for await (const _ of session.prompt("one two three four five")) void _
+        const cursorOf = (e: Client.SessionClient.FollowEvent) => (e.type === "baseline" ? e.cursor : e.meta.cursor)
+        // The whole turn is there to read; the loop stops at its fourth sequenced event.
+        let seen: Client.Cursor.Cursor | undefined
+        let count = 0
+        for await (const e of session.follow({ persistPath: file })) {
+          if (e.type === "baseline") continue
+          seen = cursorOf(e)
+          if (++count === 4) break
+        }
+        const saved = JSON.parse(fs.readFileSync(file, "utf8"))
+        assert.deepStrictEqual(saved.cursor, seen)
+        // The next follow goes on right after it: nothing skipped.
+        for await (const e of session.follow({ persistPath: file })) {
+          if (e.type === "baseline") continue
+          assert.deepStrictEqual(cursorOf(e), { generation: seen!.generation, sequence: seen!.sequence + 1 })
+          break
+        }
+        await session.kill()
+      } finally {
+        await client.close()
+        fs.rmSync(dir, { recursive: true, force: true })
+      }
+    }), 30_000)
+
   it.live("Promise facade: a turn cut by abort throws TurnInterrupted with reason `aborted`", () =>
     Effect.promise(async () => {
       const d = daemon()
