@@ -64,6 +64,10 @@ export interface WorkerExit {
  * or a fiber of this process ({@link layerInProcess}).
  */
 export interface WorkerHandle {
+  /**
+   * The worker's process id; for an in-process worker ({@link layerInProcess}) a number of its
+   * own from 10,000,000 up, which names no process: never signal it.
+   */
   readonly pid: number
   /** Completes when the worker has exited. */
   readonly exited: Deferred.Deferred<WorkerExit>
@@ -478,7 +482,8 @@ class InProcessWorker implements WorkerHandle {
 /**
  * A pool whose workers run the worker program ({@link Worker.run}) inside this process, on the
  * engines, storage and journal in context: the session core can then be tested over the memory
- * layers without spawning anything.
+ * layers without spawning anything. Its workers' pids (`workerPid` in a session's summary) are
+ * numbers from 10,000,000 up that name no process.
  */
 export const makeInProcess = (options: InProcessOptions = {}) =>
   Effect.gen(function*() {

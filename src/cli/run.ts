@@ -54,6 +54,9 @@ const program = (p: Parsed, ctx: Context, hooks: Hooks): Effect.Effect<void, unk
         if (fromText !== undefined && from === undefined) {
           return Effect.fail(usage(`--from takes a cursor GENERATION:SEQUENCE (e.g. 2:17), got ${JSON.stringify(fromText)}`))
         }
+        if (from !== undefined && int("history") !== undefined) {
+          return Effect.fail(usage("--history and --from do not go together: --from shows the events after the cursor, without history"))
+        }
         const history = from !== undefined ? 0 : int("history") ?? (ctx.json ? 0 : 20)
         return attach(ctx, target, { history, from, reconnectFor: Duration.seconds(int("reconnect-timeout") ?? 30) })
       })
