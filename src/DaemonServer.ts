@@ -14,6 +14,7 @@ import * as Deferred from "effect/Deferred"
 import * as Effect from "effect/Effect"
 import * as Either from "effect/Either"
 import * as Fiber from "effect/Fiber"
+import * as FiberId from "effect/FiberId"
 import * as FiberSet from "effect/FiberSet"
 import * as Layer from "effect/Layer"
 import * as Queue from "effect/Queue"
@@ -267,6 +268,9 @@ export const make = Effect.gen(function*() {
       /** Answers owed behind one still being answered, in command order. */
       const owedAnswers: Array<Answer | Fiber.Fiber<Answer>> = []
       let flushing = false
+      /** Completed when an owed answer is written (for whoever waits for room or for the end). */
+      let progress: Deferred.Deferred<void> | undefined
+      const written = Effect.suspend(() => Deferred.await(progress ??= Deferred.unsafeMake<void>(FiberId.none)))
       const write = (answer: Answer) => {
         outbox.offer(Protocol.encode(answer.response))
         if (answer.then !== undefined) runDelivery(answer.then)
@@ -280,6 +284,10 @@ export const make = Effect.gen(function*() {
           const answer = Fiber.isFiber(head) ? yield* Fiber.join(head) : head
           owedAnswers.shift()
           write(answer)
+          if (progress !== undefined) {
+            Deferred.unsafeDone(progress, Effect.void)
+            progress = undefined
+          }
         }
         flushing = false
       })
@@ -297,7 +305,7 @@ export const make = Effect.gen(function*() {
         pending--
         if (pending <= MAX_PENDING_LINES / 2 && socket.isPaused()) socket.resume()
         // Bounded: a client whose answers wait is not read further meanwhile.
-        while (owedAnswers.length >= MAX_PENDING_LINES) yield* Effect.sleep("5 millis")
+        while (owedAnswers.length >= MAX_PENDING_LINES) yield* written
         unanswered++
         owed++
         const decoded = yield* decodeLine(item)
@@ -316,7 +324,7 @@ export const make = Effect.gen(function*() {
         }
       }
       // Every answer owed is written before the connection may end.
-      while (owedAnswers.length > 0) yield* Effect.sleep("5 millis")
+      while (owedAnswers.length > 0) yield* written
       // Half-closed: events keep flowing to the sessions it is attached to; once none is left,
       // the connection ends after its last response.
       while (manager.attachedCount(clientId) > 0 && !outbox.isClosed) {
