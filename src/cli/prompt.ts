@@ -20,12 +20,6 @@ import type { Context } from "./commands.js"
 import { CliError, EXIT, failed, usage } from "./errors.js"
 import * as Target from "./target.js"
 
-/** The target's session id, over the SDK's connection. */
-export const resolveTarget = (c: DaemonClient.DaemonClientService, target: string) =>
-  Target.isFullId(target)
-    ? Effect.succeed(target)
-    : Effect.flatMap(c.list(), ({ sessions }) => Effect.try({ try: () => Target.pick(sessions, target), catch: (e) => e as CliError }))
-
 /** Reads a whole stream (stdin) as UTF-8. */
 const readAll = (stream: NodeJS.ReadableStream): Effect.Effect<string, CliError> =>
   Effect.async<string, CliError>((resume) => {
@@ -127,8 +121,9 @@ const ABORT_WAIT = Duration.seconds(10)
  */
 export const prompt = (ctx: Context, target: string, message: string, reconnectFor: Duration.Duration) =>
   Effect.scoped(Effect.gen(function*() {
+      // The plain connection fails only with CliErrors (unreachable, an error response, a target).
+      const id = yield* Effect.tryPromise({ try: () => Target.resolveAt(ctx.socketPath, target), catch: (e) => e as CliError })
       const c = yield* DaemonClient.make({ socketPath: ctx.socketPath })
-      const id = yield* resolveTarget(c, target)
       const sigint = yield* Deferred.make<void>()
       let signals = 0
       const onSigint = () => {

@@ -4,7 +4,7 @@
  * prefix; a target that fits several sessions is refused with the list of them.
  */
 import type * as Protocol from "../Protocol.js"
-import type { Connection } from "./connection.js"
+import { type Connection, withConnection } from "./connection.js"
 import { failed } from "./errors.js"
 import { shortDate } from "./render.js"
 
@@ -30,7 +30,7 @@ const candidate = (s: Protocol.SessionSummary) =>
   `  ${s.activeSessionId}  ${s.name ?? "-"}  created ${shortDate(s.createdAt)}  ${s.messageCount} messages`
 
 /** The id of the one session of `sessions` that `target` names; throws a CliError (exit 1) otherwise. */
-export const pick = (sessions: ReadonlyArray<Protocol.SessionSummary>, target: string): string => {
+const pick = (sessions: ReadonlyArray<Protocol.SessionSummary>, target: string): string => {
   const found = matches(sessions, target)
   if (found.length === 1) return found[0]!.activeSessionId
   if (found.length === 0) {
@@ -42,3 +42,7 @@ export const pick = (sessions: ReadonlyArray<Protocol.SessionSummary>, target: s
 /** The session id `target` names, asking the daemon for its sessions when it is not a whole id. */
 export const resolve = async (c: Connection, target: string): Promise<string> =>
   isFullId(target) ? target : pick((await c.request<Protocol.ListResult>({ type: "list" })).sessions, target)
+
+/** {@link resolve} on a connection of its own, made only when `target` is not a whole id. */
+export const resolveAt = (socketPath: string, target: string): Promise<string> =>
+  isFullId(target) ? Promise.resolve(target) : withConnection(socketPath, (c) => resolve(c, target))
