@@ -55,7 +55,8 @@ for (const bin of ["dist/src/bin/agentd.cjs", "dist/src/bin/agentd.js"]) fs.chmo
 for (const [bundle, command] of [["agentd-run", "prompt"], ["agentd-cli", "status"]]) {
   const cache = `dist/src/bin/${bundle}.cjs.cache`
   fs.rmSync(cache, { force: true })
-  const args = command === "prompt" ? ["prompt", "s-bundle", "hello"] : [command]
+  // A whole session id: prompt goes straight to the SDK's connect (what its start compiles).
+  const args = command === "prompt" ? ["prompt", "s-00000000-0000-0000-0000-000000000000", "hello"] : [command]
   const run = spawnSync(process.execPath, ["dist/src/bin/agentd.cjs", ...args, "--socket", "/nonexistent/agentd-bundle.sock"], {
     env: { ...process.env, AGENTD_WRITE_CODE_CACHE: "1", NO_COLOR: "1" },
     encoding: "utf8"
