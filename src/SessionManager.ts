@@ -271,6 +271,7 @@ export const make = Effect.gen(function*() {
       }
       const isCurrent = Option.isSome(snapshot) && snapshot.value.header.generation === status.generation
       let lastStatusBusy = false
+      let endsWithTurnEnd = false
       s.snapshotCursor = isCurrent ? after : undefined
       s.baseMessageCount = s.messageCount
       yield* log.read(id, after).pipe(
@@ -279,6 +280,7 @@ export const make = Effect.gen(function*() {
             const body = r.event as unknown as LoggedBody
             if (body.type === "session_event" && body.event.type === "message_end") s.messageCount++
             if (body.type === "session_status") lastStatusBusy = body.state.busy
+            endsWithTurnEnd = body.type === "session_event" && (body.event.type === "agent_end" || body.event.type === "turn_interrupted")
             // Without a transcript of the current generation, its snapshot is what was folded
             // before its first event.
             if (!isCurrent && r.cursor.generation < status.generation) {
@@ -288,7 +290,7 @@ export const make = Effect.gen(function*() {
           })
         )
       )
-      return { session: s, lastStatusBusy }
+      return { session: s, lastStatusBusy, endsWithTurnEnd }
     })
 
   const metas = yield* store.list().pipe(Effect.orDie)
@@ -299,13 +301,16 @@ export const make = Effect.gen(function*() {
       yield* Effect.logError(`cannot load session ${meta.activeSessionId}: ${String(loaded.left)}`)
       continue
     }
-    const { session: s, lastStatusBusy } = loaded.right
-    // It was running a turn when the daemon died: restored now, and the cut turn reported.
-    if (latest.get(meta.activeSessionId)?.busy === true) {
-      s.cutTurn = "daemon_restarted"
+    const { session: s, lastStatusBusy, endsWithTurnEnd } = loaded.right
+    const journalBusy = latest.get(meta.activeSessionId)?.busy === true
+    if (journalBusy && !endsWithTurnEnd) {
+      // It was running a turn when the daemon died: restored now, and the cut turn reported.
+      s.cutTurn = { _tag: "InterruptOwed", reason: "daemon_restarted" }
       yield* post(s, { _tag: "Restore" })
-    } else if (lastStatusBusy) {
-      // The daemon died between a turn's end and its idle status: the status is owed.
+    } else if (lastStatusBusy || endsWithTurnEnd) {
+      // The daemon died between a turn's end and its idle status: the status is owed (and the
+      // journal's idle record, if the end was logged but not journaled: that turn is not cut).
+      if (journalBusy) yield* record(s, false, "turn_end")
       yield* Effect.catchAllCause(publishStatus(s), (cause) => Effect.logError(`session ${meta.activeSessionId}: idle status`, cause))
     }
     yield* register(s)

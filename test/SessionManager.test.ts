@@ -13,8 +13,10 @@ import * as Option from "effect/Option"
 import * as Stream from "effect/Stream"
 import * as TestClock from "effect/TestClock"
 import * as Chunk from "effect/Chunk"
+import * as Context from "effect/Context"
 import * as Ref from "effect/Ref"
 import { EventLog } from "../src/EventLog.js"
+import * as RecoveryJournal from "../src/RecoveryJournal.js"
 import { type CommandError, SessionManager } from "../src/SessionManager.js"
 import { type WorkerHandle, WorkerPool } from "../src/WorkerPool.js"
 import { describeMsg } from "./chaos/streamCheck.js"
@@ -878,6 +880,41 @@ describe("SessionManager (in-process)", () => {
           yield* assertMatchesLog(id, seq(conn))
         })))
 
+    it.scopedLive("a prompt between the replacement's turn_interrupted and its worker_ready waits: the next status after turn_interrupted is busy:false", () =>
+      withCore({}, (ctl) =>
+        Effect.gen(function*() {
+          const sm = yield* SessionManager
+          const { conn, id } = yield* open(sm)
+          yield* waitReady(conn)
+          yield* prompt(sm, id, "/sleep 10000")
+          yield* waitFor("tool_execution_start", () => eventTypes(seq(conn)).includes("tool_execution_start"))
+          const start = seq(conn).length
+          // The replacement reports the cut turn; its worker_ready is not read yet.
+          ctl.pauseAfter = (f) => f["eventType"] === "turn_interrupted"
+          ;(yield* workerOf(id)).kill()
+          yield* waitFor("turn_interrupted", () => eventTypes(since(conn, start)).includes("turn_interrupted"))
+          // What a client reads now: the turn is reported cut, its idle status not out yet.
+          const state = yield* sm.getState(id)
+          assert.isTrue(state.busy, "busy until the status that ends the cut turn")
+          assert.strictEqual(cur({ meta: { cursor: state.lastEventCursor } }), cur(seq(conn).at(-1)!))
+          const waiting = yield* Effect.fork(prompt(sm, id, "x"))
+          yield* barrier(sm, id)
+          yield* failsWith("a second prompt while one waits", prompt(sm, id, "y"), "session_busy")
+          ctl.frameGate.open()
+          assert.deepStrictEqual(yield* joinWithin("the waiting prompt", waiting), Either.right({ accepted: true as const }))
+          yield* waitFor("the cut turn and the waiting prompt's turn", () => turnsDone(since(conn, start)) === 2)
+          const after = since(conn, start)
+          assert.deepStrictEqual(after.slice(0, 4).map((l) => describeMsg(l).replace(/@.*/, "")), [
+            "status(busy=true,worker=recovering)",
+            "ev:turn_interrupted(worker_crashed)",
+            "status(busy=false,worker=ready)",
+            "status(busy=true,worker=ready)"
+          ], show(after))
+          assert.deepStrictEqual((yield* messagesOf(sm, id)).contents, ["user:/sleep 10000", "user:x", "assistant:echo: x"])
+          assertContiguous(seq(conn), true)
+          yield* assertMatchesLog(id, seq(conn))
+        })))
+
     it.scopedLive("a crash right after worker_ready, with a prompt waiting: the prompt is accepted, its turn is cut (worker_crashed), then idle", () =>
       withCore({}, (ctl) =>
         Effect.gen(function*() {
@@ -1429,6 +1466,40 @@ describe("SessionManager (in-process)", () => {
               "user:idle after",
               "assistant:echo: idle after"
             ])
+          }), stored)
+      }))
+
+    it.scopedLive("a turn whose agent_end was logged but not journaled when the daemon died is not cut: its idle status comes, no turn_interrupted", () =>
+      Effect.gen(function*() {
+        const stored = yield* makeStored
+        const before = yield* withCore({}, () =>
+          Effect.gen(function*() {
+            const sm = yield* SessionManager
+            const { conn, id } = yield* open(sm)
+            yield* waitReady(conn)
+            yield* prompt(sm, id, "/sleep 10000")
+            yield* waitFor("tool_execution_start", () => eventTypes(seq(conn)).includes("tool_execution_start"))
+            return { id, lines: seq(conn) }
+          }), stored)
+        // The journal still says busy; the log got the turn's end, as it does just before the
+        // supervisor journals it.
+        const log = Context.get(stored, EventLog)
+        yield* log.append(before.id, { type: "session_event", event: { type: "agent_end" }, emittedAt: Date.now() })
+        yield* withCore({}, () =>
+          Effect.gen(function*() {
+            const sm = yield* SessionManager
+            const c1 = new MemoryConnection("c1")
+            yield* attach(sm, before.id, c1, { resumeCursor: before.lines.at(-1)!["meta"].cursor })
+            yield* waitFor("the idle status", () => statuses(seq(c1)).length > 0)
+            assert.deepStrictEqual(seq(c1).map((l) => describeMsg(l).replace(/@.*/, "")), [
+              "ev:agent_end",
+              "status(busy=false,worker=passivated)"
+            ], show(seq(c1)))
+            const journal = Context.get(stored, RecoveryJournal.RecoveryJournal)
+            assert.isFalse((yield* journal.latest()).get(before.id)?.busy, "the journal says idle")
+            yield* runTurn(sm, before.id, c1, "after")
+            assertContiguous([...before.lines, ...seq(c1)], true)
+            assert.notInclude(eventTypes(seq(c1)), "turn_interrupted")
           }), stored)
       }))
   })

@@ -97,6 +97,31 @@ describe("SessionStream", () => {
     assert.strictEqual(violation(() => truth.checkJumps(true)), "no gap")
   })
 
+  it("catches a busy status right after a turn's end; accepts the idle one, and a resync between", () => {
+    const status = (g: number, seq: number, busy: boolean, worker = "ready"): Msg => ({
+      type: "session_status",
+      activeSessionId: ID,
+      state: { busy, worker },
+      meta: { cursor: { generation: g, sequence: seq }, emittedAt: 1_700_000_000_000 + seq }
+    })
+    const s = new SessionStream(ID, "c", new Truth(ID))
+    attached(s)
+    s.receive(ev(1, 0, "agent_start"))
+    s.receive(ev(1, 1, "agent_end"))
+    s.receive(status(1, 2, false))
+    s.receive(status(1, 3, true))
+    s.receive(status(1, 4, true, "recovering"))
+    s.receive(ev(1, 5, "turn_interrupted", { reason: "worker_crashed" }))
+    assert.strictEqual(violation(() => s.receive(status(1, 6, true, "recovering"))), "an idle status after a turn's end")
+    // A resync after the turn's end: the status it skipped is inside its snapshot.
+    const t = new SessionStream(ID, "d", new Truth(ID))
+    attached(t)
+    t.receive(ev(1, 0, "agent_end"))
+    t.receive({ type: "session_snapshot_begin", activeSessionId: ID, snapshotId: "r", purpose: "resync", messageCount: 0, cursor: { generation: 2, sequence: 3 } })
+    t.receive({ type: "session_snapshot_end", activeSessionId: ID, snapshotId: "r", chunkCount: 0 })
+    t.receive(status(3, 0, true))
+  })
+
   it("accepts a resync snapshot in the middle of a stream and starts over from it", () => {
     const truth = new Truth(ID)
     const s = new SessionStream(ID, "c", truth)

@@ -245,6 +245,11 @@ export class SessionStream {
   lastReplayStatus: string | undefined
   /** Recent messages, for failure output. */
   private readonly recent: Array<string> = []
+  /**
+   * The last sequenced event was a turn's end (`agent_end`/`turn_interrupted`) and no status
+   * has come since: the next status must say `busy: false`.
+   */
+  private turnEnded = false
   /** Called for every sequenced event accepted (drivers watch their turns through it). */
   onEvent: ((m: Msg) => void) | undefined
 
@@ -379,6 +384,7 @@ export class SessionStream {
     }
     if (fold !== undefined && cursor !== undefined && (last === undefined || compareCursor(cursor, last) > 0)) this.skips++
     this.fold = messages
+    this.turnEnded = false
     // The client's state is now the snapshot: a resume starts after the snapshot's cursor, not
     // after an event seen before it (an event the snapshot rewound, or one before a resync).
     this.last = cursor
@@ -490,6 +496,14 @@ export class SessionStream {
     }
     if (phase.lastAtAttach !== undefined && compareCursor(c, phase.lastAtAttach) <= 0 && m["meta"].replayed !== true) {
       this.fail("replayed flag", `${describeMsg(m)} existed at attach (last ${fmtCursor(phase.lastAtAttach)}) but is not flagged replayed`)
+    }
+    if (m["type"] === "session_status") {
+      if (this.turnEnded && m["state"]?.busy !== false) {
+        this.fail("an idle status after a turn's end", `${describeMsg(m)} is the first status after the turn's end`)
+      }
+      this.turnEnded = false
+    } else if (m["type"] === "session_event" && (m["event"]?.type === "agent_end" || m["event"]?.type === "turn_interrupted")) {
+      this.turnEnded = true
     }
     this.phase = { kind: "flowing", next: { kind: "after", cursor: c }, lastAtAttach: phase.lastAtAttach }
     this.last = c

@@ -86,6 +86,19 @@ const drain = async (events: AsyncIterable<unknown>) => {
   }
 }
 
+/** Fails with `label` (and the follower's output) when `promise` takes more than `ms`, so a hang names its step. */
+const within = async <A>(label: string, promise: Promise<A>, output: () => string, ms = 20_000): Promise<A> => {
+  let timer: NodeJS.Timeout | undefined
+  const timeout = new Promise<never>((_, reject) => {
+    timer = setTimeout(() => reject(new Error(`${label}: no result within ${ms} ms\n${output()}`)), ms)
+  })
+  try {
+    return await Promise.race([promise, timeout])
+  } finally {
+    clearTimeout(timer)
+  }
+}
+
 /** `g:s` at the start of a follow line. */
 const cursorOf = (line: string): { generation: number; sequence: number } | undefined => {
   const m = /^(\d+):(\d+) /.exec(line)
@@ -108,38 +121,41 @@ describe("examples (e2e)", () => {
     const driver = await Client.connect({ socketPath: first.socketPath })
     const session = await driver.create({ name: "followed", config: { tokenDelayMs: 1 } })
     const id = session.activeSessionId
-    await drain(session.prompt("before the follower"))
+    await within("prompt before the follower", drain(session.prompt("before the follower")), () => "")
     const follower = runExample("follow", [id], { AGENTD_SOCKET: first.socketPath })
+    let daemons = [first]
+    const output = () => [follower.output, ...daemons.map((d) => `--- daemon ${d.pid} ---\n${d.output.slice(-3000)}`)].join("\n")
     // Generation 1's snapshot is the empty session: the baseline's events are the first turn's.
     await follower.waitFor(/^baseline attach: 0 messages$/)
     await follower.waitFor(/ message_end assistant: "echo: before the follower"$/)
-    await drain(session.prompt("one two three"))
+    await within("prompt one two three", drain(session.prompt("one two three")), output)
     await follower.waitFor(/ message_end assistant: "echo: one two three"$/)
 
     // A worker SIGKILL in the middle of a turn.
     const sleeping = drain(session.prompt("/sleep 2000")).then(() => "ended", (e: { reason?: string }) => e.reason)
     await follower.waitFor(/ tool_execution_start$/)
-    const state = await session.getState()
+    const state = await within("get_state before the worker kill", session.getState(), output)
     first.recordWorkers(state)
     process.kill(state.workerPid!, "SIGKILL")
-    expect(await sleeping).toBe("worker_crashed")
+    expect(await within("the /sleep turn's end after the worker kill", sleeping, output)).toBe("worker_crashed")
     await follower.waitFor(/ turn_interrupted worker_crashed$/)
-    await drain(session.prompt("after the crash"))
+    await within("prompt after the crash", drain(session.prompt("after the crash")), output)
     await follower.waitFor(/ message_end assistant: "echo: after the crash"$/)
-    first.recordWorkers(await driver.status())
+    first.recordWorkers(await within("status before the daemon kill", driver.status(), output))
     await driver.close()
 
     // The daemon SIGKILLed while the follower is connected, then a new one on the same state dir.
-    await first.sigkill()
+    await within("the first daemon's exit", first.sigkill(), output)
     await sleep(300)
     const second = await useDaemon({ stateDir: first.stateDir })
-    const driver2 = await Client.connect({ socketPath: second.socketPath })
+    daemons = [first, second]
+    const driver2 = await within("connect to the second daemon", Client.connect({ socketPath: second.socketPath }), output)
     const session2 = driver2.session(id)
-    await drain(session2.prompt("after the restart"))
+    await within("prompt after the restart", drain(session2.prompt("after the restart")), output)
     await follower.waitFor(/ message_end assistant: "echo: after the restart"$/)
-    const { total } = await session2.getMessages()
-    second.recordWorkers(await session2.getState())
-    await session2.kill()
+    const { total } = await within("get_messages", session2.getMessages(), output)
+    second.recordWorkers(await within("get_state after the restart", session2.getState(), output))
+    await within("kill", session2.kill(), output)
     await driver2.close()
 
     // session_closed ends the follow: it prints the transcript's size and exits.

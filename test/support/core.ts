@@ -102,6 +102,13 @@ export interface SpawnControl {
    * the link closing and the exit. Set it, and it clears itself once it has struck.
    */
   crashAfter: ((frame: WorkerProtocol.ReceivedFrame) => boolean) | undefined
+  /**
+   * One shot: the first frame a worker writes that matches is the last the supervisor reads
+   * before `frameGate` opens (the gate closes right after it; the frames that followed it in
+   * the same read wait for the next one). Two frames a worker writes back to back are then
+   * seen in two steps of the session, with the test acting in between.
+   */
+  pauseAfter: ((frame: WorkerProtocol.ReceivedFrame) => boolean) | undefined
   /** Opens every gate (so that nothing is left waiting when the test ends). */
   readonly openAll: Effect.Effect<void>
 }
@@ -122,6 +129,7 @@ export const makeSpawnControl = Effect.gen(function*() {
     cutGate,
     frameGate,
     crashAfter: undefined,
+    pauseAfter: undefined,
     openAll: Effect.sync(() => {
       for (const g of [spawnGate, loadGate, holdGate, cutGate, frameGate]) g.open()
     })
@@ -188,6 +196,8 @@ export const testEngine = (control: SpawnControl): Layer.Layer<Engine> =>
 class CrashingWorker implements WorkerPool.WorkerHandle {
   /** Struck by `crashAfter`: nothing it wrote after that frame is read (its link is closed). */
   private struck = false
+  /** Read, and held back by `pauseAfter`: the next read returns them. */
+  private held: Array<WorkerProtocol.ReceivedFrame> = []
   constructor(readonly inner: WorkerPool.WorkerHandle, private readonly control: SpawnControl) {}
   get pid() {
     return this.inner.pid
@@ -205,8 +215,21 @@ class CrashingWorker implements WorkerPool.WorkerHandle {
     return this.inner.stopping
   }
   get takeFrames(): Effect.Effect<Array<WorkerProtocol.ReceivedFrame>> {
-    const take = Effect.map(Effect.zipRight(this.control.frameGate.pass, this.inner.takeFrames), (frames) => {
+    const read = Effect.suspend(() => {
+      const held = this.held
+      this.held = []
+      return held.length > 0 ? Effect.succeed(held) : this.inner.takeFrames
+    })
+    const take = Effect.map(Effect.zipRight(this.control.frameGate.pass, read), (frames) => {
       if (this.struck) return []
+      const pause = this.control.pauseAfter
+      const paused = pause === undefined ? -1 : frames.findIndex(pause)
+      if (paused >= 0) {
+        this.control.pauseAfter = undefined
+        this.control.frameGate.close()
+        this.held = frames.slice(paused + 1)
+        frames = frames.slice(0, paused + 1)
+      }
       const strike = this.control.crashAfter
       if (strike === undefined) return frames
       const at = frames.findIndex(strike)

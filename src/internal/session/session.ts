@@ -51,6 +51,15 @@ export const internal = (what: string) => (e: { readonly message: string }) =>
   new CommandError({ code: "internal", message: `${what}: ${e.message}` })
 
 /** A session's state in the supervisor. */
+/**
+ * Where a cut turn's end stands: its `turn_interrupted` is owed (`InterruptOwed`: the supervisor,
+ * or the restored worker, says it), or it is out and the `busy: false` status that must come
+ * next is owed (`StatusOwed`: a restored worker reported the cut turn and is not ready yet).
+ */
+export type CutTurn =
+  | { readonly _tag: "InterruptOwed"; readonly reason: Protocol.InterruptReason }
+  | { readonly _tag: "StatusOwed" }
+
 export interface Session {
   meta: SessionMeta
   /**
@@ -96,8 +105,11 @@ export interface Session {
   pendingPrompt: PendingPrompt | undefined
   /** The latest checkpoint's snapshot file: every journal record names it (once there is one). */
   sessionFile: string | undefined
-  /** A turn cut by a crash (of the worker or the daemon) whose `turn_interrupted` is owed. */
-  cutTurn: Protocol.InterruptReason | undefined
+  /**
+   * A turn cut by a crash (of the worker or the daemon), until the status that ends it is out:
+   * the session is busy till then, and a prompt waits (`promptAfterCut`).
+   */
+  cutTurn: CutTurn | undefined
   /**
    * A prompt that came while a cut turn waited for its end (the worker recovering): it becomes
    * the reserved prompt right after that turn's `turn_interrupted` and idle status.

@@ -17,7 +17,7 @@ import type * as WorkerProtocol from "../../WorkerProtocol.js"
 import { eventMessage, type Outgoing } from "../delivery/wireLines.js"
 import { safeSegment } from "../fsx.js"
 import type { Checkpoints } from "./checkpoint.js"
-import type { AnyFrame, PendingPrompt, TurnEnd } from "./phase.js"
+import type { AnyFrame, PendingPrompt, Phase, TurnEnd } from "./phase.js"
 import { workerOf } from "./phase.js"
 import { type CommandError, type Core, failed, PUBLISH_BATCH_BYTES, type Session } from "./session.js"
 
@@ -42,7 +42,7 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
           journalPath: info.journalPath,
           storeRoot: info.storeRoot,
           eventLogRoot: info.eventLogRoot,
-          ...(s.cutTurn === undefined ? {} : { interruptedReason: s.cutTurn })
+          ...(s.cutTurn?._tag === "InterruptOwed" ? { interruptedReason: s.cutTurn.reason } : {})
         }
         : undefined
       const load: WorkerProtocol.SupervisorFrame = {
@@ -90,22 +90,49 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
       yield* post(s, { _tag: "Exited", worker, exit })
     })
 
-  /** The turn is over: its end is out, the journal says idle, the idle status follows. */
-  const endTurn = (s: Session, how: TurnEnd, publishIdle: boolean) =>
+  /** The running turn is over: its end is out, the journal says idle, the idle status follows. */
+  const endTurn = (s: Session, phase: Extract<Phase, { _tag: "Running" }>, how: TurnEnd) =>
     Effect.gen(function*() {
-      const phase = s.phase
-      const aborts = phase._tag === "Running" ? phase.aborts : []
       yield* record(s, false, "turn_end")
       // Not busy from here, and said so at once, under the publish lock: nobody reading under it
       // (`get_state`, an attach) sees busy:false before the stream does.
-      const idle = () => {
+      yield* publishStatus(s, () => (s.phase = { _tag: "Idle", worker: phase.worker }))
+      for (const a of phase.aborts) yield* Deferred.succeed(a, { aborted: how === "aborted" })
+      checkDue(s)
+    })
+
+  /** An automatic checkpoint is due once the generation has grown past its thresholds. */
+  const checkDue = (s: Session) => {
+    if (s.generationEvents >= config.checkpointEvents || s.generationBytes >= config.checkpointBytes) s.checkpointDue = true
+  }
+
+  /**
+   * A cut turn's `turn_interrupted` is out (the restored worker's, or the supervisor's): the
+   * journal says idle; the session stays busy until the status that ends the turn.
+   */
+  const interruptReported = (s: Session) =>
+    Effect.gen(function*() {
+      s.cutTurn = { _tag: "StatusOwed" }
+      yield* record(s, false, "turn_end")
+      checkDue(s)
+    })
+
+  /**
+   * Publishes the status that ends a cut turn (busy:false, whatever `change` makes the phase):
+   * the first status after its `turn_interrupted`. A prompt that waited for it is reserved
+   * then, and said so by a status of its own unless its turn starts right away (Idle).
+   */
+  const endCutTurn = (s: Session, change: () => void) =>
+    Effect.gen(function*() {
+      yield* publishStatus(s, () => {
+        change()
         s.cutTurn = undefined
-        if (phase._tag === "Running") s.phase = { _tag: "Idle", worker: phase.worker }
-      }
-      if (publishIdle) yield* publishStatus(s, idle)
-      else idle()
-      for (const a of aborts) yield* Deferred.succeed(a, { aborted: how === "aborted" })
-      if (s.generationEvents >= config.checkpointEvents || s.generationBytes >= config.checkpointBytes) s.checkpointDue = true
+      })
+      const waiting = s.promptAfterCut
+      if (waiting === undefined) return
+      s.promptAfterCut = undefined
+      s.pendingPrompt = waiting
+      if (s.phase._tag !== "Idle") yield* publishStatus(s)
     })
 
   /** Starts the turn of the reserved prompt (the session is Idle). */
@@ -151,10 +178,10 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
               const how: TurnEnd = eventType === "agent_end"
                 ? "agent_end"
                 : (JSON.parse(eventJson) as Extract<Protocol.AgentEvent, { type: "turn_interrupted" }>).reason
-              // A restored worker reports the turn its predecessor was cut in: the `ready`
-              // status that follows is that turn's idle status.
-              if (phase._tag === "Running") yield* endTurn(s, how, true)
-              else if (s.cutTurn !== undefined) yield* endTurn(s, how, false)
+              // A restored worker reports the turn its predecessor was cut in: the next status
+              // (`ready`, or `recovering` should it crash first) is that turn's idle status.
+              if (phase._tag === "Running") yield* endTurn(s, phase, how)
+              else if (s.cutTurn?._tag === "InterruptOwed") yield* interruptReported(s)
             }
             break
           }
@@ -162,18 +189,16 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
             yield* flushEvents
             if (phase._tag === "Starting" && phase.worker !== undefined) {
               // The turn cut by a crash ends before the worker is ready, whatever the worker said.
-              if (s.cutTurn !== undefined) {
-                yield* publish(s, { type: "session_event", event: { type: "turn_interrupted", reason: s.cutTurn } as Protocol.AgentEvent })
-                yield* endTurn(s, s.cutTurn, false)
+              if (s.cutTurn?._tag === "InterruptOwed") {
+                yield* publish(s, { type: "session_event", event: { type: "turn_interrupted", reason: s.cutTurn.reason } as Protocol.AgentEvent })
+                yield* interruptReported(s)
               }
               const worker = phase.worker
-              yield* publishStatus(s, () => (s.phase = { _tag: "Idle", worker }))
+              const ready = () => (s.phase = { _tag: "Idle", worker })
+              // The `ready` status ends a cut turn; a prompt that waited for it runs next.
+              if (s.cutTurn === undefined) yield* publishStatus(s, ready)
+              else yield* endCutTurn(s, ready)
               for (const w of s.retryWaiters.splice(0)) yield* Deferred.succeed(w, summary(s))
-              // A prompt that waited for the cut turn's end is reserved now: its turn starts next.
-              if (s.promptAfterCut !== undefined) {
-                s.pendingPrompt = s.promptAfterCut
-                s.promptAfterCut = undefined
-              }
             }
             break
           }
@@ -206,7 +231,7 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
     Effect.gen(function*() {
       yield* Effect.logWarning(crash.message)
       const phase = s.phase
-      if (phase._tag === "Running") s.cutTurn = "worker_crashed"
+      if (phase._tag === "Running") s.cutTurn = { _tag: "InterruptOwed", reason: "worker_crashed" }
       // A rewrite cut short never happened: the replacement restores what the files hold.
       yield* abandonRewrite(s, "the worker crashed")
       if (phase._tag === "Running") for (const a of phase.aborts) yield* Deferred.succeed(a, { aborted: false })
@@ -217,7 +242,10 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
         return yield* failSession(s, `its worker crashed ${decision.crashes} times within ${restartPolicy.restartWindowMs} ms`)
       }
       const epoch = ++s.epoch
-      yield* publishStatus(s, () => (s.phase = { _tag: "Starting", worker: undefined, state: "recovering", epoch }))
+      const recovering = () => (s.phase = { _tag: "Starting", worker: undefined, state: "recovering", epoch })
+      // A replacement that crashed after reporting the cut turn: this status ends that turn.
+      if (s.cutTurn?._tag === "StatusOwed") yield* endCutTurn(s, recovering)
+      else yield* publishStatus(s, recovering)
       // The first restart is immediate; later ones back off on the Clock.
       if (decision.delayMs === 0) return yield* startWorker(s, "recovering", true)
       yield* forkIn(s, Effect.zipRight(Effect.sleep(Duration.millis(decision.delayMs)), post(s, { _tag: "RestartDue", epoch })))
@@ -233,7 +261,8 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
       // The new state in one synchronous step: `failed`, and not busy, for anyone who looks.
       const phase = s.phase
       const worker = workerOf(phase)
-      const cut = phase._tag === "Running" ? "worker_crashed" as const : s.cutTurn
+      // A cut turn not reported yet is reported now; one reported is ended by the failed status.
+      const cut = phase._tag === "Running" ? "worker_crashed" as const : s.cutTurn?._tag === "InterruptOwed" ? s.cutTurn.reason : undefined
       const aborts = phase._tag === "Running" ? phase.aborts : []
       yield* abandonRewrite(s, "the session failed")
       s.epoch++
@@ -288,7 +317,7 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
       }
     })
 
-  return { startWorker, pump, endTurn, startTurn, onCrash, onFrames, failSession, answerWaiting }
+  return { startWorker, pump, startTurn, onCrash, onFrames, failSession, answerWaiting }
 }
 
 export type Supervisor = ReturnType<typeof makeSupervisor>
