@@ -105,7 +105,11 @@ describe("process lifecycle", () => {
       // Both wait for the turn's end, which the daemon will not wait for.
       const checkpointId = c.sendCommand({ type: "checkpoint", activeSessionId: id })
       const secondId = c.sendCommand({ type: "checkpoint", activeSessionId: id })
-      await sleep(300)
+      // Time for both to reach the daemon and wait there. Nothing shows that they do (a ping
+      // behind them would be answered after them), so this is a generous guess for a loaded
+      // machine: a checkpoint still in flight at the shutdown would be answered after
+      // daemon_closing.
+      await sleep(1_000)
       const started = Date.now()
       const trace = () => `${how}: ${c.all.slice(-8).map((m) => `${m["type"]}${m["id"] === undefined ? "" : `:${m["id"]}`}${m["error"] === undefined ? "" : `:${m["error"].code}`}`).join(", ")}`
       let shutdown: Msg | undefined
