@@ -160,6 +160,8 @@ export class SessionFold implements SessionState {
   private cutOff: Assembling | undefined = undefined
   /** Whether `session_attached` came on this connection (events may flow). */
   private flowing = false
+  /** The cursor of the last status folded. */
+  private statusCursor: Cursor.Cursor | undefined = undefined
 
   /** `from`: emit only events after it (the consumer has seen the rest). */
   constructor(readonly activeSessionId: string, from?: Cursor.Cursor) {
@@ -303,10 +305,24 @@ export class SessionFold implements SessionState {
     return Either.right([m])
   }
 
+  /**
+   * The session's summary as `get_state` read it after a `resync` or `replacement` that came in
+   * the middle of the stream: its snapshot may hold the statuses since the last one folded (the
+   * idle status of a turn, say), and no `session_attached` follows it to say the state. Taken
+   * unless a status newer than it was folded meanwhile (like an attach's `state`, it may be
+   * ahead of the events still to come, whose statuses are folded in their turn).
+   */
+  refreshed(summary: Protocol.SessionSummary): void {
+    const at = summary.lastEventCursor
+    if (this.statusCursor !== undefined && (at === undefined || Cursor.isAfter(this.statusCursor, at))) return
+    this.summary = summary
+  }
+
   private fold(m: Protocol.SessionEvent | Protocol.SessionStatus | Protocol.SessionClosed): void {
     this.lastCursor = m.meta.cursor
     if (m.type === "session_status") {
       this.summary = m.state
+      this.statusCursor = m.meta.cursor
       return
     }
     if (m.type === "session_closed") {
@@ -506,10 +522,19 @@ export const make = (options: SessionClientOptions): Effect.Effect<SessionClient
           ...(options.env === undefined ? {} : { env: options.env })
         })
         const first = yield* unwrap(fold.attached(result))
+        const scope = yield* Effect.scope
+        /** After a resync or replacement mid-stream, the state it may have swallowed is read. */
+        const refresh = (out: ReadonlyArray<FollowEvent>) =>
+          out.some((e) => e.type === "baseline" && e.purpose !== "attach")
+            ? Effect.asVoid(Effect.forkIn(
+              Effect.ignore(Effect.map(client.getState(activeSessionId), (summary) => fold.refreshed(summary))),
+              scope
+            ))
+            : Effect.void
         return Stream.concat(
           Stream.fromIterable(first),
           pushes.pipe(
-            Stream.mapEffect((m) => unwrap(fold.receive(m))),
+            Stream.mapEffect((m) => Effect.tap(unwrap(fold.receive(m)), refresh)),
             Stream.flattenIterables
           )
         )

@@ -191,6 +191,23 @@ describe("SessionFold", () => {
     assert.deepStrictEqual(contents(fold), ["compacted 4 messages", "three", "echo: three"])
   })
 
+  it("after a resync mid-stream, the summary get_state read is taken (the snapshot swallowed the idle status), unless a newer status came", () => {
+    const fold = new SessionFold(ID)
+    fold.attaching()
+    fold.attached(attachResult({ status: "unavailable", reason: "no_cursor" }, { messages: [] }))
+    feed(fold, [attachedMsg(), ...turn(1, 0, "one").slice(0, 3)])
+    assert.isTrue(fold.busy)
+    // The turn's end and its idle status were pruned while this client was paused.
+    feed(fold, [begin("s~g3", "resync", 2, c(2, 4)), chunk("s~g3", 0, [msg("u", "user", "one"), msg("echo: one")]), end("s~g3", 1)])
+    assert.isTrue(fold.busy, "the last status folded said busy")
+    fold.refreshed({ ...summary(false), lastEventCursor: c(2, 4) })
+    assert.isFalse(fold.busy)
+    // A status newer than what get_state read wins over it.
+    feed(fold, [status(3, 0, true)])
+    fold.refreshed({ ...summary(false), lastEventCursor: c(2, 4) })
+    assert.isTrue(fold.busy)
+  })
+
   it("a connection cut off in the middle of a chunked snapshot resumes it from its next chunk (snapshotResume); another snapshot starts over", () => {
     const fold = new SessionFold(ID)
     fold.attaching()

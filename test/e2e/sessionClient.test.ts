@@ -213,6 +213,9 @@ describe("SessionClient against the daemon", () => {
     // before the follower got there, and reach it inside a resync like the others.
     const caughtUpTo = (await handle.getState()).lastEventCursor!
     await f.waitFor(() => handle.state?.lastCursor !== undefined && compareCursor(handle.state.lastCursor, caughtUpTo) >= 0, "the follower caught up", 15_000)
+    // The session is idle, and so is the follower's state, though a resync may have swallowed
+    // the idle status (it reads the state after a resync).
+    await f.waitFor(() => handle.state?.busy === false, "the idle state after the resyncs", 5_000)
     await drain(handle.prompt("live again"))
     await f.waitFor(() => isIdleAfter(f.events, "echo: live again")(), "the live turn", 15_000)
     const baselines = f.events.filter((e): e is Client.Baseline => e.type === "baseline")
