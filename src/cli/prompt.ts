@@ -80,26 +80,38 @@ const followToEnd = (
       reconnect: Schedule.spaced("200 millis").pipe(Schedule.whileOutput(() => Date.now() - lostAt < Duration.toMillis(reconnectFor)))
     })
     let swallowed = false
+    const swallowedEnd = Effect.sync(() => {
+      process.stderr.write(`agentd: the turn's last events were checkpointed away meanwhile; \`agentd log ${id}\` shows its messages\n`)
+    })
+    // Whether the session is idle now (so the turn is over), read on a connection of its own.
+    const idleNow = Effect.scoped(Effect.flatMap(DaemonClient.make({ socketPath: ctx.socketPath }), (c) => c.getState(id))).pipe(
+      Effect.map((state) => !state.busy),
+      Effect.orElseSucceed(() => false)
+    )
+    type Step = Effect.Effect<Option.Option<Effect.Effect<void, CliError>>>
+    const none: Step = Effect.succeed(Option.none())
     const end = yield* follower.events.pipe(
-      Stream.map((e): Option.Option<Effect.Effect<void, CliError>> => {
+      Stream.mapEffect((e): Step => {
         switch (e.type) {
           case "session_event": {
             show(e)
-            if (e.event.type === "agent_end") return Option.some(Effect.void)
+            if (e.event.type === "agent_end") return Effect.succeed(Option.some(Effect.void))
             if (e.event.type === "turn_interrupted") {
-              return Option.some(Effect.fail(failed(`the turn of session ${id} was interrupted (${e.event.reason})`)))
+              return Effect.succeed(Option.some(Effect.fail(failed(`the turn of session ${id} was interrupted (${e.event.reason})`))))
             }
-            return Option.none()
+            return none
           }
           case "session_closed":
-            return Option.some(Effect.fail(failed(`session ${id} was closed (${e.reason}) before its turn ended`)))
+            return Effect.succeed(Option.some(Effect.fail(failed(`session ${id} was closed (${e.reason}) before its turn ended`))))
           case "baseline":
-            // A resync: the events after `from` were checkpointed away, the turn's end perhaps
-            // with them; the session's next idle status then ends the wait.
-            if (e.purpose !== "attach") swallowed = true
-            return Option.none()
+            // Events after `from` were checkpointed away (the snapshot holds them: `skipped`),
+            // the turn's end perhaps with them. If the session is idle, the turn is over (no
+            // status may ever come); if not, its next idle status ends the wait.
+            if (!e.skipped) return none
+            swallowed = true
+            return Effect.map(idleNow, (idle) => (idle ? Option.some(swallowedEnd) : Option.none()))
           case "session_status":
-            return swallowed && !e.state.busy ? Option.some(Effect.void) : Option.none()
+            return Effect.succeed(swallowed && !e.state.busy ? Option.some(swallowedEnd) : Option.none())
         }
       }),
       Stream.filterMap((x) => x),

@@ -478,6 +478,32 @@ describe("agentd CLI across daemon restarts", () => {
     assert.include(gone.stderr, "gave up: the daemon stayed away for 2s")
   }, 60_000)
 
+  it("prompt across a daemon restart after which its turn's last events were checkpointed away: exit 0 once the session is idle, with a notice", async () => {
+    const first = await useDaemon()
+    const id = (await cli(["create", "--socket", first.socketPath])).stdout.trim()
+    const run = start(["prompt", id, "/sleep 20000", "--json", "--socket", first.socketPath])
+    await until("the turn's tool call", () => run.stdout.includes("tool_execution_start"))
+    // The command is paused while the daemon is killed and a new one (one generation kept, a
+    // checkpoint after every turn) ends the cut turn and runs two more: the events after the
+    // command's cursor are pruned, and nothing more happens in the session.
+    run.proc.kill("SIGSTOP")
+    try {
+      await first.sigkill()
+      const second = await useDaemon({ stateDir: first.stateDir, env: { AGENTD_RETAIN_GENERATIONS: "1", AGENTD_CHECKPOINT_EVENTS: "1" } })
+      for (const text of ["one", "two"]) {
+        const r = await cli(["prompt", id, text, "--socket", second.socketPath])
+        assert.strictEqual(r.code, 0, r.stderr)
+      }
+    } finally {
+      run.proc.kill("SIGCONT")
+    }
+    const r = await Promise.race([run.done, sleep(20_000).then(() => undefined)])
+    assert.isDefined(r, `prompt still waits after its resync\n${run.stderr}`)
+    assert.strictEqual(r!.code, 0, r!.stderr)
+    assert.include(r!.stderr, "lost the daemon during the turn")
+    assert.include(r!.stderr, "checkpointed away meanwhile")
+  }, 60_000)
+
   it("attach: a view paused while its events are checkpointed away gets a resync notice, then follows on", async () => {
     // A 64 KiB outbox, one generation kept, a checkpoint every few events: a view that stops
     // reading falls behind the outbox, and the events it lacks are pruned before it reads again.
