@@ -43,6 +43,7 @@ import { makeCheckpoints } from "./internal/session/checkpoint.js"
 import { makeEntity } from "./internal/session/entity.js"
 import type { Input, Phase } from "./internal/session/phase.js"
 import { CommandError, internal, makeCore, READ_GATE_PERMITS, type Session } from "./internal/session/session.js"
+import * as WorkerSlots from "./internal/session/workerSlots.js"
 import { makeSupervisor } from "./internal/session/supervisor.js"
 import type * as Protocol from "./Protocol.js"
 import type { AgentMessage, CommandOf, SessionSummary } from "./Protocol.js"
@@ -131,6 +132,7 @@ export const make = Effect.gen(function*() {
     restartWindowMs: config.restartWindowMs
   }
   const restarts = restartSchedule(restartPolicy)
+  const fibers = yield* FiberSet.make()
   const core = makeCore({
     config,
     info,
@@ -139,7 +141,8 @@ export const make = Effect.gen(function*() {
     journal,
     cache,
     pool,
-    fibers: yield* FiberSet.make(),
+    fibers,
+    slots: yield* WorkerSlots.make(config.maxWorkers, (effect) => Effect.asVoid(FiberSet.run(fibers, effect))),
     sessions: new Map(),
     connections: new Map(),
     restartPolicy,

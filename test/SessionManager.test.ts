@@ -1231,6 +1231,46 @@ describe("SessionManager (in-process)", () => {
         }
       })))
 
+  it.scopedLive("maxWorkers 2, both workers busy: a third session waits for a slot (its prompt too), never a third live worker; it runs once a turn ends and that session gives up its worker", () =>
+    withCore({ maxWorkers: 2 }, (ctl) =>
+      Effect.gen(function*() {
+        const sm = yield* SessionManager
+        const pool = yield* WorkerPool
+        // Live workers, sampled all along (stopping ones count: a slot is held until the exit).
+        let most = 0
+        yield* Effect.forkScoped(Effect.forever(Effect.zipRight(
+          Effect.map(pool.live, (ws) => void (most = Math.max(most, ws.length))),
+          Effect.sleep("1 millis")
+        )))
+        const a = yield* open(sm, "ca")
+        const b = yield* open(sm, "cb")
+        yield* waitReady(a.conn)
+        yield* waitReady(b.conn)
+        ctl.holdGate.close()
+        yield* prompt(sm, a.id, "/hold")
+        yield* prompt(sm, b.id, "/hold")
+        yield* waitFor("both turns held", () => ctl.holdGate.waiting === 2)
+        const c = yield* open(sm, "cc")
+        const waiting = yield* Effect.fork(prompt(sm, c.id, "c1"))
+        yield* barrier(sm, c.id)
+        yield* Effect.sleep("100 millis")
+        const stateC = yield* sm.getState(c.id)
+        assert.strictEqual(stateC.worker, "starting")
+        assert.isTrue(stateC.busy, "its prompt is reserved")
+        assert.isTrue(yield* isPending(waiting))
+        assert.strictEqual((yield* pool.live).length, 2)
+        ctl.holdGate.open()
+        assert.deepStrictEqual(yield* joinWithin("c's prompt", waiting), Either.right({ accepted: true as const }))
+        yield* waitFor("c's turn", () => turnsDone(seq(c.conn)) === 1)
+        assert.deepStrictEqual((yield* messagesOf(sm, c.id)).contents, ["user:c1", "assistant:echo: c1"])
+        assert.isAtLeast([a, b].filter((x) => statuses(seq(x.conn)).includes("passivated/idle")).length, 1, "a or b gave up its worker")
+        assert.isAtMost(most, 2, "never more than maxWorkers live workers")
+        // The one passivated comes back on its next prompt, within the bound too.
+        for (const x of [a, b]) yield* runTurn(sm, x.id, x.conn, "again")
+        assert.isAtMost(most, 2)
+        for (const x of [a, b, c]) assertContiguous(seq(x.conn), true)
+      })))
+
   it.scopedLive("a passivated session whose worker cannot be spawned: the waking prompt gets session_failed; retry_worker restores it with its transcript", () =>
     withCore({ maxWorkers: 1, maxRestarts: 1 }, (ctl) =>
       Effect.gen(function*() {

@@ -168,4 +168,46 @@ describe("workers (e2e)", () => {
     const later = await client.ok({ type: "status" })
     expect((later["workers"] as Array<unknown>).length).toBeLessThanOrEqual(2)
   }, 60_000)
+
+  it("with --max-workers 2 and both workers in turns, a third session's prompt waits for a worker: never more than 2 live, every turn runs", async () => {
+    const daemon = await useDaemon({ extraArgs: ["--max-workers", "2"] })
+    const client = await daemon.connect()
+    const probe = await daemon.connect("probe")
+    const ids: Array<string> = []
+    for (let i = 0; i < 3; i++) ids.push((await createSession(client, { name: `busy${i}` })).id)
+    // Session workers the daemon reports, polled all along (a worker counts until it exits).
+    let most = 0
+    let polling = true
+    const poll = (async () => {
+      while (polling) {
+        const status = await probe.ok({ type: "status" })
+        most = Math.max(most, (status["workers"] as Array<unknown>).length)
+        daemon.recordWorkers(status)
+        await sleep(10)
+      }
+    })()
+    try {
+      // Each prompt is answered when its turn starts: the last one once a worker was freed.
+      await Promise.all(ids.map((id) => client.ok({ type: "prompt", activeSessionId: id, message: "/sleep 1500" }, 30_000)))
+      // Not busy (a session may be passivated already, to free its worker for another).
+      for (const id of ids) {
+        const deadline = Date.now() + 30_000
+        while ((await client.ok({ type: "get_state", activeSessionId: id }))["busy"] !== false) {
+          if (Date.now() > deadline) throw new Error(`session ${id} still busy after 30 s`)
+          await sleep(50)
+        }
+      }
+    } finally {
+      polling = false
+      await poll
+    }
+    expect(most).toBeLessThanOrEqual(2)
+    for (const id of ids) {
+      const messages = await allMessages(client, id)
+      expect(messages[0]?.["content"]).toBe("/sleep 1500")
+      expect(messages.at(-1)?.["role"]).toBe("assistant")
+    }
+    const states = await Promise.all(ids.map((id) => client.ok({ type: "get_state", activeSessionId: id })))
+    expect(states.map((s) => s["worker"]).filter((w) => w === "passivated").length).toBeGreaterThanOrEqual(1)
+  }, 60_000)
 })

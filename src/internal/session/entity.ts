@@ -63,6 +63,8 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
       const phase = s.phase
       if (phase._tag !== "Idle") return
       if (s.pendingPrompt !== undefined) return yield* startTurn(s, phase.worker, s.pendingPrompt)
+      // Between turns while another session waits for a worker slot: this one gives up its own.
+      if (core.slots.waiting() > 0 && s.checkpointWaiters.length === 0) s.passivationWanted = true
       if (s.passivationWanted) {
         s.passivationWanted = false
         // What the generation added is written first: a restore then reads it from the transcript.

@@ -25,6 +25,7 @@ import type { Attachment } from "../delivery/attachment.js"
 import { bodyMessage, logged, type LoggedBody, type Outgoing, wireLine } from "../delivery/wireLines.js"
 import type { CheckpointReply, Input, PendingPrompt, Phase } from "./phase.js"
 import { workerOf, workerStateOf } from "./phase.js"
+import type { WorkerSlots } from "./workerSlots.js"
 
 /**
  * Events of one worker read are logged and sent in batches of about this many bytes (one write,
@@ -138,6 +139,8 @@ export interface CoreDeps {
   readonly cache: SnapshotCacheService
   readonly pool: Context.Tag.Service<typeof WorkerPool>
   readonly fibers: FiberSet.FiberSet
+  /** The bound on live workers (`maxWorkers`). */
+  readonly slots: WorkerSlots
   readonly sessions: Map<string, Session>
   /** connectionId -> its attachments. */
   readonly connections: Map<string, Map<string, Attachment>>

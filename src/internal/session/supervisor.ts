@@ -23,7 +23,7 @@ import { type CommandError, type Core, failed, PUBLISH_BATCH_BYTES, type Session
 
 /** Worker supervision: start, frame pump, turns, crash -> restore on the restart schedule, failure. */
 export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
-  const { config, info, pool, restartPolicy, restarts, sessions, fork, post, publish, publishAll, publishStatus, record, summary, workerEnv, forkIn } = core
+  const { config, info, pool, restartPolicy, restarts, sessions, slots, fork, post, publish, publishAll, publishStatus, record, summary, workerEnv, forkIn } = core
   const { abandonRewrite, rewriteFrame } = checkpoints
 
   /**
@@ -59,8 +59,8 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
       yield* forkIn(
         s,
         Effect.gen(function*() {
-          yield* passivateBeyondLimit(s)
-          const worker = yield* pool.acquire(s.meta.activeSessionId, workerEnv(s))
+          // Under maxWorkers: with every slot held, this waits (and asks idle sessions to stop).
+          const worker = yield* slots.withSlot(pool.acquire(s.meta.activeSessionId, workerEnv(s)), passivateForSlots(s))
           // Sent at once, before the pool starts its next spare (a process booting beside a
           // restore slows it down); should this attempt be stale by now, the worker is stopped.
           yield* worker.send(load)
@@ -302,19 +302,16 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
     })
   }
 
-  /** Asks the least recently used idle sessions to passivate so a new worker fits under maxWorkers. */
-  const passivateBeyondLimit = (except: Session) =>
-    Effect.gen(function*() {
-      const withWorkers = [...sessions.values()].filter((x) => x !== except && workerOf(x.phase) !== undefined)
-      let excess = withWorkers.length + 1 - config.maxWorkers
-      if (excess <= 0) return
-      const idle = withWorkers
-        .filter((x) => x.phase._tag === "Idle" && x.pendingPrompt === undefined && !x.passivationWanted)
+  /**
+   * Every worker slot is held and spawns wait: the least recently used idle sessions are asked
+   * to passivate, one per waiting spawn (sessions idle later give theirs up between turns).
+   */
+  const passivateForSlots = (except: Session) =>
+    Effect.suspend(() => {
+      const idle = [...sessions.values()]
+        .filter((x) => x !== except && x.phase._tag === "Idle" && x.pendingPrompt === undefined && !x.passivationWanted)
         .sort((a, b) => a.lastUsed - b.lastUsed)
-      for (const victim of idle) {
-        if (excess-- <= 0) break
-        yield* post(victim, { _tag: "Passivate" })
-      }
+      return Effect.forEach(idle.slice(0, slots.waiting()), (victim) => post(victim, { _tag: "Passivate" }), { discard: true })
     })
 
   return { startWorker, pump, startTurn, onCrash, onFrames, failSession, answerWaiting }
