@@ -51,7 +51,6 @@ export const failed = (message: string) => new CommandError({ code: "session_fai
 export const internal = (what: string) => (e: { readonly message: string }) =>
   new CommandError({ code: "internal", message: `${what}: ${e.message}` })
 
-/** A session's state in the supervisor. */
 /**
  * Where a cut turn's end stands: its `turn_interrupted` is owed (`InterruptOwed`: the supervisor,
  * or the restored worker, says it), or it is out and the `busy: false` status that must come
@@ -61,6 +60,7 @@ export type CutTurn =
   | { readonly _tag: "InterruptOwed"; readonly reason: Protocol.InterruptReason }
   | { readonly _tag: "StatusOwed" }
 
+/** A session's state in the supervisor. */
 export interface Session {
   meta: SessionMeta
   /**
