@@ -376,8 +376,9 @@ export const make = (options: WorkerPoolOptions = {}) =>
           // worker its `load` first (a restore waits for it), then start the next spare.
           setImmediate(startSpare)
           worker = yield* Effect.orElseSucceed(taken, () => undefined).pipe(
-            // Given up while the spare boots: it is stopped once it is up.
-            Effect.onInterrupt(() => Effect.sync(() => runSpare(Effect.flatMap(taken, (w) => w.stop()))))
+            // Given up while the spare boots (its session was killed): it is stopped once it is
+            // up, before the interruption completes, so that a `kill` answers with it gone.
+            Effect.onInterrupt(() => Effect.ignore(Effect.flatMap(taken, (w) => w.stop())))
           )
           // A spare that died meanwhile is no use: fall through to a fresh spawn.
           if (worker !== undefined && (worker.child.exitCode !== null || worker.child.signalCode !== null)) {

@@ -169,6 +169,20 @@ describe("workers (e2e)", () => {
     expect((later["workers"] as Array<unknown>).length).toBeLessThanOrEqual(2)
   }, 60_000)
 
+  it("kill right after create, the warm spare still booting: kill answers with the session's worker gone (only the next spare is left)", async () => {
+    const daemon = await useDaemon({ extraArgs: ["--max-workers", "1"] })
+    const client = await daemon.connect()
+    const left: Array<Array<number>> = []
+    for (let i = 0; i < 6; i++) {
+      const { id } = await createSession(client)
+      await client.ok({ type: "kill", activeSessionId: id })
+      left.push(daemon.workerProcesses())
+      // The next create takes the spare started meanwhile, still booting.
+      await sleep(100)
+    }
+    expect(left.every((pids) => pids.length <= 1), `worker processes right after each kill: ${JSON.stringify(left)}`).toBe(true)
+  }, 60_000)
+
   it("with --max-workers 2 and both workers in turns, a third session's prompt waits for a worker: never more than 2 live, every turn runs", async () => {
     const daemon = await useDaemon({ extraArgs: ["--max-workers", "2"] })
     const client = await daemon.connect()

@@ -54,22 +54,23 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
         ...(s.meta.config === undefined ? {} : { config: s.meta.config as Record<string, unknown> }),
         ...(restore === undefined ? {} : { restore })
       }
-      // A `kill` meanwhile interrupts it (closing the session's scope): the pool then stops the
-      // worker it was starting; one it already got is stopped here.
+      // A `kill` meanwhile interrupts the wait for a slot or the spawn (closing the session's
+      // scope): the pool then stops the worker it was starting. Once the pool has handed the
+      // worker over, nothing interrupts until it is the entity's, or stopped (its session was
+      // killed): a worker left in between would run on, holding its slot.
       yield* forkIn(
         s,
-        Effect.gen(function*() {
+        Effect.uninterruptibleMask((restore) =>
           // Under maxWorkers: with every slot held, this waits (and asks idle sessions to stop).
-          const worker = yield* slots.withSlot(pool.acquire(s.meta.activeSessionId, workerEnv(s)), passivateForSlots(s))
-          // Sent at once, before the pool starts its next spare (a process booting beside a
-          // restore slows it down); should this attempt be stale by now, the worker is stopped.
-          yield* worker.send(load)
-          return worker
-        }).pipe(
-          Effect.matchEffect({
-            onFailure: (error) => post(s, { _tag: "AcquireFailed", epoch, message: error.message }),
-            onSuccess: (w) => s.closed ? Effect.asVoid(w.stop()) : post(s, { _tag: "Acquired", epoch, worker: w })
-          })
+          restore(slots.withSlot(pool.acquire(s.meta.activeSessionId, workerEnv(s)), passivateForSlots(s))).pipe(
+            // Sent at once, before the pool starts its next spare (a process booting beside a
+            // restore slows it down); should this attempt be stale by now, the worker is stopped.
+            Effect.tap((worker) => worker.send(load)),
+            Effect.matchEffect({
+              onFailure: (error) => post(s, { _tag: "AcquireFailed", epoch, message: error.message }),
+              onSuccess: (w) => s.closed ? Effect.asVoid(w.stop()) : post(s, { _tag: "Acquired", epoch, worker: w })
+            })
+          )
         )
       )
     })
