@@ -10,7 +10,7 @@ import * as Effect from "effect/Effect"
 import * as Exit from "effect/Exit"
 import type { Parsed } from "./args.js"
 import type { Context } from "./commands.js"
-import { EXIT, report, usage } from "./errors.js"
+import { CliError, EXIT, report, usage } from "./errors.js"
 import type { Hooks, ServeOptions } from "./main.js"
 import { stateDirOf } from "./paths.js"
 import * as Prompt from "./prompt.js"
@@ -67,9 +67,21 @@ const program = (p: Parsed, ctx: Context, hooks: Hooks): Effect.Effect<void, unk
   }
 }
 
+/**
+ * Ctrl-C, for the commands that run until it (`attach`, `logs -f`): they end with exit 130 and
+ * a word on stderr rather than die of the signal (a parent process sees an exit code).
+ */
+const ctrlC = Effect.async<never, CliError>((resume) => {
+  const onSigint = () => resume(Effect.fail(new CliError("interrupted (Ctrl-C)", EXIT.interrupted)))
+  process.once("SIGINT", onSigint)
+  return Effect.sync(() => process.off("SIGINT", onSigint))
+})
+
 /** Runs a parsed command line of one of these commands; resolves with the exit code. */
 export const run = async (parsed: Parsed, ctx: Context, hooks: Hooks): Promise<number> => {
-  const exit = await Effect.runPromiseExit(program(parsed, ctx, hooks))
+  const main = program(parsed, ctx, hooks)
+  const untilCtrlC = parsed.command.name === "attach" || parsed.command.name === "logs"
+  const exit = await Effect.runPromiseExit(untilCtrlC ? Effect.raceFirst(main, ctrlC) : main)
   if (Exit.isSuccess(exit)) return EXIT.ok
   const failure = Cause.failureOption(exit.cause)
   if (failure._tag === "Some") return report(failure.value, parsed.command)

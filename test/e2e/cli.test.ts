@@ -533,8 +533,10 @@ describe("agentd CLI across daemon restarts", () => {
     // Shown once: the turn after the resync, after whatever the view saw before it.
     assert.strictEqual(att.stdout.split("> after the resync").length, 2)
     assert.isTrue(att.stdout.startsWith("----- live -----\n> first\necho: first\n-- turn ended --\n"), att.stdout.slice(0, 200))
+    // Ctrl-C ends the view with exit 130 (not death by the signal).
     att.proc.kill("SIGINT")
-    await att.done
+    const ended = await att.done
+    assert.deepStrictEqual({ code: ended.code, signal: ended.signal }, { code: 130, signal: null })
   }, 60_000)
 
   it("serve --detach returns once the daemon listens; logs shows its log; shutdown --json stops it", async () => {
@@ -563,6 +565,12 @@ describe("agentd CLI across daemon restarts", () => {
     const logs = await cli(["logs", "--state-dir", stateDir])
     assert.strictEqual(logs.code, 0)
     assert.include(logs.stdout, "listening")
+    // -f follows until Ctrl-C, which ends it with exit 130.
+    const following = start(["logs", "-f", "--state-dir", stateDir])
+    await until("the log followed", () => following.stdout.includes("listening"))
+    following.proc.kill("SIGINT")
+    const followed = await following.done
+    assert.deepStrictEqual({ code: followed.code, signal: followed.signal }, { code: 130, signal: null })
     const stopped = await cli(["shutdown", "--json", "--state-dir", stateDir])
     assert.deepStrictEqual(JSON.parse(stopped.stdout), { shutdown: true })
     await until("the daemon's exit", () => !isAlive(pid))
