@@ -8,7 +8,7 @@
 import type * as Protocol from "../Protocol.js"
 import type { Parsed } from "./args.js"
 import { type Connection, withConnection } from "./connection.js"
-import { failed } from "./errors.js"
+import { failed, usage } from "./errors.js"
 import { alignedTable, EventRenderer, shortDate, shortId, summaryLines } from "./render.js"
 import * as Target from "./target.js"
 
@@ -168,6 +168,9 @@ export const runOneShot = (p: Parsed, ctx: Context): Promise<void> | undefined =
     case "sessions":
       return sessions(ctx)
     case "log":
+      if (int("tail") !== undefined && int("offset") !== undefined) {
+        return Promise.reject(usage("--tail and --offset do not go together: --tail N starts N messages before the end"))
+      }
       return log(ctx, target, { tail: int("tail"), offset: int("offset"), limit: int("limit") })
     case "state":
       return state(ctx, target)

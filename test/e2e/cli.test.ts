@@ -227,10 +227,11 @@ describe("agentd CLI against a daemon", () => {
 
   it("usage: exit 2, help without colour when piped, `agentd help`, options in any order; exit 3 when unreachable", async () => {
     const s = sock()
-    const [unknown, missing, both, help, helpPrompt, helpFlag, noColor, order, unreachable, badEngine] = await Promise.all([
+    const [unknown, missing, both, tailOffset, help, helpPrompt, helpFlag, noColor, order, unreachable, badEngine] = await Promise.all([
       cli(["frobnicate"]),
       cli(["prompt", ...s]),
       cli(["prompt", "x", "text", "--file", "/dev/null", ...s]),
+      cli(["log", "x", "--tail", "2", "--offset", "1", ...s]),
       cli(["help"]),
       cli(["help", "prompt"]),
       cli(["serve", "--help"]),
@@ -245,6 +246,8 @@ describe("agentd CLI against a daemon", () => {
     assert.include(missing.stderr, "missing TARGET")
     assert.strictEqual(both.code, 2)
     assert.include(both.stderr, "not both")
+    assert.strictEqual(tailOffset.code, 2)
+    assert.include(tailOffset.stderr, "--tail and --offset do not go together")
     assert.strictEqual(help.code, 0)
     for (const cmd of ["serve", "create", "sessions", "prompt", "attach", "log", "abort", "retry", "checkpoint", "state", "kill", "shutdown", "logs"]) {
       assert.match(help.stdout, new RegExp(`^  ${cmd} `, "m"))
