@@ -1,7 +1,7 @@
 /**
  * The worker slots (the maxWorkers bound): a slot is held from before a spawn until the
  * worker's exit; a failed or interrupted spawn, or an interrupted wait, holds nothing; waiters
- * are served in order, each after its `onWait`.
+ * are served in order, each after its `onWait`; workers on their way out are not asked again.
  */
 import { assert, describe, it } from "@effect/vitest"
 import * as Deferred from "effect/Deferred"
@@ -64,6 +64,24 @@ describe("WorkerSlots", () => {
       // The interrupted waiter took nothing: the slot is free for the next one.
       const next = yield* slots.withSlot(fakeWorker(3), onWait).pipe(Effect.timeout("1 second"))
       assert.strictEqual(next.pid, 3)
+    }))
+
+  it.scopedLive("wanted: the waiting spawns less the workers already on their way out, until those exit", () =>
+    Effect.gen(function*() {
+      const { onWait, slots } = yield* setup(2)
+      const a = yield* slots.withSlot(fakeWorker(1), onWait)
+      const b = yield* slots.withSlot(fakeWorker(2), onWait)
+      assert.strictEqual(slots.wanted(), 0)
+      const c = yield* Effect.fork(slots.withSlot(fakeWorker(3), onWait))
+      yield* settle
+      assert.strictEqual(slots.wanted(), 1)
+      // a's session passivates: b's need not, though c still waits.
+      slots.leaving(a)
+      assert.strictEqual(slots.wanted(), 0)
+      yield* exit(a)
+      assert.strictEqual((yield* Fiber.join(c)).pid, 3)
+      assert.strictEqual(slots.wanted(), 0)
+      yield* exit(b)
     }))
 
   it.scopedLive("waiters are served first come, first served", () =>

@@ -64,8 +64,9 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
       if (phase._tag !== "Idle") return
       if (s.pendingPrompt !== undefined) return yield* startTurn(s, phase.worker, s.pendingPrompt)
       // Between turns while another session waits for a worker slot: this one gives up its own.
-      if (core.slots.waiting() > 0 && s.checkpointWaiters.length === 0) s.passivationWanted = true
+      if (s.checkpointWaiters.length === 0 && core.slots.wanted() > 0) s.passivationWanted = true
       if (s.passivationWanted) {
+        core.slots.leaving(phase.worker)
         s.passivationWanted = false
         // What the generation added is written first: a restore then reads it from the transcript.
         if (s.generationEvents > 0) yield* runCheckpoint(s)

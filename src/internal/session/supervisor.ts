@@ -305,14 +305,15 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
 
   /**
    * Every worker slot is held and spawns wait: the least recently used idle sessions are asked
-   * to passivate, one per waiting spawn (sessions idle later give theirs up between turns).
+   * to passivate, one per waiting spawn that no worker on its way out will serve (sessions idle
+   * later give theirs up between turns).
    */
   const passivateForSlots = (except: Session) =>
     Effect.suspend(() => {
       const idle = [...sessions.values()]
         .filter((x) => x !== except && x.phase._tag === "Idle" && x.pendingPrompt === undefined && !x.passivationWanted)
         .sort((a, b) => a.lastUsed - b.lastUsed)
-      return Effect.forEach(idle.slice(0, slots.waiting()), (victim) => post(victim, { _tag: "Passivate" }), { discard: true })
+      return Effect.forEach(idle.slice(0, slots.wanted()), (victim) => post(victim, { _tag: "Passivate" }), { discard: true })
     })
 
   return { startWorker, pump, startTurn, onCrash, onFrames, failSession, answerWaiting }

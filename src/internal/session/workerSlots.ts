@@ -17,7 +17,15 @@ export interface WorkerSlots {
    * fail or be interrupted (while it waits, nothing is held).
    */
   readonly withSlot: <E>(spawn: Effect.Effect<WorkerHandle, E>, onWait: Effect.Effect<void>) => Effect.Effect<WorkerHandle, E>
-  /** How many spawns wait for a slot now: while any does, sessions between turns give theirs up. */
+  /**
+   * How many workers should give up their slot now: the spawns waiting, less the workers
+   * already on their way out (so that two sessions ending turns together do not both give
+   * theirs up for one waiting spawn). A session between turns passivates while it is above 0.
+   */
+  readonly wanted: () => number
+  /** `worker` is on its way out (its session passivates): counted so until its process exits. */
+  readonly leaving: (worker: WorkerHandle) => void
+  /** How many spawns wait for a slot now. */
   readonly waiting: () => number
 }
 
@@ -27,10 +35,13 @@ export const make = (max: number, fork: (effect: Effect.Effect<void>) => Effect.
     const semaphore = yield* Effect.makeSemaphore(max)
     let held = 0
     let waiting = 0
-    const release = Effect.suspend(() => {
-      held--
-      return semaphore.release(1)
-    })
+    const onTheirWayOut = new Set<WorkerHandle>()
+    const release = (worker: WorkerHandle | undefined) =>
+      Effect.suspend(() => {
+        held--
+        if (worker !== undefined) onTheirWayOut.delete(worker)
+        return semaphore.release(1)
+      })
     const take = (onWait: Effect.Effect<void>) =>
       Effect.suspend(() => {
         // Takes are served in order: behind those already waiting, a new one waits too.
@@ -48,15 +59,20 @@ export const make = (max: number, fork: (effect: Effect.Effect<void>) => Effect.
           held++
           const spawned = yield* Effect.exit(restore(spawn))
           if (Exit.isFailure(spawned)) {
-            yield* release
+            yield* release(undefined)
             return yield* spawned
           }
           const worker = spawned.value
           // Interruptible (a fiber forked here would inherit this region's mask): the daemon's
           // close interrupts it, whether or not its worker has exited by then.
-          yield* fork(Effect.interruptible(Effect.zipRight(Deferred.await(worker.exited), release)))
+          yield* fork(Effect.interruptible(Effect.zipRight(Deferred.await(worker.exited), release(worker))))
           return worker
         })
       )
-    return { withSlot, waiting: () => waiting }
+    return {
+      withSlot,
+      wanted: () => Math.max(0, waiting - onTheirWayOut.size),
+      leaving: (worker) => void onTheirWayOut.add(worker),
+      waiting: () => waiting
+    }
   })
