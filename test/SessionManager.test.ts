@@ -116,6 +116,16 @@ const open = (sm: Manager, name = "c1") =>
 const waitReady = (conn: MemoryConnection) =>
   waitFor("a ready, idle session", () => statuses(seq(conn)).at(-1) === "ready/idle", 5_000)
 
+/** A new session in the middle of a turn: the tool call of its `/sleep 10000` has started. */
+const openInToolCall = (sm: Manager) =>
+  Effect.gen(function*() {
+    const { conn, id } = yield* open(sm)
+    yield* waitReady(conn)
+    yield* prompt(sm, id, "/sleep 10000")
+    yield* waitFor("tool_execution_start", () => eventTypes(seq(conn)).includes("tool_execution_start"))
+    return { conn, id }
+  })
+
 /** Prompts and waits for the turn's end and its idle status. */
 const runTurn = (sm: Manager, id: string, conn: MemoryConnection, message: string) =>
   Effect.gen(function*() {
@@ -696,10 +706,7 @@ describe("SessionManager (in-process)", () => {
       withCore({}, (ctl) =>
         Effect.gen(function*() {
           const sm = yield* SessionManager
-          const { conn, id } = yield* open(sm)
-          yield* waitReady(conn)
-          yield* prompt(sm, id, "/sleep 10000")
-          yield* waitFor("tool_execution_start", () => eventTypes(seq(conn)).includes("tool_execution_start"))
+          const { conn, id } = yield* openInToolCall(sm)
           const start = seq(conn).length
           const first = yield* workerOf(id)
           ctl.loadGate.close()
@@ -745,10 +752,7 @@ describe("SessionManager (in-process)", () => {
       withCore({}, () =>
         Effect.gen(function*() {
           const sm = yield* SessionManager
-          const { conn, id } = yield* open(sm)
-          yield* waitReady(conn)
-          yield* prompt(sm, id, "/sleep 10000")
-          yield* waitFor("tool_execution_start", () => eventTypes(seq(conn)).includes("tool_execution_start"))
+          const { conn, id } = yield* openInToolCall(sm)
           const checkpoint = yield* Effect.fork(sm.checkpoint(id))
           yield* barrier(sm, id)
           ;(yield* workerOf(id)).kill()
@@ -858,10 +862,7 @@ describe("SessionManager (in-process)", () => {
       withCore({}, (ctl) =>
         Effect.gen(function*() {
           const sm = yield* SessionManager
-          const { conn, id } = yield* open(sm)
-          yield* waitReady(conn)
-          yield* prompt(sm, id, "/sleep 10000")
-          yield* waitFor("tool_execution_start", () => eventTypes(seq(conn)).includes("tool_execution_start"))
+          const { conn, id } = yield* openInToolCall(sm)
           const start = seq(conn).length
           ctl.crashAfter = (f) => f["eventType"] === "turn_interrupted"
           ;(yield* workerOf(id)).kill()
@@ -884,10 +885,7 @@ describe("SessionManager (in-process)", () => {
       withCore({}, (ctl) =>
         Effect.gen(function*() {
           const sm = yield* SessionManager
-          const { conn, id } = yield* open(sm)
-          yield* waitReady(conn)
-          yield* prompt(sm, id, "/sleep 10000")
-          yield* waitFor("tool_execution_start", () => eventTypes(seq(conn)).includes("tool_execution_start"))
+          const { conn, id } = yield* openInToolCall(sm)
           const start = seq(conn).length
           // The replacement reports the cut turn; its worker_ready is not read yet.
           ctl.pauseAfter = (f) => f["eventType"] === "turn_interrupted"
@@ -1011,10 +1009,7 @@ describe("SessionManager (in-process)", () => {
       withCore({ maxRestarts: 2 }, (ctl) =>
         Effect.gen(function*() {
           const sm = yield* SessionManager
-          const { conn, id } = yield* open(sm)
-          yield* waitReady(conn)
-          yield* prompt(sm, id, "/sleep 10000")
-          yield* waitFor("tool_execution_start", () => eventTypes(seq(conn)).includes("tool_execution_start"))
+          const { conn, id } = yield* openInToolCall(sm)
           const checkpoint = yield* Effect.fork(sm.checkpoint(id))
           yield* barrier(sm, id)
           yield* Ref.set(ctl.failing, "no spawn")
@@ -1515,10 +1510,7 @@ describe("SessionManager (in-process)", () => {
         const before = yield* withCore({}, () =>
           Effect.gen(function*() {
             const sm = yield* SessionManager
-            const { conn, id } = yield* open(sm)
-            yield* waitReady(conn)
-            yield* prompt(sm, id, "/sleep 10000")
-            yield* waitFor("tool_execution_start", () => eventTypes(seq(conn)).includes("tool_execution_start"))
+            const { conn, id } = yield* openInToolCall(sm)
             return { id, lines: seq(conn) }
           }), stored)
         // The journal still says busy; the log got the turn's end, as it does just before the
