@@ -84,6 +84,29 @@ describe("WorkerSlots", () => {
       yield* exit(b)
     }))
 
+  it.scopedLive("a worker that exited before its session gave it up is not counted on its way out", () =>
+    Effect.gen(function*() {
+      const { onWait, slots } = yield* setup(2)
+      const a = yield* slots.withSlot(fakeWorker(1), onWait)
+      const b = yield* slots.withSlot(fakeWorker(2), onWait)
+      // a dies (killed while its session is idle); c takes its slot.
+      const c = yield* Effect.fork(slots.withSlot(fakeWorker(3), onWait))
+      yield* settle
+      yield* exit(a)
+      const w3 = yield* Fiber.join(c)
+      const d = yield* Effect.fork(slots.withSlot(fakeWorker(4), onWait))
+      yield* settle
+      assert.strictEqual(slots.wanted(), 1)
+      // a's session, between turns, passivates before it has seen a's exit.
+      slots.leaving(a)
+      assert.strictEqual(slots.wanted(), 1, "d still needs a worker to give up its slot")
+      slots.leaving(b)
+      assert.strictEqual(slots.wanted(), 0)
+      yield* exit(b)
+      assert.strictEqual((yield* Fiber.join(d)).pid, 4)
+      yield* exit(w3)
+    }))
+
   it.scopedLive("waiters are served first come, first served", () =>
     Effect.gen(function*() {
       const { onWait, slots } = yield* setup(1)

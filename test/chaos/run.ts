@@ -849,7 +849,15 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
     reconnectAt.clear()
     const c = commanders[0]!
     await waitUntil(() => commanders.every((x) => x.pendingCount === 0), 60_000)
-    await Promise.all(liveSessions().map((s) => s.done))
+    // Each driver ends its loop once its turn has ended: bounded, so that a wedged session is
+    // reported (with its state) rather than waited for forever.
+    const ended = new Set<SessionCtl>()
+    for (const ctl of liveSessions()) void ctl.done.then(() => ended.add(ctl))
+    if (!(await waitUntil(() => liveSessions().every((ctl) => ended.has(ctl)), SETTLE_BOUND_MS)) && !stopped()) {
+      const wedged = liveSessions().filter((ctl) => !ended.has(ctl))
+      const states = await Promise.all(wedged.map((ctl) => send(c, { type: "get_state", activeSessionId: ctl.id })))
+      check("every driver's turn ends", false, () => `after ${SETTLE_BOUND_MS} ms: ${states.map((r) => JSON.stringify(r?.["data"] ?? r)).join("; ")}`)
+    }
     if (stopped()) return
     // Every session: poisons may have overlapped a heal that then cleared the flag.
     for (const ctl of liveSessions()) await heal(ctl, kinds.includes("spawn_fail"))

@@ -35,11 +35,16 @@ export const make = (max: number, fork: (effect: Effect.Effect<void>) => Effect.
     const semaphore = yield* Effect.makeSemaphore(max)
     let held = 0
     let waiting = 0
+    /** The workers holding a slot (until their exit). */
+    const holders = new Set<WorkerHandle>()
     const onTheirWayOut = new Set<WorkerHandle>()
     const release = (worker: WorkerHandle | undefined) =>
       Effect.suspend(() => {
         held--
-        if (worker !== undefined) onTheirWayOut.delete(worker)
+        if (worker !== undefined) {
+          holders.delete(worker)
+          onTheirWayOut.delete(worker)
+        }
         return semaphore.release(1)
       })
     const take = (onWait: Effect.Effect<void>) =>
@@ -63,6 +68,7 @@ export const make = (max: number, fork: (effect: Effect.Effect<void>) => Effect.
             return yield* spawned
           }
           const worker = spawned.value
+          holders.add(worker)
           // Interruptible (a fiber forked here would inherit this region's mask): the daemon's
           // close interrupts it, whether or not its worker has exited by then.
           yield* fork(Effect.interruptible(Effect.zipRight(Deferred.await(worker.exited), release(worker))))
@@ -72,7 +78,11 @@ export const make = (max: number, fork: (effect: Effect.Effect<void>) => Effect.
     return {
       withSlot,
       wanted: () => Math.max(0, waiting - onTheirWayOut.size),
-      leaving: (worker) => void onTheirWayOut.add(worker),
+      // A worker that has exited already (killed while its session was idle, say) frees nothing
+      // more: counted, it would hide a waiting spawn for good.
+      leaving: (worker) => {
+        if (holders.has(worker)) onTheirWayOut.add(worker)
+      },
       waiting: () => waiting
     }
   })
