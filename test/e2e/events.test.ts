@@ -652,6 +652,9 @@ describe("attach and replay", () => {
     const d = shared()
     const a = await d.connect("a")
     const { id } = await createSession(a)
+    // Ready first: a `ready` status sent live to the first attachment between the two attaches
+    // would be taken for the second one's replay (which then comes after it).
+    await waitIdle(a, id)
     await attachAndReplay(a, { activeSessionId: id })
     const second = await attachAndReplay(a, { activeSessionId: id })
     a.drain()
