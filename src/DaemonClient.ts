@@ -601,7 +601,13 @@ const turnOf = (
       Effect.gen(function*() {
         if (last !== undefined && !Cursor.isAfter(cursor, last)) return false
         last = cursor
-        if ((yield* stateNow).busy) return false
+        if ((yield* stateNow).busy) {
+          // The prompt was accepted before this stream runs, so its turn has started: the turn
+          // running now is this one (the end of one before it, and its idle status, may be
+          // inside the snapshot; waiting for that status would skip this turn whole).
+          previousTurnRunning = false
+          return false
+        }
         ended = true
         return true
       })
