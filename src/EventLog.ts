@@ -158,6 +158,25 @@ export interface EventLogService {
    * must not use the session concurrently with `remove`; afterwards the id starts a fresh log.
    */
   readonly remove: (sessionId: string, options?: { readonly archiveTo?: string }) => Effect.Effect<void, EventLogError>
+  /**
+   * Repairs a damaged log (docs/protocol.md section 6, damaged sessions): every record before
+   * the first one that is not what this module writes is kept; the rest of that segment and
+   * every later segment are moved aside, next to them (`<g>.jsonl.damaged-<time>`), never
+   * deleted. `None` when the log is whole. The caller must not use the session meanwhile.
+   */
+  readonly repair: (sessionId: string) => Effect.Effect<Option.Option<EventLogRepair>, EventLogError>
+}
+
+/** What {@link EventLogService.repair} moved aside. */
+export interface EventLogRepair {
+  /** The segment where the damage starts, and its first bad line (1-based). */
+  readonly file: string
+  readonly line: number
+  /** The files the damaged bytes now live in, and how many bytes moved. */
+  readonly movedTo: ReadonlyArray<string>
+  readonly bytes: number
+  /** A readable sentence saying all of it. */
+  readonly message: string
 }
 
 /** The event log service. */
@@ -398,6 +417,31 @@ interface Handle {
 
 const failOp = (op: Op, error: EventLogError): void => op.resume(Effect.fail(error))
 
+/**
+ * Where a segment's damage starts: the byte offset and 1-based number of its first line that is
+ * not what this module writes (the header, then the record of sequence k on line k + 2);
+ * `undefined` when it is whole. Bytes after the last `\n` of the newest segment are a torn
+ * write (cut on open), not damage; in an older segment, which was complete, they are.
+ */
+export const firstDamage = (
+  bytes: Buffer,
+  generation: number,
+  newest: boolean
+): { readonly offset: number; readonly line: number } | undefined => {
+  let offset = 0
+  for (let index = 0; offset < bytes.length; index++) {
+    const nl = bytes.indexOf(0x0a, offset)
+    if (nl === -1) return newest ? undefined : { offset, line: index + 1 }
+    const text = bytes.toString("utf8", offset, nl)
+    const whole = index === 0
+      ? parseHeader(text, generation) !== undefined
+      : parseRecord(text, generation)?.cursor.sequence === index - 1
+    if (!whole) return { offset, line: index + 1 }
+    offset = nl + 1
+  }
+  return offset === 0 ? { offset: 0, line: 1 } : undefined
+}
+
 const segmentPath = (h: Handle, generation: number) => path.join(h.eventsDir, `${generation}.jsonl`)
 
 const SEGMENT_NAME = /^([1-9][0-9]*)\.jsonl$/
@@ -430,29 +474,27 @@ const readRange = (sid: string, fd: number, start: number, end: number): Effect.
   })
 
 /**
- * Recovers the newest segment after a crash: drops a torn tail (bytes after the last `\n`) and
- * then any last lines that fail to parse, until the last line is a valid record or the header.
+ * Recovers the newest segment after a crash: drops a torn tail (bytes after the last `\n`: a
+ * write cut by the crash, never acknowledged). A whole last line that is not a record is not
+ * a torn write but damage: it fails `Corrupt` (see `repair`), its bytes are never dropped here.
  */
 const recoverSegment = (sid: string, fd: number, file: string, generation: number, repair: boolean) =>
   Effect.gen(function*() {
     const size = yield* fsFstatSize(sid, fd)
-    let end = size
     // The bytes after the last newline were never acknowledged: a write cut by the crash.
-    end = yield* lineStartBefore(sid, fd, end)
-    let result: { count: number; last: Option.Option<Cursor.Cursor> } | undefined
-    while (result === undefined) {
-      if (end === 0) return yield* Effect.fail(fail("Corrupt", sid, `${file} has no segment header`))
-      const start = yield* lineStartBefore(sid, fd, end - 1)
-      const text = yield* readRange(sid, fd, start, end - 1)
-      if (start === 0) {
-        const header = parseHeader(text, generation)
-        if (header === undefined) return yield* Effect.fail(fail("Corrupt", sid, `${file} has an invalid segment header`))
-        result = { count: 0, last: header.after }
-      } else {
-        const record = parseRecord(text, generation)
-        if (record !== undefined) result = { count: record.cursor.sequence + 1, last: Option.some(record.cursor) }
-        else end = start
-      }
+    const end = yield* lineStartBefore(sid, fd, size)
+    if (end === 0) return yield* Effect.fail(fail("Corrupt", sid, `${file} has no segment header`))
+    const start = yield* lineStartBefore(sid, fd, end - 1)
+    const text = yield* readRange(sid, fd, start, end - 1)
+    let result: { count: number; last: Option.Option<Cursor.Cursor> }
+    if (start === 0) {
+      const header = parseHeader(text, generation)
+      if (header === undefined) return yield* Effect.fail(fail("Corrupt", sid, `${file} has an invalid segment header`))
+      result = { count: 0, last: header.after }
+    } else {
+      const record = parseRecord(text, generation)
+      if (record === undefined) return yield* Effect.fail(fail("Corrupt", sid, `${file}: its last line is not a record`))
+      result = { count: record.cursor.sequence + 1, last: Option.some(record.cursor) }
     }
     if (end < size && repair) {
       yield* fsTruncate(sid, fd, end)
@@ -1035,6 +1077,65 @@ export const make = (options: EventLogOptions): Effect.Effect<EventLogService, E
       }
     )
 
+    const repair = Effect.fn("EventLog.repair")(function*(sessionId: string) {
+      if (readOnly) return yield* refuseWrite(sessionId)
+      const open = handles.get(sessionId)
+      if (open !== undefined) yield* kill(open, fail("Closed", sessionId, "the session's event log is being repaired"))
+      const name = sanitizeSessionId(sessionId)
+      if (name._tag === "Left") return yield* Effect.fail(name.left)
+      const eventsDir = path.join(root, name.right, "events")
+      const segments = (yield* fsReaddir(sessionId, eventsDir).pipe(
+        Effect.catchIf(isNotFound, () => Effect.succeed<Array<string>>([]))
+      )).flatMap((entry) => {
+        const match = SEGMENT_NAME.exec(entry)
+        return match === null ? [] : [Number(match[1])]
+      }).sort((a, b) => a - b)
+      for (const [i, generation] of segments.entries()) {
+        const file = path.join(eventsDir, `${generation}.jsonl`)
+        const bytes = yield* io<Buffer>(sessionId, `read ${file}`, (cb) => fs.readFile(file, cb))
+        const damage = firstDamage(bytes, generation, i === segments.length - 1)
+        if (damage === undefined) continue
+        const suffix = `.damaged-${new Date().toISOString().replace(/[:.]/g, "-")}`
+        const movedTo: Array<string> = []
+        let moved = 0
+        if (damage.offset === 0) {
+          yield* fsRename(sessionId, file, file + suffix)
+        } else {
+          // The damaged bytes are durable in their new file before the segment gives them up.
+          yield* Effect.acquireUseRelease(
+            fsOpen(sessionId, file + suffix, "wx", 0o600),
+            (fd) => Effect.zipRight(fsWriteAll(sessionId, fd, bytes.subarray(damage.offset), 0), fsDataSync(sessionId, fd)),
+            fsCloseQuiet
+          )
+          yield* Effect.acquireUseRelease(
+            fsOpen(sessionId, file, "r+"),
+            (fd) => Effect.zipRight(fsTruncate(sessionId, fd, damage.offset), fsDataSync(sessionId, fd)),
+            fsCloseQuiet
+          )
+        }
+        movedTo.push(file + suffix)
+        moved += bytes.length - damage.offset
+        for (const later of segments.slice(i + 1)) {
+          const laterFile = path.join(eventsDir, `${later}.jsonl`)
+          moved += yield* io<fs.Stats>(sessionId, `stat ${laterFile}`, (cb) => fs.stat(laterFile, cb)).pipe(Effect.map((st) => st.size))
+          yield* fsRename(sessionId, laterFile, laterFile + suffix)
+          movedTo.push(laterFile + suffix)
+        }
+        yield* fsyncDir(sessionId, eventsDir)
+        const later = segments.length - 1 - i
+        return Option.some<EventLogRepair>({
+          file,
+          line: damage.line,
+          movedTo,
+          bytes: moved,
+          message: `${file}: line ${damage.line} is not a record of the log; the ${moved} bytes from there on` +
+            `${later > 0 ? ` (with ${later} later generation${later === 1 ? "" : "s"})` : ""} were moved aside to ` +
+            movedTo.map((f) => path.basename(f)).join(", ")
+        })
+      }
+      return Option.none<EventLogRepair>()
+    })
+
     return EventLog.of({
       append,
       appendAll,
@@ -1047,7 +1148,8 @@ export const make = (options: EventLogOptions): Effect.Effect<EventLogService, E
       generationStart,
       status,
       prune,
-      remove
+      remove,
+      repair
     })
   })
 
@@ -1205,7 +1307,9 @@ export const makeMemory: Effect.Effect<EventLogService> = Effect.sync(() => {
       }),
     status: (sessionId) => Effect.map(sessionFor(sessionId), statusOf),
     prune,
-    remove
+    remove,
+    // Nothing in memory is ever damaged.
+    repair: () => Effect.succeed(Option.none())
   })
 })
 

@@ -123,7 +123,7 @@ export const AgentEvent = Schema.Union(
 export type AgentEvent = typeof AgentEvent.Type
 
 /** The lifecycle state of a session's worker. */
-export const WorkerState = Schema.Literal("starting", "ready", "recovering", "passivated", "failed", "closed")
+export const WorkerState = Schema.Literal("starting", "ready", "recovering", "passivated", "failed", "damaged", "closed")
 export type WorkerState = typeof WorkerState.Type
 
 /** What `list`, `get_state` and `session_status` report about a session. */
@@ -138,7 +138,9 @@ export const SessionSummary = Schema.Struct({
   workerPid: optional(Schema.Int),
   restarts: NonNegativeInt,
   telemetry: Schema.Boolean,
-  lastEventCursor: optional(Cursor)
+  lastEventCursor: optional(Cursor),
+  /** Why a `damaged` session's files did not load (docs/protocol.md section 6). */
+  damage: optional(Schema.Struct({ reason: Schema.String }))
 })
 export type SessionSummary = typeof SessionSummary.Type
 
@@ -249,6 +251,7 @@ export const ErrorCode = Schema.Literal(
   "session_not_found",
   "session_busy",
   "session_failed",
+  "session_damaged",
   "telemetry_policy_violation",
   "shutting_down",
   "internal"

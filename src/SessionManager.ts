@@ -33,16 +33,17 @@ import * as Queue from "effect/Queue"
 import * as Scope from "effect/Scope"
 import * as Stream from "effect/Stream"
 import { randomUUID } from "node:crypto"
+import * as path from "node:path"
 import * as Cursor from "./Cursor.js"
 import { DaemonConfig } from "./DaemonConfig.js"
 import { Engine } from "./Engine.js"
 import { EventLog } from "./EventLog.js"
 import { makeDelivery } from "./internal/delivery/attach.js"
-import type { LoggedBody } from "./internal/delivery/wireLines.js"
+import { bodyMessage, type LoggedBody, logged } from "./internal/delivery/wireLines.js"
 import { makeCheckpoints } from "./internal/session/checkpoint.js"
 import { makeEntity } from "./internal/session/entity.js"
 import type { Input, Phase } from "./internal/session/phase.js"
-import { CommandError, internal, makeCore, READ_GATE_PERMITS, type Session } from "./internal/session/session.js"
+import { CommandError, internal, makeCore, notFound, READ_GATE_PERMITS, type Session } from "./internal/session/session.js"
 import * as WorkerSlots from "./internal/session/workerSlots.js"
 import { makeSupervisor } from "./internal/session/supervisor.js"
 import type * as Protocol from "./Protocol.js"
@@ -277,9 +278,13 @@ export const make = Effect.gen(function*() {
       let endsWithTurnEnd = false
       s.snapshotCursor = isCurrent ? after : undefined
       s.baseMessageCount = s.messageCount
-      yield* log.read(id, after).pipe(
+      if (Option.isSome(snapshot)) yield* store.checkTranscript(id, snapshot.value.header.generation)
+      // Every retained event is read, not only those after the snapshot: damage anywhere in the
+      // log is found now (and repaired, see `admit`), not by a client's replay later.
+      yield* log.read(id).pipe(
         Stream.runForEach((r) =>
           Effect.sync(() => {
+            if (after !== undefined && Cursor.compare(r.cursor, after) <= 0) return
             const body = r.event as unknown as LoggedBody
             if (body.type === "session_event" && body.event.type === "message_end") s.messageCount++
             if (body.type === "session_status") lastStatusBusy = body.state.busy
@@ -296,86 +301,229 @@ export const make = Effect.gen(function*() {
       return { session: s, lastStatusBusy, endsWithTurnEnd }
     })
 
-  const metas = yield* store.list().pipe(Effect.orDie)
+  // ------------------------------------------------------------------------------------------
+  // Damaged sessions: their files did not load. Kept, listed and readable; never dropped.
+  // ------------------------------------------------------------------------------------------
+
+  /** A session whose files did not load (`meta` when its metadata could be read). */
+  interface Damaged {
+    readonly activeSessionId: string
+    readonly meta: SessionMeta | undefined
+    readonly reason: string
+    readonly messageCount: number
+    readonly lastCursor: Cursor.Cursor | undefined
+  }
+  const damaged = new Map<string, Damaged>()
+  /** Retry and kill of damaged sessions, one at a time (each moves a session in or out of the maps). */
+  const damagedLock = yield* Effect.makeSemaphore(1)
+
+  const damagedSummary = (d: Damaged): SessionSummary => ({
+    activeSessionId: d.activeSessionId,
+    ...(d.meta?.name === undefined ? {} : { name: d.meta.name }),
+    engine: d.meta?.engine ?? "unknown",
+    createdAt: d.meta?.createdAt ?? "",
+    messageCount: d.messageCount,
+    busy: false,
+    worker: "damaged",
+    restarts: 0,
+    telemetry: d.meta?.telemetry ?? false,
+    ...(d.lastCursor === undefined ? {} : { lastEventCursor: d.lastCursor }),
+    damage: { reason: d.reason }
+  })
+
+  const damagedError = (d: Damaged) =>
+    new CommandError({
+      code: "session_damaged",
+      message: `Session \`${d.activeSessionId}\` is damaged (${d.reason}). What can be read stays readable (get_messages); ` +
+        "retry_worker loads it again, kill archives it."
+    })
+
+  /**
+   * What can be read of a damaged session: its latest transcript up to the first line that does
+   * not load, then, if that was whole, the messages of the events after it up to the first bad one.
+   */
+  const readableMessages = (id: string): Stream.Stream<AgentMessage> =>
+    Stream.unwrap(Effect.gen(function*() {
+      const latest = yield* Effect.either(store.latestSnapshot(id))
+      const snapshot = Either.isRight(latest) ? Option.getOrUndefined(latest.right) : undefined
+      let whole = Either.isRight(latest)
+      const base: Stream.Stream<AgentMessage> = snapshot === undefined
+        ? Stream.empty
+        : store.readSnapshot(id, snapshot.header.generation).pipe(
+          Stream.map((m) => m as AgentMessage),
+          Stream.catchAll(() => Stream.suspend(() => (whole = false, Stream.empty)))
+        )
+      const after = snapshot?.header.cursor
+      const events = log.read(id, after).pipe(
+        Stream.catchAll(() => Stream.empty),
+        Stream.filterMap((r) => {
+          const body = r.event as unknown as LoggedBody
+          return body.type === "session_event" && body.event.type === "message_end"
+            ? Option.some((body.event as unknown as { readonly message: AgentMessage }).message)
+            : Option.none()
+        })
+      )
+      return Stream.concat(base, Stream.suspend(() => (whole ? events : Stream.empty)))
+    }))
+
+  /** Registers a damaged session: logged, listed, and (when its log was repaired) said in its history. */
+  const markDamaged = (id: string, meta: SessionMeta | undefined, reason: string, repaired: boolean) =>
+    Effect.gen(function*() {
+      const messageCount = yield* Stream.runCount(readableMessages(id))
+      const lastCursor = Option.getOrUndefined(yield* Effect.orElseSucceed(log.lastCursor(id), () => Option.none()))
+      const d: Damaged = { activeSessionId: id, meta, reason, messageCount, lastCursor }
+      yield* Effect.logError(`session ${id} is damaged: ${reason}`)
+      if (repaired && meta !== undefined) {
+        // The repaired log takes appends again: the notice is part of the session's history.
+        const notice = { type: "session_status", state: damagedSummary(d) }
+        const cursor = yield* Effect.either(log.append(id, logged(bodyMessage(notice as LoggedBody), Date.now())))
+        if (Either.isRight(cursor)) {
+          damaged.set(id, { ...d, lastCursor: cursor.right })
+          return
+        }
+      }
+      damaged.set(id, d)
+    })
+
+  /**
+   * Loads a session from its files and starts its entity; a session that does not load is kept
+   * as damaged, after its event log's damage (if that is what failed) was moved aside.
+   */
+  const admit = (meta: SessionMeta, journalBusy: boolean) =>
+    Effect.gen(function*() {
+      const loaded = yield* Effect.either(loadSession(meta))
+      if (Either.isLeft(loaded)) {
+        const error = loaded.left
+        let reason = error.message
+        let repaired = false
+        if (error._tag === "EventLogError" && error.reason === "Corrupt") {
+          const repair = yield* Effect.either(log.repair(meta.activeSessionId))
+          if (Either.isRight(repair) && Option.isSome(repair.right)) {
+            reason = repair.right.value.message
+            repaired = true
+          } else if (Either.isLeft(repair)) {
+            reason = `${reason} (repair failed: ${repair.left.message})`
+          }
+        }
+        yield* markDamaged(meta.activeSessionId, meta, reason, repaired)
+        return Option.none<Session>()
+      }
+      const { session: s, lastStatusBusy, endsWithTurnEnd } = loaded.right
+      if (journalBusy && !endsWithTurnEnd) {
+        // It was running a turn when the daemon died: restored now, and the cut turn reported.
+        s.cutTurn = { _tag: "InterruptOwed", reason: "daemon_restarted" }
+        yield* post(s, { _tag: "Restore" })
+      } else if (lastStatusBusy || endsWithTurnEnd) {
+        // The daemon died between a turn's end and its idle status: the status is owed (and the
+        // journal's idle record, if the end was logged but not journaled: that turn is not cut).
+        if (journalBusy) yield* record(s, false, "turn_end")
+        yield* Effect.catchAllCause(publishStatus(s), (cause) => Effect.logError(`session ${meta.activeSessionId}: idle status`, cause))
+      }
+      yield* register(s)
+      return Option.some(s)
+    })
+
+  /** `retry_worker` of a damaged session: loads it again (its metadata too). */
+  const retryDamaged = (d: Damaged) =>
+    damagedLock.withPermits(1)(Effect.gen(function*() {
+      if (damaged.get(d.activeSessionId) !== d) return yield* get(d.activeSessionId).pipe(Effect.map(summary))
+      const meta = yield* Effect.either(store.loadMeta(d.activeSessionId))
+      damaged.delete(d.activeSessionId)
+      if (Either.isLeft(meta)) {
+        yield* markDamaged(d.activeSessionId, undefined, meta.left.message, false)
+      } else {
+        const journalBusy = (yield* journal.latest()).get(d.activeSessionId)?.busy === true
+        const s = yield* admit(meta.right, journalBusy)
+        if (Option.isSome(s)) return summary(s.value)
+      }
+      return yield* Effect.fail(damagedError(damaged.get(d.activeSessionId)!))
+    }))
+
+  /** `kill` of a damaged session: its files move to the archive as they are. */
+  const killDamaged = (d: Damaged) =>
+    damagedLock.withPermits(1)(Effect.gen(function*() {
+      if (damaged.get(d.activeSessionId) !== d) return yield* Effect.fail(notFound(d.activeSessionId))
+      const id = d.activeSessionId
+      yield* Effect.ignoreLogged(journal.forget(id))
+      const dir = yield* store.archive(id).pipe(Effect.mapError(internal("session store")))
+      yield* log.remove(id, { archiveTo: path.join(dir, "events") }).pipe(Effect.mapError(internal("event log")))
+      damaged.delete(id)
+      return {}
+    }))
+
+  /** A command on a session: `live` for a loaded one, `onDamaged` for a damaged one. */
+  const route = <A>(
+    id: string,
+    live: (s: Session) => Effect.Effect<A, CommandError>,
+    onDamaged: (d: Damaged) => Effect.Effect<A, CommandError> = (d) => Effect.fail(damagedError(d))
+  ): Effect.Effect<A, CommandError> =>
+    Effect.suspend(() => {
+      const d = damaged.get(id)
+      return d === undefined ? Effect.flatMap(get(id), live) : onDamaged(d)
+    })
+
+  const listings = yield* store.list().pipe(Effect.orDie)
   const latest = yield* journal.latest()
-  for (const meta of metas) {
-    const loaded = yield* Effect.either(loadSession(meta))
-    if (Either.isLeft(loaded)) {
-      yield* Effect.logError(`cannot load session ${meta.activeSessionId}: ${String(loaded.left)}`)
+  for (const listing of listings) {
+    if (listing._tag === "Unreadable") {
+      yield* markDamaged(listing.activeSessionId, undefined, listing.reason, false)
       continue
     }
-    const { session: s, lastStatusBusy, endsWithTurnEnd } = loaded.right
-    const journalBusy = latest.get(meta.activeSessionId)?.busy === true
-    if (journalBusy && !endsWithTurnEnd) {
-      // It was running a turn when the daemon died: restored now, and the cut turn reported.
-      s.cutTurn = { _tag: "InterruptOwed", reason: "daemon_restarted" }
-      yield* post(s, { _tag: "Restore" })
-    } else if (lastStatusBusy || endsWithTurnEnd) {
-      // The daemon died between a turn's end and its idle status: the status is owed (and the
-      // journal's idle record, if the end was logged but not journaled: that turn is not cut).
-      if (journalBusy) yield* record(s, false, "turn_end")
-      yield* Effect.catchAllCause(publishStatus(s), (cause) => Effect.logError(`session ${meta.activeSessionId}: idle status`, cause))
-    }
-    yield* register(s)
+    yield* admit(listing.meta, latest.get(listing.meta.activeSessionId)?.busy === true)
   }
 
   return SessionManager.of({
     create,
     list: Effect.suspend(() =>
       Effect.forEach([...sessions.values()].filter((s) => !s.closed), (s) => Effect.map(publishedState(s), ({ state }) => state))
-    ).pipe(Effect.map((summaries) => ({ sessions: summaries }))),
+    ).pipe(Effect.map((summaries) => ({ sessions: [...summaries, ...Array.from(damaged.values(), damagedSummary)] }))),
     status: Effect.gen(function*() {
       const live = yield* pool.live
       return {
         supervisorGeneration: info.generation,
         pid: process.pid,
         uptimeMs: Date.now() - info.startedAt,
-        sessions: sessions.size,
+        sessions: sessions.size + damaged.size,
         workers: live.filter((w) => w.activeSessionId !== undefined).map((w) => {
           const s = sessions.get(w.activeSessionId!)
           return { pid: w.pid, activeSessionId: w.activeSessionId!, state: s === undefined ? "closed" : summary(s).worker, restarts: s?.restarts ?? 0 }
         })
       }
     }),
-    attach,
+    attach: (connectionId, outbox, cmd) => route(cmd.activeSessionId, () => attach(connectionId, outbox, cmd)),
     detach: (connectionId, id) =>
-      Effect.gen(function*() {
-        yield* get(id)
-        const a = connections.get(connectionId)?.get(id)
-        if (a !== undefined) detachAttachment(a)
-      }),
+      route(id, () =>
+        Effect.sync(() => {
+          const a = connections.get(connectionId)?.get(id)
+          if (a !== undefined) detachAttachment(a)
+        }), () => Effect.void),
     detachAll: (connectionId) =>
       Effect.sync(() => {
         for (const a of [...(connections.get(connectionId)?.values() ?? [])]) detachAttachment(a)
       }),
     attachedCount: (connectionId) => connections.get(connectionId)?.size ?? 0,
     prompt: (cmd) =>
-      Effect.flatMap(get(cmd.activeSessionId), (s) =>
-        send<{ accepted: true }>(s, (c) => ({ _tag: "Prompt", message: cmd.message, ...c }))),
-    abort: (cmd) =>
-      Effect.flatMap(get(cmd.activeSessionId), (s) =>
-        send<{ aborted: boolean }>(s, (c) => ({ _tag: "Abort", ...c }))),
+      route(cmd.activeSessionId, (s) => send<{ accepted: true }>(s, (c) => ({ _tag: "Prompt", message: cmd.message, ...c }))),
+    abort: (cmd) => route(cmd.activeSessionId, (s) => send<{ aborted: boolean }>(s, (c) => ({ _tag: "Abort", ...c }))),
     // Under the publish lock: a change of state being published is out before it is read here.
-    getState: (id) => Effect.flatMap(get(id), (s) => Effect.map(publishedState(s), ({ state }) => state)),
-    getMessages: (cmd) =>
-      Effect.gen(function*() {
-        const s = yield* get(cmd.activeSessionId)
-        return yield* s.readGate.withPermits(1)(Effect.gen(function*() {
-          const total = s.messageCount
-          const messages = yield* transcript(s).pipe(
-            Stream.drop(cmd.offset ?? 0),
-            Stream.take(cmd.limit ?? 100),
-            Stream.runCollect
-          )
-          return { messages: Chunk.toReadonlyArray(messages), total }
-        }))
-      }),
-    checkpoint: (id) =>
-      Effect.flatMap(get(id), (s) =>
-        send<{ generation: number; snapshotId: string }>(s, (c) => ({ _tag: "Checkpoint", ...c }))),
-    retryWorker: (id) =>
-      Effect.flatMap(get(id), (s) => send<SessionSummary>(s, (c) => ({ _tag: "Retry", ...c }))),
-    kill: (id) => Effect.flatMap(get(id), (s) => send<{}>(s, (c) => ({ _tag: "Kill", ...c }))),
+    getState: (id) =>
+      route(id, (s) => Effect.map(publishedState(s), ({ state }) => state), (d) => Effect.succeed(damagedSummary(d))),
+    getMessages: (cmd) => {
+      const page = <E>(messages: Stream.Stream<AgentMessage, E>) =>
+        messages.pipe(Stream.drop(cmd.offset ?? 0), Stream.take(cmd.limit ?? 100), Stream.runCollect, Effect.map(Chunk.toReadonlyArray))
+      return route(
+        cmd.activeSessionId,
+        (s) =>
+          s.readGate.withPermits(1)(Effect.suspend(() => {
+            const total = s.messageCount
+            return Effect.map(page(transcript(s)), (messages) => ({ messages, total }))
+          })),
+        (d) => Effect.map(page(readableMessages(d.activeSessionId)), (messages) => ({ messages, total: d.messageCount }))
+      )
+    },
+    checkpoint: (id) => route(id, (s) => send<{ generation: number; snapshotId: string }>(s, (c) => ({ _tag: "Checkpoint", ...c }))),
+    retryWorker: (id) => route(id, (s) => send<SessionSummary>(s, (c) => ({ _tag: "Retry", ...c })), retryDamaged),
+    kill: (id) => route(id, (s) => send<{}>(s, (c) => ({ _tag: "Kill", ...c })), killDamaged),
     settleForShutdown
   })
 })

@@ -151,6 +151,18 @@ const ioError = (activeSessionId: string | undefined) => (error: Fsx.FsError): S
     cause: error.cause
   })
 
+/** A session's directory as {@link SessionStoreService.list} finds it. */
+export type SessionListing =
+  | { readonly _tag: "Loaded"; readonly meta: SessionMeta }
+  | { readonly _tag: "Unreadable"; readonly activeSessionId: string; readonly reason: string }
+
+/** The id of a listed session. */
+export const listingId = (listing: SessionListing): string =>
+  listing._tag === "Loaded" ? listing.meta.activeSessionId : listing.activeSessionId
+
+const byCreation = (a: SessionMeta, b: SessionMeta) =>
+  a.createdAt < b.createdAt ? -1 : a.createdAt > b.createdAt ? 1 : a.activeSessionId < b.activeSessionId ? -1 : 1
+
 // ---------------------------------------------------------------------------------------------
 // Service
 
@@ -162,8 +174,11 @@ export interface SessionStoreService {
   readonly saveMeta: (meta: SessionMeta) => Effect.Effect<void, SessionNotFound | SessionStoreError>
   /** The metadata of a session. */
   readonly loadMeta: (activeSessionId: string) => Effect.Effect<SessionMeta, SessionNotFound | SessionStoreError>
-  /** Every live (not archived) session, oldest first; unreadable entries are skipped and logged. */
-  readonly list: () => Effect.Effect<ReadonlyArray<SessionMeta>, SessionStoreError>
+  /**
+   * Every live (not archived) session, oldest first; a session whose metadata cannot be read is
+   * listed too (`Unreadable`, after the others), never skipped: it is shown as damaged.
+   */
+  readonly list: () => Effect.Effect<ReadonlyArray<SessionListing>, SessionStoreError>
   /**
    * Writes the transcript of `header.generation` from messages (a Stream or an iterable), each
    * encoded as one JSON line. `header.messageCount` must equal the number of messages, else the
@@ -222,6 +237,11 @@ export interface SessionStoreService {
     activeSessionId: string,
     generation: number
   ) => Effect.Effect<Option.Option<TranscriptSource>, SessionNotFound | SessionStoreError>
+  /**
+   * Checks, without reading it whole, that a generation's transcript is all there: its file
+   * holds at least the bytes its header names, ending with a whole line (`Corrupt` otherwise).
+   */
+  readonly checkTranscript: (activeSessionId: string, generation: number) => Effect.Effect<void, SessionNotFound | SessionStoreError>
   /** Where the transcript of a generation lives (what the journal records as `sessionFile`). */
   readonly snapshotPath: (activeSessionId: string, generation: number) => string
   /** Deletes the transcripts of generations below `keepFromGeneration`; returns them. */
@@ -529,19 +549,17 @@ export const make = (options: Options): Effect.Effect<SessionStoreService, Sessi
         Effect.mapError(ioError(undefined))
       )
       const metas: Array<SessionMeta> = []
+      const unreadable: Array<SessionListing> = []
       for (const name of names) {
         if (name.startsWith(".")) continue
+        const id = Fsx.segmentId(name)
         const path = nodePath.join(paths.sessions, name, "meta.json")
-        const found = yield* readMetaFile(name, path).pipe(
-          Effect.catchAll((error) =>
-            Effect.as(Effect.logWarning(`session store: skipping ${name}: ${error.message}`), Option.none())
-          )
-        )
-        if (Option.isSome(found)) metas.push(found.value)
+        const found = yield* Effect.either(readMetaFile(name, path))
+        if (Either.isRight(found) && Option.isSome(found.right)) metas.push(found.right.value)
+        else if (id === undefined) yield* Effect.logWarning(`session store: ${name} names no session; left alone`)
+        else unreadable.push({ _tag: "Unreadable", activeSessionId: id, reason: Either.isLeft(found) ? found.left.detail : `${path} is missing` })
       }
-      return metas.sort((a, b) =>
-        a.createdAt < b.createdAt ? -1 : a.createdAt > b.createdAt ? 1 : a.activeSessionId < b.activeSessionId ? -1 : 1
-      )
+      return [...metas.sort(byCreation).map((meta): SessionListing => ({ _tag: "Loaded", meta })), ...unreadable]
     })
 
     const writeSnapshotLines = <E = never, R = never>(
@@ -705,6 +723,26 @@ export const make = (options: Options): Effect.Effect<SessionStoreService, Sessi
     const readSnapshot = (id: string, generation: number): Stream.Stream<unknown, SessionNotFound | SessionStoreError> =>
       parseLines(id, paths.snapshotFile(id, generation), readSnapshotLines(id, generation))
 
+    const checkTranscript = Effect.fn("SessionStore.checkTranscript")(function*(id: string, generation: number) {
+      const source = yield* transcriptSource(id, generation)
+      if (Option.isNone(source) || source.value.end === source.value.start) return
+      const { path, end } = source.value
+      const last = yield* Fsx.attempt("read", path, async () => {
+        const file = await fsp.open(path, "r")
+        try {
+          const size = (await file.stat()).size
+          const byte = Buffer.alloc(1)
+          if (size >= end) await file.read(byte, 0, 1, end - 1)
+          return { size, byte: byte[0] }
+        } finally {
+          await file.close()
+        }
+      }).pipe(Effect.mapError(ioError(id)))
+      const corrupt = (detail: string) => new SessionStoreError({ reason: "Corrupt", detail: `${path}: ${detail}`, activeSessionId: id, path })
+      if (last.size < end) return yield* corrupt(`holds ${last.size} bytes, generation ${generation}'s transcript needs ${end}`)
+      if (last.byte !== 0x0a) return yield* corrupt(`generation ${generation}'s transcript does not end with a whole line`)
+    })
+
     const transcriptSource = Effect.fn("SessionStore.transcriptSource")(function*(id: string, generation: number) {
       yield* requireSession(id)
       const header = yield* headerOf(id, generation)
@@ -800,6 +838,7 @@ export const make = (options: Options): Effect.Effect<SessionStoreService, Sessi
       readSnapshot,
       readSnapshotLines,
       transcriptSource,
+      checkTranscript,
       snapshotPath: paths.snapshotFile,
       pruneSnapshots,
       archive
@@ -911,9 +950,7 @@ export const makeMemory: Effect.Effect<SessionStoreService> = Effect.gen(functio
     }),
     list: Effect.fn("SessionStore.list")(function*() {
       const all = yield* Ref.get(sessions)
-      return Array.from(all.values(), (s) => s.meta).sort((a, b) =>
-        a.createdAt < b.createdAt ? -1 : a.createdAt > b.createdAt ? 1 : a.activeSessionId < b.activeSessionId ? -1 : 1
-      )
+      return Array.from(all.values(), (s) => s.meta).sort(byCreation).map((meta): SessionListing => ({ _tag: "Loaded", meta }))
     }),
     writeSnapshot: (id, header, messages) => writeSnapshotLines(id, header, encodeMessages(id, messages)),
     writeSnapshotLines,
@@ -930,6 +967,7 @@ export const makeMemory: Effect.Effect<SessionStoreService> = Effect.gen(functio
       parseLines(id, paths.snapshotFile(id, generation), readSnapshotLines(id, generation)),
     readSnapshotLines,
     transcriptSource: () => Effect.succeed(Option.none()),
+    checkTranscript: () => Effect.void,
     snapshotPath: paths.snapshotFile,
     pruneSnapshots: Effect.fn("SessionStore.pruneSnapshots")(function*(id: string, keepFromGeneration: number) {
       const session = yield* getSession(id)

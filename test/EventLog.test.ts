@@ -435,7 +435,7 @@ describe("EventLog (file only)", () => {
       }))
     }))
 
-  it.scoped("reopen truncates a torn tail: a line without newline, then lines that fail to parse", () =>
+  it.scoped("reopen truncates a torn tail (a line without newline); whole lines that fail to parse are damage, repaired aside", () =>
     Effect.gen(function*() {
       const root = yield* tempDir
       yield* withLog(root, Effect.gen(function*() {
@@ -451,16 +451,91 @@ describe("EventLog (file only)", () => {
         assert.deepStrictEqual(yield* log.lastCursor("s"), Option.some(Cursor.make(1, 2)))
       }))
       assert.deepStrictEqual(fs.readFileSync(file), good)
-      // Complete lines that do not parse (garbage, zero fill, a record of another generation).
-      fs.appendFileSync(file, "not json\n\0\0\0\0\n{\"cursor\":{\"generation\":7,\"sequence\":3},\"event\":{}}\n\0\0")
+      // Complete lines that do not parse (garbage, zero fill, a record of another generation) are
+      // not a torn write but damage: the log does not open until it is repaired, and the repair
+      // moves them aside whole, never dropping a byte.
+      const garbage = "not json\n\0\0\0\0\n{\"cursor\":{\"generation\":7,\"sequence\":3},\"event\":{}}\n\0\0"
+      fs.appendFileSync(file, garbage)
       yield* withLog(root, Effect.gen(function*() {
         const log = yield* EventLog.EventLog
+        assert.strictEqual((yield* Effect.flip(log.lastCursor("s"))).reason, "Corrupt")
+        const repair = yield* log.repair("s")
+        assert.isTrue(Option.isSome(repair))
+        if (Option.isSome(repair)) {
+          assert.strictEqual(repair.value.line, 5)
+          assert.strictEqual(repair.value.movedTo.length, 1)
+          assert.strictEqual(fs.readFileSync(repair.value.movedTo[0]!, "utf8"), garbage)
+          assert.strictEqual(fs.statSync(repair.value.movedTo[0]!).mode & 0o777, 0o600)
+        }
+        assert.deepStrictEqual(yield* log.repair("s"), Option.none())
         assert.deepStrictEqual(yield* log.lastCursor("s"), Option.some(Cursor.make(1, 2)))
         assert.deepStrictEqual(yield* log.append("s", { i: 3 }), Cursor.make(1, 3))
         assert.deepStrictEqual((yield* readAll("s")).map((r) => r.event), range(4).map((i) => ({ i })))
       }))
       assert.isTrue(fs.readFileSync(file, "utf8").endsWith("{\"i\":3}}\n"))
     }))
+
+  it.scoped("repair: damage in an older generation keeps what is before it and moves it and every later generation aside", () =>
+    Effect.gen(function*() {
+      const root = yield* tempDir
+      yield* withLog(root, Effect.gen(function*() {
+        const log = yield* EventLog.EventLog
+        for (const i of range(4)) yield* log.append("s", { i })
+        yield* log.startGeneration("s")
+        for (const i of range(3)) yield* log.append("s", { g: 2, i })
+        yield* log.startGeneration("s")
+        yield* log.append("s", { g: 3 })
+      }))
+      const first = segment(root, "s", 1)
+      const original = fs.readFileSync(first)
+      const later = [2, 3].map((g) => fs.readFileSync(segment(root, "s", g)))
+      // The record of sequence 2 (line 4) loses its cursor's shape; the file stays the same size.
+      const text = original.toString("utf8")
+      const at = text.split("\n").slice(0, 3).join("\n").length + 1
+      const damaged = Buffer.from(original)
+      damaged.write("{\"cursor\":{\"gen", at, "utf8")
+      damaged.write("X", at + 14, "utf8")
+      fs.writeFileSync(first, damaged)
+      yield* withLog(root, Effect.gen(function*() {
+        const log = yield* EventLog.EventLog
+        // The newest segment is whole, so the log opens; reading through the damage fails.
+        assert.strictEqual((yield* Effect.flip(readAll("s"))).reason, "Corrupt")
+        const repair = yield* log.repair("s")
+        assert.isTrue(Option.isSome(repair))
+        if (Option.isNone(repair)) return
+        assert.strictEqual(repair.value.line, 4)
+        assert.strictEqual(repair.value.movedTo.length, 3)
+        assert.strictEqual(repair.value.bytes, damaged.length - at + later[0]!.length + later[1]!.length)
+        assert.include(repair.value.message, "2 later generations")
+        assert.isTrue(Buffer.concat([fs.readFileSync(first), fs.readFileSync(repair.value.movedTo[0]!)]).equals(damaged))
+        assert.isTrue(fs.readFileSync(repair.value.movedTo[1]!).equals(later[0]!))
+        assert.isTrue(fs.readFileSync(repair.value.movedTo[2]!).equals(later[1]!))
+        assert.deepStrictEqual((yield* readAll("s")).map((r) => r.event), [{ i: 0 }, { i: 1 }])
+        assert.deepStrictEqual(yield* log.currentGeneration("s"), 1)
+        assert.deepStrictEqual(yield* log.append("s", { i: 2 }), Cursor.make(1, 2))
+      }))
+    }))
+
+  it("firstDamage: where a segment stops being what the log writes", () => {
+    const header = (g: number) => JSON.stringify({ segment: { generation: g } }) + "\n"
+    const record = (g: number, s: number) => `{"cursor":{"generation":${g},"sequence":${s}},"event":{"n":${s}}}\n`
+    const whole = header(2) + record(2, 0) + record(2, 1)
+    const offsetOf = (line: number) => Buffer.byteLength(whole.split("\n").slice(0, line - 1).map((l) => l + "\n").join(""))
+    const table: ReadonlyArray<[string, string, boolean, { offset: number; line: number } | undefined]> = [
+      ["whole", whole, false, undefined],
+      ["torn tail of the newest", whole + "{\"cur", true, undefined],
+      ["unfinished last line of an older one", whole + "{\"cur", false, { offset: Buffer.byteLength(whole), line: 4 }],
+      ["empty", "", true, { offset: 0, line: 1 }],
+      ["header of another generation", header(3) + record(2, 0), true, { offset: 0, line: 1 }],
+      ["a sequence skipped", header(2) + record(2, 0) + record(2, 2), true, { offset: offsetOf(3), line: 3 }],
+      ["a record of another generation", header(2) + record(1, 0), true, { offset: offsetOf(2), line: 2 }],
+      ["garbage in the middle", header(2) + "{}\n" + record(2, 0), false, { offset: offsetOf(2), line: 2 }],
+      ["a zero-filled line", header(2) + record(2, 0) + "\0\0\0\n", true, { offset: offsetOf(3), line: 3 }]
+    ]
+    for (const [name, text, newest, expected] of table) {
+      assert.deepStrictEqual(EventLog.firstDamage(Buffer.from(text), 2, newest), expected, name)
+    }
+  })
 
   it.scoped("reopen drops an unfinished segment creation and a torn header-only tail", () =>
     Effect.gen(function*() {

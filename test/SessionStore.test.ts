@@ -121,9 +121,9 @@ for (const implementation of implementations) {
         yield* store.create(meta("late", { createdAt: "2026-03-01T00:00:00.000Z" }))
         yield* store.create(meta("early", { createdAt: "2026-01-01T00:00:00.000Z" }))
         yield* store.create(meta("middle", { createdAt: "2026-02-01T00:00:00.000Z" }))
-        assert.deepStrictEqual((yield* store.list()).map((m) => m.activeSessionId), ["early", "middle", "late"])
+        assert.deepStrictEqual((yield* store.list()).map(SessionStore.listingId), ["early", "middle", "late"])
         yield* store.archive("middle")
-        assert.deepStrictEqual((yield* store.list()).map((m) => m.activeSessionId), ["early", "late"])
+        assert.deepStrictEqual((yield* store.list()).map(SessionStore.listingId), ["early", "late"])
       }))
 
     it.scoped("writes transcripts from iterables, streams and encoded chunks; reads the latest back", () =>
@@ -509,10 +509,19 @@ describe("SessionStore (file)", () => {
       const second = yield* open(dir)
       assert.deepStrictEqual(yield* second.loadMeta("a"), meta("a"))
       assert.deepStrictEqual(yield* second.latestSnapshot("a"), yield* first.latestSnapshot("a"))
-      // A broken meta.json does not hide the other sessions from list().
+      // A broken meta.json hides neither the other sessions nor itself: it is listed unreadable,
+      // and so is a session directory whose meta.json is gone.
       yield* first.create(meta("b"))
+      yield* first.create(meta("c"))
       yield* Effect.promise(() => fsp.writeFile(nodePath.join(dir, "sessions", "b", "meta.json"), "{"))
-      assert.deepStrictEqual((yield* second.list()).map((m) => m.activeSessionId), ["a"])
+      yield* Effect.promise(() => fsp.rm(nodePath.join(dir, "sessions", "c", "meta.json")))
+      const listed = yield* second.list()
+      assert.deepStrictEqual(listed.map(SessionStore.listingId).sort(), ["a", "b", "c"])
+      assert.deepStrictEqual(listed[0], { _tag: "Loaded", meta: meta("a") })
+      for (const entry of listed.slice(1)) {
+        assert.strictEqual(entry._tag, "Unreadable")
+        if (entry._tag === "Unreadable") assert.include(entry.reason, "meta.json")
+      }
       assert.strictEqual((yield* Effect.flip(second.loadMeta("b")))._tag, "SessionStoreError")
     }))
 })

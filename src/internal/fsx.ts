@@ -250,3 +250,17 @@ export const safeSegment = (raw: string): string => {
   const digest = createHash("sha256").update(raw, "utf8").digest("hex").slice(0, 32)
   return `${out.slice(0, MAX_SEGMENT - 33)}~${digest}`
 }
+
+/**
+ * The id a {@link safeSegment} name stands for (`%XX` decoded); `undefined` for a name it cannot
+ * have produced (or a hashed one, which does not say the whole id).
+ */
+export const segmentId = (name: string): string | undefined => {
+  if (name === "%") return ""
+  if (!/^(?:[A-Za-z0-9_-]|%[0-9A-F]{2})+$/.test(name)) return undefined
+  try {
+    return decodeURIComponent(name)
+  } catch {
+    return undefined
+  }
+}
