@@ -15,7 +15,7 @@ import type * as Protocol from "../Protocol.js"
 import * as SessionClient from "../SessionClient.js"
 import { type Context, eachMessage } from "./commands.js"
 import { withConnection } from "./connection.js"
-import { CliError, EXIT, failed } from "./errors.js"
+import { CliError, daemonErrorText, EXIT, failed } from "./errors.js"
 import { EventRenderer, LIVE_SEPARATOR } from "./render.js"
 import * as Target from "./target.js"
 
@@ -54,6 +54,8 @@ export const attach = (ctx: Context, target: string, options: AttachOptions) =>
       try: () => withConnection(ctx.socketPath, async (c) => {
         const id = await Target.resolve(c, target)
         const state = await c.request<Protocol.SessionSummary>({ type: "get_state", activeSessionId: id })
+        // Nothing to follow: say so before any history (`agentd log` reads what is left).
+        if (state.worker === "damaged") throw failed(daemonErrorText("session_damaged", `Session \`${id}\` is damaged (${state.damage?.reason}).`))
         if (options.history > 0 && options.from === undefined) {
           // The transcript up to `state`'s last event: its first messageCount messages.
           const from = Math.max(0, state.messageCount - options.history)

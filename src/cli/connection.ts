@@ -12,7 +12,7 @@
  */
 import * as net from "node:net"
 import { LineDecoder } from "../JsonLines.js"
-import { type CliError, failed, unreachable } from "./errors.js"
+import { type CliError, daemonErrorText, failed, unreachable } from "./errors.js"
 
 /** The protocol this command line speaks (the daemon's `daemon_hello.protocol`). */
 const PROTOCOL = { name: "agentd", version: 1 } as const
@@ -81,7 +81,11 @@ export const connect = (socketPath: string): Promise<Connection> =>
       pending = undefined
       if (message["success"] === true) return waiting.resolve(message["data"])
       const error = isRecord(message["error"]) ? message["error"] : {}
-      waiting.reject(failed(typeof error["message"] === "string" ? error["message"] : `${waiting.type} failed (${JSON.stringify(message["error"])})`))
+      waiting.reject(failed(
+        typeof error["message"] === "string"
+          ? daemonErrorText(error["code"], error["message"])
+          : `${waiting.type} failed (${JSON.stringify(message["error"])})`
+      ))
     }
     const onLines = (items: ReadonlyArray<unknown>) => {
       for (const item of items) {

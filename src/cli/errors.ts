@@ -27,10 +27,23 @@ export const unreachable = (message: string) => new CliError(message, EXIT.unrea
 export const isCliError = (e: unknown): e is CliError =>
   e instanceof Error && (e as { _tag?: unknown })._tag === "CliError" && typeof (e as { exitCode?: unknown }).exitCode === "number"
 
-const messageOf = (e: unknown): string =>
-  typeof e === "object" && e !== null && "message" in e && typeof e.message === "string" && e.message.length > 0
-    ? e.message
-    : String(e)
+/**
+ * A daemon's error as the command line says it: the daemon's hints name protocol commands, the
+ * command line names its own.
+ */
+export const daemonErrorText = (code: unknown, message: string): string => {
+  if (code === "session_damaged") {
+    const id = /`([^`]+)`/.exec(message)?.[1] ?? "ID"
+    return `${message.replace(/ What can be read.*$/s, "")} \`agentd log ${id}\` shows what can be read, ` +
+      `\`agentd retry ${id}\` loads it again, \`agentd kill ${id}\` archives it.`
+  }
+  return message
+}
+
+const messageOf = (e: unknown): string => {
+  if (typeof e !== "object" || e === null || !("message" in e) || typeof e.message !== "string" || e.message.length === 0) return String(e)
+  return "_tag" in e && e._tag === "DaemonError" && "code" in e ? daemonErrorText(e.code, e.message) : e.message
+}
 
 /** The exit code of a failure: a CliError's own; the SDK's for a daemon not reachable; else 1. */
 export const exitCodeOf = (e: unknown): number => {

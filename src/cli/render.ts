@@ -158,7 +158,8 @@ export const summaryLines = (s: Protocol.SessionSummary): string => {
     ["restarts", String(s.restarts)],
     ["created", s.createdAt],
     ["last cursor", s.lastEventCursor === undefined ? "-" : `${s.lastEventCursor.generation}:${s.lastEventCursor.sequence}`],
-    ["telemetry", s.telemetry ? "on" : "off"]
+    ["telemetry", s.telemetry ? "on" : "off"],
+    ...(s.damage === undefined ? [] : [["damage", s.damage.reason] as [string, string]])
   ]
   return rows.map(([k, v]) => `${k.padEnd(12)}${v}`).join("\n")
 }

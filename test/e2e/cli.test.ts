@@ -456,6 +456,37 @@ describe("agentd CLI across daemon restarts", () => {
     assert.strictEqual(none.code, 3)
   }, 60_000)
 
+  it("a damaged session: sessions and state show it and why; prompt and attach exit 1 naming log, retry and kill; log prints what is readable", async () => {
+    const first = await useDaemon()
+    const s = ["--socket", first.socketPath]
+    const id = (await cli(["create", "--name", "hurt", ...s])).stdout.trim()
+    await cli(["prompt", "hurt", "one two", ...s])
+    await first.stop("SIGTERM")
+    fs.writeFileSync(path.join(first.stateDir, "sessions", id, "meta.json"), "{ torn")
+    await useDaemon({ stateDir: first.stateDir })
+
+    const listed = await cli(["sessions", ...s])
+    assert.strictEqual(listed.code, 0)
+    assert.match(listed.stdout, new RegExp(`^-\t${id}\tdamaged\tno\t2\t`, "m"))
+    const state = await cli(["state", id.slice(0, 8), ...s])
+    assert.match(state.stdout, /^worker\s+damaged$/m)
+    assert.match(state.stdout, /^damage\s+.*meta\.json/m)
+    for (const args of [["prompt", id, "again"], ["attach", id]]) {
+      const r = await cli([...args, ...s])
+      assert.strictEqual(r.code, 1, `${args[0]}: ${r.stderr}`)
+      assert.include(r.stderr, "is damaged")
+      assert.include(r.stderr, `\`agentd log ${id}\` shows what can be read, \`agentd retry ${id}\` loads it again, \`agentd kill ${id}\` archives it`)
+      assert.strictEqual(r.stdout, "")
+    }
+    const log = await cli(["log", id, ...s])
+    assert.strictEqual(log.code, 0, log.stderr)
+    assert.include(log.stdout, "one two")
+    assert.include(log.stdout, "echo: one two")
+    const killed = await cli(["kill", id, ...s])
+    assert.strictEqual(killed.code, 0, killed.stderr)
+    assert.notInclude((await cli(["sessions", ...s])).stdout, id)
+  }, 60_000)
+
   it("prompt across a daemon restart: reconnects and exits 1 with the turn's end (daemon_restarted); exit 3 when the daemon stays away", async () => {
     const first = await useDaemon()
     const s = ["--socket", first.socketPath]
