@@ -25,6 +25,7 @@ import * as Context from "effect/Context"
 import * as Effect from "effect/Effect"
 import * as ExecutionStrategy from "effect/ExecutionStrategy"
 import * as Either from "effect/Either"
+import * as Exit from "effect/Exit"
 import * as FiberMap from "effect/FiberMap"
 import * as FiberSet from "effect/FiberSet"
 import * as Layer from "effect/Layer"
@@ -251,6 +252,15 @@ export const make = Effect.gen(function*() {
     Effect.gen(function*() {
       const id = meta.activeSessionId
       const s = yield* newSession(meta, { _tag: "Passivated" })
+      return yield* loadInto(s).pipe(
+        // A session that does not load (damaged) never runs: its scope goes now.
+        Effect.tapErrorCause(() => Scope.close(s.scope, Exit.void))
+      )
+    })
+
+  const loadInto = (s: Session) =>
+    Effect.gen(function*() {
+      const id = s.meta.activeSessionId
       let status = yield* log.status(id)
       const snapshot = yield* store.latestSnapshot(id)
       if (Option.isSome(snapshot) && snapshot.value.header.generation > status.generation) {
@@ -281,7 +291,7 @@ export const make = Effect.gen(function*() {
       if (Option.isSome(snapshot)) yield* store.checkTranscript(id, snapshot.value.header.generation)
       // Every retained event is read, not only those after the snapshot: damage anywhere in the
       // log is found now (and repaired, see `admit`), not by a client's replay later.
-      yield* log.read(id).pipe(
+      yield* Stream.flatMap(Stream.fromIterable(status.generations), (g) => log.readGeneration(id, g)).pipe(
         Stream.runForEach((r) =>
           Effect.sync(() => {
             if (after !== undefined && Cursor.compare(r.cursor, after) <= 0) return

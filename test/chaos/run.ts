@@ -21,10 +21,12 @@
  * successor must resume every client completely and serve the same transcripts, then a clean
  * `shutdown` that leaves no process behind.
  */
+import * as fs from "node:fs"
+import * as path from "node:path"
 import { type Answer, ChaosClient } from "./client.js"
 import { ChaosDaemon, sleep } from "./daemon.js"
 import { Rng } from "./rng.js"
-import { COMPACT_PROMPT, compactedCount, compareCursor, type Cursor, fmtCursor, type Msg, Truth, Violation } from "./streamCheck.js"
+import { COMPACT_PROMPT, compactedCount, compareCursor, type Cursor, fmtCursor, type FoldedMessage, type Msg, Truth, Violation } from "./streamCheck.js"
 
 export const FAULT_KINDS = [
   "worker_kill",
@@ -41,7 +43,8 @@ export const FAULT_KINDS = [
   "kill_session",
   "retry_worker",
   "spawn_fail",
-  "rewrite_while_away"
+  "rewrite_while_away",
+  "damage_files"
 ] as const
 export type FaultKind = typeof FAULT_KINDS[number]
 
@@ -60,7 +63,8 @@ const WEIGHTS: Record<FaultKind, number> = {
   kill_session: 1,
   retry_worker: 2,
   spawn_fail: 1,
-  rewrite_while_away: 3
+  rewrite_while_away: 3,
+  damage_files: 1
 }
 
 export interface RunOptions {
@@ -186,6 +190,8 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
     replacements: 0,
     compactionsChecked: 0,
     transcriptReplaced: 0,
+    damagedFiles: 0,
+    damagedSessions: 0,
     events: 0,
     commands: 0
   }
@@ -524,6 +530,104 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
     })
   }
 
+  /**
+   * `damage_files`: between a daemon SIGKILL and its restart, a few bytes of one session's event
+   * log, transcript or metadata are overwritten or cut. After the restart no session may vanish;
+   * the damaged one is whole or listed `damaged`, what it still reads agrees with what its
+   * driver saw, and the damage was moved aside, never deleted. It is then killed (archived) and
+   * a new session takes its place: its history no longer matches what its clients hold.
+   */
+  const damageFiles = async (ctl: SessionCtl, frng: Rng) => {
+    const sid = ctl.id.slice(0, 12)
+    ctl.killed = true
+    daemonDown = true
+    log(`damage_files ${sid}: daemon SIGKILL`)
+    await daemon.kill()
+    for (const c of clients) c.drop()
+    const eventsDir = path.join(daemon.stateDir, "events", ctl.id, "events")
+    const sessionDir = path.join(daemon.stateDir, "sessions", ctl.id)
+    const ls = (dir: string, re: RegExp) => (fs.existsSync(dir) ? fs.readdirSync(dir).filter((f) => re.test(f)).map((f) => path.join(dir, f)) : [])
+    const segments = ls(eventsDir, /^\d+\.jsonl$/)
+    const transcripts = ls(path.join(sessionDir, "transcripts"), /^\d+\.jsonl$/)
+    const what = frng.weighted({ event_log: segments.length > 0 ? 4 : 0, transcript: transcripts.length > 0 ? 1 : 0, meta: 1 })
+    let damaged = ""
+    const asideBefore = ls(eventsDir, /\.damaged-/).length
+    let expectAside = false
+    if (what === "event_log") {
+      const file = frng.pick(segments)
+      const bytes = fs.readFileSync(file)
+      const starts = [0]
+      for (let i = bytes.indexOf(10); i !== -1 && i < bytes.length - 1; i = bytes.indexOf(10, i + 1)) starts.push(i + 1)
+      // A whole line (never the torn tail after the last newline, which is cut, not damage).
+      const whole = starts.filter((st) => bytes.indexOf(10, st) !== -1)
+      const at = frng.pick(whole)
+      const end = bytes.indexOf(10, at)
+      const from = at + frng.int(0, Math.max(0, end - at - 2))
+      const n = Math.max(1, Math.min(frng.int(1, 12), end - from))
+      bytes.fill(0x23, from, from + n)
+      fs.writeFileSync(file, bytes)
+      damaged = `${path.basename(file)} line ${starts.indexOf(at) + 1}, ${n} byte(s) at ${from}`
+      expectAside = true
+    } else if (what === "transcript") {
+      const file = frng.pick(transcripts)
+      const size = fs.statSync(file).size
+      const cut = Math.min(size, frng.int(1, 64))
+      fs.truncateSync(file, size - cut)
+      damaged = `transcript ${path.basename(file)} cut by ${cut} byte(s)`
+    } else {
+      fs.writeFileSync(path.join(sessionDir, "meta.json"), frng.chance(0.5) ? "{\"activeSessionId\": tor" : "")
+      damaged = "meta.json"
+    }
+    stats.damagedFiles++
+    log(`  damaged ${damaged}`)
+    await sleep(frng.int(0, 300))
+    await daemon.start()
+    stats.daemonRestarts++
+    log(`daemon restarted, pid ${daemon.pid}`)
+    await withOwnClient("damage-check", async (c) => {
+      const listed = await send(c, { type: "list" })
+      check("damaged files: list answers", listed?.["success"] === true, () => JSON.stringify(listed))
+      const byId = new Map((listed!["data"]["sessions"] as Array<Msg>).map((x) => [x["activeSessionId"] as string, x]))
+      for (const other of sessions.values()) {
+        check("damaged files: no session vanishes", (other.killed && other !== ctl) || byId.has(other.id), () => `${other.id} is not listed after ${damaged}`)
+      }
+      const summary = byId.get(ctl.id)!
+      const worker = summary["worker"] as string
+      if (worker === "damaged") {
+        stats.damagedSessions++
+        check("damaged files: a reason", typeof summary["damage"]?.["reason"] === "string", () => JSON.stringify(summary))
+      } else {
+        // Bytes the session does not read (past the transcript's published length): whole.
+        check("damaged files: whole or damaged", what === "transcript", () => `${damaged} left ${ctl.id} ${worker}, not damaged`)
+      }
+      if (expectAside) {
+        check("damaged files: moved aside, not deleted", ls(eventsDir, /\.damaged-/).length > asideBefore, () => `no .damaged- file in ${eventsDir}`)
+      }
+      // What it still reads agrees, message by message, with what its driver saw (up to the
+      // shorter of the two: either may hold messages the other never got).
+      const readable: Array<Msg> = []
+      for (;;) {
+        const page = await send(c, { type: "get_messages", activeSessionId: ctl.id, offset: readable.length, limit: 1000 })
+        check("damaged files: get_messages answers", page?.["success"] === true, () => JSON.stringify(page))
+        const got = page!["data"]["messages"] as Array<Msg>
+        readable.push(...got)
+        if (got.length === 0 || readable.length >= page!["data"]["total"]) break
+      }
+      const seen = ctl.driver.stream(ctl.id).fold ?? []
+      const rewritten = [readable[0] as FoldedMessage | undefined, seen[0]].some((m) => compactedCount(m) !== undefined)
+      if (!rewritten) {
+        for (let i = 0; i < Math.min(readable.length, seen.length); i++) {
+          check("damaged files: what is read agrees", readable[i]!["id"] === seen[i]!.id && readable[i]!["content"] === seen[i]!.content,
+            () => `${ctl.id} message ${i}: read ${JSON.stringify(readable[i])}, driver folded ${JSON.stringify(seen[i])} (${damaged})`)
+        }
+      }
+      const killed = await send(c, { type: "kill", activeSessionId: ctl.id })
+      expectCodes(killed, "kill", [])
+      await addSession(c)
+    })
+    daemonDown = false
+  }
+
   const fault = async (kind: FaultKind, frng: Rng) => {
     counts[kind] = (counts[kind] ?? 0) + 1
     const live = liveSessions()
@@ -573,6 +677,8 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
       }
       case "daemon_kill":
         return restartDaemon("fault")
+      case "damage_files":
+        return damageFiles(ctl, frng)
       case "client_drop": {
         const o = frng.pick(observers)
         const delay = frng.int(0, 2000)
