@@ -331,6 +331,12 @@ describe("model engines (e2e)", () => {
       expect(last["content"], c.name).toBe(`Error: ${r.end.error.message}`)
       if (c.partial !== undefined) expect(transcript.at(-2)!["content"], c.name).toBe(c.partial)
     }
+    // `agentd log` marks the error messages apart from the model's answers.
+    const log = await cli(["log", ...socket, id])
+    expect(log.code).toBe(0)
+    expect(log.stdout.split("\n").filter((l) => l.startsWith("[turn failed] Error: "))).toHaveLength(cases.length)
+    expect(log.stdout).toContain("\nslow start\n")
+
     // The stalled request was given up on (closed), and the session answers again.
     expect(await waitClosed(fake, fake.requests.length - 1)).toBe(true)
     fake.reply({ steps: chat.text(["fine ", "again"]) })
