@@ -99,6 +99,20 @@ export class TurnInterrupted extends Schema.TaggedError<TurnInterrupted>()("Turn
   message: Schema.String
 }) {}
 
+/**
+ * A prompted turn ended failed: its `agent_end` carries an `error` (the model endpoint failed:
+ * an error status, a refused connection, a cut or malformed stream, a timeout). `code` is the
+ * engine's stable code (docs/protocol.md section 7a), `status` the HTTP status if there was one.
+ * The turn's partial text and its error message stay in the transcript (the error message has
+ * `isError: true`).
+ */
+export class TurnFailed extends Schema.TaggedError<TurnFailed>()("TurnFailed", {
+  activeSessionId: Schema.String,
+  code: Schema.String,
+  message: Schema.String,
+  status: Protocol.optional(Schema.Int)
+}) {}
+
 /** The session was closed (`session_closed`, e.g. killed) before the prompted turn ended. */
 export class SessionClosedError extends Schema.TaggedError<SessionClosedError>()("SessionClosedError", {
   activeSessionId: Schema.String,
@@ -113,7 +127,7 @@ export type ConnectError = DaemonUnreachable | ProtocolMismatch
 export type RequestError = DaemonError | DaemonDisconnected | InvalidResponse
 
 /** Why a prompted turn could not be followed to its `agent_end`. */
-export type TurnError = RequestError | TurnInterrupted | SessionClosedError
+export type TurnError = RequestError | TurnInterrupted | TurnFailed | SessionClosedError
 
 /** True for a {@link DaemonError} with one of `codes` (for `Effect.catchIf`). */
 export const isDaemonError = <const C extends Protocol.ErrorCode>(...codes: ReadonlyArray<C>) =>
@@ -191,7 +205,9 @@ export interface DaemonClientService {
    * not attached yet (resuming from the session's last event, so no history is sent), sends
    * the prompt, and emits the turn's `session_event`s from its `agent_start` to its
    * `agent_end` (included), then ends. Fails with {@link TurnInterrupted} when the turn ends
-   * with `turn_interrupted`, with {@link SessionClosedError} when the session is closed first,
+   * with `turn_interrupted`, with {@link TurnFailed} after emitting an `agent_end` that carries
+   * an `error` (the model endpoint failed), with {@link SessionClosedError} when the session is
+   * closed first,
    * and with the command's error when the prompt is refused (e.g. `session_busy`). The prompt
    * is sent when the stream starts; ending the stream early does not abort the turn.
    *
@@ -591,6 +607,8 @@ const turnOf = (
     let last = before.lastEventCursor
     let previousTurnRunning = before.busy
     let ended = false
+    /** The turn ended failed: its `agent_end` is emitted, then the stream fails with this. */
+    let failure: TurnFailed | undefined
     /**
      * A `resync` or `replacement` snapshot (this connection fell so far behind that the events
      * it lacked were pruned, or history was rewritten): the events up to its cursor will never
@@ -647,15 +665,27 @@ const turnOf = (
           })
         )
       }
-      if (event.type === "agent_end") ended = true
+      if (event.type === "agent_end") {
+        ended = true
+        if (event.error !== undefined) {
+          failure = new TurnFailed({
+            activeSessionId,
+            code: event.error.code,
+            message: event.error.message,
+            ...(event.error.status === undefined ? {} : { status: event.error.status })
+          })
+        }
+      }
       return Effect.succeedSome(message)
     }
     return pushes.pipe(
       Stream.mapEffect(step),
       Stream.takeUntil(() => ended),
       Stream.filterMap((o) => o),
-      Stream.concat(Stream.suspend(() =>
-        ended
+      Stream.concat(Stream.suspend((): Stream.Stream<never, TurnFailed | DaemonDisconnected> =>
+        failure !== undefined
+          ? Stream.fail(failure)
+          : ended
           ? Stream.empty
           : Stream.fail(new DaemonDisconnected({ socketPath, message: "the client was closed before the turn ended" }))
       ))

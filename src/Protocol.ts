@@ -107,6 +107,21 @@ export type AgentMessage = typeof AgentMessage.Type
 export const InterruptReason = Schema.Literal("worker_crashed", "aborted", "daemon_restarted")
 export type InterruptReason = typeof InterruptReason.Type
 
+/**
+ * Why a turn ended failed (`agent_end.error`): the model endpoint failed (an error status, a
+ * refused connection, a cut or malformed stream, a timeout). `code` is stable (the built-in
+ * model engines' codes are listed in docs/protocol.md section 7a: `http_status`, `auth`,
+ * `connect_failed`, `timeout`, `stream_cut`, `malformed_response`, `endpoint_error`,
+ * `tool_rounds_exceeded`, `unknown`); `message` is a sentence for a person; `status` is the
+ * HTTP status when the endpoint answered one.
+ */
+export const TurnFailure = Schema.Struct({
+  code: Schema.String,
+  message: Schema.String,
+  status: optional(Schema.Int)
+})
+export type TurnFailure = typeof TurnFailure.Type
+
 /** The events the built-in engines emit. The supervisor treats them as opaque JSON. */
 export const AgentEvent = Schema.Union(
   Tagged("agent_start", {}),
@@ -117,7 +132,8 @@ export const AgentEvent = Schema.Union(
   Tagged("tool_execution_start", { toolCallId: Schema.String, name: Schema.String, args: Json }),
   Tagged("tool_execution_end", { toolCallId: Schema.String, result: Json, isError: Schema.Boolean }),
   Tagged("turn_end", {}),
-  Tagged("agent_end", {}),
+  /** `error`: the turn ended but did not succeed (its last assistant message has `isError`). */
+  Tagged("agent_end", { error: optional(TurnFailure) }),
   Tagged("turn_interrupted", { reason: InterruptReason })
 )
 export type AgentEvent = typeof AgentEvent.Type

@@ -95,6 +95,12 @@ export interface SessionState {
   readonly hasBaseline: boolean
   /** The `session_closed` reason, once closed. */
   readonly closed: string | undefined
+  /**
+   * The error of the latest turn when it ended failed (its `agent_end` carried an `error`: the
+   * model endpoint failed; its last assistant message has `isError`). Cleared when a turn
+   * starts; undefined after a baseline (the transcript's `isError` messages still say it).
+   */
+  readonly turnError: Protocol.TurnFailure | undefined
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -155,6 +161,7 @@ export class SessionFold implements SessionState {
   emittedCursor: Cursor.Cursor | undefined
   hasBaseline = false
   closed: string | undefined = undefined
+  turnError: Protocol.TurnFailure | undefined = undefined
   private assembling: Assembling | undefined = undefined
   /** A snapshot a dropped connection was in the middle of (its chunks so far), to resume. */
   private cutOff: Assembling | undefined = undefined
@@ -188,7 +195,8 @@ export class SessionFold implements SessionState {
       lastCursor: this.lastCursor,
       emittedCursor: this.emittedCursor,
       hasBaseline: this.hasBaseline,
-      closed: this.closed
+      closed: this.closed,
+      turnError: this.turnError
     }
   }
 
@@ -343,9 +351,16 @@ export class SessionFold implements SessionState {
         this.messages.push(e.message)
         this.streaming = undefined
         return
+      case "agent_start":
+        this.turnError = undefined
+        return
       case "turn_interrupted":
+        this.streaming = undefined
+        this.turnError = undefined
+        return
       case "agent_end":
         this.streaming = undefined
+        this.turnError = e.error
         return
       default:
         return
@@ -363,6 +378,7 @@ export class SessionFold implements SessionState {
     const skipped = cursor !== undefined && (emitted === undefined ? this.hasBaseline : Cursor.isAfter(cursor, emitted))
     this.messages = [...messages]
     this.streaming = undefined
+    this.turnError = undefined
     this.lastCursor = cursor
     this.hasBaseline = true
     if (cursor !== undefined && (emitted === undefined || Cursor.isAfter(cursor, emitted))) this.emittedCursor = cursor

@@ -15,7 +15,7 @@
  *   await client.close()
  *   ```
  *   A failed promise rejects with the same typed errors (`DaemonError` with its `code`,
- *   `TurnInterrupted`, `DaemonUnreachable`, ...), each an `Error` with a `_tag`.
+ *   `TurnInterrupted`, `TurnFailed`, `DaemonUnreachable`, ...), each an `Error` with a `_tag`.
  *
  * This entry loads the protocol's modules only, never the daemon's.
  */
@@ -55,6 +55,7 @@ export {
   type RequestError,
   SessionClosedError,
   type TurnError,
+  TurnFailed,
   TurnInterrupted
 } from "./DaemonClient.js"
 export * as Cursor from "./Cursor.js"
@@ -136,8 +137,9 @@ export interface SessionHandle {
   readonly state: SessionClient.SessionState | undefined
   /**
    * Prompts the session and yields that turn's events, ending with its `agent_end`; throws
-   * `TurnInterrupted` (with its `reason`) when the turn ends with `turn_interrupted`, or the
-   * prompt's `DaemonError` (e.g. `session_busy`). Attaches the connection to the session first
+   * `TurnInterrupted` (with its `reason`) when the turn ends with `turn_interrupted`,
+   * `TurnFailed` (with its `code` and `message`) after yielding an `agent_end` that carries an
+   * `error` (the model endpoint failed), or the prompt's `DaemonError` (e.g. `session_busy`). Attaches the connection to the session first
    * if needed. The prompt is sent when the iteration starts; leaving the loop early does not
    * abort the turn (use {@link abort}).
    */

@@ -6,11 +6,15 @@
 import * as AnthropicClient from "@effect/ai-anthropic/AnthropicClient"
 import * as OpenAiClient from "@effect/ai-openai/OpenAiClient"
 import { assert, describe, it } from "@effect/vitest"
+import * as Cause from "effect/Cause"
 import * as Chunk from "effect/Chunk"
 import * as ConfigProvider from "effect/ConfigProvider"
 import * as Effect from "effect/Effect"
 import * as Either from "effect/Either"
+import * as Exit from "effect/Exit"
 import * as Fiber from "effect/Fiber"
+import * as Option from "effect/Option"
+import * as Schedule from "effect/Schedule"
 import * as Schema from "effect/Schema"
 import * as Stream from "effect/Stream"
 import * as fs from "node:fs"
@@ -20,7 +24,7 @@ import * as HttpClient from "@effect/platform/HttpClient"
 import * as HttpClientResponse from "@effect/platform/HttpClientResponse"
 import * as TestClock from "effect/TestClock"
 import { type EngineSession, TranscriptReplaced } from "../src/Engine.js"
-import { compactionCut, retryAfterMs, toPrompt, withRetries } from "../src/engines/modelEngine.js"
+import { compactionCut, ModelTimeout, retryAfterMs, timeoutOf, toPrompt, withRetries, withTimeouts } from "../src/engines/modelEngine.js"
 import * as ModelEngines from "../src/engines/ModelEngines.js"
 import type { AgentEvent, AgentMessage } from "../src/Protocol.js"
 import { anthropic, chat, type FakeModel, responses, startFakeModel, type Step } from "./support/fakeModels.js"
@@ -34,6 +38,8 @@ interface Provider {
   readonly baseUrl: (fake: FakeModel) => string
   readonly text: (deltas: ReadonlyArray<string>, options?: { delayMs?: number; end?: "complete" | "cut" | "hang" }) => Array<Step>
   readonly toolCall: (id: string, name: string, args: unknown) => Array<Step>
+  /** The first deltas, then the first bytes of the next event, then silence (the connection open). */
+  readonly stall: (deltas: ReadonlyArray<string>) => Array<Step>
   /** The key as the request carried it. */
   readonly sentKey: (headers: Record<string, unknown>) => unknown
   /** The tool results in a request body, as [call id, output text]. */
@@ -48,6 +54,7 @@ const providers: ReadonlyArray<Provider> = [
     baseUrl: (f) => `${f.url}/v1`,
     text: (deltas, o = {}) => (o.end === "cut" ? chat.cut(deltas) : o.end === "hang" ? chat.hang(deltas) : chat.text(deltas, o)),
     toolCall: (id, name, args) => chat.toolCall(id, name, args),
+    stall: (deltas) => chat.stall(deltas),
     sentKey: (h) => h["authorization"],
     toolResults: (body) => body.messages.filter((m: any) => m.role === "tool").map((m: any) => [m.tool_call_id, m.content])
   },
@@ -58,6 +65,7 @@ const providers: ReadonlyArray<Provider> = [
     baseUrl: (f) => `${f.url}/v1`,
     text: (deltas, o) => responses.text(deltas, o),
     toolCall: (id, name, args) => responses.toolCall(id, name, args),
+    stall: (deltas) => [...responses.text(deltas, { end: "hang" }).slice(0, -1), { raw: "event: response.output_te" }, { hang: true }],
     sentKey: (h) => h["authorization"],
     toolResults: (body) =>
       body.input.filter((m: any) => m.type === "function_call_output").map((m: any) => [m.call_id, JSON.parse(m.output)])
@@ -69,6 +77,7 @@ const providers: ReadonlyArray<Provider> = [
     baseUrl: (f) => f.url,
     text: (deltas, o) => anthropic.text(deltas, o),
     toolCall: (id, name, args) => anthropic.toolCall(id, name, args),
+    stall: (deltas) => [...anthropic.text(deltas, { end: "hang" }).slice(0, -1), { raw: "event: content_blo" }, { hang: true }],
     sentKey: (h) => h["x-api-key"],
     toolResults: (body) =>
       body.messages.flatMap((m: any) =>
@@ -106,6 +115,13 @@ const transcriptOf = (events: ReadonlyArray<AgentEvent>): Array<AgentMessage> =>
   events.flatMap((e) => (e.type === "message_end" ? [e.message] : []))
 
 const types = (events: ReadonlyArray<AgentEvent>) => events.map((e) => e.type)
+
+/** The `error` of a turn's `agent_end` (undefined: the turn succeeded). */
+const endError = (events: ReadonlyArray<AgentEvent>) => {
+  const end = events.at(-1)
+  assert.strictEqual(end?.type, "agent_end")
+  return (end as Extract<AgentEvent, { type: "agent_end" }>).error
+}
 
 describe("model engines: the fakes speak the providers' formats", () => {
   it.effect("Responses API events decode with @effect/ai-openai's own schema", () =>
@@ -217,9 +233,13 @@ for (const p of providers) {
           assert.include(last.content, "503")
           assert.include(last.content, "overloaded")
           assert.include(last.content, "gave up after 2 retries")
+          const error = endError(events)!
+          assert.deepStrictEqual([error.code, error.status], ["http_status", 503])
+          assert.strictEqual(`Error: ${error.message}`, last.content)
           fake.reply({ steps: p.text(["back"]) })
           const again = yield* turn(session, "again", transcriptOf(events), "t2")
           assert.strictEqual(transcriptOf(again).at(-1)!.content, "back")
+          assert.isUndefined(endError(again), "a turn that succeeds has no error")
           // The error message is not sent to the model as if it had said it.
           assert.notInclude(JSON.stringify(fake.requests[3]!.body), "overloaded")
         })))
@@ -236,6 +256,10 @@ for (const p of providers) {
           assert.include(last.content, "401")
           assert.include(last.content, p.keyEnv)
           assert.notInclude(JSON.stringify(events), KEY)
+          assert.deepStrictEqual([endError(events)?.code, endError(events)?.status], ["auth", 401])
+          // The error message says it is one from its start (before its text streams).
+          const opened = events.find((e) => e.type === "message_start" && e.message.id === last.id)
+          assert.isTrue(opened?.type === "message_start" && opened.message.isError === true)
         })))
 
     it.live("a stream cut mid-way: the partial text stays, an error says so", () =>
@@ -250,6 +274,32 @@ for (const p of providers) {
           assert.isTrue(transcript[2]!.isError)
           assert.include(transcript[2]!.content, "cut mid-stream")
           assert.deepStrictEqual(types(events).slice(-2), ["turn_end", "agent_end"])
+          assert.strictEqual(endError(events)?.code, "stream_cut")
+        })))
+
+    it.live("a stream that stalls after a few bytes: idleTimeoutMs fails the turn (code timeout), the partial text stays, the request is closed", () =>
+      withFake((fake, cwd) =>
+        Effect.gen(function*() {
+          fake.reply({ steps: p.stall(["partial ", "answ"]) })
+          const session = yield* start(p, fake, cwd, { idleTimeoutMs: 300 })
+          const events = yield* turn(session, "hi")
+          assert.strictEqual(fake.requests.length, 1, "a stall in the middle of the body is not retried")
+          const error = endError(events)!
+          assert.strictEqual(error.code, "timeout")
+          assert.include(error.message, "idleTimeoutMs")
+          const transcript = transcriptOf(events)
+          assert.deepStrictEqual(transcript.map((m) => [m.role, m.content.slice(0, 12), m.isError]), [
+            ["user", "hi", undefined],
+            ["assistant", "partial answ", undefined],
+            ["assistant", "Error: " + transcript[2]!.content.slice(7, 12), true]
+          ])
+          yield* Effect.promise(() => fake.requests[0]!.done)
+          assert.isTrue(fake.requests[0]!.closedEarly, "the server saw the request closed")
+          // The session goes on.
+          fake.reply({ steps: p.text(["awake"]) })
+          const again = yield* turn(session, "again", transcript, "t2")
+          assert.strictEqual(transcriptOf(again).at(-1)!.content, "awake")
+          assert.isUndefined(endError(again))
         })))
 
     it.live("an abort mid-stream closes the HTTP request at once", () =>
@@ -285,6 +335,7 @@ describe("model engine openai-compat: failures of the endpoint", () => {
       const last = transcriptOf(events).at(-1)!
       assert.isTrue(last.isError)
       assert.include(last.content, "connection refused")
+      assert.strictEqual(endError(events)?.code, "connect_failed")
       fs.rmSync(cwd, { recursive: true, force: true })
     }))
 
@@ -293,9 +344,38 @@ describe("model engine openai-compat: failures of the endpoint", () => {
       Effect.gen(function*() {
         fake.reply({ steps: [{ sse: "{not json" }] })
         const session = yield* start(p, fake, cwd)
-        const last = transcriptOf(yield* turn(session, "hi")).at(-1)!
+        const events = yield* turn(session, "hi")
+        const last = transcriptOf(events).at(-1)!
         assert.isTrue(last.isError)
         assert.include(last.content, "malformed")
+        assert.strictEqual(endError(events)?.code, "malformed_response")
+      })))
+
+  it.live("a server that never answers (no headers): idleTimeoutMs, retried like a 5xx, then code timeout", () =>
+    withFake((fake, cwd) =>
+      Effect.gen(function*() {
+        fake.reply({ silent: true }, { silent: true })
+        const session = yield* start(p, fake, cwd, { idleTimeoutMs: 200, maxRetries: 1 })
+        const events = yield* turn(session, "hi")
+        assert.strictEqual(fake.requests.length, 2)
+        assert.strictEqual(endError(events)?.code, "timeout")
+        assert.isTrue(transcriptOf(events).at(-1)!.isError)
+        for (const r of fake.requests) {
+          yield* Effect.promise(() => r.done)
+          assert.isTrue(r.closedEarly)
+        }
+      })))
+
+  it.live("a stream that trickles past requestTimeoutMs: code timeout, naming requestTimeoutMs", () =>
+    withFake((fake, cwd) =>
+      Effect.gen(function*() {
+        // Each piece comes well within idleTimeoutMs; the whole takes at least 600 ms.
+        fake.reply({ steps: chat.text(["a", "b", "c", "d", "e", "f"], { delayMs: 100 }) })
+        const session = yield* start(p, fake, cwd, { requestTimeoutMs: 250, idleTimeoutMs: 60_000 })
+        const events = yield* turn(session, "hi")
+        const error = endError(events)!
+        assert.strictEqual(error.code, "timeout")
+        assert.include(error.message, "requestTimeoutMs")
       })))
 
   it.live("404 (unknown model) names the model and the baseUrl", () =>
@@ -303,9 +383,11 @@ describe("model engine openai-compat: failures of the endpoint", () => {
       Effect.gen(function*() {
         fake.reply({ status: 404, body: { error: { message: "model 'm-test' not found" } } })
         const session = yield* start(p, fake, cwd)
-        const last = transcriptOf(yield* turn(session, "hi")).at(-1)!
+        const events = yield* turn(session, "hi")
+        const last = transcriptOf(events).at(-1)!
         assert.include(last.content, "404")
         assert.include(last.content, "m-test")
+        assert.deepStrictEqual([endError(events)?.code, endError(events)?.status], ["http_status", 404])
       })))
 
   it.live("maxToolRounds bounds the loop: after that many rounds the request offers no tools", () =>
@@ -334,6 +416,7 @@ describe("model engine openai-compat: failures of the endpoint", () => {
         const last = transcriptOf(events2).at(-1)!
         assert.isTrue(last.isError)
         assert.include(last.content, "maxToolRounds")
+        assert.strictEqual(endError(events2)?.code, "tool_rounds_exceeded")
       })))
 
   it.live("maxToolRounds 0: no tools are offered", () =>
@@ -360,6 +443,12 @@ describe("model engines: config", () => {
       assert.include((yield* validate("anthropic", { model: "m", modle: "x" })).message, "unknown option config.modle")
       assert.include((yield* validate("openai", { model: "m", baseUrl: "ftp://x" })).message, "http or https")
       assert.include((yield* validate("openai", { model: "m", baseUrl: "http://u:p@x" })).message, "credentials")
+      assert.include((yield* validate("openai", { model: "m", requestTimeoutMs: 0 })).message, "config.requestTimeoutMs must be an integer from 1")
+      assert.include((yield* validate("openai", { model: "m", idleTimeoutMs: "5" })).message, "config.idleTimeoutMs")
+      assert.include((yield* validate("openai", { model: "m", idleTimeoutMs: 1.5 })).message, "config.idleTimeoutMs")
+      yield* ModelEngines.engines()["openai"]!.validate({ model: "m", requestTimeoutMs: 1, idleTimeoutMs: 86_400_000 }).pipe(
+        Effect.withConfigProvider(ConfigProvider.fromMap(new Map()))
+      )
       const e = yield* validate("openai", { model: 3 })
       assert.strictEqual(e.reason, "invalid_config")
     }))
@@ -440,6 +529,82 @@ describe("model engines: retries on the Clock", () => {
   })
 })
 
+describe("model engines: timeouts on the Clock", () => {
+  const bytes = new TextEncoder().encode("data: {}\n\n")
+  /** A client answering 200 with `body` as its response's stream, counting the requests. */
+  const streaming = (body: Stream.Stream<Uint8Array>) => {
+    let calls = 0
+    const client = HttpClient.make((request) =>
+      Effect.sync(() => {
+        calls++
+        const base = HttpClientResponse.fromWeb(request, new Response(null, { status: 200, headers: { "content-type": "text/event-stream" } }))
+        return Object.defineProperty(Object.create(base), "stream", { value: body }) as HttpClientResponse.HttpClientResponse
+      })
+    )
+    return { client, calls: () => calls }
+  }
+  const failureOf = <A, E>(exit: Exit.Exit<A, E>): E => {
+    assert.isTrue(Exit.isFailure(exit))
+    const failure = Exit.isFailure(exit) ? Option.getOrUndefined(Cause.failureOption(exit.cause)) : undefined
+    assert.isDefined(failure)
+    return failure!
+  }
+
+  it.effect("a body that goes silent fails after idleTimeoutMs of silence, not before", () =>
+    Effect.gen(function*() {
+      const { client } = streaming(Stream.concat(Stream.make(bytes), Stream.never))
+      const response = yield* withTimeouts(600_000, 1000)(client).get("http://model.test/x")
+      const reading = yield* Effect.fork(Stream.runCollect(response.stream))
+      yield* TestClock.adjust("999 millis")
+      assert.isTrue(Option.isNone(yield* Fiber.poll(reading)))
+      yield* TestClock.adjust("1 millis")
+      const error = failureOf(yield* Fiber.await(reading))
+      assert.strictEqual(error._tag, "ResponseError")
+      const timeout = timeoutOf(error)
+      assert.instanceOf(timeout, ModelTimeout)
+      assert.strictEqual((timeout as ModelTimeout).which, "idle")
+      assert.include(error.description, "idleTimeoutMs")
+    }))
+
+  it.effect("a body that trickles within idleTimeoutMs still ends at requestTimeoutMs from the request's start", () =>
+    Effect.gen(function*() {
+      const { client } = streaming(Stream.map(Stream.fromSchedule(Schedule.spaced("600 millis")), () => bytes))
+      const response = yield* withTimeouts(2000, 1000)(client).get("http://model.test/x")
+      const reading = yield* Effect.fork(Stream.runCollect(response.stream))
+      yield* TestClock.adjust("1999 millis")
+      assert.isTrue(Option.isNone(yield* Fiber.poll(reading)))
+      yield* TestClock.adjust("1 millis")
+      const timeout = timeoutOf(failureOf(yield* Fiber.await(reading)))
+      assert.strictEqual((timeout as ModelTimeout).which, "request")
+      assert.strictEqual((timeout as ModelTimeout).ms, 2000)
+    }))
+
+  it.effect("no headers within idleTimeoutMs: a RequestError, retried like a 5xx, then given up", () =>
+    Effect.gen(function*() {
+      let calls = 0
+      const silent = HttpClient.make(() => Effect.zipRight(Effect.sync(() => calls++), Effect.never))
+      const client = withRetries(2, 100)(withTimeouts(600_000, 1000)(silent))
+      const fiber = yield* Effect.fork(client.get("http://model.test/x"))
+      yield* TestClock.adjust("999 millis")
+      assert.strictEqual(calls, 1)
+      yield* TestClock.adjust("1 millis")
+      yield* TestClock.adjust("100 millis")
+      assert.strictEqual(calls, 2, "retried after the base delay")
+      yield* TestClock.adjust("1 minute")
+      const error = failureOf(yield* Fiber.await(fiber))
+      assert.strictEqual(calls, 3)
+      assert.strictEqual(error._tag, "RequestError")
+      assert.instanceOf(timeoutOf(error), ModelTimeout)
+    }))
+
+  it.effect("a whole answer in time is untouched", () =>
+    Effect.gen(function*() {
+      const { client } = streaming(Stream.make(bytes, bytes))
+      const response = yield* withTimeouts(1000, 100)(client).get("http://model.test/x")
+      assert.strictEqual(Chunk.size(yield* Stream.runCollect(response.stream)), 2)
+    }))
+})
+
 describe("model engine anthropic: an error event mid-stream", () => {
   it.live("ends the turn with the endpoint's message", () =>
     withFake((fake, cwd) =>
@@ -448,9 +613,11 @@ describe("model engine anthropic: an error event mid-stream", () => {
           steps: [...anthropic.text(["x"]).slice(0, 2), { event: "error", sse: JSON.stringify({ type: "error", error: { type: "overloaded_error", message: "Overloaded" } }) }]
         })
         const session = yield* start(providers[2]!, fake, cwd)
-        const last = transcriptOf(yield* turn(session, "hi")).at(-1)!
+        const events = yield* turn(session, "hi")
+        const last = transcriptOf(events).at(-1)!
         assert.isTrue(last.isError)
         assert.include(last.content, "Overloaded")
+        assert.strictEqual(endError(events)?.code, "endpoint_error")
       })))
 })
 

@@ -153,6 +153,33 @@ describe("SessionFold", () => {
     assert.deepStrictEqual(fold.emittedCursor, c(1, t.length - 1))
   })
 
+  it("a turn that ends failed (agent_end with an error): turnError holds it, the error message keeps isError; the next turn clears it", () => {
+    const fold = new SessionFold(ID)
+    fold.attached(attachResult({ status: "unavailable", reason: "no_cursor" }, { messages: [] }))
+    const user = msg("u1", "user", "hi")
+    const failed = { ...msg("t1-e", "assistant", "Error: boom"), isError: true }
+    const error = { code: "http_status", message: "boom", status: 500 }
+    feed(fold, [
+      attachedMsg(),
+      status(1, 0, true),
+      ev(1, 1, { type: "agent_start" }),
+      ev(1, 2, { type: "message_start", message: user }),
+      ev(1, 3, { type: "message_end", message: user }),
+      ev(1, 4, { type: "message_start", message: { ...failed, content: "" } })
+    ])
+    assert.isTrue(fold.streaming?.isError)
+    feed(fold, [
+      ev(1, 5, { type: "message_update", messageId: failed.id, delta: failed.content }),
+      ev(1, 6, { type: "message_end", message: failed }),
+      ev(1, 7, { type: "turn_end" }),
+      ev(1, 8, { type: "agent_end", error })
+    ])
+    assert.deepStrictEqual(fold.snapshot().turnError, error)
+    assert.isTrue(fold.messages.at(-1)!.isError)
+    feed(fold, [status(1, 9, false), ...turn(1, 10, "again")])
+    assert.isUndefined(fold.snapshot().turnError)
+  })
+
   it("reassembles a chunked attach snapshot; the next generation's events follow its cursor", () => {
     const fold = new SessionFold(ID)
     fold.attaching()

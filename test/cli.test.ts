@@ -162,6 +162,29 @@ describe("the event renderer", () => {
   })
 })
 
+describe("the renderer: a failed turn", () => {
+  it("the engine's error message and the turn's end are marked failed, live and in the transcript", () => {
+    let out = ""
+    const r = new EventRenderer((s) => (out += s))
+    const failed: Protocol.AgentMessage = { id: "e", role: "assistant", content: "Error: boom", isError: true, timestamp: 0 }
+    const events: Array<Protocol.AgentEvent> = [
+      { type: "message_start", message: { id: "a", role: "assistant", content: "", timestamp: 0 } },
+      { type: "message_update", messageId: "a", delta: "partial" },
+      { type: "message_end", message: { id: "a", role: "assistant", content: "partial", timestamp: 0 } },
+      { type: "message_start", message: { ...failed, content: "" } },
+      { type: "message_update", messageId: "e", delta: "Error: boom" },
+      { type: "message_end", message: failed },
+      { type: "turn_end" },
+      { type: "agent_end", error: { code: "http_status", message: "boom", status: 500 } }
+    ]
+    for (const e of events) r.event(e)
+    assert.strictEqual(out, "partial\n[turn failed] Error: boom\n-- turn failed (http_status) --\n")
+    let log = ""
+    new EventRenderer((s) => (log += s)).message(failed)
+    assert.strictEqual(log, "[turn failed] Error: boom\n")
+  })
+})
+
 describe("the one-shot commands' connection (plain node:net) against a scripted peer", () => {
   const HELLO = { type: "daemon_hello", protocol: { name: "agentd", version: 1 }, clientId: "c1", supervisorGeneration: 3, supervisorPid: 42 }
 

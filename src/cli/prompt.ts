@@ -95,7 +95,10 @@ const followToEnd = (
         switch (e.type) {
           case "session_event": {
             show(e)
-            if (e.event.type === "agent_end") return Effect.succeed(Option.some(Effect.void))
+            if (e.event.type === "agent_end") {
+              const error = e.event.error
+              return Effect.succeed(Option.some(error === undefined ? Effect.void : Effect.fail(turnFailed(error))))
+            }
             if (e.event.type === "turn_interrupted") {
               return Effect.succeed(Option.some(Effect.fail(failed(`the turn of session ${id} was interrupted (${e.event.reason})`))))
             }
@@ -122,12 +125,17 @@ const followToEnd = (
     yield* end.value
   }))
 
+/** A turn whose `agent_end` carries an `error` (the model endpoint failed): exit 1, said on stderr. */
+const turnFailed = (error: Protocol.TurnFailure) => Object.assign(failed(`the turn failed (${error.code}): ${error.message}`), { turnFailure: error })
+
 /** How long `prompt` waits, after Ctrl-C, for its turn to end once aborted. */
 const ABORT_WAIT = Duration.seconds(10)
 
 /**
  * `agentd prompt`: sends the prompt and streams the assistant's reply to stdout until the turn
- * ends. A turn that ends with `turn_interrupted` is an error (exit 1, the reason on stderr).
+ * ends. A turn that ends with `turn_interrupted`, or with an `agent_end` that carries an
+ * `error` (the model endpoint failed), is an error (exit 1, the reason or the error on stderr;
+ * the text streamed before it stays on stdout, the error message itself goes only to stderr).
  * Ctrl-C aborts the turn (`abort`, repeated until the daemon says it aborted one or the turn
  * ends), waits for its end, and exits 130; a second Ctrl-C exits 130 at once.
  */
@@ -147,6 +155,8 @@ export const prompt = (ctx: Context, target: string, message: string, reconnectF
         () => Effect.sync(() => process.off("SIGINT", onSigint))
       )
       const roles = new Map<string, string>()
+      /** The engine's error messages (`isError` from their start): said on stderr, not stdout. */
+      const errorMessages = new Set<string>()
       let wrote = false
       /** The last event of the turn seen: where to follow from after a lost connection. */
       let seen: Cursor.Cursor | undefined
@@ -157,14 +167,17 @@ export const prompt = (ctx: Context, target: string, message: string, reconnectF
           return
         }
         const e = m.event
-        if (e.type === "message_start") roles.set(e.message.id, e.message.role)
-        else if (e.type === "message_update" && (roles.get(e.messageId) ?? "assistant") === "assistant") {
+        if (e.type === "message_start") {
+          roles.set(e.message.id, e.message.role)
+          if (e.message.isError === true) errorMessages.add(e.message.id)
+        } else if (e.type === "message_update" && (roles.get(e.messageId) ?? "assistant") === "assistant" && !errorMessages.has(e.messageId)) {
           process.stdout.write(e.delta)
           wrote = true
         }
       }
       const turn = c.promptTurn(id, message).pipe(
         Stream.runForEach((m) => Effect.sync(() => show(m))),
+        Effect.catchTag("TurnFailed", (e) => Effect.fail(turnFailed(e))),
         // The daemon went away during the turn (it was killed, or restarts): its end is still
         // to be seen, from the daemon that comes back (a cut turn ends with turn_interrupted).
         Effect.catchIf(
@@ -202,6 +215,8 @@ export const prompt = (ctx: Context, target: string, message: string, reconnectF
             ? `the turn was aborted`
             : Either.isRight(r)
             ? `the turn had ended`
+            : "turnFailure" in r.left
+            ? `the turn had ended failed (${r.left.turnFailure.code})`
             : `the turn's end was not seen (${r.left.message})`
       })
       return yield* Effect.fail(new CliError(`interrupted (Ctrl-C): ${how}`, EXIT.interrupted))

@@ -27,12 +27,17 @@ export const message = (m: Protocol.AgentMessage): string => {
       return `${quoted(m.content)}\n`
     case "tool":
       return `[tool ${m.toolName ?? m.toolCallId ?? "?"} -> ${compact(m.content)}]\n`
-    default:
-      return m.content.endsWith("\n") ? m.content : `${m.content}\n`
+    default: {
+      // An engine's error (the turn ended failed) is marked apart from what the model said.
+      const content = m.role === "assistant" && m.isError === true ? `${FAILED_MARK} ${m.content}` : m.content
+      return content.endsWith("\n") ? content : `${content}\n`
+    }
   }
 }
 
 export const TURN_ENDED = "-- turn ended --"
+/** The mark of an assistant message that is an engine's error (`isError`): its turn failed. */
+export const FAILED_MARK = "[turn failed]"
 export const LIVE_SEPARATOR = "----- live -----"
 
 /**
@@ -81,7 +86,11 @@ export class EventRenderer {
     switch (e.type) {
       case "message_start": {
         this.streaming.set(e.message.id, { role: e.message.role, wrote: false })
-        if (e.message.role === "assistant" && e.message.content.length > 0) {
+        if (e.message.role === "assistant" && e.message.isError === true) {
+          this.newline()
+          this.out(`${FAILED_MARK} ${e.message.content}`)
+          this.streaming.set(e.message.id, { role: "assistant", wrote: true })
+        } else if (e.message.role === "assistant" && e.message.content.length > 0) {
           this.newline()
           this.out(e.message.content)
           this.streaming.set(e.message.id, { role: "assistant", wrote: true })
@@ -120,7 +129,7 @@ export class EventRenderer {
       }
       case "agent_end":
         this.streaming.clear()
-        this.line(TURN_ENDED)
+        this.line(e.error === undefined ? TURN_ENDED : `-- turn failed (${e.error.code}) --`)
         return
       case "turn_interrupted":
         this.streaming.clear()

@@ -6,7 +6,8 @@
  * - `anthropic`: Anthropic's messages API through `@effect/ai-anthropic`; key `ANTHROPIC_API_KEY`.
  *
  * Each takes `model`, `baseUrl`, `temperature`, `maxTokens`, `system`, `maxToolRounds`, `cwd`,
- * `apiKeyEnv`, `maxRetries`, `retryBaseDelayMs` and `maxContextTokens` in `create`'s `config` (modelConfig.ts);
+ * `apiKeyEnv`, `maxRetries`, `retryBaseDelayMs`, `maxContextTokens`, `requestTimeoutMs` and `idleTimeoutMs` in
+ * `create`'s `config` (modelConfig.ts);
  * the defaults of `model` and `baseUrl` may come from `AGENTD_<ENGINE>_MODEL` and
  * `AGENTD_<ENGINE>_BASE_URL` (`AGENTD_OPENAI_*`, `AGENTD_OPENAI_COMPAT_*`, `AGENTD_ANTHROPIC_*`).
  * An embedder gives its own defaults with `engines({ openai: { model: ... } })`.

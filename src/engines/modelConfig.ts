@@ -35,6 +35,16 @@ export interface ModelConfig {
    * past it the older messages are replaced by a summary the model writes. Unset: never.
    */
   readonly maxContextTokens: number | undefined
+  /**
+   * The longest one HTTP request to the model may take, from its start to its response's last
+   * byte (each retry is a request of its own); past it the turn fails with code `timeout`.
+   */
+  readonly requestTimeoutMs: number
+  /**
+   * The longest the endpoint may send no byte (before the response's headers, or between two
+   * pieces of its body); past it the turn fails with code `timeout`.
+   */
+  readonly idleTimeoutMs: number
 }
 
 /** Defaults an engine takes when a session's config leaves a setting out. */
@@ -49,6 +59,8 @@ export interface ModelDefaults {
   readonly maxRetries?: number | undefined
   readonly retryBaseDelayMs?: number | undefined
   readonly maxContextTokens?: number | undefined
+  readonly requestTimeoutMs?: number | undefined
+  readonly idleTimeoutMs?: number | undefined
 }
 
 const CONFIG_KEYS = [
@@ -62,11 +74,20 @@ const CONFIG_KEYS = [
   "apiKeyEnv",
   "maxRetries",
   "retryBaseDelayMs",
-  "maxContextTokens"
+  "maxContextTokens",
+  "requestTimeoutMs",
+  "idleTimeoutMs"
 ] as const
 
 /** The longest `retry-after` the engine waits for; a longer one ends the turn at once. */
 export const MAX_RETRY_AFTER_MS = 60_000
+
+/** `requestTimeoutMs` when the config leaves it out: 10 minutes. */
+export const DEFAULT_REQUEST_TIMEOUT_MS = 600_000
+/** `idleTimeoutMs` when the config leaves it out: 2 minutes. */
+export const DEFAULT_IDLE_TIMEOUT_MS = 120_000
+/** The largest either timeout may be: a day. */
+const MAX_TIMEOUT_MS = 86_400_000
 
 /**
  * Defaults from the configuration provider (the environment unless an embedder provides
@@ -119,8 +140,24 @@ export const readConfig = (
     const maxRetries = num("maxRetries", defaults.maxRetries ?? 3, 0, 20, true)
     const retryBaseDelayMs = num("retryBaseDelayMs", defaults.retryBaseDelayMs ?? 500, 0, MAX_RETRY_AFTER_MS, true)
     const maxContextTokens = num("maxContextTokens", defaults.maxContextTokens, 100, 100_000_000, true)
+    const requestTimeoutMs = num("requestTimeoutMs", defaults.requestTimeoutMs ?? DEFAULT_REQUEST_TIMEOUT_MS, 1, MAX_TIMEOUT_MS, true)
+    const idleTimeoutMs = num("idleTimeoutMs", defaults.idleTimeoutMs ?? DEFAULT_IDLE_TIMEOUT_MS, 1, MAX_TIMEOUT_MS, true)
     for (
-      const v of [model, baseUrl, system, cwd, apiKeyEnv, temperature, maxTokens, maxToolRounds, maxRetries, retryBaseDelayMs, maxContextTokens]
+      const v of [
+        model,
+        baseUrl,
+        system,
+        cwd,
+        apiKeyEnv,
+        temperature,
+        maxTokens,
+        maxToolRounds,
+        maxRetries,
+        retryBaseDelayMs,
+        maxContextTokens,
+        requestTimeoutMs,
+        idleTimeoutMs
+      ]
     ) {
       if (v instanceof EngineError) return Effect.fail(v)
     }
@@ -155,7 +192,9 @@ export const readConfig = (
       apiKeyEnv: apiKeyEnv as string,
       maxRetries: maxRetries as number,
       retryBaseDelayMs: retryBaseDelayMs as number,
-      maxContextTokens: maxContextTokens as number | undefined
+      maxContextTokens: maxContextTokens as number | undefined,
+      requestTimeoutMs: requestTimeoutMs as number,
+      idleTimeoutMs: idleTimeoutMs as number
     })
   })
 

@@ -9,9 +9,12 @@
  * sends their results, until a round calls no tool. After `maxToolRounds` rounds with tool calls
  * the request declares the tools with tool choice `none`, so the model has to answer. An
  * endpoint error ends the turn with an assistant message marked `isError` (the partial text
- * already streamed kept as its own message), then `turn_end`/`agent_end`: the session stays
- * usable. With `maxContextTokens`, a turn over the budget starts by replacing the older messages
- * with a summary the model writes (a history rewrite: `TranscriptReplaced`).
+ * already streamed kept as its own message), then `turn_end` and `agent_end {error: {code,
+ * message}}`: the turn failed, the session stays usable. Every HTTP request is bounded by
+ * `requestTimeoutMs` (whole request) and `idleTimeoutMs` (no byte for that long): a timeout is
+ * an endpoint error like the others (code `timeout`). With `maxContextTokens`, a turn over the
+ * budget starts by replacing the older messages with a summary the model writes (a history
+ * rewrite: `TranscriptReplaced`).
  *
  * Secrets: the API key is read from the worker's environment when the session starts, goes
  * only into the request's auth header, and is scrubbed from every message this module writes.
@@ -21,11 +24,17 @@ import type * as LanguageModel from "@effect/ai/LanguageModel"
 import type * as Prompt from "@effect/ai/Prompt"
 import type * as Toolkit from "@effect/ai/Toolkit"
 import * as HttpClient from "@effect/platform/HttpClient"
+import * as HttpClientError from "@effect/platform/HttpClientError"
+import type * as HttpClientRequest from "@effect/platform/HttpClientRequest"
 import * as HttpClientResponse from "@effect/platform/HttpClientResponse"
+import * as HttpIncomingMessage from "@effect/platform/HttpIncomingMessage"
+import * as Chunk from "effect/Chunk"
+import * as Clock from "effect/Clock"
 import * as Config from "effect/Config"
 import * as Data from "effect/Data"
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
+import * as Inspectable from "effect/Inspectable"
 import * as Mailbox from "effect/Mailbox"
 import * as Option from "effect/Option"
 import * as Redacted from "effect/Redacted"
@@ -33,7 +42,7 @@ import * as Schedule from "effect/Schedule"
 import * as Stream from "effect/Stream"
 import * as fs from "node:fs"
 import { agentMessage, EngineError, type EngineSession, TranscriptReplaced, type TurnInput, type TurnOutput } from "../Engine.js"
-import type { AgentMessage } from "../Protocol.js"
+import type { AgentMessage, TurnFailure } from "../Protocol.js"
 import { MAX_RETRY_AFTER_MS, type ModelConfig } from "./modelConfig.js"
 import * as SessionWorkDir from "./SessionWorkDir.js"
 import * as Tools from "./tools.js"
@@ -70,16 +79,20 @@ const retrySchedule = (maxRetries: number, baseDelayMs: number) =>
   Schedule.exponential(Duration.millis(baseDelayMs), 2).pipe(
     Schedule.intersect(Schedule.recurs(maxRetries)),
     Schedule.intersect(Schedule.identity<unknown>()),
-    // Only a retryable answer is retried (a transport error is reported at once).
-    Schedule.whileInput((e: unknown) => e instanceof RetryableStatus && (e.retryAfterMs ?? 0) <= MAX_RETRY_AFTER_MS),
+    // Only a retryable answer, or no answer at all in time (nothing of it streamed yet), is
+    // retried; a transport error is reported at once.
+    Schedule.whileInput((e: unknown) =>
+      (e instanceof RetryableStatus && (e.retryAfterMs ?? 0) <= MAX_RETRY_AFTER_MS) || timeoutOf(e) !== undefined
+    ),
     Schedule.modifyDelay(([, e], delay) =>
       e instanceof RetryableStatus && e.retryAfterMs !== undefined ? Duration.millis(e.retryAfterMs) : delay
     )
   )
 
 /**
- * An HttpClient that retries 429 and 5xx answers (before any of their body is streamed). The
- * answer given up on is passed on whole, with its body, so the provider reports it as usual.
+ * An HttpClient that retries 429 and 5xx answers, and requests timed out before their answer's
+ * headers (see {@link withTimeouts}): before any of their body is streamed. The answer given up
+ * on is passed on whole, with its body, so the provider reports it as usual.
  */
 export const withRetries = (maxRetries: number, baseDelayMs: number) => (client: HttpClient.HttpClient): HttpClient.HttpClient =>
   HttpClient.transform(client, (effect, request) =>
@@ -101,6 +114,172 @@ export const withRetries = (maxRetries: number, baseDelayMs: number) => (client:
           new Response(e.body, { status: e.response.status, headers: new Headers(e.response.headers as Record<string, string>) })
         )))
     ))
+
+// ---------------------------------------------------------------------------------------------
+// Timeouts
+// ---------------------------------------------------------------------------------------------
+
+/** A request to the model took too long (`requestTimeoutMs`), or its endpoint went silent (`idleTimeoutMs`). */
+export class ModelTimeout extends Data.TaggedError("ModelTimeout")<{
+  readonly which: "request" | "idle"
+  readonly ms: number
+  readonly message: string
+}> {}
+
+const modelTimeout = (which: "request" | "idle", ms: number) =>
+  new ModelTimeout({
+    which,
+    ms,
+    message: which === "idle"
+      ? `the endpoint sent nothing for ${ms} ms (idleTimeoutMs)`
+      : `the request took longer than ${ms} ms (requestTimeoutMs)`
+  })
+
+/**
+ * The providers turn a response's errors into `AiError.HttpResponseError`, which keeps the
+ * platform error's description and drops its cause: a timeout in a response's body is known by
+ * this prefix of its description.
+ */
+const TIMEOUT_DESCRIPTION = "timeout: "
+
+/** The timeout behind an error (a platform or `@effect/ai` error, or the timeout itself), if any. */
+export const timeoutOf = (error: unknown): ModelTimeout | string | undefined => {
+  let described: string | undefined
+  for (let c = error, depth = 0; c !== undefined && c !== null && depth < 6; depth++) {
+    if (c instanceof ModelTimeout) return c
+    const description = (c as { description?: unknown }).description
+    if (described === undefined && typeof description === "string" && description.startsWith(TIMEOUT_DESCRIPTION)) {
+      described = description.slice(TIMEOUT_DESCRIPTION.length)
+    }
+    c = (c as { cause?: unknown }).cause
+  }
+  return described
+}
+
+/**
+ * A response whose body is read under the request's deadline and the idle timeout: each read
+ * of the underlying body fails with a `ResponseError` (its description starting with
+ * `timeout: `) when no byte comes for `idleMs`, or when the deadline passes. Ending the read
+ * ends the underlying one, which aborts the HTTP request.
+ */
+class TimedResponse implements HttpClientResponse.HttpClientResponse {
+  readonly [HttpClientResponse.TypeId]: HttpClientResponse.TypeId = HttpClientResponse.TypeId
+  readonly [HttpIncomingMessage.TypeId]: HttpIncomingMessage.TypeId = HttpIncomingMessage.TypeId
+  /** When the whole request must be over (Clock time). */
+  readonly deadline: number
+  constructor(
+    readonly original: HttpClientResponse.HttpClientResponse,
+    startedAt: number,
+    readonly requestMs: number,
+    readonly idleMs: number
+  ) {
+    this.deadline = startedAt + requestMs
+  }
+  get request() {
+    return this.original.request
+  }
+  get status() {
+    return this.original.status
+  }
+  get headers() {
+    return this.original.headers
+  }
+  get cookies() {
+    return this.original.cookies
+  }
+  get remoteAddress() {
+    return this.original.remoteAddress
+  }
+  private timedOut(timeout: ModelTimeout) {
+    // The error's response has no body: a provider reading the body of a failed response
+    // (to report it) must not wait on the silent one.
+    const { "content-type": _, ...headers } = this.original.headers
+    const status = this.original.status >= 200 && this.original.status <= 599 ? this.original.status : 502
+    return new HttpClientError.ResponseError({
+      request: this.original.request,
+      response: HttpClientResponse.fromWeb(this.original.request, new Response(null, { status, headers })),
+      reason: "Decode",
+      cause: timeout,
+      description: `${TIMEOUT_DESCRIPTION}${timeout.message}`
+    })
+  }
+  get stream(): Stream.Stream<Uint8Array, HttpClientError.ResponseError> {
+    return Stream.unwrapScoped(Effect.map(Stream.toPull(this.original.stream), (pull) =>
+      Stream.repeatEffectChunkOption(Effect.flatMap(Clock.currentTimeMillis, (now) => {
+        const left = Math.max(0, this.deadline - now)
+        const timeout = left < this.idleMs ? modelTimeout("request", this.requestMs) : modelTimeout("idle", this.idleMs)
+        return Effect.timeoutFail(pull, {
+          duration: Duration.millis(Math.min(left, this.idleMs)),
+          onTimeout: () => Option.some(this.timedOut(timeout))
+        })
+      }))))
+  }
+  get text(): Effect.Effect<string, HttpClientError.ResponseError> {
+    return Stream.mkString(Stream.decodeText(this.stream))
+  }
+  get arrayBuffer(): Effect.Effect<ArrayBuffer, HttpClientError.ResponseError> {
+    return Effect.map(Stream.runCollect(this.stream), (chunks) => {
+      const bytes = Buffer.concat(Chunk.toArray(chunks))
+      return bytes.buffer.slice(bytes.byteOffset, bytes.byteOffset + bytes.byteLength) as ArrayBuffer
+    })
+  }
+  get json(): Effect.Effect<unknown, HttpClientError.ResponseError> {
+    return Effect.flatMap(this.text, (text) =>
+      Effect.try({
+        try: () => (text === "" ? null : JSON.parse(text)) as unknown,
+        catch: (cause) => new HttpClientError.ResponseError({ request: this.request, response: this, reason: "Decode", cause })
+      }))
+  }
+  get urlParamsBody() {
+    return this.bounded(this.original.urlParamsBody)
+  }
+  get formData() {
+    return this.bounded(this.original.formData)
+  }
+  /** A whole-body read the stream does not serve: bounded by the deadline only. */
+  private bounded<A>(effect: Effect.Effect<A, HttpClientError.ResponseError>): Effect.Effect<A, HttpClientError.ResponseError> {
+    return Effect.flatMap(Clock.currentTimeMillis, (now) =>
+      Effect.timeoutFail(effect, {
+        duration: Duration.millis(Math.max(0, this.deadline - now)),
+        onTimeout: () => this.timedOut(modelTimeout("request", this.requestMs))
+      }))
+  }
+  toJSON() {
+    return this.original.toJSON()
+  }
+  toString() {
+    return Inspectable.format(this.toJSON())
+  }
+  [Inspectable.NodeInspectSymbol]() {
+    return this.toJSON()
+  }
+}
+
+/**
+ * An HttpClient whose requests time out: the response's headers must come within `idleMs`
+ * (and the deadline), each piece of its body within `idleMs` of the previous one, and the
+ * whole request, body included, within `requestMs` of its start. A request timed out before
+ * its headers fails with a `RequestError` whose cause is the {@link ModelTimeout} (retried by
+ * {@link withRetries}); one timed out in its body fails the body's stream with a
+ * `ResponseError` (not retried: part of the answer was streamed). The request is aborted.
+ */
+export const withTimeouts = (requestMs: number, idleMs: number) => (client: HttpClient.HttpClient): HttpClient.HttpClient =>
+  HttpClient.transform(client, (effect, request: HttpClientRequest.HttpClientRequest) =>
+    Effect.gen(function*() {
+      const startedAt = yield* Clock.currentTimeMillis
+      const timeout = idleMs < requestMs ? modelTimeout("idle", idleMs) : modelTimeout("request", requestMs)
+      const response = yield* Effect.timeoutFail(effect, {
+        duration: Duration.millis(Math.min(idleMs, requestMs)),
+        onTimeout: () =>
+          new HttpClientError.RequestError({
+            request,
+            reason: "Transport",
+            cause: timeout,
+            description: `${TIMEOUT_DESCRIPTION}${timeout.message}`
+          })
+      })
+      return new TimedResponse(response, startedAt, requestMs, idleMs)
+    }))
 
 // ---------------------------------------------------------------------------------------------
 // Errors people can act on
@@ -151,6 +330,8 @@ export interface ErrorContext {
 export const describeError = (error: unknown, ctx: ErrorContext): string => {
   const prefix = `${ctx.engine} (${ctx.baseUrl})`
   if (error instanceof TurnError) return `${prefix}: ${error.message}`
+  const timeout = timeoutOf(error)
+  if (timeout !== undefined) return `${prefix}: timed out: ${typeof timeout === "string" ? timeout : timeout.message}`
   if (AiError.isAiError(error)) {
     switch (error._tag) {
       case "HttpResponseError": {
@@ -195,7 +376,52 @@ const firstLine = (text: string) => {
 }
 
 /** A turn went wrong in a way the model's answer shows (not a transport error). */
-export class TurnError extends Data.TaggedError("TurnError")<{ readonly message: string }> {}
+export class TurnError extends Data.TaggedError("TurnError")<{
+  readonly code: "stream_cut" | "malformed_response" | "endpoint_error" | "tool_rounds_exceeded"
+  readonly message: string
+}> {}
+
+/**
+ * The stable codes of a failed turn (`agent_end.error.code`), documented in docs/protocol.md
+ * section 7a.
+ */
+export type FailureCode =
+  | "http_status"
+  | "auth"
+  | "connect_failed"
+  | "timeout"
+  | "stream_cut"
+  | "malformed_response"
+  | "endpoint_error"
+  | "tool_rounds_exceeded"
+  | "unknown"
+
+/** What a turn's error was, by code (and HTTP status, when the endpoint answered one). */
+export const failureCode = (error: unknown): { readonly code: FailureCode; readonly status?: number } => {
+  if (error instanceof TurnError) return { code: error.code }
+  if (timeoutOf(error) !== undefined) return { code: "timeout" }
+  if (!AiError.isAiError(error)) return { code: "unknown" }
+  switch (error._tag) {
+    case "HttpResponseError": {
+      if (error.reason !== "StatusCode") return { code: "stream_cut" }
+      const status = error.response.status
+      return { code: status === 401 || status === 403 ? "auth" : "http_status", status }
+    }
+    case "HttpRequestError":
+      return { code: "connect_failed" }
+    case "MalformedOutput":
+      // OpenAiCompat's own check of a stream that ended before its end (no `[DONE]`).
+      return { code: error.description?.startsWith("the stream ended before") ? "stream_cut" : "malformed_response" }
+    default:
+      return { code: "unknown" }
+  }
+}
+
+/** A turn's error as `agent_end.error`: its code and a sentence (secrets scrubbed). */
+export const turnFailure = (error: unknown, ctx: ErrorContext, secrets: ReadonlyArray<string>): TurnFailure => {
+  const { code, status } = failureCode(error)
+  return { code, message: scrub(describeError(error, ctx), secrets), ...(status === undefined ? {} : { status }) }
+}
 
 // ---------------------------------------------------------------------------------------------
 // The transcript as a prompt
@@ -354,13 +580,13 @@ const turnLoop = (session: ModelSession, input: TurnInput, emit: (event: TurnOut
                 if (!part.providerExecuted) calls.push({ id: part.id, name: part.name, params: part.params })
                 return
               case "error":
-                return yield* new TurnError({ message: `the endpoint reported an error: ${errorText(part.error)}` })
+                return yield* new TurnError({ code: "endpoint_error", message: `the endpoint reported an error: ${errorText(part.error)}` })
               case "finish":
                 finished = true
                 return
             }
           }))
-        if (!finished) return yield* new TurnError({ message: "the response stream ended before the response was complete" })
+        if (!finished) return yield* new TurnError({ code: "stream_cut", message: "the response stream ended before the response was complete" })
         yield* endOpen
         return calls
       })
@@ -378,6 +604,7 @@ const turnLoop = (session: ModelSession, input: TurnInput, emit: (event: TurnOut
         if (calls.length === 0) return
         if (!offerTools) {
           return yield* new TurnError({
+            code: "tool_rounds_exceeded",
             message: `the model still called tools after ${config.maxToolRounds} rounds of tool calls (maxToolRounds) with none offered`
           })
         }
@@ -397,18 +624,23 @@ const turnLoop = (session: ModelSession, input: TurnInput, emit: (event: TurnOut
         }
       }
     }))
-    if (outcome._tag === "Left") {
-      yield* endOpen
-      const text = scrub(describeError(outcome.left, { ...config, engine: session.engine }), session.secrets)
-      yield* Effect.logWarning(`turn ${input.turnId}: ${text}`)
-      const failed = agentMessage(`${input.turnId}-e`, "assistant", `Error: ${text}`, { isError: true })
-      // Streamed as one delta too, so that a client that prints deltas shows it.
-      yield* emit({ type: "message_start", message: { ...failed, content: "" } })
-      yield* emit({ type: "message_update", messageId: failed.id, delta: failed.content })
-      yield* emit({ type: "message_end", message: failed })
+    if (outcome._tag === "Right") {
+      yield* emit({ type: "turn_end" })
+      yield* emit({ type: "agent_end" })
+      return
     }
+    yield* endOpen
+    const error = turnFailure(outcome.left, { ...config, engine: session.engine }, session.secrets)
+    yield* Effect.logWarning(`turn ${input.turnId}: ${error.code}: ${error.message}`)
+    const failed = agentMessage(`${input.turnId}-e`, "assistant", `Error: ${error.message}`, { isError: true })
+    // Streamed as one delta too, so that a client that prints deltas shows it; its start
+    // already says `isError`, so that one that keeps errors apart (`agentd prompt` prints them
+    // on stderr) can tell before the text comes.
+    yield* emit({ type: "message_start", message: { ...failed, content: "" } })
+    yield* emit({ type: "message_update", messageId: failed.id, delta: failed.content })
+    yield* emit({ type: "message_end", message: failed })
     yield* emit({ type: "turn_end" })
-    yield* emit({ type: "agent_end" })
+    yield* emit({ type: "agent_end", error })
   })
 
 // ---------------------------------------------------------------------------------------------
@@ -487,8 +719,10 @@ const compact = (session: ModelSession, turnId: string, transcript: ReadonlyArra
         return part.type === "text-delta" ? text + part.delta : text
       }
     )
-    if (!finished) return yield* new TurnError({ message: "the summary's stream ended before the response was complete" })
-    if (summary.trim() === "") return yield* new TurnError({ message: "the model wrote an empty summary of the conversation" })
+    if (!finished) return yield* new TurnError({ code: "stream_cut", message: "the summary's stream ended before the response was complete" })
+    if (summary.trim() === "") {
+      return yield* new TurnError({ code: "malformed_response", message: "the model wrote an empty summary of the conversation" })
+    }
     yield* Effect.logInfo(`turn ${turnId}: the conversation (~${total} tokens) was compacted: ${cut} messages summarized`)
     return [
       agentMessage(`${turnId}-s`, "assistant", `Summary of the earlier conversation (${cut} messages):\n${summary.trim()}`),
@@ -554,7 +788,11 @@ export const start = (engine: string, config: ModelConfig, provider: ModelProvid
       )
     }
     const apiKey = yield* readApiKey(config.apiKeyEnv)
-    const model = yield* provider.make({ config, apiKey, transformClient: withRetries(config.maxRetries, config.retryBaseDelayMs) })
+    // Timeouts inside the retries: each attempt has its own deadline, and one that got no
+    // answer in time is retried like a 5xx.
+    const retries = withRetries(config.maxRetries, config.retryBaseDelayMs)
+    const timeouts = withTimeouts(config.requestTimeoutMs, config.idleTimeoutMs)
+    const model = yield* provider.make({ config, apiKey, transformClient: (client) => retries(timeouts(client)) })
     const toolkit = yield* Effect.provide(Tools.toolkit, Tools.toolkit.toLayer(toolHandlers(cwd)))
     const session: ModelSession = {
       model,

@@ -3,13 +3,31 @@
  * `openai-compat` session against a fake chat-completions server on 127.0.0.1 runs a tool-call
  * turn, a 429 then success, an abort mid-stream (the server sees the request closed), a
  * SIGKILL of its worker mid-stream, and a 401; then the API key is nowhere in the state dir or
- * the daemon's log, whether it came from the daemon's environment or from `launchEnv`.
+ * the daemon's log, whether it came from the daemon's environment or from `launchEnv`. Failed
+ * turns: an endpoint that answers 500 or 401, sends a malformed or cut stream, stalls after a
+ * few bytes (idleTimeoutMs), or is down: `agentd prompt` exits 1 with the error on stderr and
+ * the partial text on stdout, the turn's `agent_end` carries the error (through replay and a
+ * daemon restart), the error message keeps `isError`, and the SDK's `prompt` throws `TurnFailed`.
  */
+import { spawn } from "node:child_process"
 import * as fs from "node:fs"
 import * as path from "node:path"
-import { afterEach, describe, expect, it } from "vitest"
-import { anthropic, chat, type FakeModel, responses, startFakeModel, type Step } from "../support/fakeModels.js"
-import { agentMessageProblems, allMessages, cleanUpAfterTests, collectTurn, collectUntil, createSession, isEvent, useDaemon, waitIdle } from "./harness.js"
+import { afterEach, describe, expect, it, onTestFinished } from "vitest"
+import * as AgentdClient from "../../src/client.js"
+import { anthropic, chat, type FakeModel, type Reply as FakeModelReply, responses, startFakeModel, type Step } from "../support/fakeModels.js"
+import {
+  agentMessageProblems,
+  allMessages,
+  cleanUpAfterTests,
+  collectTurn,
+  collectUntil,
+  createSession,
+  DAEMON_BIN,
+  isEvent,
+  type Msg,
+  useDaemon,
+  waitIdle
+} from "./harness.js"
 
 cleanUpAfterTests()
 
@@ -34,6 +52,25 @@ const filesContaining = (dir: string, needle: string): Array<string> => {
   }
   walk(dir)
   return out
+}
+
+/** Runs `agentd ARGS` (the built CLI) to its end; killed when the test finishes if it still runs. */
+const cli = (args: ReadonlyArray<string>) => {
+  const proc = spawn(process.execPath, [DAEMON_BIN, ...args], {
+    stdio: ["ignore", "pipe", "pipe"],
+    env: { ...Object.fromEntries(Object.entries(process.env).filter(([k]) => !k.startsWith("AGENTD_"))), NO_COLOR: "" }
+  })
+  onTestFinished(() => {
+    if (proc.exitCode === null && proc.signalCode === null) proc.kill("SIGKILL")
+  })
+  let stdout = ""
+  let stderr = ""
+  proc.stdout!.setEncoding("utf8").on("data", (d: string) => (stdout += d))
+  proc.stderr!.setEncoding("utf8").on("data", (d: string) => (stderr += d))
+  return new Promise<{ code: number | null; stdout: string; stderr: string }>((resolve, reject) => {
+    proc.once("error", reject)
+    proc.once("close", (code) => resolve({ code, stdout, stderr }))
+  })
 }
 
 const waitClosed = async (f: FakeModel, index: number) => {
@@ -254,6 +291,115 @@ describe("model engines (e2e)", () => {
     const transcript = await allMessages(client, id)
     expect(transcript.map((m) => m["content"])).toEqual([replaced[0].content, "second question", "second answer"])
   }, 60_000)
+
+  it("failed turns: 500, 401, a malformed or cut stream, a stall (idleTimeoutMs), a server down: prompt exits 1, agent_end.error, isError, through replay and a restart", async () => {
+    fake = await startFakeModel()
+    const daemon = await useDaemon()
+    const client = await daemon.connect()
+    const config = { model: "fake-model", baseUrl: `${fake.url}/v1`, retryBaseDelayMs: 10, maxRetries: 1, idleTimeoutMs: 500 }
+    const { id } = await createSession(client, { engine: "openai-compat", config })
+    await waitIdle(client, id)
+    await client.ok({ type: "attach", activeSessionId: id, capabilities: ["event_sequence", "slim_attach"] })
+    const socket = ["--socket", daemon.socketPath]
+
+    /** One prompt through the CLI, and the turn's events as the attached client saw them. */
+    const prompt = async (sessionId: string, text: string) => {
+      const run = await cli(["prompt", ...socket, sessionId, text])
+      const events = (await collectTurn(client, sessionId, 20_000)).filter((m) => m["type"] === "session_event").map((m) => m["event"])
+      return { ...run, events, end: events.find((e: Msg) => e.type === "agent_end") }
+    }
+    const cases: Array<{ name: string; reply: ReadonlyArray<FakeModelReply>; code: string; status?: number; partial?: string; says: string }> = [
+      { name: "500", reply: [{ status: 500, body: { error: { message: "kaboom" } } }, { status: 500, body: { error: { message: "kaboom" } } }], code: "http_status", status: 500, says: "kaboom" },
+      { name: "401", reply: [{ status: 401, body: { error: { message: "bad key" } } }], code: "auth", status: 401, says: "OPENAI_API_KEY" },
+      { name: "malformed SSE", reply: [{ steps: [...chat.text(["half "]).slice(0, 2), { sse: "{not json" }] }], code: "malformed_response", partial: "half ", says: "malformed" },
+      { name: "cut stream", reply: [{ steps: chat.cut(["partial ", "text"]) }], code: "stream_cut", partial: "partial text", says: "cut" },
+      { name: "stall", reply: [{ steps: chat.stall(["slow ", "start"]) }], code: "timeout", partial: "slow start", says: "idleTimeoutMs" }
+    ]
+    for (const c of cases) {
+      fake.reply(...c.reply)
+      const r = await prompt(id, `case ${c.name}`)
+      expect(r.code, `${c.name}: ${r.stderr}`).toBe(1)
+      expect(r.stderr, c.name).toContain(`the turn failed (${c.code})`)
+      expect(r.stderr, c.name).toContain(c.says)
+      // The partial text on stdout, the error message not.
+      expect(r.stdout, c.name).toBe(c.partial === undefined ? "" : `${c.partial}\n`)
+      expect(r.end?.error?.code, c.name).toBe(c.code)
+      expect(r.end?.error?.status, c.name).toBe(c.status)
+      const transcript = await allMessages(client, id)
+      const last = transcript.at(-1)!
+      expect([last["role"], last["isError"]], c.name).toEqual(["assistant", true])
+      expect(last["content"], c.name).toBe(`Error: ${r.end.error.message}`)
+      if (c.partial !== undefined) expect(transcript.at(-2)!["content"], c.name).toBe(c.partial)
+    }
+    // `agentd log` marks the error messages apart from the model's answers.
+    const log = await cli(["log", ...socket, id])
+    expect(log.code).toBe(0)
+    expect(log.stdout.split("\n").filter((l) => l.startsWith("[turn failed] Error: "))).toHaveLength(cases.length)
+    expect(log.stdout).toContain("\nslow start\n")
+
+    // The stalled request was given up on (closed), and the session answers again.
+    expect(await waitClosed(fake, fake.requests.length - 1)).toBe(true)
+    fake.reply({ steps: chat.text(["fine ", "again"]) })
+    const ok = await prompt(id, "still there?")
+    expect([ok.code, ok.stdout, ok.stderr]).toEqual([0, "fine again\n", ""])
+    expect(ok.end).toEqual({ type: "agent_end" })
+
+    // A server down.
+    const down = await startFakeModel()
+    await down.close()
+    const { id: downId } = await createSession(client, { engine: "openai-compat", config: { ...config, baseUrl: `${down.url}/v1` } })
+    await waitIdle(client, downId)
+    await client.ok({ type: "attach", activeSessionId: downId, capabilities: ["event_sequence", "slim_attach"] })
+    const refused = await prompt(downId, "anyone?")
+    expect(refused.code).toBe(1)
+    expect(refused.stderr).toContain("the turn failed (connect_failed)")
+    expect(refused.stdout).toBe("")
+    expect(refused.end?.error?.code).toBe("connect_failed")
+
+    // The SDK: promptTurn (under the Promise facade) throws TurnFailed after the agent_end.
+    const sdk = await AgentdClient.connect({ socketPath: daemon.socketPath })
+    try {
+      fake.reply({ status: 503, body: { error: { message: "busy" } } }, { status: 503, body: { error: { message: "busy" } } })
+      const seen: Array<string> = []
+      let thrown: unknown
+      try {
+        for await (const e of sdk.session(id).prompt("via the sdk")) seen.push(e.type)
+      } catch (e) {
+        thrown = e
+      }
+      expect(seen.at(-1)).toBe("agent_end")
+      expect(thrown).toBeInstanceOf(AgentdClient.TurnFailed)
+      expect([(thrown as AgentdClient.TurnFailed).code, (thrown as AgentdClient.TurnFailed).status]).toEqual(["http_status", 503])
+      expect((thrown as AgentdClient.TurnFailed).message).toContain("busy")
+      await collectTurn(client, id, 20_000)
+    } finally {
+      await sdk.close()
+    }
+
+    // Through a checkpoint and a daemon restart: get_messages, the attach baseline and a resume
+    // replay keep isError and agent_end.error.
+    const before = await allMessages(client, id)
+    const failedIds = before.filter((m) => m["isError"] === true).map((m) => m["id"])
+    expect(failedIds).toHaveLength(cases.length + 1)
+    await client.ok({ type: "checkpoint", activeSessionId: id })
+    await client.ok({ type: "shutdown" })
+    await daemon.exited
+    const again = await useDaemon({ stateDir: daemon.stateDir })
+    const c2 = await again.connect()
+    const after = await allMessages(c2, id)
+    expect(after).toEqual(before)
+    for (const m of after) expect(agentMessageProblems(m)).toEqual([])
+    const baseline = await c2.ok({ type: "attach", activeSessionId: id, capabilities: ["event_sequence"] })
+    expect(baseline["messages"].filter((m: Msg) => m["isError"] === true).map((m: Msg) => m["id"])).toEqual(failedIds)
+    await c2.ok({ type: "detach", activeSessionId: id })
+    const c3 = await again.connect()
+    const replay = await c3.ok({ type: "attach", activeSessionId: id, capabilities: ["event_sequence"], resumeCursor: { generation: 1, sequence: 0 } })
+    expect(replay["replay"].status).toBe("complete")
+    const ends = (await collectUntil(c3, id, (m) => isEvent("agent_end")(m) && m["event"].error?.code === "http_status" && m["event"].error?.status === 503, 20_000))
+      .filter(isEvent("agent_end"))
+      .map((m) => m["event"].error?.code ?? "ok")
+    expect(ends).toEqual([...cases.map((c) => c.code), "ok", "http_status"])
+  }, 120_000)
 
   it("create refuses a bad model-engine config with invalid_command naming the field", async () => {
     const daemon = await useDaemon()

@@ -7,7 +7,9 @@
  * - Anthropic's messages API (`POST /v1/messages`, `message_start`, `content_block_*`,
  *   `message_delta`, `message_stop`).
  * It records every request (headers and body) and whether the client closed it before the
- * reply was complete (an abort).
+ * reply was complete (an abort). Failure modes: an error status, a stream cut mid-way (`cut`),
+ * a stream that stops writing and stays open (`hang`: a stall after a few bytes), a request
+ * never answered at all, not even its headers (`silent`), malformed events (`raw`, `sse`).
  */
 import * as http from "node:http"
 import type { AddressInfo } from "node:net"
@@ -22,10 +24,11 @@ export type Step =
   /** Stops writing and keeps the connection open (until the client gives up). */
   | { readonly hang: true }
 
-/** A scripted reply: an error answer, or a stream of steps. */
+/** A scripted reply: an error answer, a stream of steps, or nothing at all (no headers, ever). */
 export type Reply =
   | { readonly status: number; readonly headers?: Readonly<Record<string, string>>; readonly body?: unknown }
   | { readonly steps: ReadonlyArray<Step> }
+  | { readonly silent: true }
 
 export interface RecordedRequest {
   readonly method: string
@@ -78,6 +81,7 @@ export const startFakeModel = async (): Promise<FakeModel> => {
       })
       for (const w of waiters.splice(0)) w()
       const reply = queue.shift() ?? { status: 500, body: { error: { message: "the fake server has no reply scripted" } } }
+      if ("silent" in reply) return
       if ("status" in reply) {
         res.writeHead(reply.status, { "content-type": "application/json", ...reply.headers })
         res.end(reply.body === undefined ? "" : JSON.stringify(reply.body))
@@ -176,6 +180,13 @@ export const chat = {
   hang: (deltas: ReadonlyArray<string>): Array<Step> => [
     { sse: chunk({ role: "assistant", content: "" }) },
     ...deltas.map((d): Step => ({ sse: chunk({ content: d }) })),
+    { hang: true }
+  ],
+  /** The first deltas, then the first bytes of the next event, then nothing (the connection stays open). */
+  stall: (deltas: ReadonlyArray<string>): Array<Step> => [
+    { sse: chunk({ role: "assistant", content: "" }) },
+    ...deltas.map((d): Step => ({ sse: chunk({ content: d }) })),
+    { raw: "data: {\"id\":" },
     { hang: true }
   ]
 }
