@@ -64,7 +64,7 @@ export class StateDirLock extends Context.Tag("agentd/StateDirLock")<StateDirLoc
 }>() {}
 
 /** How long a refused daemon waits for the holder to say who it is. */
-const ANSWER_TIMEOUT_MS = 2000
+const ANSWER_TIMEOUT_MS = 5000
 
 /**
  * The abstract socket name of a state dir's lock (leading NUL: not a file). The uid keeps users

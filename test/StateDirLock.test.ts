@@ -138,8 +138,10 @@ describe("StateDirLock", () => {
         // Half the rounds on a state dir that does not exist yet (both create it), half on one
         // that the previous round's winner held.
         const stateDir = round % 2 === 0 ? path.join(root, `fresh-${round}`) : reused
-        const a = yield* loadChild(stateDir, path.join(root, `a-${round}.sock`))
-        const b = yield* loadChild(stateDir, path.join(root, `b-${round}.sock`))
+        const [a, b] = yield* Effect.all([
+          loadChild(stateDir, path.join(root, `a-${round}.sock`)),
+          loadChild(stateDir, path.join(root, `b-${round}.sock`))
+        ], { concurrency: 2 })
         yield* go(a, b)
         const [la, lb] = yield* Effect.promise(() => Promise.all([a.line(["locked", "refused"]), b.line(["locked", "refused"])]))
         const winners = [a, b].filter((c, i) => [la, lb][i]!.startsWith("locked"))

@@ -204,7 +204,8 @@ describe("one daemon per state dir (e2e)", () => {
     const { id } = await createSession(client)
     const state = await waitIdle(client, id)
     // A stopped worker does not take its SIGTERM: the first daemon waits for it after its
-    // socket file is gone, still alive, still the state dir's owner.
+    // socket file is gone, still alive, still the state dir's owner (as it is while it waits
+    // for anything else at that point of its stop).
     const worker = state["workerPid"] as number
     process.kill(worker, "SIGSTOP")
     onTestFinished(() => killQuietly(worker, "SIGKILL"))
