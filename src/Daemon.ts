@@ -3,6 +3,7 @@
  *
  * ```
  * <stateDir>/agentd.sock                 the socket (0600)
+ *                                        (the state dir's lock is not a file: see StateDirLock)
  * <stateDir>/supervisor-generation       +1 at every start
  * <stateDir>/recovery.jsonl              the recovery journal
  * <stateDir>/events/<session>/...        the event log
@@ -30,6 +31,7 @@ import * as RecoveryJournal from "./RecoveryJournal.js"
 import * as SessionManager from "./SessionManager.js"
 import * as SessionStore from "./SessionStore.js"
 import * as SnapshotCache from "./SnapshotCache.js"
+import * as StateDirLock from "./StateDirLock.js"
 import * as WorkerPool from "./WorkerPool.js"
 
 /** Reads, increments and durably stores the supervisor generation of a state dir. */
@@ -43,15 +45,33 @@ export const nextSupervisorGeneration = (stateDir: string) =>
     return generation
   })
 
-/** Paths and generation of this supervisor; creates the state dir (0700). */
+/**
+ * The state dir's lock (see StateDirLock), taken for the daemon's whole life: built before every
+ * other layer that touches the state dir, it is released after all of them, last.
+ */
+export const stateDirLockLayer: Layer.Layer<
+  StateDirLock.StateDirLock,
+  StateDirLock.StateDirLocked | StateDirLock.StateDirLockError,
+  DaemonConfig
+> = Layer.scoped(
+  StateDirLock.StateDirLock,
+  Effect.flatMap(DaemonConfig, (config) => StateDirLock.acquire({ stateDir: config.stateDir, socketPath: config.socketPath }))
+)
+
+/**
+ * Paths and generation of this supervisor; creates the state dir (0700). It takes the state
+ * dir's lock first: a second daemon on the same state dir, whatever its socket, is refused
+ * before it writes anything (the generation counter included).
+ */
 export const supervisorInfoLayer: Layer.Layer<
   SessionManager.SupervisorInfo,
-  Fsx.FsError | DaemonServer.ServerStartError,
+  Fsx.FsError | DaemonServer.ServerStartError | StateDirLock.StateDirLocked | StateDirLock.StateDirLockError,
   DaemonConfig
 > = Layer.effect(
   SessionManager.SupervisorInfo,
   Effect.gen(function*() {
     const config = yield* DaemonConfig
+    yield* StateDirLock.StateDirLock
     yield* Fsx.ensureDir(config.stateDir)
     // Before the state dir is touched: a second daemon on a live socket must change nothing.
     yield* DaemonServer.claimSocketPath(config.socketPath)
@@ -69,7 +89,7 @@ export const supervisorInfoLayer: Layer.Layer<
       eventLogRoot: path.join(config.stateDir, "events")
     }
   })
-)
+).pipe(Layer.provide(stateDirLockLayer))
 
 /**
  * The engines the workers run (`create` checks a session's engine and config against them),
@@ -181,10 +201,12 @@ export interface DaemonLayers {
 
 /**
  * Why the daemon could not start: an invalid setting, its state dir or socket (another daemon
- * listens, no access), an unknown engine, or storage that cannot be opened.
+ * holds the state dir or listens on the socket, no access), an unknown engine, or storage that cannot be opened.
  */
 export type DaemonStartError =
   | ConfigError.ConfigError
+  | StateDirLock.StateDirLocked
+  | StateDirLock.StateDirLockError
   | Fsx.FsError
   | DaemonServer.ServerStartError
   | EngineError

@@ -1,7 +1,9 @@
 import { assert, describe, it } from "@effect/vitest"
 import type * as Context from "effect/Context"
 import * as Effect from "effect/Effect"
+import * as Exit from "effect/Exit"
 import * as Layer from "effect/Layer"
+import * as Scope from "effect/Scope"
 import * as fs from "node:fs"
 import * as os from "node:os"
 import * as path from "node:path"
@@ -44,6 +46,8 @@ describe("DaemonLive", () => {
           assert.strictEqual(error.reason, "unknown_engine")
           break
         case "FsError":
+        case "StateDirLocked":
+        case "StateDirLockError":
         case "ServerStartError":
         case "EventLogError":
         case "SessionStoreError":
@@ -53,6 +57,27 @@ describe("DaemonLive", () => {
       assert.isFalse(fs.existsSync(stateDir), "the state dir was not created")
       fs.rmSync(path.dirname(stateDir), { recursive: true, force: true })
     }))
+
+  it.live("an embedder of DaemonLive holds the state dir's lock: a second one (another socket) fails StateDirLocked, writing nothing, until the first's scope closes", () =>
+    Effect.gen(function*() {
+      const root = yield* tempRoot
+      const stateDir = path.join(root, "state")
+      const layers = { recoveryJournal: RecoveryJournal.layerMemory, workerPool: WorkerPool.layerInProcess() }
+      const first = yield* Scope.make()
+      yield* Layer.buildWithScope(DaemonLive({ stateDir, warmSpare: false }, layers), first)
+      const before = fs.readdirSync(stateDir).sort().map((f) => [f, fs.statSync(path.join(stateDir, f)).mtimeMs])
+      const other = path.join(root, "other.sock")
+      const error = yield* Effect.flip(Layer.build(DaemonLive({ stateDir, socketPath: other, warmSpare: false }, layers)))
+      assert.strictEqual(error._tag, "StateDirLocked")
+      assert.strictEqual(error.message, `another daemon (pid ${process.pid}, socket ${path.join(stateDir, "agentd.sock")}) holds ${stateDir}`)
+      assert.deepStrictEqual(fs.readdirSync(stateDir).sort().map((f) => [f, fs.statSync(path.join(stateDir, f)).mtimeMs]), before)
+      assert.strictEqual(fs.readFileSync(path.join(stateDir, "supervisor-generation"), "utf8"), "1\n")
+      assert.isFalse(fs.existsSync(other))
+      yield* Scope.close(first, Exit.void)
+      // Released with the scope: the next one starts.
+      yield* Layer.build(DaemonLive({ stateDir, socketPath: other, warmSpare: false }, layers))
+      assert.strictEqual(fs.readFileSync(path.join(stateDir, "supervisor-generation"), "utf8"), "2\n")
+    }).pipe(Effect.scoped))
 
   it.live("an embedder replaces its layers: memory storage and journal, in-process workers; the state dir holds only the socket and the generation", () =>
     Effect.gen(function*() {

@@ -10,6 +10,7 @@ import * as fs from "node:fs"
 import * as path from "node:path"
 import * as DaemonClient from "../DaemonClient.js"
 import type * as Protocol from "../Protocol.js"
+import * as StateDirLock from "../StateDirLock.js"
 import type { Context } from "./commands.js"
 import { CliError, EXIT, failed } from "./errors.js"
 import type { ServeOptions } from "./main.js"
@@ -35,6 +36,11 @@ const greets = (socketPath: string) =>
 /** `agentd serve --detach`: starts the daemon in the background and returns once it listens. */
 export const detach = (ctx: Context, options: ServeOptions, self: ReadonlyArray<string>) =>
   Effect.gen(function*() {
+    // Before the log is opened in the state dir: a refused start changes nothing there. (A
+    // daemon that takes the state dir between this check and the child's start refuses the
+    // child, which then says so below, through its log.)
+    const holder = yield* StateDirLock.holderOf(options.stateDir)
+    if (holder._tag === "Some") return yield* Effect.fail(failed(holder.value.message))
     const running = yield* Effect.option(greets(options.socketPath))
     if (running._tag === "Some") {
       return yield* Effect.fail(failed(`another daemon is listening at ${options.socketPath} (pid ${running.value.supervisorPid})`))

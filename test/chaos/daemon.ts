@@ -162,6 +162,36 @@ export class ChaosDaemon {
     })
   }
 
+  /**
+   * Runs another `agentd serve` on the same state dir with another socket (`second_daemon`), to
+   * its exit: it must be refused. One that runs on past `timeoutMs` (it started) is killed.
+   */
+  async serveSecond(socketPath: string, timeoutMs = 20_000): Promise<{ code: number | null; output: string; ranOn: boolean }> {
+    const env: Record<string, string> = {}
+    for (const [k, v] of Object.entries(process.env)) {
+      if (v === undefined || k.startsWith("AGENTD_") || k === "NODE_OPTIONS" || k.startsWith("VITEST")) continue
+      env[k] = v
+    }
+    Object.assign(env, this.env, { AGENTD_CHAOS_MARK: this.mark })
+    const proc = spawn(process.execPath, [DAEMON_BIN, "serve", "--state-dir", this.stateDir, "--socket", socketPath], {
+      cwd: this.root,
+      env,
+      stdio: ["ignore", "pipe", "pipe"],
+      detached: true
+    })
+    let output = ""
+    proc.stdout.setEncoding("utf8")
+    proc.stderr.setEncoding("utf8")
+    proc.stdout.on("data", (d: string) => (output += d))
+    proc.stderr.on("data", (d: string) => (output += d))
+    const exited = new Promise<number | null>((resolve) => proc.once("exit", (code) => resolve(code)))
+    const code = await Promise.race([exited, sleep(timeoutMs).then(() => "timeout" as const)])
+    if (code !== "timeout") return { code, output, ranOn: false }
+    for (const p of descendantsOf(proc.pid!)) killQuietly(p, "SIGKILL")
+    killQuietly(proc.pid!, "SIGKILL")
+    return { code: await exited, output, ranOn: true }
+  }
+
   /** SIGKILLs the daemon (only the daemon: its workers must notice and go by themselves). */
   async kill(): Promise<void> {
     if (!this.running) return

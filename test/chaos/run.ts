@@ -44,7 +44,8 @@ export const FAULT_KINDS = [
   "retry_worker",
   "spawn_fail",
   "rewrite_while_away",
-  "damage_files"
+  "damage_files",
+  "second_daemon"
 ] as const
 export type FaultKind = typeof FAULT_KINDS[number]
 
@@ -64,7 +65,8 @@ const WEIGHTS: Record<FaultKind, number> = {
   retry_worker: 2,
   spawn_fail: 1,
   rewrite_while_away: 3,
-  damage_files: 1
+  damage_files: 1,
+  second_daemon: 1
 }
 
 export interface RunOptions {
@@ -816,6 +818,21 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
           }
           log(`  (${sid}: no /compact accepted)`)
         })
+        return
+      }
+      case "second_daemon": {
+        // Another serve on the same state dir (another socket): refused by the state dir's
+        // lock, naming this daemon, having written nothing (its generation counter is unchanged).
+        const generationFile = `${daemon.stateDir}/supervisor-generation`
+        const before = fs.readFileSync(generationFile, "utf8")
+        const socketPath = `${daemon.root}/second-${counts[kind]}.sock`
+        log(`second_daemon at ${socketPath}`)
+        const r = await daemon.serveSecond(socketPath)
+        const expected = `another daemon (pid ${daemon.pid}, socket ${daemon.socketPath}) holds ${daemon.stateDir}`
+        check("second daemon refused", !r.ranOn && r.code === 1 && r.output.includes(expected), () =>
+          `${r.ranOn ? "it started beside the first" : `exit ${r.code}`}: ${r.output.slice(0, 500)}`)
+        check("second daemon wrote nothing", fs.readFileSync(generationFile, "utf8") === before && !fs.existsSync(socketPath), () =>
+          `supervisor-generation ${JSON.stringify(before)} -> ${JSON.stringify(fs.readFileSync(generationFile, "utf8"))}, socket file ${fs.existsSync(socketPath)}`)
         return
       }
       case "spawn_fail": {

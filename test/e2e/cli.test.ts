@@ -595,7 +595,7 @@ describe("agentd CLI across daemon restarts", () => {
     assert.isTrue(isAlive(pid))
     const twice = await cli(["serve", "--detach", "--state-dir", stateDir], { env })
     assert.strictEqual(twice.code, 1)
-    assert.include(twice.stderr, "another daemon is listening")
+    assert.include(twice.stderr, `another daemon (pid ${pid}, socket ${socketPath}) holds ${stateDir}`)
     const logs = await cli(["logs", "--state-dir", stateDir])
     assert.strictEqual(logs.code, 0)
     assert.include(logs.stdout, "listening")

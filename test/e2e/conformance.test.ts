@@ -640,7 +640,8 @@ describe("stale and live sockets", () => {
     }
     if (second !== undefined) await second.cleanup()
     expect(second, "a second daemon must not start on the same socket").toBeUndefined()
-    expect(String(err)).toContain(`another daemon is listening at ${d.socketPath}`)
+    // The state dir's lock refuses it first (one daemon per state dir), naming the first.
+    expect(String(err)).toContain(`another daemon (pid ${d.pid}, socket ${d.socketPath}) holds ${d.stateDir}`)
     expect(String(err)).not.toMatch(/code 0,/)
     const c = await d.connect()
     expect(await c.ok({ type: "ping" })).toEqual({ pong: true })

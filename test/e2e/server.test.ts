@@ -60,9 +60,17 @@ describe("server (e2e)", () => {
     const client = await daemon.connect()
     expect((await client.ok({ type: "ping" }))["pong"]).toBe(true)
 
-    const second = spawnSync(process.execPath, [DAEMON_BIN, "serve", "--state-dir", stateDir], { encoding: "utf8", timeout: 20_000 })
+    // The same socket through another state dir: the socket's own check refuses it.
+    const second = spawnSync(process.execPath, [DAEMON_BIN, "serve", "--state-dir", `${stateDir}-other`, "--socket", daemon.socketPath], {
+      encoding: "utf8",
+      timeout: 20_000
+    })
     expect(second.status).not.toBe(0)
     expect(second.stderr).toContain(`another daemon is listening at ${path.join(stateDir, "agentd.sock")}`)
+    // The same state dir: its lock refuses it first, naming the daemon that holds it.
+    const third = spawnSync(process.execPath, [DAEMON_BIN, "serve", "--state-dir", stateDir], { encoding: "utf8", timeout: 20_000 })
+    expect(third.status).toBe(1)
+    expect(third.stderr).toContain(`another daemon (pid ${daemon.pid}, socket ${daemon.socketPath}) holds ${stateDir}`)
     // The first daemon is unharmed.
     expect((await client.ok({ type: "ping" }))["pong"]).toBe(true)
   }, 40_000)
