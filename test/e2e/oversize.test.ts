@@ -94,8 +94,6 @@ describe("the daemon answers a line over maxLineBytes with the id of its head", 
   it("a 17 MiB prompt envelope: line_too_long with its id and `prompt`; the next command on the connection is answered", async () => {
     const d = daemon()
     const c = await d.connect()
-    // The hello announces the limit (an extension, docs/protocol.md section 9).
-    assert.deepStrictEqual(c.hello!["limits"], { maxLineBytes: MAX_LINE_BYTES })
     const head = `{"type":"command","id":"big-1","protocol":${JSON.stringify(PROTOCOL)},"command":{"type":"prompt","activeSessionId":"s-x","message":"`
     await c.sendRaw(lineOf(head, 17 * MiB, `"}}`))
     await c.sendRaw(`\n{"type":"ping","id":"after-big-1"}\n`)
@@ -105,6 +103,8 @@ describe("the daemon answers a line over maxLineBytes with the id of its head", 
     assert.deepStrictEqual(after["data"], { pong: true })
     assert.isBelow(c.all.indexOf(answer), c.all.indexOf(after))
     assert.strictEqual(c.received((m) => m["type"] === "response").length, 2, "one response per line")
+    // The hello announces the limit (an extension, docs/protocol.md section 9).
+    assert.deepStrictEqual(c.hello!["limits"], { maxLineBytes: MAX_LINE_BYTES })
   }, 60_000)
 
   it("bare commands: an id after a nested one is read; an id past the head is not; the connection goes on", async () => {
@@ -129,7 +129,6 @@ describe("the clients refuse a prompt over the limit, before sending it", () => 
     Effect.gen(function*() {
       const d = daemon()
       const client = yield* DaemonClient.make({ socketPath: d.socketPath })
-      assert.deepStrictEqual(client.hello.limits, { maxLineBytes: MAX_LINE_BYTES })
       const { activeSessionId } = yield* client.create({ config: { tokenDelayMs: 0 } })
       const big = "a".repeat(17 * MiB)
       const e1 = failureOf(yield* Effect.exit(client.prompt(activeSessionId, big).pipe(Effect.timeout("10 seconds"))))
@@ -148,6 +147,7 @@ describe("the clients refuse a prompt over the limit, before sending it", () => 
       // A prompt under the limit still runs.
       const turn = yield* Stream.runCollect(client.promptTurn(activeSessionId, "small")).pipe(Effect.timeout("20 seconds"))
       assert.strictEqual([...turn].at(-1)?.event.type, "agent_end")
+      assert.deepStrictEqual(client.hello.limits, { maxLineBytes: MAX_LINE_BYTES })
     }), 60_000)
 
   it("Promise facade: session.prompt rejects with PromptTooLarge at once", async () => {
@@ -200,7 +200,6 @@ describe("against a daemon with a small limit", () => {
 
   it("the head read is min(64 KiB, maxLineBytes): an id ending within the limit is echoed, one past it is not", async () => {
     const c = await daemon().connect()
-    assert.deepStrictEqual(c.hello!["limits"], { maxLineBytes: LIMIT })
     const within = `{"pad":"${"x".repeat(LIMIT - 60)}","id":"in","type":"ping","more":"`
     assert.isAtMost(within.indexOf(`"ping"`) + 6, LIMIT)
     await c.sendRaw(Buffer.concat([lineOf(within, LIMIT + 500), Buffer.from("\n")]))
@@ -208,6 +207,7 @@ describe("against a daemon with a small limit", () => {
     const past = `{"type":"ping","pad":"${"x".repeat(LIMIT - 30)}","id":"out","more":"`
     await c.sendRaw(Buffer.concat([lineOf(past, LIMIT + 500), Buffer.from("\n")]))
     expectTooLong(await c.waitFor((m) => m["type"] === "response"), null, "ping", LIMIT)
+    assert.deepStrictEqual(c.hello!["limits"], { maxLineBytes: LIMIT })
   })
 
   it.scopedLive("the client takes the announced limit, counts UTF-8 bytes of the envelope; a line of exactly the limit goes", () =>
@@ -233,10 +233,10 @@ describe("against a daemon with a small limit", () => {
     Effect.gen(function*() {
       const d = daemon()
       const above = yield* DaemonClient.make({ socketPath: d.socketPath, maxLineBytes: 10 * MiB })
-      const e1 = failureOf(yield* Effect.exit(above.prompt("s-x", "a".repeat(2 * LIMIT))))
+      const e1 = failureOf(yield* Effect.exit(above.prompt("s-x", "a".repeat(2 * LIMIT)).pipe(Effect.timeout("10 seconds"))))
       assert.strictEqual(e1._tag === "PromptTooLarge" && e1.maxLineBytes, LIMIT)
       const below = yield* DaemonClient.make({ socketPath: d.socketPath, maxLineBytes: 200 })
-      const e2 = failureOf(yield* Effect.exit(below.prompt("s-x", "a".repeat(300))))
+      const e2 = failureOf(yield* Effect.exit(below.prompt("s-x", "a".repeat(300)).pipe(Effect.timeout("10 seconds"))))
       assert.strictEqual(e2._tag === "PromptTooLarge" && e2.maxLineBytes, 200)
       assert.notInclude(e2.message, "the daemon's maxLineBytes")
     }))
