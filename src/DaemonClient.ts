@@ -313,6 +313,8 @@ export const make = (options: DaemonClientOptions = {}): Effect.Effect<DaemonCli
       })
     }
 
+    /** The longest line this client sends, known once the hello is (see `limit` below). */
+    let maxLineBytes: number | undefined
     /**
      * The request a `line_too_long` answered without its id belongs to (a daemon that cannot
      * read the id from the line's head, or one older than that): the first one waiting whose
@@ -328,9 +330,6 @@ export const make = (options: DaemonClientOptions = {}): Effect.Effect<DaemonCli
       for (const [key, request] of pending) if (request.bytes > limit) return key
       return undefined
     }
-    /** The effective limit, known once the hello is. */
-    let maxLineBytes: number | undefined
-
     // One fiber reads the lines in order, so a response and the frames after it are seen in
     // the order the daemon sent them.
     yield* Effect.forkScoped(Effect.gen(function*() {
