@@ -34,7 +34,7 @@ import * as Stream from "effect/Stream"
 import * as Take from "effect/Take"
 import * as net from "node:net"
 import * as Cursor from "./Cursor.js"
-import { LineDecoder } from "./JsonLines.js"
+import { DEFAULT_MAX_LINE_BYTES, LineDecoder } from "./JsonLines.js"
 import * as Protocol from "./Protocol.js"
 import { defaultSocketPath } from "./StatePaths.js"
 
@@ -120,11 +120,23 @@ export class SessionClosedError extends Schema.TaggedError<SessionClosedError>()
   message: Schema.String
 }) {}
 
+/**
+ * A prompt too large to send: its command line (the envelope as it would be written, in UTF-8
+ * bytes, without its `\n`) is longer than `maxLineBytes`, the longest line the daemon takes. The
+ * daemon would refuse it (`line_too_long`); it was not sent. `bytes` is the line's size.
+ */
+export class PromptTooLarge extends Schema.TaggedError<PromptTooLarge>()("PromptTooLarge", {
+  activeSessionId: Schema.String,
+  bytes: Schema.Int,
+  maxLineBytes: Schema.Int,
+  message: Schema.String
+}) {}
+
 /** Why `make`/`layer` could not connect. */
 export type ConnectError = DaemonUnreachable | ProtocolMismatch
 
 /** Why a command failed. */
-export type RequestError = DaemonError | DaemonDisconnected | InvalidResponse
+export type RequestError = DaemonError | DaemonDisconnected | InvalidResponse | PromptTooLarge
 
 /** Why a prompted turn could not be followed to its `agent_end`. */
 export type TurnError = RequestError | TurnInterrupted | TurnFailed | SessionClosedError
@@ -144,6 +156,13 @@ export interface DaemonClientOptions {
   readonly socketPath?: string | undefined
   /** How long to wait for `daemon_hello` once connected (default 10 seconds). */
   readonly helloTimeout?: Duration.DurationInput | undefined
+  /**
+   * The longest command line this client sends, in bytes (without its `\n`): a prompt whose
+   * line would be longer fails with {@link PromptTooLarge} before anything is written. Default:
+   * the limit the daemon announces in its hello (`limits.maxLineBytes`), else 16 MiB (the
+   * protocol's default); never more than the daemon announces.
+   */
+  readonly maxLineBytes?: number | undefined
 }
 
 /** The fields of `create`. */
@@ -236,7 +255,12 @@ export const make = (options: DaemonClientOptions = {}): Effect.Effect<DaemonCli
     const hello = yield* Deferred.make<Protocol.DaemonHello, ConnectError>()
     let helloSeen = false
     /** Commands sent and not answered yet, by id. */
-    const pending = new Map<string, { readonly command: Protocol.Command; readonly waiter: Deferred.Deferred<unknown, DaemonDisconnected> }>()
+    const pending = new Map<string, {
+      readonly command: Protocol.Command
+      readonly waiter: Deferred.Deferred<unknown, DaemonDisconnected>
+      /** The size of its line (without `\n`). */
+      readonly bytes: number
+    }>()
     const subscribers = new Set<Queue.Queue<Take.Take<Protocol.PushMessage, DaemonDisconnected>>>()
     const attached = new Set<string>()
     let daemonClosing = false
@@ -278,11 +302,12 @@ export const make = (options: DaemonClientOptions = {}): Effect.Effect<DaemonCli
       }
       if (isRecord(json) && json["type"] === "response") {
         const id = json["id"]
-        const request = typeof id === "string" ? pending.get(id) : undefined
+        const key = typeof id === "string" ? id : tooLongKey(json)
+        const request = key === undefined ? undefined : pending.get(key)
         if (request === undefined) {
           return Effect.logWarning(`agentd client: ignored a response nobody waits for: ${preview(line)}`)
         }
-        pending.delete(id as string)
+        pending.delete(key!)
         // Here rather than in the caller's fiber: in wire order with a `session_closed` after it.
         if (json["success"] === true) {
           const command = request.command
@@ -304,6 +329,23 @@ export const make = (options: DaemonClientOptions = {}): Effect.Effect<DaemonCli
       })
     }
 
+    /** The longest line this client sends, known once the hello is (see `limit` below). */
+    let maxLineBytes: number | undefined
+    /**
+     * The request a `line_too_long` answered without its id belongs to (a daemon that cannot
+     * read the id from the line's head, or one older than that): the first one waiting whose
+     * line was over the daemon's limit, so that it fails instead of waiting forever.
+     */
+    const tooLongKey = (json: Record<string, unknown>): string | undefined => {
+      const error = json["error"]
+      if (json["success"] !== false || !isRecord(error) || error["code"] !== "line_too_long") return undefined
+      const details = error["details"]
+      const limit = isRecord(details) && typeof details["maxLineBytes"] === "number"
+        ? details["maxLineBytes"]
+        : maxLineBytes ?? DEFAULT_MAX_LINE_BYTES
+      for (const [key, request] of pending) if (request.bytes > limit) return key
+      return undefined
+    }
     // One fiber reads the lines in order, so a response and the frames after it are seen in
     // the order the daemon sent them.
     yield* Effect.forkScoped(Effect.gen(function*() {
@@ -345,17 +387,44 @@ export const make = (options: DaemonClientOptions = {}): Effect.Effect<DaemonCli
       })
     )
 
+    const announced = greeting.limits?.maxLineBytes
+    const limit = options.maxLineBytes === undefined
+      ? announced ?? DEFAULT_MAX_LINE_BYTES
+      : Math.min(options.maxLineBytes, announced ?? Number.POSITIVE_INFINITY)
+    maxLineBytes = limit
+
+    /** A prompt whose line is over the limit, as the error it fails with. */
+    const tooLarge = (command: Protocol.Command, bytes: number): PromptTooLarge | undefined =>
+      command.type === "prompt" && bytes > limit
+        ? new PromptTooLarge({
+          activeSessionId: command.activeSessionId,
+          bytes,
+          maxLineBytes: limit,
+          message: `the prompt is too large to send: its command line is ${bytes} bytes, over the limit of ${limit} bytes (${
+            formatBytes(limit)
+          }${announced === undefined || limit < announced ? "" : ", the daemon's maxLineBytes"}); it was not sent`
+        })
+        : undefined
+
     const request = <C extends Protocol.Command>(command: C): Effect.Effect<Protocol.ResponseDataOf<C["type"]>, RequestError> =>
       Effect.gen(function*() {
-        const id = `r${++nextId}`
         const waiter = yield* Deferred.make<unknown, DaemonDisconnected>()
-        const refused = yield* Effect.sync(() => {
+        const sent = yield* Effect.sync((): RequestError | string => {
           if (over !== undefined) return over.error
-          pending.set(id, { command, waiter })
-          socket.write(Protocol.encodeCommand(id, command, greeting.clientId))
-          return undefined
+          // A refused command takes no id: ids stay consecutive on the wire.
+          const id = `r${nextId + 1}`
+          const line = Protocol.encodeCommand(id, command, greeting.clientId)
+          // Measured as written: UTF-8 bytes of the whole envelope, without its `\n`.
+          const bytes = Buffer.byteLength(line, "utf8") - 1
+          const error = tooLarge(command, bytes)
+          if (error !== undefined) return error
+          nextId++
+          pending.set(id, { command, waiter, bytes })
+          socket.write(line)
+          return id
         })
-        if (refused !== undefined) return yield* refused
+        if (typeof sent !== "string") return yield* sent
+        const id = sent
         const response = yield* Deferred.await(waiter).pipe(Effect.onInterrupt(() => Effect.sync(() => pending.delete(id))))
         const data = yield* decodeAnswer(command.type, response)
         return data as Protocol.ResponseDataOf<C["type"]>
@@ -396,6 +465,10 @@ export const make = (options: DaemonClientOptions = {}): Effect.Effect<DaemonCli
       isAttached: (activeSessionId) => attached.has(activeSessionId),
       promptTurn: (activeSessionId, message) =>
         Stream.unwrapScoped(Effect.gen(function*() {
+          // Refused before anything is sent (no attach for a prompt that cannot go).
+          const command: Protocol.Command = { type: "prompt", activeSessionId, message }
+          const error = tooLarge(command, Buffer.byteLength(Protocol.encodeCommand(`r${nextId + 1}`, command, greeting.clientId), "utf8") - 1)
+          if (error !== undefined) return yield* error
           const pushes = yield* subscribe
           // The session as it is before the prompt: the turn is after its last event, and after
           // the end of a turn that is running now (then the prompt waits for it or is refused).
@@ -464,6 +537,15 @@ const open = (socketPath: string, inbox: Queue.Queue<string | null>) =>
     return Effect.sync(() => socket.destroy())
   })
 
+/** A size in bytes for a person: `16 MiB`, `64 KiB`, `1.5 MiB`, `900 bytes`. */
+const formatBytes = (n: number): string => {
+  const units: ReadonlyArray<readonly [string, number]> = [["GiB", 2 ** 30], ["MiB", 2 ** 20], ["KiB", 2 ** 10]]
+  for (const [unit, size] of units) {
+    if (n >= size) return `${Number((n / size).toFixed(n % size === 0 ? 0 : 1))} ${unit}`
+  }
+  return `${n} bytes`
+}
+
 const preview = (line: string): string => (line.length > 200 ? `${line.slice(0, 200)}...` : line)
 
 const show = (u: unknown): string => {
@@ -514,11 +596,16 @@ const checkHello = (socketPath: string, json: unknown): Effect.Effect<Protocol.D
       `the daemon at ${socketPath} speaks protocol ${show(protocol)}; this client speaks ${show(Protocol.PROTOCOL)}`
     ))
   }
-  // Capabilities this client does not know of are no reason to refuse a daemon of its protocol.
+  // Capabilities this client does not know of are no reason to refuse a daemon of its protocol;
+  // nor are limits it cannot read (an extension): it goes on without them.
   const capabilities = json["serverCapabilities"]
-  const decoded = decodeHello(
-    Array.isArray(capabilities) ? { ...json, serverCapabilities: capabilities.filter((c) => knownCapabilities.includes(c)) } : json
-  )
+  const { limits, ...rest } = json
+  const readable = isRecord(limits) && Number.isSafeInteger(limits["maxLineBytes"]) && (limits["maxLineBytes"] as number) > 0
+  const decoded = decodeHello({
+    ...rest,
+    ...(readable ? { limits: { maxLineBytes: limits["maxLineBytes"] } } : {}),
+    ...(Array.isArray(capabilities) ? { serverCapabilities: capabilities.filter((c) => knownCapabilities.includes(c)) } : {})
+  })
   return Either.isRight(decoded)
     ? Effect.succeed(decoded.right)
     : Effect.fail(mismatch(

@@ -23,6 +23,7 @@ import * as fs from "node:fs"
 import * as net from "node:net"
 import * as path from "node:path"
 import { DaemonConfig } from "./DaemonConfig.js"
+import { type CommandHead, scanCommandHead } from "./internal/commandHead.js"
 import { Outbox } from "./internal/outbox.js"
 import { LineDecoder, type LineItem } from "./JsonLines.js"
 import * as Protocol from "./Protocol.js"
@@ -190,7 +191,9 @@ export const make = Effect.gen(function*() {
         supervisorGeneration: info.generation,
         supervisorPid: process.pid,
         appVersion: APP_VERSION,
-        serverCapabilities: Protocol.SERVER_CAPABILITIES
+        serverCapabilities: Protocol.SERVER_CAPABILITIES,
+        // An extension (docs/protocol.md section 9): clients refuse a prompt over it up front.
+        limits: { maxLineBytes: config.maxLineBytes }
       }))
 
       socket.on("data", (chunk: Buffer) => {
@@ -220,8 +223,16 @@ export const make = Effect.gen(function*() {
       const decodeLine = (item: LineItem) =>
         Effect.gen(function*(): Effect.fn.Return<Answer | Protocol.DecodedCommand> {
           if (typeof item !== "string") {
+            // Its id and type, when its head holds them: the client that sent it can match the
+            // answer (the rest of the line was never kept).
+            let head: CommandHead = { id: null, command: "parse" }
+            try {
+              head = scanCommandHead(Buffer.from(item.head.buffer, item.head.byteOffset, item.head.byteLength).toString("utf8"))
+            } catch (defect) {
+              yield* Effect.logError(`reading the head of a too-long line of ${clientId} died`, defect)
+            }
             return {
-              response: Protocol.failure(null, "parse", {
+              response: Protocol.failure(head.id, head.command, {
                 code: "line_too_long",
                 message: `The line is longer than ${item.maxLineBytes} bytes; it was discarded.`,
                 details: { maxLineBytes: item.maxLineBytes }

@@ -3,8 +3,9 @@
  *
  * Inbound: `\n` ends a line, a `\r` before it is dropped, a last line without `\n` still counts,
  * empty and whitespace-only lines are skipped, UTF-8 split across chunks is reassembled (invalid
- * bytes become U+FFFD). A line longer than `maxLineBytes` yields one {@link LineTooLong} and the
- * rest of it is discarded without being buffered, so the next line decodes normally.
+ * bytes become U+FFFD). A line longer than `maxLineBytes` yields one {@link LineTooLong}, which
+ * keeps a copy of the line's first bytes (at most {@link TOO_LONG_HEAD_BYTES}: enough to read its
+ * id), and the rest of it is discarded without being buffered, so the next line decodes normally.
  *
  * The decoder is linear in the input: it keeps the pieces of a pending line in a list and joins
  * them once, so a 64 MiB line arriving in 1-byte chunks costs the same per byte as one chunk.
@@ -15,12 +16,23 @@ import * as Stream from "effect/Stream"
 /** Default bound of one inbound line: 16 MiB. */
 export const DEFAULT_MAX_LINE_BYTES = 16 * 1024 * 1024
 
+/**
+ * How many of a too-long line's first bytes {@link LineTooLong} keeps (or `maxLineBytes`, when
+ * smaller: a line over the limit always has that many, however its bytes arrive).
+ */
+export const TOO_LONG_HEAD_BYTES = 64 * 1024
+
 /** Reported, once, in place of a line longer than the limit. */
 export class LineTooLong {
   readonly _tag = "LineTooLong"
   constructor(
     /** The limit that was exceeded. */
-    readonly maxLineBytes: number
+    readonly maxLineBytes: number,
+    /**
+     * The line's first `min(TOO_LONG_HEAD_BYTES, maxLineBytes)` bytes (a copy), from which its
+     * id may still be read; the same whatever the chunks the line came in.
+     */
+    readonly head: Uint8Array = new Uint8Array(0)
   ) {}
 }
 
@@ -61,10 +73,11 @@ export class LineDecoder {
       if (this.discarding) {
         // Skip the rest of a too-long line without keeping any of it.
       } else if (this.pendingBytes + (end - start) > this.maxLineBytes) {
+        const head = this.headOf(buf.subarray(start, end))
         this.pieces = []
         this.pendingBytes = 0
         this.discarding = true
-        out.push(new LineTooLong(this.maxLineBytes))
+        out.push(new LineTooLong(this.maxLineBytes, head))
       } else if (nl !== -1 && this.pieces.length === 0) {
         // The common case, a whole line inside one chunk: decode straight from the chunk.
         this.emit(buf, start, end, out)
@@ -91,6 +104,20 @@ export class LineDecoder {
     this.pendingBytes = 0
     this.discarding = false
     return out
+  }
+
+  /** A copy of the first bytes of the pending line followed by `rest` (see {@link LineTooLong}). */
+  private headOf(rest: Uint8Array): Uint8Array {
+    const size = Math.min(TOO_LONG_HEAD_BYTES, this.maxLineBytes)
+    const head = Buffer.alloc(size)
+    let at = 0
+    for (const piece of [...this.pieces, rest]) {
+      if (at >= size) break
+      const n = Math.min(piece.length, size - at)
+      head.set(piece.subarray(0, n), at)
+      at += n
+    }
+    return head.subarray(0, at)
   }
 
   private flushPieces(out: Array<LineItem>): void {

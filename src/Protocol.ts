@@ -304,7 +304,12 @@ export const DaemonHello = Tagged("daemon_hello", {
   supervisorGeneration: NonNegativeInt,
   supervisorPid: Schema.Int,
   appVersion: Schema.String,
-  serverCapabilities: Schema.Array(Capability)
+  serverCapabilities: Schema.Array(Capability),
+  /**
+   * An extension of this implementation (docs/protocol.md section 9): the daemon's limits, so
+   * that a client refuses up front what the daemon would refuse. A client ignores it if absent.
+   */
+  limits: optional(Schema.Struct({ maxLineBytes: Schema.Int.pipe(Schema.positive()) }))
 })
 export type DaemonHello = typeof DaemonHello.Type
 

@@ -15,7 +15,7 @@
  *   await client.close()
  *   ```
  *   A failed promise rejects with the same typed errors (`DaemonError` with its `code`,
- *   `TurnInterrupted`, `TurnFailed`, `DaemonUnreachable`, ...), each an `Error` with a `_tag`.
+ *   `TurnInterrupted`, `TurnFailed`, `PromptTooLarge`, `DaemonUnreachable`, ...), each an `Error` with a `_tag`.
  *
  * This entry loads the protocol's modules only, never the daemon's.
  */
@@ -51,6 +51,7 @@ export {
   type GetMessagesOptions,
   InvalidResponse,
   isDaemonError,
+  PromptTooLarge,
   ProtocolMismatch,
   type RequestError,
   SessionClosedError,
@@ -141,7 +142,8 @@ export interface SessionHandle {
    * `TurnFailed` (with its `code` and `message`) after yielding an `agent_end` that carries an
    * `error` (the model endpoint failed), or the prompt's `DaemonError` (e.g. `session_busy`). Attaches the connection to the session first
    * if needed. The prompt is sent when the iteration starts; leaving the loop early does not
-   * abort the turn (use {@link abort}).
+   * abort the turn (use {@link abort}). A prompt too large for the daemon's line limit throws
+   * `PromptTooLarge` (naming the limit and the size) without being sent.
    */
   prompt(text: string): AsyncIterable<Protocol.AgentEvent>
   /** Aborts the running turn; true when a turn was cut by it. */

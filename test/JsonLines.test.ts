@@ -63,6 +63,28 @@ describe("JsonLines", () => {
   })
 
   it.prop(
+    "a too-long line keeps its first min(64 KiB, maxLineBytes) bytes, however it is chunked; the next line decodes",
+    [
+      FastCheck.constantFrom(50, 1000, 64 * 1024, 100_000),
+      FastCheck.nat(200_000),
+      FastCheck.array(FastCheck.nat(), { maxLength: 12 })
+    ],
+    ([max, extra, cuts]) => {
+      // Varied bytes (multi-byte characters may be cut), so that a wrong offset shows.
+      const line = Buffer.from(Array.from({ length: max + 1 + extra }, (_, i) => (i % 251 === 0 ? "é" : String.fromCharCode(0x30 + (i % 43)))).join(""))
+      const input = Buffer.concat([bytes("ok1\n"), line, bytes("\nok2\n")])
+      const items = JsonLines.splitAll(cutAt(input, cuts), max)
+      assert.strictEqual(items.length, 3)
+      assert.strictEqual(items[0], "ok1")
+      const tooLong = items[1]
+      if (!(tooLong instanceof JsonLines.LineTooLong)) return assert.fail("expected LineTooLong")
+      assert.deepStrictEqual(Buffer.from(tooLong.head), line.subarray(0, Math.min(JsonLines.TOO_LONG_HEAD_BYTES, max)))
+      assert.strictEqual(items[2], "ok2")
+    },
+    { fastCheck: { numRuns: 40 } }
+  )
+
+  it.prop(
     "any chunking of a byte stream yields the same lines",
     [
       FastCheck.array(

@@ -444,6 +444,7 @@ console.log(JSON.stringify(report))
           "DaemonUnreachable",
           "DaemonDisconnected",
           "ProtocolMismatch",
+          "PromptTooLarge",
           "TurnInterrupted",
           "Protocol",
           "Cursor"

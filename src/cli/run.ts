@@ -8,6 +8,7 @@ import * as Cause from "effect/Cause"
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
 import * as Exit from "effect/Exit"
+import * as Logger from "effect/Logger"
 import type { Parsed } from "./args.js"
 import type { Context } from "./commands.js"
 import { CliError, EXIT, report, usage } from "./errors.js"
@@ -77,11 +78,18 @@ const ctrlC = Effect.async<never, CliError>((resume) => {
   return Effect.sync(() => process.off("SIGINT", onSigint))
 })
 
+/**
+ * The client's own log lines (the SDK's warnings: a message it cannot read, an answer nobody
+ * waits for) go to stderr, in Effect's usual format: stdout carries the command's output alone
+ * (a reply, JSON lines), which other programs read. Effect's default logger writes to stdout.
+ */
+const logToStderr = Logger.replace(Logger.defaultLogger, Logger.withConsoleError(Logger.stringLogger))
+
 /** Runs a parsed command line of one of these commands; resolves with the exit code. */
 export const run = async (parsed: Parsed, ctx: Context, hooks: Hooks): Promise<number> => {
   const main = program(parsed, ctx, hooks)
   const untilCtrlC = parsed.command.name === "attach" || parsed.command.name === "logs"
-  const exit = await Effect.runPromiseExit(untilCtrlC ? Effect.raceFirst(main, ctrlC) : main)
+  const exit = await Effect.runPromiseExit((untilCtrlC ? Effect.raceFirst(main, ctrlC) : main).pipe(Effect.provide(logToStderr)))
   if (Exit.isSuccess(exit)) return EXIT.ok
   const failure = Cause.failureOption(exit.cause)
   if (failure._tag === "Some") return report(failure.value, parsed.command)

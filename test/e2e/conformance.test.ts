@@ -299,7 +299,7 @@ describe("error codes", () => {
     expect(await c.ok({ type: "ping" })).toEqual({ pong: true })
   })
 
-  it("line_too_long: a line just over 16 MiB is refused and the connection stays usable", async () => {
+  it("line_too_long: a line just over 16 MiB is refused with its id and the connection stays usable", async () => {
     const d = shared()
     const c = await d.connect()
     const head = `{"type":"ping","id":"huge","pad":"`
@@ -310,8 +310,8 @@ describe("error codes", () => {
     await c.sendRaw(over)
     await c.sendRaw(`\n{"type":"ping","id":"after-huge"}\n`)
     const err = await c.waitFor((m) => m["type"] === "response" && m["error"]?.code === "line_too_long", 30_000)
-    // docs/protocol.md section 9: nothing of the line is kept, so id null and command "parse".
-    expectError(err, "line_too_long", null, "parse")
+    // docs/protocol.md section 9: the id and the type are read from the line's head.
+    expectError(err, "line_too_long", "huge", "ping")
     const after = await c.response("after-huge", 30_000)
     expect(after).toMatchObject({ success: true, data: { pong: true } })
     expect(c.all.indexOf(err)).toBeLessThan(c.all.indexOf(after))

@@ -235,6 +235,35 @@ const salvagedIds = (text: string): Array<string | null> => {
   return [...candidates]
 }
 
+/**
+ * docs/protocol.md section 9: a line over the limit is answered with the id and type read from
+ * its first min(64 KiB, maxLineBytes) bytes. Found here without a tokenizer: the longest cut of
+ * the head, at a `,` (then `}` closes it) or just after a `}`, that JSON.parse takes for an
+ * object holds the members read whole. Exact for the lines generated here (no duplicate keys,
+ * no envelope over the limit: for one, the command type may come from the open `command`
+ * object, so it is not fixed).
+ */
+const tooLongHead = (bytes: Buffer): { id: string | null; command: string | undefined; why: string } => {
+  const head = bytes.subarray(0, Math.min(64 * 1024, MAX_LINE_BYTES)).toString("utf8")
+  if (/^[ \t\r\n]*\{/.test(head)) {
+    for (let i = head.length - 1; i >= 0; i--) {
+      const c = head[i]
+      if (c !== "," && c !== "}") continue
+      let value: unknown
+      try {
+        value = JSON.parse(c === "," ? `${head.slice(0, i)}}` : head.slice(0, i + 1))
+      } catch {
+        continue
+      }
+      if (!isObj(value)) break
+      const id = typeof value["id"] === "string" ? value["id"] : null
+      const command = value["type"] === "command" ? undefined : typeof value["type"] === "string" ? value["type"] : "parse"
+      return { id, command, why: `members read whole up to byte ${Buffer.byteLength(head.slice(0, i), "utf8")}` }
+    }
+  }
+  return { id: null, command: "parse", why: "no object members" }
+}
+
 type Verdict = "valid" | "invalid" | "unsure"
 
 const worst = (vs: ReadonlyArray<Verdict>): Verdict => (vs.includes("invalid") ? "invalid" : vs.includes("unsure") ? "unsure" : "valid")
@@ -370,7 +399,10 @@ const modelValue = (v: unknown, realIds: ReadonlySet<string>): Expectation => {
 /** The expectation for one line (its bytes before the `\n`), and the line's JSON value if it has one. */
 const expectationOf = (bytes: Buffer, realIds: ReadonlySet<string>): { expect: Expectation; value?: unknown } => {
   // maxLineBytes counts every byte before the \n, a final \r included.
-  if (bytes.length > MAX_LINE_BYTES) return { expect: refuse("line_too_long", null, "parse", "longer than maxLineBytes") }
+  if (bytes.length > MAX_LINE_BYTES) {
+    const head = tooLongHead(bytes)
+    return { expect: refuse("line_too_long", head.id, head.command, `longer than maxLineBytes (head: ${head.why})`) }
+  }
   const body = bytes.length > 0 && bytes[bytes.length - 1] === 0x0d ? bytes.subarray(0, bytes.length - 1) : bytes
   const text = body.toString("utf8")
   if (text.trim() === "") return { expect: BLANK }
