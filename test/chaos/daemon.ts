@@ -169,6 +169,20 @@ export class ChaosDaemon {
     await this.exited
   }
 
+  /**
+   * SIGINT to the daemon's whole process group, as a terminal's Ctrl-C (the daemon leads its
+   * group: it is spawned detached); waits for it to exit, at most `timeoutMs`.
+   */
+  async sigintGroup(timeoutMs: number): Promise<{ code: number | null; signal: NodeJS.Signals | null } | undefined> {
+    if (!this.running) return this.exitInfo
+    try {
+      process.kill(-this.proc!.pid!, "SIGINT")
+    } catch {
+      // gone meanwhile
+    }
+    return (await this.waitExit(timeoutMs)) ? this.exitInfo : undefined
+  }
+
   /** Stops a start that hangs: the process and whatever it spawned. */
   private abandon(): void {
     const pid = this.proc?.pid

@@ -30,7 +30,7 @@ const SHUTDOWN_CUT_GRACE = "2 seconds"
 export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Supervisor, delivery: Delivery) => {
   const { cache, journal, log, restarts, sessions, store, publish, publishStatus, record, summary, fork, forkIn } = core
   const { abandonRewrite, runCheckpoint } = checkpoints
-  const { answerWaiting, cutForShutdown, failSession, onCrash, onFrames, pump, startTurn, startWorker } = supervisor
+  const { answerWaiting, cutForShutdown, endCutTurnForShutdown, failSession, onCrash, onFrames, pump, startTurn, startWorker } = supervisor
   const { detachAttachment } = delivery
 
   /**
@@ -154,7 +154,10 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
         return Effect.gen(function*() {
           for (const a of aborts) yield* Deferred.fail(a, error)
           yield* answerWaiting(s, error)
-          if (phase._tag !== "Running") return yield* Deferred.succeed(input.done, undefined)
+          if (phase._tag !== "Running") {
+            yield* endCutTurnForShutdown(s)
+            return yield* Deferred.succeed(input.done, undefined)
+          }
           // A running turn is cut before the sockets close, so that its end reaches the clients
           // attached and the journal says idle (the next start restores nothing, reports no
           // crash). The worker cuts it as it does an abort (the message it was streaming ends

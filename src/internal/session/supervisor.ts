@@ -304,6 +304,26 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
     })
 
   /**
+   * The daemon stops while a turn cut by a crash still waits for its end (the worker
+   * recovering): that end is said now, with the crash's reason, and the status that ends the
+   * turn follows; the worker being restored is stopped. The journal says idle, so the next
+   * start does not cut that turn again (`daemon_restarted`) nor restore the session at once.
+   */
+  const endCutTurnForShutdown = (s: Session) =>
+    Effect.gen(function*() {
+      const cut = s.cutTurn
+      if (cut === undefined) return
+      const worker = workerOf(s.phase)
+      s.epoch++
+      if (cut._tag === "InterruptOwed") {
+        yield* publish(s, { type: "session_event", event: { type: "turn_interrupted", reason: cut.reason } as Protocol.AgentEvent })
+        yield* record(s, false, "turn_end")
+      }
+      yield* endCutTurn(s, () => (s.phase = { _tag: "Passivated" }))
+      if (worker !== undefined) yield* fork(Effect.asVoid(worker.stop()))
+    })
+
+  /**
    * Takes, synchronously, every request that waits for a worker (the session is no longer busy
    * with a reserved prompt from here); the effect returned answers them with `error`.
    */
@@ -334,7 +354,7 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
       return Effect.forEach(idle.slice(0, slots.wanted()), (victim) => post(victim, { _tag: "Passivate" }), { discard: true })
     })
 
-  return { startWorker, pump, startTurn, onCrash, onFrames, failSession, answerWaiting, cutForShutdown }
+  return { startWorker, pump, startTurn, onCrash, onFrames, failSession, answerWaiting, cutForShutdown, endCutTurnForShutdown }
 }
 
 export type Supervisor = ReturnType<typeof makeSupervisor>
