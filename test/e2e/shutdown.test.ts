@@ -10,13 +10,15 @@
  * Every process a test starts is killed when it finishes, pass or fail (the harness's cleanup,
  * and the CLI runs here). Needs `npm run build` first.
  */
+import * as Schedule from "effect/Schedule"
 import { type ChildProcess, spawn } from "node:child_process"
 import * as fs from "node:fs"
 import * as path from "node:path"
 import { assert, describe, it, onTestFinished } from "vitest"
+import * as Client from "../../src/client.js"
 import {
   cleanUpAfterTests,
-  type Client,
+  type Client as WireClient,
   createSession,
   DAEMON_BIN,
   type Daemon,
@@ -75,7 +77,7 @@ const until = async (what: string, f: () => boolean | Promise<boolean>, timeoutM
 }
 
 /** Waits until the session runs a turn whose tool call (`/sleep`) has started; returns its worker's pid. */
-const inToolCall = async (watcher: Client, d: Daemon, id: string): Promise<number> => {
+const inToolCall = async (watcher: WireClient, d: Daemon, id: string): Promise<number> => {
   await watcher.waitFor((m) => isEvent("tool_execution_start")(m) && m["activeSessionId"] === id, 15_000)
   const s = await watcher.ok({ type: "get_state", activeSessionId: id })
   d.recordWorkers(s)
@@ -113,7 +115,7 @@ const pgidOf = (pid: number): number => {
 }
 
 /** The cut turn ends: `turn_interrupted {daemon_shutdown}`, then the idle status, then `daemon_closing`. */
-const assertCutTurnSeen = async (watcher: Client, id: string): Promise<void> => {
+const assertCutTurnSeen = async (watcher: WireClient, id: string): Promise<void> => {
   const closing = await watcher.waitFor((m) => m["type"] === "daemon_closing", 15_000)
   const all = watcher.all
   const cut = all.findIndex((m) => isEvent("turn_interrupted")(m) && m["activeSessionId"] === id)
@@ -230,6 +232,67 @@ describe("a graceful stop", () => {
     assert.deepStrictEqual(cut, ["daemon_shutdown"])
     assert.notStrictEqual(workerGroup, d.pid, "the worker was in the daemon's process group")
   }, 90_000)
+})
+
+/** Runs a follow loop in the background, collecting what it yields and how it ends. */
+const follow = (iterable: AsyncIterable<Client.FollowEvent>) => {
+  const events: Array<Client.FollowEvent> = []
+  const out = { events, error: undefined as unknown, done: false }
+  void (async () => {
+    try {
+      for await (const e of iterable) events.push(e)
+    } catch (e) {
+      out.error = e
+    } finally {
+      out.done = true
+    }
+  })()
+  return out
+}
+
+describe("the SDK's follow on a graceful stop", () => {
+  it("ends with DaemonShutDown at once (no reconnect); with waitForRestart it resumes after the daemon is started again, no event lost or repeated", async () => {
+    const d = await useDaemon()
+    const driver = await Client.connect({ socketPath: d.socketPath })
+    const handle = await driver.create({ name: "sdk-stop" })
+    const reconnect = Schedule.spaced("50 millis")
+    const plain = follow(handle.follow({ reconnect }))
+    const waiting = follow(driver.session(handle.activeSessionId).follow({ reconnect, waitForRestart: true }))
+    const turn = (async () => {
+      try {
+        for await (const _ of handle.prompt("/sleep 20000")) {
+          // the turn's events
+        }
+        return "ended"
+      } catch (e) {
+        return `${(e as { _tag?: string })._tag}:${(e as { reason?: string }).reason}`
+      }
+    })()
+    await until("both followers in the tool call", () =>
+      [plain, waiting].every((f) => f.events.some((e) => e.type === "session_event" && e.event.type === "tool_execution_start")))
+    const asked = Date.now()
+    await driver.shutdown()
+    assert.strictEqual(await turn, "TurnInterrupted:daemon_shutdown")
+    await until("the plain follower ends", () => plain.done, 5_000)
+    assert.isBelow(Date.now() - asked, 5_000)
+    assert.strictEqual((plain.error as { _tag?: string } | undefined)?._tag, "DaemonShutDown", String(plain.error))
+    const cut = plain.events.filter((e) => e.type === "session_event" && e.event.type === "turn_interrupted")
+    assert.deepStrictEqual(cut.map((e) => e.type === "session_event" && e.event.type === "turn_interrupted" && e.event.reason), ["daemon_shutdown"])
+    await d.exited
+    await sleep(500)
+    assert.isFalse(waiting.done, `the waiting follower ended: ${String(waiting.error)}`)
+    const d2 = await useDaemon({ stateDir: d.stateDir })
+    const driver2 = await Client.connect({ socketPath: d2.socketPath })
+    for await (const _ of driver2.session(handle.activeSessionId).prompt("back")) {
+      // the turn's events
+    }
+    await until("the waiting follower sees the turn after the restart", () =>
+      waiting.events.some((e) => e.type === "session_event" && e.event.type === "message_end" && e.event.message.content === "echo: back"), 15_000)
+    const cursors = waiting.events.flatMap((e) => (e.type === "baseline" ? [] : [`${e.meta.cursor.generation}:${e.meta.cursor.sequence}`]))
+    assert.strictEqual(new Set(cursors).size, cursors.length, "an event seen twice")
+    assert.deepStrictEqual(waiting.events.filter((e) => e.type === "baseline").length, 1, "resumed, not a new baseline")
+    await driver2.close()
+  }, 60_000)
 })
 
 describe("a SIGKILLed daemon", () => {
