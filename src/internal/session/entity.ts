@@ -267,20 +267,22 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
    */
   const settleForShutdown = Effect.suspend(() => {
     stopping = true
+    const dones: Array<Deferred.Deferred<void>> = []
     const ask = (force: boolean) => {
-      const dones: Array<Deferred.Deferred<void>> = []
       for (const s of sessions.values()) {
         if (s.closed || (force && s.phase._tag !== "Running")) continue
         const done = Deferred.unsafeMake<void>(FiberId.none)
         s.mailbox.unsafeOffer({ _tag: "ShuttingDown", done, force })
         dones.push(done)
       }
-      return Effect.forEach(dones, Deferred.await, { discard: true })
     }
-    // The workers cut their turns (bounded); a turn still running then is cut by the supervisor.
-    return ask(false).pipe(
+    const all = Effect.suspend(() => Effect.forEach(dones, Deferred.await, { discard: true }))
+    ask(false)
+    // The workers cut their turns; a turn still running after their grace is cut by the
+    // supervisor. Bounded as a whole: an entity stuck in a long step is not waited for.
+    return all.pipe(
       Effect.timeout(SHUTDOWN_CUT_GRACE),
-      Effect.catchTag("TimeoutException", () => ask(true).pipe(Effect.timeout("3 seconds"))),
+      Effect.catchTag("TimeoutException", () => Effect.zipRight(Effect.sync(() => ask(true)), all).pipe(Effect.timeout("3 seconds"))),
       Effect.ignore
     )
   })
