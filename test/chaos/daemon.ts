@@ -205,12 +205,16 @@ export class ChaosDaemon {
 
   /** Marked processes that are not the current daemon or one of its descendants. */
   orphans(): Array<number> {
+    // Marked processes first: one the daemon spawns between the two scans is then not in the
+    // list (scanned the other way round it was, and not yet among the descendants: a worker
+    // just forked, its command line still the daemon's, was taken for an orphan).
+    const marked = this.markedProcesses()
     const ours = new Set<number>()
     if (this.running) {
       ours.add(this.proc!.pid!)
       for (const p of descendantsOf(this.proc!.pid!)) ours.add(p)
     }
-    return this.markedProcesses().filter((p) => !ours.has(p))
+    return marked.filter((p) => !ours.has(p) && isAlive(p))
   }
 
   /** A process as /proc tells it (for an orphan or a hang): command line, state, where it waits. */
