@@ -16,6 +16,7 @@ import * as fs from "node:fs"
 import * as path from "node:path"
 import { assert, describe, it, onTestFinished } from "vitest"
 import * as Client from "../../src/client.js"
+import { chat, startFakeModel } from "../support/fakeModels.js"
 import {
   cleanUpAfterTests,
   type Client as WireClient,
@@ -249,6 +250,33 @@ const follow = (iterable: AsyncIterable<Client.FollowEvent>) => {
   })()
   return out
 }
+
+describe("a graceful stop during a model engine's streamed message", () => {
+  it("keeps the text streamed so far: message_end (interrupted) then turn_interrupted {daemon_shutdown}; the transcript holds it after a restart", async () => {
+    const fake = await startFakeModel()
+    onTestFinished(() => fake.close())
+    const d = await useDaemon({ env: { OPENAI_API_KEY: "sk-e2e-shutdown" } })
+    const c = await d.connect("client")
+    const { id } = await createSession(c, { engine: "openai-compat", config: { model: "fake-model", baseUrl: `${fake.url}/v1`, retryBaseDelayMs: 10 } })
+    await c.ok({ type: "attach", activeSessionId: id })
+    fake.reply({ steps: chat.hang(["partial ", "text"]) })
+    await c.ok({ type: "prompt", activeSessionId: id, message: "long one" })
+    await c.waitFor((m) => isEvent("message_update")(m) && m["event"].delta === "text", 20_000)
+    c.sendCommand({ type: "shutdown" })
+    await assertCutTurnSeen(c, id)
+    const cut = c.all.filter((m) => isEvent("message_end")(m)).at(-1)!["event"].message
+    assert.deepStrictEqual([cut.role, cut.content, cut.interrupted], ["assistant", "partial text", true])
+    const order = c.all.filter((m) => m["activeSessionId"] === id && (isEvent("message_end")(m) || isEvent("turn_interrupted")(m))).slice(-2).map(describeMsg)
+    assert.match(order.join(" "), /^ev:message_end@\S+ ev:turn_interrupted\(daemon_shutdown\)@/)
+    await d.exited
+    assert.strictEqual(d.exitCode, 0, d.output)
+    const d2 = await useDaemon({ stateDir: d.stateDir, env: { OPENAI_API_KEY: "sk-e2e-shutdown" } })
+    const c2 = await d2.connect("after")
+    const messages = (await c2.ok({ type: "get_messages", activeSessionId: id }))["messages"] as Array<Msg>
+    assert.deepStrictEqual(messages.map((m) => [m["role"], m["content"], m["interrupted"] === true]), [["user", "long one", false], ["assistant", "partial text", true]])
+    assert.deepStrictEqual(crashTraces(await history(d2, id)), [])
+  }, 60_000)
+})
 
 describe("the SDK's follow on a graceful stop", () => {
   it("ends with DaemonShutDown at once (no reconnect); with waitForRestart it resumes after the daemon is started again, no event lost or repeated", async () => {
