@@ -287,8 +287,8 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
 
   /**
    * The daemon stops and the worker did not end its turn when asked (or is gone): the turn is
-   * cut here, as a failed session's is (the message it was streaming ends with it), and the
-   * worker is stopped. The journal says idle, so the next daemon start does not restore it.
+   * cut here, as a failed session's is (a message it was streaming is not kept: only its worker
+   * could end it), and the worker is stopped. The journal says idle, so the next daemon start does not restore it.
    * The session shows `passivated`: its worker is on its way out, and any late frame of it is
    * no longer the session's.
    */
