@@ -63,10 +63,13 @@ export class ProtocolMismatch extends Schema.TaggedError<ProtocolMismatch>()("Pr
 /**
  * The connection ended while something waited on it (a response, a stream), or a command was
  * sent after it ended: the daemon stopped or crashed, or the client was closed.
+ * `daemonShutdown` is true when the daemon said `daemon_closing` first: it stopped gracefully
+ * (a `shutdown`, SIGINT, SIGTERM), and will not come back unless someone starts it again.
  */
 export class DaemonDisconnected extends Schema.TaggedError<DaemonDisconnected>()("DaemonDisconnected", {
   socketPath: Schema.String,
-  message: Schema.String
+  message: Schema.String,
+  daemonShutdown: Schema.optional(Schema.Boolean)
 }) {}
 
 /**
@@ -140,6 +143,17 @@ export type RequestError = DaemonError | DaemonDisconnected | InvalidResponse | 
 
 /** Why a prompted turn could not be followed to its `agent_end`. */
 export type TurnError = RequestError | TurnInterrupted | TurnFailed | SessionClosedError
+
+/**
+ * True when an error says the daemon stopped gracefully: the connection ended after its
+ * `daemon_closing`, or a command was refused `shutting_down`.
+ */
+export const isDaemonShutdown = (u: unknown): boolean => {
+  // By tag: the command line's bundles each have their own copy of these classes.
+  const e = u as { readonly _tag?: unknown; readonly daemonShutdown?: unknown; readonly code?: unknown } | null
+  return typeof e === "object" && e !== null &&
+    ((e._tag === "DaemonDisconnected" && e.daemonShutdown === true) || (e._tag === "DaemonError" && e.code === "shutting_down"))
+}
 
 /** True for a {@link DaemonError} with one of `codes` (for `Effect.catchIf`). */
 export const isDaemonError = <const C extends Protocol.ErrorCode>(...codes: ReadonlyArray<C>) =>
@@ -356,7 +370,8 @@ export const make = (options: DaemonClientOptions = {}): Effect.Effect<DaemonCli
             return finish(
               new DaemonDisconnected({
                 socketPath,
-                message: daemonClosing ? "the daemon shut down (daemon_closing)" : "the daemon closed the connection"
+                message: daemonClosing ? "the daemon shut down (daemon_closing)" : "the daemon closed the connection",
+                ...(daemonClosing ? { daemonShutdown: true } : {})
               })
             )
           }

@@ -104,7 +104,7 @@ export const AgentMessage = Schema.Struct({
 export type AgentMessage = typeof AgentMessage.Type
 
 /** Why a turn ended without `agent_end`. */
-export const InterruptReason = Schema.Literal("worker_crashed", "aborted", "daemon_restarted")
+export const InterruptReason = Schema.Literal("worker_crashed", "aborted", "daemon_restarted", "daemon_shutdown")
 export type InterruptReason = typeof InterruptReason.Type
 
 /**

@@ -41,7 +41,7 @@ import * as Stream from "effect/Stream"
 import * as fs from "node:fs"
 import * as path from "node:path"
 import * as Cursor from "./Cursor.js"
-import { type ConnectError, DaemonClient, type RequestError } from "./DaemonClient.js"
+import { type ConnectError, DaemonClient, isDaemonShutdown, type RequestError } from "./DaemonClient.js"
 import type * as Protocol from "./Protocol.js"
 
 // ---------------------------------------------------------------------------------------------
@@ -125,8 +125,19 @@ export class SessionProtocolViolation extends Data.TaggedError("SessionProtocolV
   readonly message: string
 }> {}
 
+/**
+ * The daemon stopped gracefully (it said `daemon_closing`, or refused the attach
+ * `shutting_down`) and the follower was not asked to wait for a restart
+ * (`waitForRestart`): the follow ends with this rather than reconnect to a daemon that may
+ * never come back.
+ */
+export class DaemonShutDown extends Data.TaggedError("DaemonShutDown")<{
+  readonly activeSessionId: string
+  readonly message: string
+}> {}
+
 /** Why a follower stopped. */
-export type SessionClientError = ConnectError | RequestError | SnapshotFailed | SessionProtocolViolation
+export type SessionClientError = ConnectError | RequestError | SnapshotFailed | SessionProtocolViolation | DaemonShutDown
 
 /**
  * The errors a follower reconnects after: the daemon unreachable or gone (restarting), a
@@ -482,6 +493,11 @@ export interface SessionClientOptions {
    * reconnect (a changed `supervisorGeneration` means the daemon restarted meanwhile).
    */
   readonly onConnect?: ((hello: Protocol.DaemonHello) => Effect.Effect<void>) | undefined
+  /**
+   * Keep reconnecting (on `reconnect`) after the daemon stopped gracefully, to resume once it
+   * is started again. Default false: a graceful stop ends the follow with {@link DaemonShutDown}.
+   */
+  readonly waitForRestart?: boolean | undefined
   /** Passed with every attach (see docs/protocol.md section 3). */
   readonly launchEnv?: Protocol.CommandOf<"attach">["launchEnv"]
   readonly env?: Protocol.CommandOf<"attach">["env"]
@@ -556,6 +572,12 @@ export const make = (options: SessionClientOptions): Effect.Effect<SessionClient
         )
       })
     ).pipe(
+      // A daemon that stopped gracefully is not waited for, unless asked.
+      Stream.mapError((e): SessionClientError =>
+        options.waitForRestart !== true && isDaemonShutdown(e)
+          ? new DaemonShutDown({ activeSessionId, message: `the daemon shut down (${e.message})` })
+          : e
+      ),
       Stream.withSpan("SessionClient.connection", { attributes: { activeSessionId } })
     )
 

@@ -98,8 +98,8 @@ class FdPipe implements WorkerPipe {
 interface RunningTurn {
   readonly turnId: string
   readonly fiber: Fiber.RuntimeFiber<void, never>
-  /** Completed by `abort`. */
-  readonly aborted: Deferred.Deferred<void>
+  /** Completed by `abort`, with the reason its `turn_interrupted` gives. */
+  readonly aborted: Deferred.Deferred<InterruptReason>
 }
 
 interface LoadedSession {
@@ -363,14 +363,17 @@ export const run = (pipe: WorkerPipe, options: RunOptions = {}) =>
      * exactly one of the two). A signal rather than an interruption of the turn's fiber: an
      * abort that arrives before that fiber has even started must still end the turn.
      */
-    const runTurn = (s: LoadedSession, turnId: string, message: string, aborted: Deferred.Deferred<void>) => {
+    const runTurn = (s: LoadedSession, turnId: string, message: string, aborted: Deferred.Deferred<InterruptReason>) => {
       let ended = false
       const streaming = new StreamingMessage()
-      const interrupted = Effect.suspend(() => {
-        if (ended) return Effect.void
+      const interrupted = Effect.gen(function*() {
+        if (ended) return
         ended = true
         const partial = streaming.take()
-        return cutTurn(s.messages, s.engine.endsCutMessages === true ? partial : undefined, "aborted")
+        // The abort's reason (a graceful daemon stop says `daemon_shutdown`); a turn cut because
+        // the worker itself ends has nobody left to tell.
+        const reason: InterruptReason = (yield* Deferred.isDone(aborted)) ? yield* Deferred.await(aborted) : "aborted"
+        yield* cutTurn(s.messages, s.engine.endsCutMessages === true ? partial : undefined, reason)
       })
       return s.engine.runTurn({ turnId, message, history: s.messages }).pipe(
         Stream.interruptWhenDeferred(aborted),
@@ -460,13 +463,15 @@ export const run = (pipe: WorkerPipe, options: RunOptions = {}) =>
             // The supervisor sends a prompt only once the previous turn's end was logged; the
             // previous fiber may still be finishing (its last write, its clean-up): let it.
             if (s.turn !== undefined) yield* Fiber.await(s.turn.fiber)
-            const aborted = yield* Deferred.make<void>()
+            const aborted = yield* Deferred.make<InterruptReason>()
             const fiber = yield* FiberSet.run(fibers, runTurn(s, frame.turnId, frame.message, aborted))
             s.turn = { turnId: frame.turnId, fiber, aborted }
           })
         case "abort": {
           const turn = session?.turn
-          return turn === undefined || turn.turnId !== frame.turnId ? Effect.void : Deferred.done(turn.aborted, Exit.void)
+          return turn === undefined || turn.turnId !== frame.turnId
+            ? Effect.void
+            : Deferred.done(turn.aborted, Exit.succeed(frame.reason ?? "aborted"))
         }
         case "stop":
           return options.exit ?? Effect.sync(() => process.exit(0))
@@ -504,6 +509,14 @@ export const run = (pipe: WorkerPipe, options: RunOptions = {}) =>
  */
 export const main = (engines: Layer.Layer<Engine> = BuiltinEngines.layer): void => {
   const pipe = new FdPipe(3)
+  // The pool starts workers in a process group of their own (detached), so no signal to the
+  // daemon's group reaches them: the closing pipe is how a worker learns its daemon is gone.
+  // Should the pipe stay open (a descendant holding the daemon's end), being orphaned (another
+  // parent) says it too.
+  const parent = process.ppid
+  setInterval(() => {
+    if (process.ppid !== parent) process.exit(0)
+  }, 1000).unref()
   const warmUp = process.argv.includes(WorkerProtocol.WARM_UP_FLAG)
   const program = run(pipe, { warmUp }).pipe(
     Effect.tapErrorCause((cause) => Effect.logError("the worker failed", cause)),

@@ -328,7 +328,11 @@ export const make = (options: WorkerPoolOptions = {}) =>
           try: () =>
             spawn(process.execPath, [...execArgv, entry, ...(spare ? [WorkerProtocol.WARM_UP_FLAG] : [])], {
               stdio: ["ignore", "pipe", "pipe", "pipe"],
-              env: env === undefined ? process.env : { ...process.env, ...env }
+              env: env === undefined ? process.env : { ...process.env, ...env },
+              // A process group (and session) of its own: a terminal's Ctrl-C, sent to the
+              // foreground group, reaches only the daemon, which stops its workers itself (a
+              // graceful stop); a worker dead of that signal would be recorded as a crash.
+              detached: true
             }),
           catch: (e) => new WorkerSpawnError({ message: `cannot spawn a worker: ${String(e)}` })
         })
@@ -339,6 +343,11 @@ export const make = (options: WorkerPoolOptions = {}) =>
         }
         const worker = new WorkerProcess(child, pipe, exited, warn)
         workers.add(worker)
+        // Neither the child nor its pipes keep the daemon's event loop alive: the daemon lives as
+        // long as its runtime does, and stops its workers itself; a worker exits when its pipe
+        // closes, so it never outlives the daemon, however the daemon ends.
+        child.unref()
+        for (const stream of [child.stdout, child.stderr, pipe]) (stream as net.Socket | null)?.unref()
         child.on("exit", (code, signal) => {
           workers.delete(worker)
           pipe.destroy()

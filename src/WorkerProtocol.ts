@@ -55,8 +55,15 @@ export const Load = Tagged("load", {
 /** Starts a turn. */
 export const RunPrompt = Tagged("prompt", { turnId: Schema.String, message: Schema.String })
 
-/** Aborts the turn `turnId` if it is still running (a turn that already ended is left alone). */
-export const AbortTurn = Tagged("abort", { turnId: Schema.String })
+/**
+ * Aborts the turn `turnId` if it is still running (a turn that already ended is left alone).
+ * `reason` is what its `turn_interrupted` says: `aborted` (the default, a client's `abort`) or
+ * `daemon_shutdown` (the daemon stops gracefully and cuts the turn first).
+ */
+export const AbortTurn = Tagged("abort", {
+  turnId: Schema.String,
+  reason: optional(Schema.Literal("aborted", "daemon_shutdown"))
+})
 
 /** Asks the worker to exit cleanly. */
 export const Stop = Tagged("stop", {})

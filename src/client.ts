@@ -114,6 +114,11 @@ export interface FollowOptions {
   readonly persistPath?: string | undefined
   /** When to reconnect (an Effect `Schedule`; default exponential from 50 ms, capped at 2 s, forever). */
   readonly reconnect?: SessionClient.SessionClientOptions["reconnect"]
+  /**
+   * Keep reconnecting after the daemon stopped gracefully (`daemon_closing`), to resume once
+   * it is started again. Default false: the follow then throws `DaemonShutDown`.
+   */
+  readonly waitForRestart?: boolean | undefined
 }
 
 /** One session, through a {@link Client}'s connection. */
@@ -125,7 +130,8 @@ export interface SessionHandle {
    * session's state (first attach, resync, history rewrite). Runs on its own connections:
    * when the daemon restarts or the socket drops it reconnects and resumes from its last
    * cursor. Ends after `session_closed`; throws `DaemonError` (e.g. `session_not_found`),
-   * `SessionProtocolViolation`, or the last connection error if `reconnect` gives up. Leaving
+   * `SessionProtocolViolation`, `DaemonShutDown` when the daemon stopped gracefully (unless
+   * `waitForRestart`), or the last connection error if `reconnect` gives up. Leaving
    * the loop closes its connection.
    */
   follow(options?: FollowOptions): AsyncIterable<SessionClient.FollowEvent>
@@ -275,7 +281,8 @@ export const connect = async (options: ConnectOptions = {}): Promise<Client> => 
               activeSessionId,
               socketPath: core.socketPath,
               cursor: last,
-              reconnect: options.reconnect
+              reconnect: options.reconnect,
+              waitForRestart: options.waitForRestart
             })
             return follower.events
           })),

@@ -26,6 +26,11 @@ export interface AttachOptions {
   readonly from: Cursor.Cursor | undefined
   /** How long to keep trying to reach a daemon that went away. */
   readonly reconnectFor: Duration.Duration
+  /**
+   * Wait (for `reconnectFor`) for a daemon that shut down gracefully to be started again; by
+   * default a graceful shutdown ends `attach` (exit 0) at once.
+   */
+  readonly waitForRestart: boolean
 }
 
 /** `G:S` -> a cursor, or undefined. */
@@ -107,7 +112,8 @@ export const attach = (ctx: Context, target: string, options: AttachOptions) =>
       activeSessionId: id,
       cursor: from,
       reconnect,
-      onConnect
+      onConnect,
+      waitForRestart: options.waitForRestart
     })
     let closed: string | undefined
     let previousWorker: Protocol.WorkerState | undefined = start.state.worker
@@ -159,8 +165,11 @@ export const attach = (ctx: Context, target: string, options: AttachOptions) =>
         return Effect.void
       })
 
-    yield* follower.events.pipe(
+    const shutDown = yield* follower.events.pipe(
       Stream.runForEach(show),
+      Effect.as(false),
+      // The daemon stopped gracefully: the view ends there, as it would for Ctrl-C.
+      Effect.catchTag("DaemonShutDown", () => Effect.as(notice(renderer, ctx, `the daemon shut down; detached from ${id}`), true)),
       Effect.catchIf(
         (e) => lost !== undefined && SessionClient.isRetriable(e),
         (e) =>

@@ -68,6 +68,7 @@ const followToEnd = (
   from: Cursor.Cursor,
   why: string,
   reconnectFor: Duration.Duration,
+  waitForRestart: boolean,
   show: (m: Protocol.SessionEvent) => void
 ) =>
   Effect.scoped(Effect.gen(function*() {
@@ -77,6 +78,7 @@ const followToEnd = (
       socketPath: ctx.socketPath,
       activeSessionId: id,
       cursor: from,
+      waitForRestart,
       reconnect: Schedule.spaced("200 millis").pipe(Schedule.whileOutput(() => Date.now() - lostAt < Duration.toMillis(reconnectFor)))
     })
     let swallowed = false
@@ -119,7 +121,13 @@ const followToEnd = (
       }),
       Stream.filterMap((x) => x),
       Stream.runHead,
-      Effect.catchAll((e) => Effect.fail(new CliError(`gave up: the daemon stayed away for ${Duration.format(reconnectFor)} (${e.message})`, EXIT.unreachable)))
+      Effect.catchAll((e) =>
+        Effect.fail(
+          e._tag === "DaemonShutDown"
+            ? failed(`the daemon shut down before the end of the turn of session ${id} was seen`)
+            : new CliError(`gave up: the daemon stayed away for ${Duration.format(reconnectFor)} (${e.message})`, EXIT.unreachable)
+        )
+      )
     )
     if (Option.isNone(end)) return yield* Effect.fail(new CliError("the turn's end was not seen", EXIT.unreachable))
     yield* end.value
@@ -138,8 +146,19 @@ const ABORT_WAIT = Duration.seconds(10)
  * the text streamed before it stays on stdout, the error message itself goes only to stderr).
  * Ctrl-C aborts the turn (`abort`, repeated until the daemon says it aborted one or the turn
  * ends), waits for its end, and exits 130; a second Ctrl-C exits 130 at once.
+ *
+ * A daemon that goes away during the turn is reconnected to (for `reconnectFor`) to see the
+ * turn's end; one that shut down gracefully (it cut the turn, `daemon_shutdown`, and said
+ * `daemon_closing`) ends the command at once (exit 1), unless `waitForRestart` (an explicit
+ * `--reconnect-timeout`) asks to wait for it to be started again.
  */
-export const prompt = (ctx: Context, target: string, message: string, reconnectFor: Duration.Duration) =>
+export const prompt = (
+  ctx: Context,
+  target: string,
+  message: string,
+  reconnectFor: Duration.Duration,
+  waitForRestart = false
+) =>
   Effect.scoped(Effect.gen(function*() {
       // The plain connection fails only with CliErrors (unreachable, an error response, a target).
       const id = yield* Effect.tryPromise({ try: () => Target.resolveAt(ctx.socketPath, target), catch: (e) => e as CliError })
@@ -181,8 +200,17 @@ export const prompt = (ctx: Context, target: string, message: string, reconnectF
         // The daemon went away during the turn (it was killed, or restarts): its end is still
         // to be seen, from the daemon that comes back (a cut turn ends with turn_interrupted).
         Effect.catchIf(
-          (e): e is DaemonClient.DaemonDisconnected => e._tag === "DaemonDisconnected" && seen !== undefined,
-          (e) => followToEnd(ctx, id, seen!, e.message, reconnectFor, show)
+          (e): e is DaemonClient.DaemonDisconnected =>
+            e._tag === "DaemonDisconnected" && seen !== undefined && (waitForRestart || e.daemonShutdown !== true),
+          (e) => followToEnd(ctx, id, seen!, e.message, reconnectFor, waitForRestart, show)
+        ),
+        // A graceful shutdown is said as such (exit 1), not as a daemon out of reach (exit 3).
+        Effect.mapError((e) =>
+          e._tag === "TurnInterrupted" && e.reason === "daemon_shutdown"
+            ? failed(`the daemon shut down: the turn of session ${id} was interrupted (daemon_shutdown)`)
+            : DaemonClient.isDaemonShutdown(e)
+            ? failed(`the daemon shut down before the end of the turn of session ${id} was seen (${e.message})`)
+            : e
         ),
         Effect.ensuring(Effect.sync(() => {
           if (!ctx.json && wrote) process.stdout.write("\n")
@@ -216,7 +244,7 @@ export const prompt = (ctx: Context, target: string, message: string, reconnectF
             : Either.isRight(r)
             ? `the turn had ended`
             : "turnFailure" in r.left
-            ? `the turn had ended failed (${r.left.turnFailure.code})`
+            ? `the turn had ended failed (${(r.left as ReturnType<typeof turnFailed>).turnFailure.code})`
             : `the turn's end was not seen (${r.left.message})`
       })
       return yield* Effect.fail(new CliError(`interrupted (Ctrl-C): ${how}`, EXIT.interrupted))

@@ -46,7 +46,8 @@ const program = (p: Parsed, ctx: Context, hooks: Hooks): Effect.Effect<void, unk
     case "prompt":
       return Effect.flatMap(
         Prompt.promptText(p.args[1], p.options.get("file") as string | undefined),
-        (text) => Prompt.prompt(ctx, target, text, Duration.seconds(int("reconnect-timeout") ?? 30))
+        // An explicit --reconnect-timeout also asks to wait for a daemon that shut down gracefully.
+        (text) => Prompt.prompt(ctx, target, text, Duration.seconds(int("reconnect-timeout") ?? 30), int("reconnect-timeout") !== undefined)
       )
     case "attach":
       return Effect.flatMap(load(() => import("./attach.js")), ({ attach, parseCursor }) => {
@@ -59,7 +60,12 @@ const program = (p: Parsed, ctx: Context, hooks: Hooks): Effect.Effect<void, unk
           return Effect.fail(usage("--history and --from do not go together: --from shows the events after the cursor, without history"))
         }
         const history = from !== undefined ? 0 : int("history") ?? (ctx.json ? 0 : 20)
-        return attach(ctx, target, { history, from, reconnectFor: Duration.seconds(int("reconnect-timeout") ?? 30) })
+        return attach(ctx, target, {
+          history,
+          from,
+          reconnectFor: Duration.seconds(int("reconnect-timeout") ?? 30),
+          waitForRestart: int("reconnect-timeout") !== undefined
+        })
       })
     case "logs":
       return Effect.flatMap(load(() => import("./daemon.js")), (m) => m.logs(stateDirOf(p), { follow: p.options.get("follow") === true, lines: int("lines") }))

@@ -199,6 +199,20 @@ export class ChaosDaemon {
     await this.exited
   }
 
+  /**
+   * SIGINT to the daemon's whole process group, as a terminal's Ctrl-C (the daemon leads its
+   * group: it is spawned detached); waits for it to exit, at most `timeoutMs`.
+   */
+  async sigintGroup(timeoutMs: number): Promise<{ code: number | null; signal: NodeJS.Signals | null } | undefined> {
+    if (!this.running) return this.exitInfo
+    try {
+      process.kill(-this.proc!.pid!, "SIGINT")
+    } catch {
+      // gone meanwhile
+    }
+    return (await this.waitExit(timeoutMs)) ? this.exitInfo : undefined
+  }
+
   /** Stops a start that hangs: the process and whatever it spawned. */
   private abandon(): void {
     const pid = this.proc?.pid
@@ -221,12 +235,16 @@ export class ChaosDaemon {
 
   /** Marked processes that are not the current daemon or one of its descendants. */
   orphans(): Array<number> {
+    // Marked processes first: one the daemon spawns between the two scans is then not in the
+    // list (scanned the other way round it was, and not yet among the descendants: a worker
+    // just forked, its command line still the daemon's, was taken for an orphan).
+    const marked = this.markedProcesses()
     const ours = new Set<number>()
     if (this.running) {
       ours.add(this.proc!.pid!)
       for (const p of descendantsOf(this.proc!.pid!)) ours.add(p)
     }
-    return this.markedProcesses().filter((p) => !ours.has(p))
+    return marked.filter((p) => !ours.has(p) && isAlive(p))
   }
 
   /** A process as /proc tells it (for an orphan or a hang): command line, state, where it waits. */

@@ -20,13 +20,19 @@
  * every rewrite known, then a daemon SIGKILL whose
  * successor must resume every client completely and serve the same transcripts, then a clean
  * `shutdown` that leaves no process behind.
+ *
+ * `sigint_group` (a terminal's Ctrl-C to a foreground `agentd serve`): SIGINT to the daemon's
+ * whole process group must be a graceful stop, exit 0, with no crash in any history (no
+ * `recovering` status, no `turn_interrupted` but `daemon_shutdown`, `aborted` or the reason of
+ * a crash from before it), after which a restart resumes every client and adds no
+ * `daemon_restarted`.
  */
 import * as fs from "node:fs"
 import * as path from "node:path"
 import { type Answer, ChaosClient } from "./client.js"
 import { ChaosDaemon, sleep } from "./daemon.js"
 import { Rng } from "./rng.js"
-import { COMPACT_PROMPT, compactedCount, compareCursor, type Cursor, fmtCursor, type FoldedMessage, type Msg, Truth, Violation } from "./streamCheck.js"
+import { COMPACT_PROMPT, compactedCount, compareCursor, type Cursor, describeMsg, fmtCursor, type FoldedMessage, type Msg, Truth, Violation } from "./streamCheck.js"
 
 export const FAULT_KINDS = [
   "worker_kill",
@@ -45,7 +51,8 @@ export const FAULT_KINDS = [
   "spawn_fail",
   "rewrite_while_away",
   "damage_files",
-  "second_daemon"
+  "second_daemon",
+  "sigint_group"
 ] as const
 export type FaultKind = typeof FAULT_KINDS[number]
 
@@ -66,7 +73,8 @@ const WEIGHTS: Record<FaultKind, number> = {
   spawn_fail: 1,
   rewrite_while_away: 3,
   damage_files: 1,
-  second_daemon: 1
+  second_daemon: 1,
+  sigint_group: 1
 }
 
 export interface RunOptions {
@@ -210,6 +218,16 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
   let stopLoad = false
   /** Set while the daemon is down on purpose: nothing can be answered then. */
   let daemonDown = false
+  /**
+   * A graceful stop (`sigint_group`) under way or the last one: from `at` (the signal) to
+   * `restartedAt` (the next daemon's start), no crash may enter any history; after it, the
+   * next daemon adds no `daemon_restarted` (until a daemon_kill). `crashed`: sessions whose
+   * worker was already recovering from a crash at the signal (their cut turn ends then with
+   * that crash's reason).
+   */
+  let graceful: { readonly at: number; restartedAt: number | undefined; readonly crashed: ReadonlySet<string>; readonly strict: boolean } | undefined
+  /** When a fault last SIGKILLed a worker: a crash the daemon takes in just after a SIGINT is no fault of the stop. */
+  let lastWorkerKillAt = 0
   const stamp = () => `${((Date.now() - t0) / 1000).toFixed(2)}s`
   const log = (line: string) => {
     schedule.push(`${stamp()} ${line}`)
@@ -274,6 +292,8 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
   const expectCodes = (r: Answer, command: string, allowed: ReadonlyArray<string>) => {
     if (r === undefined || r["success"] === true) return
     const code = r["error"]?.code as string
+    // What a daemon stopping gracefully answers the commands it will not wait for.
+    if (code === "shutting_down" && graceful !== undefined && graceful.restartedAt === undefined) return
     if (code === "internal") {
       notes.push(`${stamp()} ${command} answered internal: ${r["error"]?.message}`)
       return
@@ -469,6 +489,7 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
     sessions.set(id, ctl)
     driver.stream(id).onEvent = (m) => {
       stats.events++
+      checkGraceful(id, m)
       if (m["type"] === "session_event") {
         const t = m["event"]?.type
         if (t === "agent_start") ctl.inTurn = true
@@ -506,14 +527,59 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
     if (pid === undefined) return log(`  (${what}: no pid known)`)
     try {
       process.kill(pid, "SIGKILL")
+      lastWorkerKillAt = Date.now()
       log(`  SIGKILL ${what} pid ${pid}`)
     } catch {
       log(`  (${what}: pid ${pid} already gone)`)
     }
   }
 
+  /** No crash in any history because of a graceful stop, nor a restart's interruption after it. */
+  const checkGraceful = (id: string, m: Msg) => {
+    const g = graceful
+    if (g === undefined) return
+    const at = m["meta"]?.emittedAt as number
+    const during = at >= g.at && (g.restartedAt === undefined || at < g.restartedAt)
+    const reason = m["type"] === "session_event" && m["event"]?.type === "turn_interrupted" ? m["event"].reason as string : undefined
+    if (during && g.strict) {
+      check("a graceful stop writes no crash", !(m["type"] === "session_status" && (m["state"]?.worker === "recovering" || m["state"]?.worker === "failed")), () =>
+        `${id}: ${describeMsg(m)} emitted during the graceful stop`)
+      const allowed = ["daemon_shutdown", "aborted", ...(g.crashed.has(id) ? ["worker_crashed", "daemon_restarted"] : [])]
+      check("a graceful stop cuts turns with daemon_shutdown", reason === undefined || allowed.includes(reason), () =>
+        `${id}: ${describeMsg(m)} emitted during the graceful stop`)
+    } else if (g.restartedAt !== undefined && at >= g.restartedAt) {
+      check("no daemon_restarted after a graceful stop", reason !== "daemon_restarted", () => `${id}: ${describeMsg(m)} after the restart`)
+    }
+  }
+
+  /** SIGINT to the daemon's process group (a terminal's Ctrl-C), then a start as after daemon_kill. */
+  const sigintGroup = async () => {
+    daemonDown = true
+    const crashed = new Set(liveSessions().filter((s) => s.workerState !== "ready" && s.workerState !== "passivated").map((s) => s.id))
+    const inTurn = liveSessions().filter((s) => s.inTurn).map((s) => s.id.slice(0, 12))
+    // A worker SIGKILLed just before may have its crash taken in after the signal: that stop's
+    // window is then not held to "no crash" (the restart after it still is).
+    const strict = Date.now() - lastWorkerKillAt > 2_000
+    graceful = { at: Date.now(), restartedAt: undefined, crashed, strict }
+    log(`sigint_group: SIGINT to the daemon's process group (in turn: ${inTurn.join(", ") || "none"}${strict ? "" : "; a worker was just killed: not strict"})`)
+    const exit = await daemon.sigintGroup(20_000)
+    check("a graceful stop exits 0", exit?.code === 0 && exit.signal === null, () => `daemon after SIGINT to its group: ${JSON.stringify(exit ?? "still running after 20 s")}`)
+    // Its workers were stopped before it exited: none is left for the orphan check to wait for.
+    const left = daemon.markedProcesses()
+    check("no worker outlives a graceful stop", left.length === 0, () => `still alive: ${left.map((p) => daemon.describeProcess(p)).join("; ")}`)
+    for (const c of clients) c.drop()
+    await sleep(rng.int(0, 500))
+    await daemon.start()
+    graceful.restartedAt = Date.now()
+    stats.daemonRestarts++
+    daemonDown = false
+    log(`daemon started again, pid ${daemon.pid}`)
+  }
+
   const restartDaemon = async (why: string) => {
     daemonDown = true
+    // A killed daemon's successor may well cut turns (daemon_restarted).
+    graceful = undefined
     log(`daemon SIGKILL (${why})`)
     await daemon.kill()
     for (const c of clients) c.drop()
@@ -681,6 +747,8 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
         return restartDaemon("fault")
       case "damage_files":
         return damageFiles(ctl, frng)
+      case "sigint_group":
+        return sigintGroup()
       case "client_drop": {
         const o = frng.pick(observers)
         const delay = frng.int(0, 2000)

@@ -122,6 +122,28 @@ describe("SessionStream", () => {
     t.receive(status(3, 0, true))
   })
 
+  it("takes turn_interrupted {daemon_shutdown} as a turn's end (its idle status next); refuses an undocumented reason", () => {
+    const status = (seq: number, busy: boolean): Msg => ({
+      type: "session_status",
+      activeSessionId: ID,
+      state: { busy, worker: "ready" },
+      meta: { cursor: { generation: 1, sequence: seq }, emittedAt: 1_700_000_000_000 + seq }
+    })
+    const s = new SessionStream(ID, "c", new Truth(ID))
+    attached(s)
+    s.receive(ev(1, 0, "agent_start"))
+    s.receive(ev(1, 1, "turn_interrupted", { reason: "daemon_shutdown" }))
+    assert.strictEqual(violation(() => s.receive(status(2, true))), "an idle status after a turn's end")
+    const t = new SessionStream(ID, "d", new Truth(ID))
+    attached(t)
+    t.receive(ev(1, 0, "agent_start"))
+    t.receive(ev(1, 1, "turn_interrupted", { reason: "daemon_shutdown" }))
+    t.receive(status(2, false))
+    const u = new SessionStream(ID, "e", new Truth(ID))
+    attached(u)
+    assert.strictEqual(violation(() => u.receive(ev(1, 0, "turn_interrupted", { reason: "daemon_stopped" }))), "turn_interrupted reasons")
+  })
+
   it("accepts a resync snapshot in the middle of a stream and starts over from it", () => {
     const truth = new Truth(ID)
     const s = new SessionStream(ID, "c", truth)

@@ -108,6 +108,12 @@ export interface Jump {
   readonly kind: "continue" | "baseline"
 }
 
+/**
+ * The reasons a turn may end with `turn_interrupted` (docs/protocol.md section 4), each a turn's
+ * end like `agent_end`: `daemon_shutdown` when a graceful stop cut it.
+ */
+export const INTERRUPT_REASONS: ReadonlySet<string> = new Set(["worker_crashed", "aborted", "daemon_restarted", "daemon_shutdown", "storage_failed"])
+
 /** Every event of a session that any client saw, by cursor; and the jumps to check. */
 export class Truth {
   private readonly byCursor = new Map<string, string>()
@@ -503,6 +509,9 @@ export class SessionStream {
       }
       this.turnEnded = false
     } else if (m["type"] === "session_event" && (m["event"]?.type === "agent_end" || m["event"]?.type === "turn_interrupted")) {
+      if (m["event"].type === "turn_interrupted" && !INTERRUPT_REASONS.has(m["event"].reason)) {
+        this.fail("turn_interrupted reasons", `${describeMsg(m)} names no documented reason`)
+      }
       this.turnEnded = true
     }
     this.phase = { kind: "flowing", next: { kind: "after", cursor: c }, lastAtAttach: phase.lastAtAttach }

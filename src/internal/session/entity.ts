@@ -23,11 +23,14 @@ import { CommandTakesEffect, workerOf } from "./phase.js"
 import { CommandError, type Core, failed, internal, notFound, type Session } from "./session.js"
 import type { Supervisor } from "./supervisor.js"
 
+/** How long the workers have to cut their running turns at a graceful stop, before the supervisor does. */
+const SHUTDOWN_CUT_GRACE = "2 seconds"
+
 /** The session entity: one fiber per session takes every input from its mailbox, one at a time. */
 export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Supervisor, delivery: Delivery) => {
   const { cache, journal, log, restarts, sessions, store, publish, publishStatus, record, summary, fork, forkIn } = core
   const { abandonRewrite, runCheckpoint } = checkpoints
-  const { answerWaiting, failSession, onCrash, onFrames, pump, startTurn, startWorker } = supervisor
+  const { answerWaiting, cutForShutdown, endCutTurnForShutdown, failSession, onCrash, onFrames, pump, startTurn, startWorker } = supervisor
   const { detachAttachment } = delivery
 
   /**
@@ -37,6 +40,16 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
   /** Set once the daemon stops: commands are refused from then on (see {@link settleForShutdown}). */
   let stopping = false
   const shuttingDown = () => new CommandError({ code: "shutting_down", message: "The daemon is shutting down." })
+  /** Who waits for a session's running turn to be cut before the daemon closes its sockets. */
+  const turnCutWaiters = new Map<Session, Array<Deferred.Deferred<void>>>()
+  /** Completes the waits for a cut once no turn runs (or the session is gone). */
+  const releaseCutWaiters = (s: Session) =>
+    Effect.suspend(() => {
+      const waiting = turnCutWaiters.get(s)
+      if (waiting === undefined || (s.phase._tag === "Running" && !s.closed)) return Effect.void
+      turnCutWaiters.delete(s)
+      return Effect.forEach(waiting, (d) => Deferred.succeed(d, undefined), { discard: true })
+    })
 
   const send = <A>(
     s: Session,
@@ -58,6 +71,8 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
    */
   const drain = (s: Session) =>
     Effect.gen(function*() {
+      // The daemon stops: nothing new starts (what waited was answered `shutting_down`).
+      if (stopping) return
       const betweenTurns = (s.phase._tag === "Idle" || s.phase._tag === "Passivated") && s.cutTurn === undefined
       if (betweenTurns && (s.checkpointWaiters.length > 0 || s.checkpointDue)) yield* runCheckpoint(s)
       const phase = s.phase
@@ -139,7 +154,17 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
         return Effect.gen(function*() {
           for (const a of aborts) yield* Deferred.fail(a, error)
           yield* answerWaiting(s, error)
-          yield* Deferred.succeed(input.done, undefined)
+          if (phase._tag !== "Running") {
+            yield* endCutTurnForShutdown(s)
+            return yield* Deferred.succeed(input.done, undefined)
+          }
+          // A running turn is cut before the sockets close, so that its end reaches the clients
+          // attached and the journal says idle (the next start restores nothing, reports no
+          // crash). The worker cuts it as it does an abort (the message it was streaming ends
+          // as such); its `turn_interrupted {daemon_shutdown}` ends the turn as any turn ends.
+          turnCutWaiters.set(s, [...(turnCutWaiters.get(s) ?? []), input.done])
+          if (input.force === true) return yield* cutForShutdown(s, phase)
+          yield* phase.worker.send({ type: "abort", turnId: phase.turnId, reason: "daemon_shutdown" })
         })
       }
       case "Acquired": {
@@ -148,7 +173,8 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
         return forkIn(s, pump(s, input.worker))
       }
       case "AcquireFailed": {
-        if (phase._tag !== "Starting" || phase.epoch !== input.epoch) return Effect.void
+        // A spawn refused because the daemon stops is no crash.
+        if (phase._tag !== "Starting" || phase.epoch !== input.epoch || stopping) return Effect.void
         // A spawn that fails counts as a crash: retried with backoff, then `failed`.
         return Effect.zipRight(
           Effect.logError(`no worker for ${s.meta.activeSessionId}: ${input.message}`),
@@ -158,7 +184,7 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
       case "Restore":
         return phase._tag === "Passivated" ? startWorker(s, "recovering", true) : Effect.void
       case "RestartDue": {
-        if (phase._tag !== "Starting" || phase.epoch !== input.epoch || phase.worker !== undefined) return Effect.void
+        if (phase._tag !== "Starting" || phase.epoch !== input.epoch || phase.worker !== undefined || stopping) return Effect.void
         return startWorker(s, "recovering", true)
       }
       case "Frames": {
@@ -167,6 +193,9 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
       }
       case "Exited": {
         if (workerOf(phase) !== input.worker || input.worker.stopping) return Effect.void
+        // The daemon stops (its workers are on their way out): no crash, no restore; a turn still
+        // running ends `daemon_shutdown`.
+        if (stopping) return phase._tag === "Running" ? cutForShutdown(s, phase) : Effect.void
         return onCrash(s, new WorkerCrashed({
           activeSessionId: s.meta.activeSessionId,
           pid: input.worker.pid,
@@ -239,13 +268,23 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
   const settleForShutdown = Effect.suspend(() => {
     stopping = true
     const dones: Array<Deferred.Deferred<void>> = []
-    for (const s of sessions.values()) {
-      if (s.closed) continue
-      const done = Deferred.unsafeMake<void>(FiberId.none)
-      s.mailbox.unsafeOffer({ _tag: "ShuttingDown", done })
-      dones.push(done)
+    const ask = (force: boolean) => {
+      for (const s of sessions.values()) {
+        if (s.closed || (force && s.phase._tag !== "Running")) continue
+        const done = Deferred.unsafeMake<void>(FiberId.none)
+        s.mailbox.unsafeOffer({ _tag: "ShuttingDown", done, force })
+        dones.push(done)
+      }
     }
-    return Effect.forEach(dones, Deferred.await, { discard: true }).pipe(Effect.timeout("5 seconds"), Effect.ignore)
+    const all = Effect.suspend(() => Effect.forEach(dones, Deferred.await, { discard: true }))
+    ask(false)
+    // The workers cut their turns; a turn still running after their grace is cut by the
+    // supervisor. Bounded as a whole: an entity stuck in a long step is not waited for.
+    return all.pipe(
+      Effect.timeout(SHUTDOWN_CUT_GRACE),
+      Effect.catchTag("TimeoutException", () => Effect.zipRight(Effect.sync(() => ask(true)), all).pipe(Effect.timeout("3 seconds"))),
+      Effect.ignore
+    )
   })
 
   /** Something broke inside a transition (the log refuses writes): the session fails, loudly. */
@@ -264,10 +303,12 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
         const input = yield* Queue.take(s.mailbox)
         yield* onInput(s, input).pipe(Effect.catchAllCause((cause) => onDefect(s, cause)))
         if (!s.closed) yield* drain(s).pipe(Effect.catchAllCause((cause) => onDefect(s, cause)))
+        yield* releaseCutWaiters(s)
         if ("taken" in input && input.taken !== undefined) yield* Deferred.succeed(input.taken, undefined)
       }
       // Closed: nothing more is offered; what was offered before is answered.
       for (const input of yield* Queue.takeAll(s.mailbox)) yield* answerGone(s, input)
+      yield* releaseCutWaiters(s)
     })
 
   return { send, runEntity, settleForShutdown }

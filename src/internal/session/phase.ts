@@ -71,8 +71,13 @@ export type Input =
   | { readonly _tag: "Retry" } & CommandInput<SessionSummary>
   | { readonly _tag: "Kill" } & CommandInput<{}>
   | { readonly _tag: "Passivate" }
-  /** The daemon stops: every command waiting in the session is answered `shutting_down`. */
-  | { readonly _tag: "ShuttingDown"; readonly done: Deferred.Deferred<void> }
+  /**
+   * The daemon stops gracefully: every command waiting in the session is answered
+   * `shutting_down`, and a running turn is cut (`turn_interrupted {daemon_shutdown}`), by its
+   * worker, or with `force` by the supervisor itself (the worker did not end it in time).
+   * `done` completes once no turn runs.
+   */
+  | { readonly _tag: "ShuttingDown"; readonly done: Deferred.Deferred<void>; readonly force?: boolean }
   /** At daemon start: the session was running a turn when the last daemon died. */
   | { readonly _tag: "Restore" }
   /** A worker for attempt `epoch`, already sent its `load`. */

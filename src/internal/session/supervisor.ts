@@ -286,6 +286,44 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
     })
 
   /**
+   * The daemon stops and the worker did not end its turn when asked (or is gone): the turn is
+   * cut here, as a failed session's is (a message it was streaming is not kept: only its worker
+   * could end it), and the worker is stopped. The journal says idle, so the next daemon start does not restore it.
+   * The session shows `passivated`: its worker is on its way out, and any late frame of it is
+   * no longer the session's.
+   */
+  const cutForShutdown = (s: Session, phase: Extract<Phase, { _tag: "Running" }>) =>
+    Effect.gen(function*() {
+      yield* abandonRewrite(s, "the daemon stopped")
+      s.epoch++
+      yield* publish(s, { type: "session_event", event: { type: "turn_interrupted", reason: "daemon_shutdown" } as Protocol.AgentEvent })
+      yield* record(s, false, "turn_end")
+      yield* publishStatus(s, () => (s.phase = { _tag: "Passivated" }))
+      for (const a of phase.aborts) yield* Deferred.succeed(a, { aborted: false })
+      yield* fork(Effect.asVoid(phase.worker.stop()))
+    })
+
+  /**
+   * The daemon stops while a turn cut by a crash still waits for its end (the worker
+   * recovering): that end is said now, with the crash's reason, and the status that ends the
+   * turn follows; the worker being restored is stopped. The journal says idle, so the next
+   * start does not cut that turn again (`daemon_restarted`) nor restore the session at once.
+   */
+  const endCutTurnForShutdown = (s: Session) =>
+    Effect.gen(function*() {
+      const cut = s.cutTurn
+      if (cut === undefined) return
+      const worker = workerOf(s.phase)
+      s.epoch++
+      if (cut._tag === "InterruptOwed") {
+        yield* publish(s, { type: "session_event", event: { type: "turn_interrupted", reason: cut.reason } as Protocol.AgentEvent })
+        yield* record(s, false, "turn_end")
+      }
+      yield* endCutTurn(s, () => (s.phase = { _tag: "Passivated" }))
+      if (worker !== undefined) yield* fork(Effect.asVoid(worker.stop()))
+    })
+
+  /**
    * Takes, synchronously, every request that waits for a worker (the session is no longer busy
    * with a reserved prompt from here); the effect returned answers them with `error`.
    */
@@ -316,7 +354,7 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
       return Effect.forEach(idle.slice(0, slots.wanted()), (victim) => post(victim, { _tag: "Passivate" }), { discard: true })
     })
 
-  return { startWorker, pump, startTurn, onCrash, onFrames, failSession, answerWaiting }
+  return { startWorker, pump, startTurn, onCrash, onFrames, failSession, answerWaiting, cutForShutdown, endCutTurnForShutdown }
 }
 
 export type Supervisor = ReturnType<typeof makeSupervisor>
