@@ -630,8 +630,10 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
       const whole = starts.filter((st) => bytes.indexOf(10, st) !== -1)
       const at = frng.pick(whole)
       const end = bytes.indexOf(10, at)
-      const from = at + frng.int(0, Math.max(0, end - at - 2))
-      const n = Math.max(1, Math.min(frng.int(1, 12), end - from))
+      // Within the record's cursor (or the header's generation): bytes overwritten inside a
+      // string value would leave valid JSON, damage no reader can tell (records carry no checksum).
+      const from = at + frng.int(0, Math.min(16, Math.max(0, end - at - 2)))
+      const n = Math.max(1, Math.min(frng.int(4, 12), end - from))
       bytes.fill(0x23, from, from + n)
       fs.writeFileSync(file, bytes)
       damaged = `${path.basename(file)} line ${starts.indexOf(at) + 1}, ${n} byte(s) at ${from}`
