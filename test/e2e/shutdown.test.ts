@@ -184,7 +184,12 @@ describe("a graceful stop", () => {
     const { id } = await createSession(c)
     const watcher = await d.connect("watcher")
     await watcher.ok({ type: "attach", activeSessionId: id })
-    const attach = start(["attach", id, "--history", "0", "--reconnect-timeout", "20", ...s])
+    // attach follows from the last event it reads at its start: it must be following before the
+    // turn starts, or it shows nothing of the turn until its end (after its 20 s sleep).
+    await watcher.ok({ type: "prompt", activeSessionId: id, message: "one" })
+    await watcher.waitFor((m) => isEvent("agent_end")(m) && m["activeSessionId"] === id, 15_000)
+    const attach = start(["attach", id, "--history", "1", "--reconnect-timeout", "20", ...s])
+    await until("attach follows", () => attach.stdout.includes("----- live -----"))
     const prompt = start(["prompt", id, "/sleep 20000", "--reconnect-timeout", "10", ...s])
     await inToolCall(watcher, d, id)
     await until("attach shows the turn", () => attach.stdout.includes("sleep"))
