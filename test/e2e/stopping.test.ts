@@ -72,7 +72,7 @@ const exitWithin = async (d: Daemon, ms: number): Promise<number> => {
 }
 
 describe("a stopping daemon ends", () => {
-  for (const how of ["shutdown", "SIGTERM"] as const) {
+  for (const how of ["shutdown", "SIGTERM", "SIGINT"] as const) {
     it(`${how}: a client that never reads and a half-closed one that never reads do not keep it alive; exit 0 within the grace period`, async () => {
       const d = await useDaemon({ env: { AGENTD_SHUTDOWN_GRACE_MS: String(GRACE_MS) } })
       const ctl = await d.connect("ctl")
@@ -87,7 +87,7 @@ describe("a stopping daemon ends", () => {
           const r = await ctl.request({ type: "shutdown" }, 10_000)
           expect(r["success"], JSON.stringify(r)).toBe(true)
         } else {
-          d.signal("SIGTERM")
+          d.signal(how)
         }
         const elapsed = await exitWithin(d, GRACE_MS + SLACK_MS)
         expect(d.running, `daemon still running ${elapsed} ms after ${how}\n${d.output}`).toBe(false)
@@ -131,4 +131,40 @@ describe("a stopping daemon ends", () => {
       for (const s of sockets) s.destroy()
     }
   }, 90_000)
+
+  for (const how of ["shutdown", "SIGTERM"] as const) {
+    it(`${how}: a stopped (SIGSTOP) worker is killed, and the daemon exits 0`, async () => {
+      const d = await useDaemon({ env: { AGENTD_SHUTDOWN_GRACE_MS: String(GRACE_MS) } })
+      const ctl = await d.connect("ctl")
+      const { id } = await createSession(ctl)
+      await ctl.ok({ type: "attach", activeSessionId: id })
+      await ctl.ok({ type: "prompt", activeSessionId: id, message: "/sleep 60000" })
+      await ctl.waitFor(isEvent("tool_execution_start"), 10_000)
+      const state = await ctl.ok({ type: "get_state", activeSessionId: id })
+      d.recordWorkers(state)
+      const pid = state["workerPid"] as number
+      expect(typeof pid).toBe("number")
+      // A stopped process does not act on SIGTERM: only the SIGKILL that follows it ends it.
+      process.kill(pid, "SIGSTOP")
+      try {
+        if (how === "shutdown") {
+          const r = await ctl.request({ type: "shutdown" }, 10_000)
+          expect(r["success"], JSON.stringify(r)).toBe(true)
+        } else {
+          d.signal("SIGTERM")
+        }
+        // The worker's SIGKILL comes 2 s after its SIGTERM.
+        const elapsed = await exitWithin(d, 2_000 + GRACE_MS + SLACK_MS)
+        expect(d.running, `daemon still running ${elapsed} ms after ${how} with a stopped worker\n${d.output}`).toBe(false)
+        expect({ code: d.exitCode, signal: d.exitSignal }, d.output).toEqual({ code: 0, signal: null })
+        expect(await waitGone([pid], 3_000), "the stopped worker is left").toEqual([])
+      } finally {
+        try {
+          process.kill(pid, "SIGKILL")
+        } catch {
+          // gone
+        }
+      }
+    }, 60_000)
+  }
 })
