@@ -220,6 +220,8 @@ export class WorkerProcess implements WorkerHandle {
         const fallback = setTimeout(() => {
           if (this.child.exitCode === null && this.child.signalCode === null) this.child.kill("SIGKILL")
         }, graceMs)
+        // Unref'd: the child's own handle keeps the loop alive while it runs.
+        fallback.unref()
         this.child.once("exit", () => clearTimeout(fallback))
       }
       return Deferred.await(this.exited)
