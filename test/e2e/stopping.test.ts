@@ -74,7 +74,10 @@ const exitWithin = async (d: Daemon, ms: number): Promise<number> => {
 describe("a stopping daemon ends", () => {
   for (const how of ["shutdown", "SIGTERM", "SIGINT"] as const) {
     it(`${how}: a client that never reads and a half-closed one that never reads do not keep it alive; exit 0 within the grace period`, async () => {
-      const d = await useDaemon({ env: { AGENTD_SHUTDOWN_GRACE_MS: String(GRACE_MS) } })
+      // The setting by its variable, and (SIGINT) by its flag.
+      const d = await useDaemon(how === "SIGINT"
+        ? { extraArgs: ["--shutdown-grace-ms", String(GRACE_MS)] }
+        : { env: { AGENTD_SHUTDOWN_GRACE_MS: String(GRACE_MS) } })
       const ctl = await d.connect("ctl")
       const id = await busySessionWithHistory(d, ctl)
       const sockets = [await stuckClient(d, id, false), await stuckClient(d, id, true)]
@@ -167,4 +170,26 @@ describe("a stopping daemon ends", () => {
       }
     }, 60_000)
   }
+
+  it("--shutdown-grace-ms: a stuck client is given the whole grace period, which ends as soon as every connection is closed", async () => {
+    const d = await useDaemon({ extraArgs: ["--shutdown-grace-ms", "60000"] })
+    const ctl = await d.connect("ctl")
+    const id = await busySessionWithHistory(d, ctl)
+    const sockets = [await stuckClient(d, id, true)]
+    try {
+      await sleep(500)
+      const r = await ctl.request({ type: "shutdown" }, 10_000)
+      expect(r["success"], JSON.stringify(r)).toBe(true)
+      // Well within its 60 s grace period, the daemon still waits for the stuck client...
+      await exitWithin(d, 3_000)
+      expect(d.running, `the daemon did not wait for its grace period\n${d.output}`).toBe(true)
+      // ...and ends once that client has gone.
+      for (const s of sockets) s.destroy()
+      const elapsed = await exitWithin(d, SLACK_MS)
+      expect(d.running, `daemon still running ${elapsed} ms after its last client closed\n${d.output}`).toBe(false)
+      expect(d.exitCode, d.output).toBe(0)
+    } finally {
+      for (const s of sockets) s.destroy()
+    }
+  }, 60_000)
 })
