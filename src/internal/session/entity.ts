@@ -226,6 +226,10 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
       if (phase._tag === "Running") for (const a of phase.aborts) yield* Deferred.fail(a, gone)
       yield* abandonRewrite(s, "the session was killed")
       yield* answerWaiting(s, gone)
+      // Inputs queued before the kill are answered now, before the kill's own answer: a worker
+      // handed over just before it (an `Acquired` not taken in yet) is stopped by then, not
+      // after `kill` answered (it ran on beside the next spare, past --max-workers).
+      for (const input of yield* Queue.takeAll(s.mailbox)) yield* answerGone(s, input)
       const archived = yield* Effect.either(Effect.gen(function*() {
         yield* record(s, false, "closed")
         yield* Effect.ignoreLogged(journal.forget(id))
