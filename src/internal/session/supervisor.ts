@@ -356,8 +356,8 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
    * owed; a turn already cut keeps its reason), its worker stopped (it holds events that were
    * not logged) and the session stalls: it shows what the stream shows (busy) and tries again
    * every STORAGE_RETRY_INTERVAL to log the owed end, then the status that follows it; then a
-   * worker restores the session from what is logged, as after a crash. With no turn at stake
-   * the session fails, as before (`retry_worker`).
+   * worker restores the session from what is logged, as after a crash. A status that could not
+   * be logged with no turn at stake is the same, with no end owed.
    */
   const onStorageFailed = (s: Session, error: StorageFailed) =>
     Effect.gen(function*() {
@@ -365,7 +365,7 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
       yield* Effect.logError(`session ${s.meta.activeSessionId}: storage failed: ${error.message}`)
       if (s.stalled !== undefined) return yield* retryStorageLater(s)
       const phase = s.phase
-      if (phase._tag !== "Running" && s.cutTurn === undefined) return yield* failSession(s, error.message)
+      if (phase._tag === "Failed") return
       s.stalled = summary(s)
       if (phase._tag === "Running") {
         if (s.cutTurn === undefined) s.cutTurn = { _tag: "InterruptOwed", reason: "storage_failed" }
@@ -376,9 +376,11 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
       const epoch = ++s.epoch
       // No worker until the end is out; the next one restores what the log holds.
       s.phase = { _tag: "Starting", worker: undefined, state: "recovering", epoch }
-      const waiting = s.promptAfterCut
+      // A prompt waiting to start is refused: it cannot be made durable now.
+      const waiting = [s.promptAfterCut, s.pendingPrompt].filter((p) => p !== undefined)
       s.promptAfterCut = undefined
-      if (waiting !== undefined) yield* Deferred.fail(waiting.reply, storageUnavailable(s.meta.activeSessionId, error))
+      s.pendingPrompt = undefined
+      for (const p of waiting) yield* Deferred.fail(p.reply, storageUnavailable(s.meta.activeSessionId, error))
       if (worker !== undefined) yield* fork(Effect.asVoid(worker.stop()))
       yield* retryStorageLater(s)
     })
