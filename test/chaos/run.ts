@@ -258,7 +258,7 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
   /** Storage faults in the run: a prompt (or a checkpoint) may be refused `storage_unavailable`. */
   const storageFaults = kinds.includes("disk_full") || kinds.includes("fd_pressure")
   const daemon = new ChaosDaemon(settings, {
-    tmpfsMiB: kinds.includes("disk_full") ? 512 : undefined,
+    tmpfsMiB: kinds.includes("disk_full") ? 128 : undefined,
     fdLimit: kinds.includes("fd_pressure") ? FD_LIMIT : undefined
   })
   const t0 = Date.now()
