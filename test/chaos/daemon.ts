@@ -310,14 +310,20 @@ export class ChaosDaemon {
       await sleep(25)
     }
     live.delete(this)
-    if (keep) return
     if (this.onTmpfs) {
+      // A kept state dir outlives the mount: copied out of the tmpfs and back onto the plain dir.
+      const copy = keep ? `${this.root}.kept` : undefined
+      if (copy !== undefined) fs.cpSync(this.stateDir, copy, { recursive: true })
       try {
         execFileSync("umount", ["-l", this.root], { stdio: "ignore" })
       } catch {
         // best effort
       }
+      if (copy !== undefined) {
+        fs.cpSync(copy, this.stateDir, { recursive: true })
+        fs.rmSync(copy, { recursive: true, force: true })
+      }
     }
-    fs.rmSync(this.root, { recursive: true, force: true })
+    if (!keep) fs.rmSync(this.root, { recursive: true, force: true })
   }
 }
