@@ -313,7 +313,8 @@ export class ChaosDaemon {
     if (this.onTmpfs) {
       // A kept state dir outlives the mount: copied out of the tmpfs and back onto the plain dir.
       const copy = keep ? `${this.root}.kept` : undefined
-      if (copy !== undefined) fs.cpSync(this.stateDir, copy, { recursive: true })
+      const files = (src: string) => !fs.lstatSync(src).isSocket()
+      if (copy !== undefined) fs.cpSync(this.stateDir, copy, { recursive: true, filter: files })
       try {
         execFileSync("umount", ["-l", this.root], { stdio: "ignore" })
       } catch {
