@@ -304,7 +304,10 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
     )
   })
 
-  /** Something broke inside a transition (the log refuses writes): the session fails, loudly. */
+  /**
+   * Something broke inside a transition that is no storage failure (those are typed, and cut the
+   * turn: `onStorageFailed`): a broken invariant. The session fails, loudly.
+   */
   const onDefect = (s: Session, cause: Cause.Cause<unknown>) =>
     Effect.gen(function*() {
       yield* Effect.logError(`session ${s.meta.activeSessionId} failed: a transition could not complete`, cause)
