@@ -66,6 +66,14 @@ export const FAULT_KINDS = [
 ] as const
 export type FaultKind = typeof FAULT_KINDS[number]
 
+/**
+ * The kinds a run draws from unless told (`--kinds`): all but the storage faults, which change
+ * the whole run (a tmpfs state dir, which needs root; the daemon under `ulimit -n`) and are
+ * asked for by name. Known limit: a worker spawned while `fd_pressure` holds every fd may take
+ * until its 30 s ready timeout to be counted a crash, as long as the watchdog's bound.
+ */
+export const DEFAULT_KINDS: ReadonlyArray<FaultKind> = FAULT_KINDS.filter((k) => k !== "disk_full" && k !== "fd_pressure")
+
 const WEIGHTS: Record<FaultKind, number> = {
   worker_kill: 3,
   worker_kill_mid_turn: 3,
@@ -150,7 +158,7 @@ export interface RunOptions {
   readonly seconds: number
   /** Faults to inject over the run (spread at random). */
   readonly faults: number
-  /** The fault kinds drawn from (default: all). */
+  /** The fault kinds drawn from (default: {@link DEFAULT_KINDS}). */
   readonly kinds?: ReadonlyArray<FaultKind>
   /** Print the fault schedule as it happens. */
   readonly verbose?: boolean
@@ -248,7 +256,7 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
   const rng = new Rng(options.seed)
   const sessionCount = rng.int(3, 4)
   const settings = { ...drawSettings(rng, sessionCount), ...options.settings }
-  const kinds = options.kinds ?? FAULT_KINDS
+  const kinds = options.kinds ?? DEFAULT_KINDS
   const weights = Object.fromEntries(kinds.map((k) => [k, WEIGHTS[k]])) as Record<FaultKind, number>
   // While spawns are being made to fail (and poisons overlap a heal), a retry's own worker can
   // fail to spawn again: it is then answered session_failed, as documented. After the run's

@@ -292,6 +292,8 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
       s.epoch++
       s.phase = { _tag: "Failed" }
       s.cutTurn = undefined
+      // A stall on storage ends here: the failed status says the session's state from now on.
+      s.stalled = undefined
       const error = failed(`Session \`${s.meta.activeSessionId}\` failed: ${why}; use retry_worker.`)
       const waiting = answerWaiting(s, error)
       for (const a of aborts) yield* Deferred.succeed(a, { aborted: false })
