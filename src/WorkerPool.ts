@@ -338,6 +338,9 @@ export const make = (options: WorkerPoolOptions = {}) =>
         })
         const pipe = child.stdio[3] as net.Socket | null
         if (pipe === null || child.pid === undefined) {
+          // A spawn that failed (EMFILE, EAGAIN...) also emits 'error': heard here, else it
+          // would be thrown as an unhandled event and take the daemon down.
+          child.on("error", () => {})
           child.kill("SIGKILL")
           return yield* new WorkerSpawnError({ message: "cannot spawn a worker: no pid or pipe" })
         }

@@ -301,6 +301,14 @@ describe("storage failures", () => {
     // Nothing was published for the refused prompt: the session is idle as the stream says.
     const state = await c.ok({ type: "get_state", activeSessionId: id })
     expect(state).toMatchObject({ busy: false, worker: "ready" })
+    // A worker spawned now (the warm spare the pool starts again once this session takes it)
+    // fails EMFILE: the session's create is answered, and the daemon lives on.
+    const created = await c.request({ type: "create" })
+    expect(created["type"]).toBe("response")
+    await sleep(500)
+    expect((await c.ok({ type: "ping" }))["pong"]).toBe(true)
+    expect(d.running).toBe(true)
+    if (created["success"] === true) await c.ok({ type: "kill", activeSessionId: created["data"]["activeSessionId"] })
     for (const h of hogs) h.close()
     await sleep(500)
     await c.ok({ type: "prompt", activeSessionId: id, message: "/sleep 4000" })
