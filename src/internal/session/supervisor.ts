@@ -190,6 +190,13 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
         switch (frame.type) {
           case "worker_event": {
             const { eventJson, eventType } = raw as WorkerProtocol.EventFrame
+            if (eventType === "turn_interrupted" && phase._tag !== "Running" && s.cutTurn?._tag !== "InterruptOwed") {
+              // A restored worker reports a cut turn because the journal said busy, but no turn
+              // is owed its end (its end is logged; the journal's idle record could not be
+              // written): a second end would be a lie.
+              yield* Effect.logWarning(`worker of ${s.meta.activeSessionId}: a cut turn it reported is not owed one (its end is logged): not published`)
+              break
+            }
             events.push(eventMessage(eventType, eventJson))
             eventBytes += eventJson.length
             if (eventBytes >= PUBLISH_BATCH_BYTES) yield* flushEvents
@@ -401,7 +408,9 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
         yield* publish(s, { type: "session_event", event: { type: "turn_interrupted", reason: cut.reason } as Protocol.AgentEvent })
         s.cutTurn = { _tag: "StatusOwed" }
       }
-      yield* recordBestEffort(s, false, "turn_end")
+      // Before any worker restores it: a journal still saying busy would have that worker
+      // report the turn cut once more.
+      yield* record(s, false, "turn_end")
       // The status that ends the turn: not busy, `recovering`.
       yield* endCutTurn(s, () => (s.stalled = undefined))
       yield* startWorker(s, "recovering", true)
