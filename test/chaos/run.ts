@@ -1169,7 +1169,8 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
       let retried = false
       for (;;) {
         const r = await send(c, { type: "get_state", activeSessionId: ctl.id })
-        check("daemon reachable", r !== undefined, () => "the connection dropped while settling")
+        check("daemon reachable", r !== undefined, () =>
+          `the connection dropped while settling (daemon ${daemon.running ? "running" : `exited ${JSON.stringify(daemon.exit)}`})`)
         check("live session exists", r!["success"] === true, () => `get_state ${ctl.id}: ${JSON.stringify(r!["error"])}`)
         const st = r!["data"] as Msg
         if (st["busy"] === false && (st["worker"] === "ready" || st["worker"] === "passivated")) break
