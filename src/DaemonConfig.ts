@@ -43,6 +43,11 @@ export interface DaemonConfigShape {
   /** Keep a started worker ready for the next session or restore. */
   readonly warmSpare: boolean
   /**
+   * At a graceful stop, how long clients are given to read what they are owed (the last
+   * responses and events, `daemon_closing`) before every connection is closed, read or not.
+   */
+  readonly shutdownGraceMs: number
+  /**
    * The worker program to spawn; by default this package's `bin/worker.js` next to the module
    * that spawns it. The bundled CLI names the worker bundled next to it.
    */
@@ -70,7 +75,8 @@ export const defaults = (stateDir: string = defaultStateDir()): DaemonConfigShap
   maxRestarts: 5,
   restartWindowMs: 60_000,
   clientEnvKeys: ["TERM", "LANG", "TZ"],
-  warmSpare: true
+  warmSpare: true,
+  shutdownGraceMs: 3000
 })
 
 /** A whole number of at least `min` under `name`, if set. */
@@ -95,7 +101,8 @@ export const settings: Config.Config<Partial<DaemonConfigShape>> = Config.all({
   restartWindowMs: count("AGENTD_RESTART_WINDOW_MS", 1),
   clientEnvKeys: Config.option(Config.map(Config.string("AGENTD_CLIENT_ENV_KEYS"), (keys) =>
     keys.split(",").map((k) => k.trim()).filter((k) => k.length > 0))),
-  warmSpare: Config.option(Config.map(Config.string("AGENTD_WARM_SPARE"), (v) => v !== "0"))
+  warmSpare: Config.option(Config.map(Config.string("AGENTD_WARM_SPARE"), (v) => v !== "0")),
+  shutdownGraceMs: count("AGENTD_SHUTDOWN_GRACE_MS", 0)
 }).pipe(Config.map((all) => {
   const out: Record<string, unknown> = {}
   for (const [key, value] of Object.entries(all) as Array<[string, Option.Option<unknown>]>) {

@@ -95,6 +95,17 @@ const listen = (server: net.Server, socketPath: string) =>
   })
 
 const MAX_PENDING_LINES = 1024
+/** At a stop, how long the sessions may take to answer the commands waiting in them. */
+const SETTLE_MS = 5_000
+/** At a stop, how long the answers then due may take to be queued for their connections. */
+const ANSWER_MS = 2_000
+
+/**
+ * Waits for `effect` at most `ms`. A finalizer runs uninterruptibly, and there a timeout cannot
+ * cut what it times (it would wait for it all the same): the effect is made interruptible.
+ */
+const bounded = (effect: Effect.Effect<unknown>, ms: number): Effect.Effect<void> =>
+  Effect.interruptible(effect).pipe(Effect.timeout(ms), Effect.ignore)
 
 export const make = Effect.gen(function*() {
   const config = yield* DaemonConfig
@@ -104,6 +115,8 @@ export const make = Effect.gen(function*() {
   const shutdownRequested = yield* Deferred.make<void>()
   const connectionFibers = yield* FiberSet.make()
   const outboxes = new Set<Outbox>()
+  /** Every open connection's socket, until it has closed (a stop closes those left). */
+  const sockets = new Set<net.Socket>()
   let stopping = false
   let counter = 0
   /** Commands taken on any connection whose response is not written yet. */
@@ -354,6 +367,8 @@ export const make = Effect.gen(function*() {
       socket.destroy()
       return
     }
+    sockets.add(socket)
+    socket.once("close", () => sockets.delete(socket))
     runFork(handleConnection(socket))
   })
   server.on("error", (err) => runFork(Effect.logError(`server: ${err.message}`)))
@@ -365,17 +380,24 @@ export const make = Effect.gen(function*() {
       stopping = true
       // Every command gets its response first: those waiting in a session are answered
       // `shutting_down`, then their responses are written (bounded: a stuck one is not waited for).
-      yield* manager.settleForShutdown
-      yield* Effect.sleep("10 millis").pipe(Effect.repeat({ while: () => unanswered > 0 }), Effect.timeout("2 seconds"), Effect.ignore)
-      // Tell every client, give the kernel a moment to take it, then close everything.
+      yield* bounded(manager.settleForShutdown, SETTLE_MS)
+      yield* bounded(Effect.sleep("10 millis").pipe(Effect.repeat({ while: () => unanswered > 0 })), ANSWER_MS)
+      // Tell every client, end each connection once what it is owed is written, and give the
+      // clients the grace period to read it and close. Whatever is still open then (a client
+      // that does not read, reads slowly, or half-closed and keeps its read side open) is
+      // closed anyway: a client never keeps the daemon alive.
       const closing = Protocol.encode({ type: "daemon_closing", reason: "shutdown" })
-      for (const outbox of outboxes) outbox.offer(closing)
-      yield* Effect.sleep("50 millis")
-      yield* Effect.async<void>((resume) => {
-        server.close(() => resume(Effect.void))
-        for (const outbox of outboxes) outbox.endWhenFlushed()
-      }).pipe(Effect.timeout("1 second"), Effect.ignore)
-      yield* FiberSet.clear(connectionFibers)
+      // `daemon_closing` is the last line of each: a delivery still under way (a replay) stops
+      // there, and the client resumes it from its cursor.
+      for (const outbox of outboxes) outbox.endWith(closing)
+      server.close()
+      yield* bounded(Effect.sleep("10 millis").pipe(Effect.repeat({ while: () => sockets.size > 0 })), config.shutdownGraceMs)
+      if (sockets.size > 0) {
+        yield* Effect.logInfo(`closing ${sockets.size} connection(s) still open after the ${config.shutdownGraceMs} ms grace period`)
+      }
+      for (const socket of sockets) socket.destroy()
+      // Their fibers end with their sockets (bounded all the same: nothing here may hang the stop).
+      yield* bounded(FiberSet.clear(connectionFibers), ANSWER_MS)
       try {
         fs.unlinkSync(socketPath)
       } catch {

@@ -213,19 +213,18 @@ export class WorkerProcess implements WorkerHandle {
       if (this.child.exitCode === null && this.child.signalCode === null) {
         this.pipe.end()
         this.child.kill("SIGTERM")
+        // A timer, not an Effect timeout: stops run in finalizers (the pool's, a session's),
+        // which are uninterruptible, and a timeout there cannot cut the wait for the exit, so
+        // its SIGKILL never came. A stopped (SIGSTOP) or wedged worker then never exited and
+        // the daemon's stop hung. The timer fires however this stop is waited for, or not.
+        const fallback = setTimeout(() => {
+          if (this.child.exitCode === null && this.child.signalCode === null) this.child.kill("SIGKILL")
+        }, graceMs)
+        // Unref'd: the child's own handle keeps the loop alive while it runs.
+        fallback.unref()
+        this.child.once("exit", () => clearTimeout(fallback))
       }
-      return Deferred.await(this.exited).pipe(
-        Effect.timeoutTo({
-          duration: Duration.millis(graceMs),
-          onSuccess: Effect.succeed,
-          onTimeout: () =>
-            Effect.suspend(() => {
-              this.child.kill("SIGKILL")
-              return Deferred.await(this.exited)
-            })
-        }),
-        Effect.flatten
-      )
+      return Deferred.await(this.exited)
     })
   }
 }

@@ -39,4 +39,17 @@ describe("DaemonConfig", () => {
         `AGENTD_MAX_WORKERS: Expected an integer value but received "abc"; AGENTD_RETAIN_GENERATIONS: must be an integer >= 1`
       )
     }))
+
+  it.effect("the shutdown grace period: 3000 ms by default, AGENTD_SHUTDOWN_GRACE_MS (0 allowed), an override wins, a negative one is refused", () =>
+    Effect.gen(function*() {
+      assert.strictEqual((yield* DaemonConfig.make({ stateDir: "/tmp/agentd-x" }, {}).pipe(withSettings({}))).shutdownGraceMs, 3000)
+      const zero = yield* DaemonConfig.make({ stateDir: "/tmp/agentd-x" }, {}).pipe(withSettings({ AGENTD_SHUTDOWN_GRACE_MS: "0" }))
+      assert.strictEqual(zero.shutdownGraceMs, 0)
+      const flag = yield* DaemonConfig.make({ stateDir: "/tmp/agentd-x", shutdownGraceMs: 250 }, {}).pipe(
+        withSettings({ AGENTD_SHUTDOWN_GRACE_MS: "9000" })
+      )
+      assert.strictEqual(flag.shutdownGraceMs, 250)
+      const error = yield* Effect.flip(DaemonConfig.make({ stateDir: "/tmp/agentd-x" }, {}).pipe(withSettings({ AGENTD_SHUTDOWN_GRACE_MS: "-5" })))
+      assert.isTrue(DaemonConfig.describeConfigError(error).startsWith("AGENTD_SHUTDOWN_GRACE_MS: "), DaemonConfig.describeConfigError(error))
+    }))
 })

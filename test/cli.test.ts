@@ -48,6 +48,8 @@ describe("the grammar", () => {
     assert.include(error(["status", "--jsno"]), "did you mean --json")
     assert.include(error(["serve", "--engine", "nope"]), "unknown engine `nope` (known: echo, openai, openai-compat, anthropic)")
     assert.include(error(["serve", "--max-workers", "x"]), "whole number")
+    assert.include(error(["serve", "--shutdown-grace-ms", "-1"]), "whole number")
+    assert.deepStrictEqual(run(["serve", "--shutdown-grace-ms", "0"]).options, { "shutdown-grace-ms": 0 })
     assert.include(error(["state"]), "missing TARGET")
     assert.include(error(["state", "a", "b"]), `unexpected argument "b"`)
     assert.include(error(["create", "--name"]), "needs a value")

@@ -62,6 +62,7 @@ export const detach = (ctx: Context, options: ServeOptions, self: ReadonlyArray<
       options.socketPath,
       ...(options.engine === undefined ? [] : ["--engine", options.engine]),
       ...(options.maxWorkers === undefined ? [] : ["--max-workers", String(options.maxWorkers)]),
+      ...(options.shutdownGraceMs === undefined ? [] : ["--shutdown-grace-ms", String(options.shutdownGraceMs)]),
       ...(options.logLevel === undefined ? [] : ["--log-level", options.logLevel])
     ]
     const child = spawn(process.execPath, args, { detached: true, stdio: ["ignore", fd, fd] })

@@ -34,6 +34,7 @@ export interface ServeOptions {
   readonly socketPath: string
   readonly engine: string | undefined
   readonly maxWorkers: number | undefined
+  readonly shutdownGraceMs: number | undefined
   readonly logLevel: string | undefined
 }
 
@@ -84,6 +85,13 @@ export const commands: ReadonlyArray<CommandSpec> = [
         kind: "integer",
         value: "N",
         description: "Live worker processes beyond which the least recently used idle session is passivated (default 32)."
+      },
+      {
+        name: "shutdown-grace-ms",
+        kind: "integer",
+        value: "MS",
+        description:
+          "At a graceful stop, how long clients may take to read what they are owed before every connection is closed (default 3000, or $AGENTD_SHUTDOWN_GRACE_MS)."
       },
       {
         name: "log-level",

@@ -32,6 +32,7 @@ const program = (p: Parsed, ctx: Context, hooks: Hooks): Effect.Effect<void, unk
         socketPath: ctx.socketPath,
         engine: p.options.get("engine") as string | undefined,
         maxWorkers: int("max-workers"),
+        shutdownGraceMs: int("shutdown-grace-ms"),
         logLevel: p.options.get("log-level") as string | undefined
       }
       if (p.options.get("detach") === true) return Effect.flatMap(load(() => import("./daemon.js")), (m) => m.detach(ctx, options, hooks.self))

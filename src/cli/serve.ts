@@ -29,7 +29,8 @@ export const serve = (options: ServeOptions & { readonly workerEntry: string }):
     socketPath: options.socketPath,
     workerEntry: options.workerEntry,
     ...(options.engine === undefined ? {} : { engine: options.engine }),
-    ...(options.maxWorkers === undefined ? {} : { maxWorkers: options.maxWorkers })
+    ...(options.maxWorkers === undefined ? {} : { maxWorkers: options.maxWorkers }),
+    ...(options.shutdownGraceMs === undefined ? {} : { shutdownGraceMs: options.shutdownGraceMs })
   }).pipe(
     // The daemon logs to stderr; stdout stays free.
     Effect.provide(Logger.replace(Logger.defaultLogger, Logger.prettyLogger({ stderr: true, colors: false }))),

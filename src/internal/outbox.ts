@@ -13,6 +13,8 @@ export class Outbox {
   private waiters: Array<{ readonly below: number; readonly resume: () => void }> = []
   private closed = false
   private endAfterFlush = false
+  /** Set by `endWith`: nothing more is taken, what is queued is written, then the write side ends. */
+  private sealed = false
 
   constructor(private readonly socket: net.Socket) {
     socket.on("close", () => this.close())
@@ -23,13 +25,14 @@ export class Outbox {
     return this.queued
   }
 
+  /** The socket is gone, or the connection takes nothing more (see `endWith`). */
   get isClosed(): boolean {
-    return this.closed
+    return this.closed || this.sealed
   }
 
   /** Queues a line (or pre-encoded bytes); never waits. Dropped once the socket is gone. */
   offer(data: string | Uint8Array): void {
-    if (this.closed) return
+    if (this.isClosed) return
     this.items.push(data)
     this.queued += typeof data === "string" ? Buffer.byteLength(data) : data.byteLength
     if (!this.writing) this.flush()
@@ -38,7 +41,7 @@ export class Outbox {
   /** Waits until fewer than `bytes` are queued (or the socket is gone). */
   awaitBelow(bytes: number): Effect.Effect<void> {
     return Effect.async<void>((resume) => {
-      if (this.closed || this.queued < bytes) return resume(Effect.void)
+      if (this.isClosed || this.queued < bytes) return resume(Effect.void)
       const waiter = { below: bytes, resume: () => resume(Effect.void) }
       this.waiters.push(waiter)
       return Effect.sync(() => {
@@ -51,6 +54,18 @@ export class Outbox {
   endWhenFlushed(): void {
     this.endAfterFlush = true
     if (!this.writing && this.items.length === 0) this.finish()
+  }
+
+  /**
+   * Queues `data` as the last thing this connection gets (a delivery still running drops what it
+   * offers after it), then ends the write side once everything queued is written.
+   */
+  endWith(data: string | Uint8Array): void {
+    this.offer(data)
+    this.sealed = true
+    // Whoever waits for room to offer more stops waiting: nothing more is taken.
+    this.wakeWaiters()
+    this.endWhenFlushed()
   }
 
   private finish() {
@@ -98,7 +113,7 @@ export class Outbox {
 
   private wakeWaiters() {
     if (this.waiters.length === 0) return
-    const ready = this.waiters.filter((w) => this.closed || this.queued < w.below)
+    const ready = this.waiters.filter((w) => this.isClosed || this.queued < w.below)
     if (ready.length === 0) return
     this.waiters = this.waiters.filter((w) => !ready.includes(w))
     for (const w of ready) w.resume()

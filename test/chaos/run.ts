@@ -61,6 +61,7 @@ export const FAULT_KINDS = [
   "damage_files",
   "second_daemon",
   "sigint_group",
+  "stuck_client",
   "disk_full",
   "fd_pressure"
 ] as const
@@ -93,6 +94,7 @@ const WEIGHTS: Record<FaultKind, number> = {
   damage_files: 1,
   second_daemon: 1,
   sigint_group: 1,
+  stuck_client: 1,
   disk_full: 2,
   fd_pressure: 2
 }
@@ -233,6 +235,12 @@ const CAPABILITY_SETS: ReadonlyArray<ReadonlyArray<string> | undefined> = [
 const TURN_BOUND_MS = 45_000
 /** How long a session may take to be idle again at the end. */
 const SETTLE_BOUND_MS = 30_000
+/**
+ * How long a graceful stop may take: the daemon's default grace period for clients (3 s), its
+ * bounded steps before it (commands answered: 5 s and 2 s), the workers' SIGKILL fallback (2 s),
+ * and slack for a loaded machine.
+ */
+const STUCK_STOP_BOUND_MS = 3_000 + 5_000 + 2_000 + 5_000
 
 /** A session of the run and its driver's bookkeeping. */
 interface SessionCtl {
@@ -312,6 +320,8 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
   let graceful: { readonly at: number; restartedAt: number | undefined; readonly crashed: ReadonlySet<string>; readonly strict: boolean } | undefined
   /** When a fault last SIGKILLed a worker: a crash the daemon takes in just after a SIGINT is no fault of the stop. */
   let lastWorkerKillAt = 0
+  /** Set while the daemon stops gracefully (`stuck_client`): any command may be answered `shutting_down`. */
+  let daemonStopping = false
   const stamp = () => `${((Date.now() - t0) / 1000).toFixed(2)}s`
   const log = (line: string) => {
     schedule.push(`${stamp()} ${line}`)
@@ -377,7 +387,7 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
     if (r === undefined || r["success"] === true) return
     const code = r["error"]?.code as string
     // What a daemon stopping gracefully answers the commands it will not wait for.
-    if (code === "shutting_down" && graceful !== undefined && graceful.restartedAt === undefined) return
+    if (code === "shutting_down" && ((graceful !== undefined && graceful.restartedAt === undefined) || daemonStopping)) return
     // A prompt (or a checkpoint, a create) that could not be made durable while storage failed.
     if (code === "storage_unavailable" && storageFaults) {
       stats.storageRefusals++
@@ -720,8 +730,10 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
       const whole = starts.filter((st) => bytes.indexOf(10, st) !== -1)
       const at = frng.pick(whole)
       const end = bytes.indexOf(10, at)
-      const from = at + frng.int(0, Math.max(0, end - at - 2))
-      const n = Math.max(1, Math.min(frng.int(1, 12), end - from))
+      // Within the record's cursor (or the header's generation): bytes overwritten inside a
+      // string value would leave valid JSON, damage no reader can tell (records carry no checksum).
+      const from = at + frng.int(0, Math.min(16, Math.max(0, end - at - 2)))
+      const n = Math.max(1, Math.min(frng.int(4, 12), end - from))
       bytes.fill(0x23, from, from + n)
       fs.writeFileSync(file, bytes)
       damaged = `${path.basename(file)} line ${starts.indexOf(at) + 1}, ${n} byte(s) at ${from}`
@@ -786,6 +798,59 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
     daemonDown = false
   }
 
+  /**
+   * `stuck_client`: a graceful stop with clients that do not cooperate. Two raw connections
+   * attach to a session and never read a byte (the session's baseline fills their socket
+   * buffers), one of them half-closed; then `shutdown`. The daemon must exit 0 within its grace
+   * period (default 3 s) plus a bound, leaving no process; it is then started again and every
+   * client resumes, as after `daemon_kill`.
+   */
+  const stuckClient = async (ctl: SessionCtl, frng: Rng) => {
+    const sid = ctl.id.slice(0, 12)
+    const halfClosed = frng.chance(0.5) ? [true, false] : [false, true]
+    const sockets: Array<net.Socket> = []
+    try {
+      for (const half of halfClosed) {
+        const socket = net.createConnection({ path: daemon.socketPath })
+        sockets.push(socket)
+        socket.on("error", () => {})
+        socket.pause()
+        await new Promise<void>((resolve) => {
+          socket.once("connect", resolve)
+          socket.once("close", resolve)
+        })
+        socket.write(JSON.stringify({ type: "attach", id: `stuck-${half}`, activeSessionId: ctl.id }) + "\n")
+        if (half) socket.end()
+      }
+      log(`stuck_client ${sid}: a non-reading and a half-closed non-reading client attached; shutdown`)
+      await sleep(frng.int(50, 500))
+      daemonStopping = true
+      await withOwnClient("stopper", async (c) => {
+        const r = await send(c, { type: "shutdown" })
+        check("stuck clients: shutdown answered", r === undefined || r["success"] === true, () => `shutdown answered ${JSON.stringify(r)}`)
+      })
+      daemonDown = true
+      const started = Date.now()
+      const exited = await daemon.waitExit(STUCK_STOP_BOUND_MS)
+      check("stuck clients: the daemon ends", exited && daemon.exit?.code === 0 && daemon.exit.signal === null,
+        () => `${exited ? `exit ${JSON.stringify(daemon.exit)}` : `still running ${Date.now() - started} ms after shutdown`} with a non-reading and a half-closed client`)
+      log(`  daemon exited ${JSON.stringify(daemon.exit)} ${Date.now() - started} ms after shutdown`)
+      const deadline = Date.now() + 5_000
+      while (Date.now() < deadline && daemon.markedProcesses().length > 0) await sleep(50)
+      check("stuck clients: no process left after the stop", daemon.markedProcesses().length === 0,
+        () => `still alive: ${daemon.markedProcesses().map((p) => daemon.describeProcess(p)).join("; ")}`)
+    } finally {
+      for (const socket of sockets) socket.destroy()
+      daemonStopping = false
+    }
+    for (const c of clients) c.drop()
+    await sleep(frng.int(0, 300))
+    await daemon.start()
+    stats.daemonRestarts++
+    daemonDown = false
+    log(`daemon restarted, pid ${daemon.pid}`)
+  }
+
   const fault = async (kind: FaultKind, frng: Rng) => {
     counts[kind] = (counts[kind] ?? 0) + 1
     const live = liveSessions()
@@ -839,6 +904,8 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
         return damageFiles(ctl, frng)
       case "sigint_group":
         return sigintGroup()
+      case "stuck_client":
+        return stuckClient(ctl, frng)
       case "client_drop": {
         const o = frng.pick(observers)
         const delay = frng.int(0, 2000)

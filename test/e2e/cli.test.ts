@@ -12,7 +12,7 @@
  * Needs `npm run build` first.
  */
 import { randomUUID } from "node:crypto"
-import { type ChildProcess, spawn } from "node:child_process"
+import { spawn } from "node:child_process"
 import * as fs from "node:fs"
 import * as path from "node:path"
 import { assert, describe, it, onTestFinished } from "vitest"
@@ -29,51 +29,10 @@ import {
   sleep,
   useDaemon
 } from "./harness.js"
+import { runCli, startCli, until } from "./cliRun.js"
 
 cleanUpAfterTests()
 
-interface Run {
-  readonly proc: ChildProcess
-  stdout: string
-  stderr: string
-  readonly done: Promise<{ code: number | null; signal: NodeJS.Signals | null; stdout: string; stderr: string }>
-}
-
-/** Starts the CLI; killed (SIGKILL) when the test finishes if it still runs. */
-const start = (args: ReadonlyArray<string>, options: { input?: string | Buffer; env?: Record<string, string> } = {}): Run => {
-  const proc = spawn(process.execPath, [DAEMON_BIN, ...args], {
-    stdio: [options.input === undefined ? "ignore" : "pipe", "pipe", "pipe"],
-    // The developer's own AGENTD_* settings (a socket, a home) must not reach the command.
-    env: { ...Object.fromEntries(Object.entries(process.env).filter(([k]) => !k.startsWith("AGENTD_"))), NO_COLOR: "", ...options.env }
-  })
-  const run: Run = {
-    proc,
-    stdout: "",
-    stderr: "",
-    done: new Promise((resolve, reject) => {
-      proc.once("error", reject)
-      proc.once("close", (code, signal) => resolve({ code, signal, stdout: run.stdout, stderr: run.stderr }))
-    })
-  }
-  proc.stdout!.setEncoding("utf8").on("data", (d: string) => (run.stdout += d))
-  proc.stderr!.setEncoding("utf8").on("data", (d: string) => (run.stderr += d))
-  if (options.input !== undefined) proc.stdin!.end(options.input)
-  onTestFinished(() => {
-    if (proc.exitCode === null && proc.signalCode === null) proc.kill("SIGKILL")
-  })
-  return run
-}
-
-const cli = (args: ReadonlyArray<string>, options: { input?: string | Buffer; env?: Record<string, string> } = {}) =>
-  start(args, options).done
-
-const until = async (what: string, f: () => boolean | Promise<boolean>, timeoutMs = 10_000): Promise<void> => {
-  const deadline = Date.now() + timeoutMs
-  while (!(await f())) {
-    if (Date.now() > deadline) throw new Error(`timed out waiting for ${what}`)
-    await sleep(25)
-  }
-}
 
 const busyWorker = async (d: Daemon, id: string): Promise<number> => {
   const c = await d.connect("probe")
@@ -95,29 +54,29 @@ describe("agentd CLI against a daemon", () => {
   it("every command: create, sessions, status, state, prompt, log, checkpoint, abort, retry, kill; --json", async () => {
     const s = sock()
     const name = `every-${randomUUID().slice(0, 6)}`
-    const created = await cli(["create", "--name", name, ...s])
+    const created = await runCli(["create", "--name", name, ...s])
     assert.strictEqual(created.code, 0, created.stderr)
     const id = created.stdout.trim()
     assert.match(id, /^s-[0-9a-f-]{36}$/)
-    const again = await cli([...s, "create", "--name", name])
+    const again = await runCli([...s, "create", "--name", name])
     assert.strictEqual(again.code, 1)
     assert.include(again.stderr, `"${name}" is in use by ${id}`)
 
     const prefix = id.slice(2, 10) // no s-
-    const prompted = await cli(["prompt", prefix, "hello there", ...s])
+    const prompted = await runCli(["prompt", prefix, "hello there", ...s])
     assert.deepStrictEqual([prompted.code, prompted.stdout], [0, "echo: hello there\n"], prompted.stderr)
-    const tool = await cli(["prompt", name, "/sleep 10", ...s])
+    const tool = await runCli(["prompt", name, "/sleep 10", ...s])
     assert.deepStrictEqual([tool.code, tool.stdout], [0, "done\n"], tool.stderr)
 
     const [sessions, sessionsJson, status, state, stateJson, log, logJson, tail] = await Promise.all([
-      cli(["sessions", ...s]),
-      cli(["sessions", "--json", ...s]),
-      cli(["status", ...s]),
-      cli(["state", name, ...s]),
-      cli(["state", `s-${prefix}`, "--json", ...s]),
-      cli(["log", name, ...s]),
-      cli(["log", name, "--json", ...s]),
-      cli(["log", name, "--tail", "1", ...s])
+      runCli(["sessions", ...s]),
+      runCli(["sessions", "--json", ...s]),
+      runCli(["status", ...s]),
+      runCli(["state", name, ...s]),
+      runCli(["state", `s-${prefix}`, "--json", ...s]),
+      runCli(["log", name, ...s]),
+      runCli(["log", name, "--json", ...s]),
+      runCli(["log", name, "--tail", "1", ...s])
     ])
     // Piped: tab-separated, with a header, whole ids.
     const lines = sessions.stdout.trim().split("\n")
@@ -136,24 +95,24 @@ describe("agentd CLI against a daemon", () => {
     assert.deepStrictEqual(transcript["messages"].map((m: Msg) => m["role"]), ["user", "assistant", "user", "tool", "assistant"])
     assert.strictEqual(tail.stdout, "done\n")
 
-    const checkpoint = await cli(["checkpoint", name, "--json", ...s])
+    const checkpoint = await runCli(["checkpoint", name, "--json", ...s])
     assert.strictEqual(checkpoint.code, 0, checkpoint.stderr)
     assert.strictEqual(JSON.parse(checkpoint.stdout).generation, 2)
     // The whole transcript stays visible after a checkpoint.
-    assert.strictEqual((await cli(["log", name, ...s])).stdout, log.stdout)
-    const abort = await cli(["abort", name, ...s])
+    assert.strictEqual((await runCli(["log", name, ...s])).stdout, log.stdout)
+    const abort = await runCli(["abort", name, ...s])
     assert.deepStrictEqual([abort.code, abort.stdout], [0, `no turn was running in ${id}\n`])
-    const retry = await cli(["retry", name, "--json", ...s])
+    const retry = await runCli(["retry", name, "--json", ...s])
     assert.strictEqual(retry.code, 0, retry.stderr)
     assert.strictEqual(JSON.parse(retry.stdout).activeSessionId, id)
 
-    const killed = await cli(["kill", name, ...s])
+    const killed = await runCli(["kill", name, ...s])
     assert.deepStrictEqual([killed.code, killed.stdout], [0, `killed ${id}\n`])
-    const gone = await cli(["state", id, ...s])
+    const gone = await runCli(["state", id, ...s])
     assert.strictEqual(gone.code, 1)
     assert.include(gone.stderr, id)
-    const other = (await cli(["create", ...s])).stdout.trim()
-    const killedJson = await cli(["kill", "--json", other, ...s])
+    const other = (await runCli(["create", ...s])).stdout.trim()
+    const killedJson = await runCli(["kill", "--json", other, ...s])
     assert.deepStrictEqual(JSON.parse(killedJson.stdout), { activeSessionId: other, killed: true })
   })
 
@@ -178,7 +137,7 @@ describe("agentd CLI against a daemon", () => {
   it.skipIf(!hasScript)("on a terminal: sessions is an aligned table (short ids, a bold header), without colour under NO_COLOR", async () => {
     const s = sock()
     const name = `tty-${randomUUID().slice(0, 6)}`
-    const id = (await cli(["create", "--name", name, ...s])).stdout.trim()
+    const id = (await runCli(["create", "--name", name, ...s])).stdout.trim()
     const table = await onTerminal(["sessions", ...s])
     assert.strictEqual(table.code, 0, table.output)
     const lines = table.output.trimEnd().split("\n")
@@ -206,9 +165,9 @@ describe("agentd CLI against a daemon", () => {
     const a = await createSession(c, { name })
     const b = await createSession(c, { name })
     const [byName, byPrefix, none] = await Promise.all([
-      cli(["state", name, ...s]),
-      cli(["state", "s-", ...s]),
-      cli(["state", "zzzz", ...s])
+      runCli(["state", name, ...s]),
+      runCli(["state", "s-", ...s]),
+      runCli(["state", "zzzz", ...s])
     ])
     assert.strictEqual(byName.code, 1)
     assert.include(byName.stderr, `"${name}" matches 2 sessions`)
@@ -219,7 +178,7 @@ describe("agentd CLI against a daemon", () => {
     assert.strictEqual(none.code, 1)
     assert.include(none.stderr, `no session matches "zzzz"`)
     // A unique prefix still works.
-    const ok = await cli(["state", a.id.slice(0, 14), "--json", ...s])
+    const ok = await runCli(["state", a.id.slice(0, 14), "--json", ...s])
     assert.strictEqual(JSON.parse(ok.stdout).activeSessionId, a.id)
     await c.ok({ type: "kill", activeSessionId: a.id })
     await c.ok({ type: "kill", activeSessionId: b.id })
@@ -228,17 +187,17 @@ describe("agentd CLI against a daemon", () => {
   it("usage: exit 2, help without colour when piped, `agentd help`, options in any order; exit 3 when unreachable", async () => {
     const s = sock()
     const [unknown, missing, both, tailOffset, help, helpPrompt, helpFlag, noColor, order, unreachable, badEngine] = await Promise.all([
-      cli(["frobnicate"]),
-      cli(["prompt", ...s]),
-      cli(["prompt", "x", "text", "--file", "/dev/null", ...s]),
-      cli(["log", "x", "--tail", "2", "--offset", "1", ...s]),
-      cli(["help"]),
-      cli(["help", "prompt"]),
-      cli(["serve", "--help"]),
-      cli(["help", "attach"], { env: { NO_COLOR: "1" } }),
-      cli(["status", "--json", ...s]),
-      cli(["status", "--socket", path.join(path.dirname(daemon().stateDir), "nobody.sock")]),
-      cli(["serve", "--engine", "nope", "--state-dir", "/nonexistent"])
+      runCli(["frobnicate"]),
+      runCli(["prompt", ...s]),
+      runCli(["prompt", "x", "text", "--file", "/dev/null", ...s]),
+      runCli(["log", "x", "--tail", "2", "--offset", "1", ...s]),
+      runCli(["help"]),
+      runCli(["help", "prompt"]),
+      runCli(["serve", "--help"]),
+      runCli(["help", "attach"], { env: { NO_COLOR: "1" } }),
+      runCli(["status", "--json", ...s]),
+      runCli(["status", "--socket", path.join(path.dirname(daemon().stateDir), "nobody.sock")]),
+      runCli(["serve", "--engine", "nope", "--state-dir", "/nonexistent"])
     ])
     assert.strictEqual(unknown.code, 2)
     assert.include(unknown.stderr, `unknown command "frobnicate"`)
@@ -267,53 +226,53 @@ describe("agentd CLI against a daemon", () => {
 
   it("prompt: a 3 MB prompt from stdin and from --file, a 9 MB reply whole (exit 0); log into a closed pipe ends quietly", async () => {
     const s = sock()
-    const id = (await cli(["create", ...s])).stdout.trim()
+    const id = (await runCli(["create", ...s])).stdout.trim()
     // 3 MB, more than the argument limit allows, in 3000 words (the echo engine sends a delta per word).
     const word = "w".repeat(999)
     const text = Array.from({ length: 3000 }, () => word).join(" ")
-    const fromStdin = await cli(["prompt", id, "-", ...s], { input: `${text}\n` })
+    const fromStdin = await runCli(["prompt", id, "-", ...s], { input: `${text}\n` })
     assert.strictEqual(fromStdin.code, 0, fromStdin.stderr)
     assert.strictEqual(fromStdin.stdout, `echo: ${text}\n`)
     const file = path.join(path.dirname(daemon().stateDir), "prompt.txt")
     fs.writeFileSync(file, text)
-    const fromFile = await cli(["prompt", id, "--file", file, ...s])
+    const fromFile = await runCli(["prompt", id, "--file", file, ...s])
     assert.strictEqual(fromFile.code, 0, fromFile.stderr)
     assert.strictEqual(fromFile.stdout, fromStdin.stdout)
 
-    const bulk = await cli(["prompt", id, "/bulk 9000000", ...s])
+    const bulk = await runCli(["prompt", id, "/bulk 9000000", ...s])
     assert.strictEqual(bulk.code, 0, bulk.stderr)
     assert.strictEqual(bulk.stdout.length, 9_000_001)
     assert.strictEqual(bulk.stdout.at(-1), "\n")
 
     // A reader that goes away (`agentd log ID | head -c 10`): the command ends quietly, 0.
-    const log = start(["log", id, ...s])
+    const log = startCli(["log", id, ...s])
     log.proc.stdout!.once("data", () => log.proc.stdout!.destroy())
     const cut = await log.done
     assert.strictEqual(cut.code, 0, cut.stderr)
     assert.strictEqual(cut.stderr, "")
-    await cli(["kill", id, ...s])
+    await runCli(["kill", id, ...s])
   }, 60_000)
 
   it("prompt: a worker killed mid-turn exits 1 with the reason on stderr", async () => {
     const s = sock()
-    const id = (await cli(["create", ...s])).stdout.trim()
-    const run = start(["prompt", id, "/sleep 5000", ...s])
+    const id = (await runCli(["create", ...s])).stdout.trim()
+    const run = startCli(["prompt", id, "/sleep 5000", ...s])
     const worker = await busyWorker(daemon(), id)
     process.kill(worker, "SIGKILL")
     const r = await run.done
     assert.strictEqual(r.code, 1)
     assert.include(r.stderr, "interrupted (worker_crashed)")
-    await cli(["kill", id, ...s])
+    await runCli(["kill", id, ...s])
   })
 
   it("prompt: Ctrl-C aborts the turn (the daemon shows turn_interrupted aborted) and exits 130", async () => {
     const s = sock()
     const d = daemon()
-    const id = (await cli(["create", ...s])).stdout.trim()
+    const id = (await runCli(["create", ...s])).stdout.trim()
     const watcher = await d.connect("watcher")
     await watcher.ok({ type: "attach", activeSessionId: id })
     const started = Date.now()
-    const run = start(["prompt", id, "/sleep 20000", ...s])
+    const run = startCli(["prompt", id, "/sleep 20000", ...s])
     await busyWorker(d, id)
     run.proc.kill("SIGINT")
     const r = await run.done
@@ -326,29 +285,29 @@ describe("agentd CLI against a daemon", () => {
     await watcher.waitFor((m) => m["type"] === "session_status" && m["state"]?.busy === false && m["meta"]?.cursor?.sequence > interrupted["meta"].cursor.sequence)
     const state = await watcher.ok({ type: "get_state", activeSessionId: id })
     assert.isFalse(state["busy"])
-    await cli(["kill", id, ...s])
+    await runCli(["kill", id, ...s])
   })
 
   it("attach: history, a separator, live turns, tool calls, notices for a worker crash; a killed session exits 1", async () => {
     const s = sock()
     const d = daemon()
     const name = `att-${randomUUID().slice(0, 6)}`
-    const id = (await cli(["create", "--name", name, ...s])).stdout.trim()
-    await cli(["prompt", name, "before attach", ...s])
-    const att = start(["attach", name, ...s])
+    const id = (await runCli(["create", "--name", name, ...s])).stdout.trim()
+    await runCli(["prompt", name, "before attach", ...s])
+    const att = startCli(["attach", name, ...s])
     await until("the separator", () => att.stdout.includes("----- live -----"))
     assert.strictEqual(att.stdout, "> before attach\necho: before attach\n----- live -----\n")
 
-    await cli(["prompt", name, "/sleep 10", ...s])
-    const crashed = start(["prompt", name, "/sleep 5000", ...s])
+    await runCli(["prompt", name, "/sleep 10", ...s])
+    const crashed = startCli(["prompt", name, "/sleep 5000", ...s])
     const worker = await busyWorker(d, id)
     await until("the tool call", () => att.stdout.includes(`[tool sleep {"ms":5000}]`))
     process.kill(worker, "SIGKILL")
     assert.strictEqual((await crashed.done).code, 1)
     await until("the ready notice", () => att.stderr.includes("is ready again"))
-    await cli(["prompt", name, "after crash", ...s])
+    await runCli(["prompt", name, "after crash", ...s])
     await until("the last turn", () => att.stdout.includes("echo: after crash\n-- turn ended --"))
-    await cli(["kill", name, ...s])
+    await runCli(["kill", name, ...s])
     const r = await att.done
     assert.strictEqual(r.code, 1)
     assert.strictEqual(
@@ -381,14 +340,14 @@ describe("agentd CLI against a daemon", () => {
 
   it("attach: a history rewrite (/compact) is a notice, then the new transcript and the separator again", async () => {
     const s = sock()
-    const id = (await cli(["create", ...s])).stdout.trim()
-    await cli(["prompt", id, "one", ...s])
-    const att = start(["attach", id, ...s])
+    const id = (await runCli(["create", ...s])).stdout.trim()
+    await runCli(["prompt", id, "one", ...s])
+    const att = startCli(["attach", id, ...s])
     await until("the separator", () => att.stdout.includes("----- live -----"))
-    await cli(["prompt", id, "/compact", ...s])
-    await cli(["prompt", id, "two", ...s])
+    await runCli(["prompt", id, "/compact", ...s])
+    await runCli(["prompt", id, "two", ...s])
     await until("turn two", () => att.stdout.includes("echo: two\n-- turn ended --"))
-    await cli(["kill", id, ...s])
+    await runCli(["kill", id, ...s])
     const r = await att.done
     assert.strictEqual(r.code, 1)
     assert.strictEqual(
@@ -401,24 +360,24 @@ describe("agentd CLI against a daemon", () => {
   it("attach --from CURSOR shows the events after it; --json prints JSON lines", async () => {
     const s = sock()
     const d = daemon()
-    const id = (await cli(["create", ...s])).stdout.trim()
-    await cli(["prompt", id, "one", ...s])
+    const id = (await runCli(["create", ...s])).stdout.trim()
+    await runCli(["prompt", id, "one", ...s])
     const c = await d.connect()
     const cursor = (await c.ok({ type: "get_state", activeSessionId: id }))["lastEventCursor"] as { generation: number; sequence: number }
-    await cli(["prompt", id, "two", ...s])
-    const att = start(["attach", id, "--from", `${cursor.generation}:${cursor.sequence}`, ...s])
+    await runCli(["prompt", id, "two", ...s])
+    const att = startCli(["attach", id, "--from", `${cursor.generation}:${cursor.sequence}`, ...s])
     await until("turn two", () => att.stdout.includes("-- turn ended --"))
     assert.strictEqual(att.stdout, "> two\necho: two\n-- turn ended --\n")
-    const json = start(["attach", id, "--json", "--from", `${cursor.generation}:${cursor.sequence}`, ...s])
+    const json = startCli(["attach", id, "--json", "--from", `${cursor.generation}:${cursor.sequence}`, ...s])
     await until("agent_end", () => json.stdout.includes(`"agent_end"`))
     const first = JSON.parse(json.stdout.split("\n")[0]!) as Msg
     assert.strictEqual(first["type"], "baseline")
-    const bad = await cli(["attach", id, "--from", "nope", ...s])
+    const bad = await runCli(["attach", id, "--from", "nope", ...s])
     assert.strictEqual(bad.code, 2)
-    const both = await cli(["attach", id, "--history", "3", "--from", `${cursor.generation}:${cursor.sequence}`, ...s])
+    const both = await runCli(["attach", id, "--history", "3", "--from", `${cursor.generation}:${cursor.sequence}`, ...s])
     assert.strictEqual(both.code, 2, both.stderr)
     assert.include(both.stderr, "--history and --from do not go together")
-    await cli(["kill", id, ...s])
+    await runCli(["kill", id, ...s])
     assert.strictEqual((await att.done).code, 1)
     assert.strictEqual((await json.done).code, 1)
   })
@@ -428,18 +387,18 @@ describe("agentd CLI across daemon restarts", () => {
   it("attach: a daemon restart is noticed, no event is shown twice; gives up (exit 3) when the daemon stays away", async () => {
     const first = await useDaemon()
     const s = ["--socket", first.socketPath]
-    const id = (await cli(["create", "--name", "r", ...s])).stdout.trim()
-    await cli(["prompt", "r", "one", ...s])
-    const att = start(["attach", "r", "--reconnect-timeout", "3", ...s])
+    const id = (await runCli(["create", "--name", "r", ...s])).stdout.trim()
+    await runCli(["prompt", "r", "one", ...s])
+    const att = startCli(["attach", "r", "--reconnect-timeout", "3", ...s])
     await until("the separator", () => att.stdout.includes("----- live -----"))
-    await cli(["prompt", "r", "two", ...s])
+    await runCli(["prompt", "r", "two", ...s])
     await until("turn two", () => att.stdout.includes("echo: two\n-- turn ended --"))
 
     await first.sigkill()
     await until("the lost notice", () => att.stderr.includes("lost the daemon"))
     const second = await useDaemon({ stateDir: first.stateDir })
     await until("the restart notice", () => att.stderr.includes("the daemon restarted"))
-    await cli(["prompt", "r", "three", ...s])
+    await runCli(["prompt", "r", "three", ...s])
     await until("turn three", () => att.stdout.includes("echo: three\n-- turn ended --"))
     assert.strictEqual(
       att.stdout,
@@ -452,47 +411,47 @@ describe("agentd CLI across daemon restarts", () => {
     assert.include(r.stderr, "gave up: the daemon stayed away for 3s")
     assert.isTrue(id.startsWith("s-"))
     // With no daemon at all, attach does not wait: exit 3 at once.
-    const none = await cli(["attach", "r", ...s])
+    const none = await runCli(["attach", "r", ...s])
     assert.strictEqual(none.code, 3)
   }, 60_000)
 
   it("a damaged session: sessions and state show it and why; prompt and attach exit 1 naming log, retry and kill; log prints what is readable", async () => {
     const first = await useDaemon()
     const s = ["--socket", first.socketPath]
-    const id = (await cli(["create", "--name", "hurt", ...s])).stdout.trim()
-    await cli(["prompt", "hurt", "one two", ...s])
+    const id = (await runCli(["create", "--name", "hurt", ...s])).stdout.trim()
+    await runCli(["prompt", "hurt", "one two", ...s])
     await first.stop("SIGTERM")
     fs.writeFileSync(path.join(first.stateDir, "sessions", id, "meta.json"), "{ torn")
     await useDaemon({ stateDir: first.stateDir })
 
-    const listed = await cli(["sessions", ...s])
+    const listed = await runCli(["sessions", ...s])
     assert.strictEqual(listed.code, 0)
     assert.match(listed.stdout, new RegExp(`^-\t${id}\tdamaged\tno\t2\t`, "m"))
-    const state = await cli(["state", id.slice(0, 8), ...s])
+    const state = await runCli(["state", id.slice(0, 8), ...s])
     assert.match(state.stdout, /^worker\s+damaged$/m)
     assert.match(state.stdout, /^damage\s+.*meta\.json/m)
     for (const args of [["prompt", id, "again"], ["attach", id]]) {
-      const r = await cli([...args, ...s])
+      const r = await runCli([...args, ...s])
       assert.strictEqual(r.code, 1, `${args[0]}: ${r.stderr}`)
       assert.include(r.stderr, "is damaged")
       assert.include(r.stderr, `\`agentd log ${id}\` shows what can be read, \`agentd retry ${id}\` loads it again, \`agentd kill ${id}\` archives it`)
       assert.strictEqual(r.stdout, "")
     }
-    const log = await cli(["log", id, ...s])
+    const log = await runCli(["log", id, ...s])
     assert.strictEqual(log.code, 0, log.stderr)
     assert.include(log.stdout, "one two")
     assert.include(log.stdout, "echo: one two")
-    const killed = await cli(["kill", id, ...s])
+    const killed = await runCli(["kill", id, ...s])
     assert.strictEqual(killed.code, 0, killed.stderr)
-    assert.notInclude((await cli(["sessions", ...s])).stdout, id)
+    assert.notInclude((await runCli(["sessions", ...s])).stdout, id)
   }, 60_000)
 
   it("prompt across a daemon restart: reconnects and exits 1 with the turn's end (daemon_restarted); exit 3 when the daemon stays away", async () => {
     const first = await useDaemon()
     const s = ["--socket", first.socketPath]
-    const id = (await cli(["create", ...s])).stdout.trim()
+    const id = (await runCli(["create", ...s])).stdout.trim()
     // --json: the test sees which of the turn's events the command has (it follows from the last).
-    const run = start(["prompt", id, "/sleep 20000", "--json", ...s])
+    const run = startCli(["prompt", id, "/sleep 20000", "--json", ...s])
     await until("the turn's tool call", () => run.stdout.includes("tool_execution_start"))
     await first.sigkill()
     await until("the lost notice", () => run.stderr.includes("lost the daemon during the turn"))
@@ -504,7 +463,7 @@ describe("agentd CLI across daemon restarts", () => {
     assert.deepStrictEqual(events.slice(-2), ["tool_execution_start", "turn_interrupted"])
 
     // Gone for good: gives up after --reconnect-timeout, exit 3.
-    const away = start(["prompt", id, "/sleep 20000", "--reconnect-timeout", "2", "--json", ...s])
+    const away = startCli(["prompt", id, "/sleep 20000", "--reconnect-timeout", "2", "--json", ...s])
     await until("the turn's tool call", () => away.stdout.includes("tool_execution_start"))
     await second.sigkill()
     const gone = await away.done
@@ -514,8 +473,8 @@ describe("agentd CLI across daemon restarts", () => {
 
   it("prompt across a daemon restart after which its turn's last events were checkpointed away: exit 0 once the session is idle, with a notice", async () => {
     const first = await useDaemon()
-    const id = (await cli(["create", "--socket", first.socketPath])).stdout.trim()
-    const run = start(["prompt", id, "/sleep 20000", "--json", "--socket", first.socketPath])
+    const id = (await runCli(["create", "--socket", first.socketPath])).stdout.trim()
+    const run = startCli(["prompt", id, "/sleep 20000", "--json", "--socket", first.socketPath])
     await until("the turn's tool call", () => run.stdout.includes("tool_execution_start"))
     // The command is paused while the daemon is killed and a new one (one generation kept, a
     // checkpoint after every turn) ends the cut turn and runs two more: the events after the
@@ -525,7 +484,7 @@ describe("agentd CLI across daemon restarts", () => {
       await first.sigkill()
       const second = await useDaemon({ stateDir: first.stateDir, env: { AGENTD_RETAIN_GENERATIONS: "1", AGENTD_CHECKPOINT_EVENTS: "1" } })
       for (const text of ["one", "two"]) {
-        const r = await cli(["prompt", id, text, "--socket", second.socketPath])
+        const r = await runCli(["prompt", id, text, "--socket", second.socketPath])
         assert.strictEqual(r.code, 0, r.stderr)
       }
     } finally {
@@ -545,24 +504,24 @@ describe("agentd CLI across daemon restarts", () => {
       env: { AGENTD_OUTBOX_BYTES: "65536", AGENTD_RETAIN_GENERATIONS: "1", AGENTD_CHECKPOINT_EVENTS: "4" }
     })
     const s = ["--socket", d.socketPath]
-    await cli(["create", "--name", "p", ...s])
-    const att = start(["attach", "p", ...s])
+    await runCli(["create", "--name", "p", ...s])
+    const att = startCli(["attach", "p", ...s])
     // Past the separator, the view follows from the cursor it read: the next turn is shown.
     await until("the separator", () => att.stdout.includes("----- live -----"))
-    await cli(["prompt", "p", "first", ...s])
+    await runCli(["prompt", "p", "first", ...s])
     await until("turn one", () => att.stdout.includes("echo: first\n-- turn ended --"))
 
     att.proc.kill("SIGSTOP")
     try {
       for (let i = 0; i < 6; i++) {
-        const r = await cli(["prompt", "p", "/bulk 300000", ...s])
+        const r = await runCli(["prompt", "p", "/bulk 300000", ...s])
         assert.strictEqual(r.code, 0, r.stderr)
       }
     } finally {
       att.proc.kill("SIGCONT")
     }
     await until("the resync notice", () => att.stderr.includes("resync: events this view lacked were checkpointed meanwhile"), 20_000)
-    await cli(["prompt", "p", "after the resync", ...s])
+    await runCli(["prompt", "p", "after the resync", ...s])
     await until("the next turn", () => att.stdout.includes("echo: after the resync\n-- turn ended --"), 20_000)
     // Shown once: the turn after the resync, after whatever the view saw before it.
     assert.strictEqual(att.stdout.split("> after the resync").length, 2)
@@ -587,28 +546,28 @@ describe("agentd CLI across daemon restarts", () => {
       fs.rmSync(path.dirname(stateDir), { recursive: true, force: true })
     })
     const env = { AGENTD_E2E_MARK: mark }
-    const started = await cli(["serve", "--detach", "--state-dir", stateDir, "--log-level", "debug"], { env })
+    const started = await runCli(["serve", "--detach", "--state-dir", stateDir, "--log-level", "debug"], { env })
     assert.strictEqual(started.code, 0, started.stderr)
     const socketPath = path.join(stateDir, "agentd.sock")
     assert.match(started.stdout, new RegExp(`^agentd listening at ${socketPath} \\(pid (\\d+)\\); log: ${path.join(stateDir, "agentd.log")}\\n$`))
     const pid = Number(/pid (\d+)/.exec(started.stdout)![1])
     assert.isTrue(isAlive(pid))
-    const twice = await cli(["serve", "--detach", "--state-dir", stateDir], { env })
+    const twice = await runCli(["serve", "--detach", "--state-dir", stateDir], { env })
     assert.strictEqual(twice.code, 1)
     assert.include(twice.stderr, `another daemon (pid ${pid}, socket ${socketPath}) holds ${stateDir}`)
-    const logs = await cli(["logs", "--state-dir", stateDir])
+    const logs = await runCli(["logs", "--state-dir", stateDir])
     assert.strictEqual(logs.code, 0)
     assert.include(logs.stdout, "listening")
     // -f follows until Ctrl-C, which ends it with exit 130.
-    const following = start(["logs", "-f", "--state-dir", stateDir])
+    const following = startCli(["logs", "-f", "--state-dir", stateDir])
     await until("the log followed", () => following.stdout.includes("listening"))
     following.proc.kill("SIGINT")
     const followed = await following.done
     assert.deepStrictEqual({ code: followed.code, signal: followed.signal }, { code: 130, signal: null })
-    const stopped = await cli(["shutdown", "--json", "--state-dir", stateDir])
+    const stopped = await runCli(["shutdown", "--json", "--state-dir", stateDir])
     assert.deepStrictEqual(JSON.parse(stopped.stdout), { shutdown: true })
     await until("the daemon's exit", () => !isAlive(pid))
-    const noLog = await cli(["logs", "--state-dir", path.join(stateDir, "nothing")])
+    const noLog = await runCli(["logs", "--state-dir", path.join(stateDir, "nothing")])
     assert.strictEqual(noLog.code, 1)
   })
 })

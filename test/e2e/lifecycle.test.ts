@@ -126,7 +126,9 @@ describe("process lifecycle", () => {
         const r = await c.response(commandId, 10_000)
         expect(r["error"]?.code, `${JSON.stringify(r)} / ${trace()}`).toBe("shutting_down")
       }
-      // In the order of their commands, then the daemon's goodbye.
+      // In the order of their commands, then the daemon's goodbye (which may reach this
+      // connection a moment after the other one's).
+      for (let waited = 0; waited < 5_000 && !c.all.some((m) => m["type"] === "daemon_closing"); waited += 20) await sleep(20)
       const closing = c.all.findIndex((m) => m["type"] === "daemon_closing")
       const answers = [checkpointId, secondId].map((commandId) => c.all.findIndex((m) => m["type"] === "response" && m["id"] === commandId))
       if (shutdown !== undefined && how === "same connection") answers.push(c.all.indexOf(shutdown))

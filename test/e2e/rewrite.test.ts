@@ -11,6 +11,7 @@ import { describe, expect, it } from "vitest"
 import { attachAndReplay } from "./attach.js"
 import {
   allMessages,
+  compareCursor,
   cleanUpAfterTests,
   type Client,
   collectTurn,
@@ -56,6 +57,8 @@ describe("history rewrites (/compact)", () => {
       await collectTurn(driver, id)
     }
     const beforeRewrite = cursorOf(driver.sequenced(id).at(-1)!)
+    // The chunked client may lag behind the driver: it is marked once it has what the driver has.
+    await chunked.waitFor((m) => m["activeSessionId"] === id && isSequenced(m) && compareCursor(cursorOf(m), beforeRewrite) === 0, 10_000, "the chunked client at the driver's last event")
     const marks = [driver.all.length, chunked.all.length]
 
     await driver.ok({ type: "prompt", activeSessionId: id, message: "/compact" })

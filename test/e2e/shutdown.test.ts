@@ -11,7 +11,6 @@
  * and the CLI runs here). Needs `npm run build` first.
  */
 import * as Schedule from "effect/Schedule"
-import { type ChildProcess, spawn } from "node:child_process"
 import * as fs from "node:fs"
 import * as path from "node:path"
 import { assert, describe, it, onTestFinished } from "vitest"
@@ -21,7 +20,7 @@ import {
   cleanUpAfterTests,
   type Client as WireClient,
   createSession,
-  DAEMON_BIN,
+
   type Daemon,
   describeMsg,
   isAlive,
@@ -31,51 +30,9 @@ import {
   useDaemon,
   waitGone
 } from "./harness.js"
+import { startCli, until } from "./cliRun.js"
 
 cleanUpAfterTests()
-
-interface Run {
-  readonly proc: ChildProcess
-  stdout: string
-  stderr: string
-  exitedAt: number
-  readonly done: Promise<{ code: number | null; signal: NodeJS.Signals | null; stdout: string; stderr: string }>
-}
-
-/** Starts the CLI; killed (SIGKILL) when the test finishes if it still runs. */
-const start = (args: ReadonlyArray<string>): Run => {
-  const proc = spawn(process.execPath, [DAEMON_BIN, ...args], {
-    stdio: ["ignore", "pipe", "pipe"],
-    env: { ...Object.fromEntries(Object.entries(process.env).filter(([k]) => !k.startsWith("AGENTD_"))), NO_COLOR: "" }
-  })
-  const run: Run = {
-    proc,
-    stdout: "",
-    stderr: "",
-    exitedAt: 0,
-    done: new Promise((resolve, reject) => {
-      proc.once("error", reject)
-      proc.once("close", (code, signal) => {
-        run.exitedAt = Date.now()
-        resolve({ code, signal, stdout: run.stdout, stderr: run.stderr })
-      })
-    })
-  }
-  proc.stdout!.setEncoding("utf8").on("data", (d: string) => (run.stdout += d))
-  proc.stderr!.setEncoding("utf8").on("data", (d: string) => (run.stderr += d))
-  onTestFinished(() => {
-    if (proc.exitCode === null && proc.signalCode === null) proc.kill("SIGKILL")
-  })
-  return run
-}
-
-const until = async (what: string, f: () => boolean | Promise<boolean>, timeoutMs = 10_000): Promise<void> => {
-  const deadline = Date.now() + timeoutMs
-  while (!(await f())) {
-    if (Date.now() > deadline) throw new Error(`timed out waiting for ${what}`)
-    await sleep(25)
-  }
-}
 
 /** Waits until the session runs a turn whose tool call (`/sleep`) has started; returns its worker's pid. */
 const inToolCall = async (watcher: WireClient, d: Daemon, id: string): Promise<number> => {
@@ -137,12 +94,12 @@ describe("a graceful stop", () => {
     const { id } = await createSession(c)
     const watcher = await d.connect("watcher")
     await watcher.ok({ type: "attach", activeSessionId: id })
-    const attach = start(["attach", id, "--history", "0", ...s])
-    const prompt = start(["prompt", id, "/sleep 20000", ...s])
+    const attach = startCli(["attach", id, "--history", "0", ...s])
+    const prompt = startCli(["prompt", id, "/sleep 20000", ...s])
     await inToolCall(watcher, d, id)
     await until("attach shows the turn", () => attach.stdout.includes("sleep"))
     const asked = Date.now()
-    const stop = await start(["shutdown", ...s]).done
+    const stop = await startCli(["shutdown", ...s]).done
     assert.strictEqual(stop.code, 0, stop.stderr)
     const p = await prompt.done
     assert.strictEqual(p.code, 1, `prompt: ${p.stderr}`)
@@ -184,11 +141,16 @@ describe("a graceful stop", () => {
     const { id } = await createSession(c)
     const watcher = await d.connect("watcher")
     await watcher.ok({ type: "attach", activeSessionId: id })
-    const attach = start(["attach", id, "--history", "0", "--reconnect-timeout", "20", ...s])
-    const prompt = start(["prompt", id, "/sleep 20000", "--reconnect-timeout", "10", ...s])
+    // attach follows from the last event it reads at its start: it must be following before the
+    // turn starts, or it shows nothing of the turn until its end (after its 20 s sleep).
+    await watcher.ok({ type: "prompt", activeSessionId: id, message: "one" })
+    await watcher.waitFor((m) => isEvent("agent_end")(m) && m["activeSessionId"] === id, 15_000)
+    const attach = startCli(["attach", id, "--history", "1", "--reconnect-timeout", "20", ...s])
+    await until("attach follows", () => attach.stdout.includes("----- live -----"))
+    const prompt = startCli(["prompt", id, "/sleep 20000", "--reconnect-timeout", "10", ...s])
     await inToolCall(watcher, d, id)
     await until("attach shows the turn", () => attach.stdout.includes("sleep"))
-    assert.strictEqual((await start(["shutdown", ...s]).done).code, 0)
+    assert.strictEqual((await startCli(["shutdown", ...s]).done).code, 0)
     // The turn's end is what a prompt waits for, and it came: the cut turn is over for good.
     const p = await prompt.done
     assert.strictEqual(p.code, 1, p.stderr)

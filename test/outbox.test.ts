@@ -1,0 +1,75 @@
+/**
+ * The connection outbox's end at a stop (`endWith`): the line given is the last one the peer
+ * gets, whatever a delivery offers after it, and nobody waits for room any more, even when the
+ * peer never reads.
+ */
+import { assert, describe, it } from "@effect/vitest"
+import * as Effect from "effect/Effect"
+import * as fs from "node:fs"
+import * as net from "node:net"
+import * as os from "node:os"
+import * as path from "node:path"
+import { Outbox } from "../src/internal/outbox.js"
+
+/** A connected pair of sockets over a Unix socket in a temp dir, closed after `f`. */
+const withPair = <A>(f: (server: net.Socket, client: net.Socket) => Promise<A>): Promise<A> =>
+  new Promise<A>((resolve, reject) => {
+    const dir = fs.mkdtempSync(path.join(os.tmpdir(), "outbox-"))
+    const socketPath = path.join(dir, "s.sock")
+    const listener = net.createServer({ allowHalfOpen: true }, (server) => {
+      f(server, client).then(resolve, reject).finally(() => {
+        server.destroy()
+        client.destroy()
+        listener.close()
+        fs.rmSync(dir, { recursive: true, force: true })
+      })
+    })
+    let client: net.Socket
+    listener.listen(socketPath, () => {
+      client = net.createConnection({ path: socketPath })
+      client.on("error", () => {})
+    })
+  })
+
+/** Everything the peer reads until the daemon's side ends its write side. */
+const readToEnd = (client: net.Socket): Promise<string> =>
+  new Promise((resolve) => {
+    let text = ""
+    client.setEncoding("utf8")
+    client.on("data", (d: string) => (text += d))
+    client.on("end", () => resolve(text))
+  })
+
+describe("Outbox.endWith", () => {
+  it("the given line is the last the peer reads, after what was queued; later offers are dropped; then end of stream", () =>
+    withPair(async (server, client) => {
+      const outbox = new Outbox(server)
+      const read = readToEnd(client)
+      outbox.offer("a\n")
+      outbox.offer(Buffer.from("b\n"))
+      outbox.endWith("closing\n")
+      outbox.offer("after\n")
+      assert.isTrue(outbox.isClosed)
+      assert.strictEqual(await read, "a\nb\nclosing\n")
+    }))
+
+  it.live("a delivery waiting for room stops waiting at endWith, though the peer never reads", () =>
+    Effect.promise(() =>
+      withPair(async (server, client) => {
+        client.pause()
+        const outbox = new Outbox(server)
+        // Far more than the socket buffers hold: most of it stays queued.
+        const chunk = "x".repeat(64 * 1024) + "\n"
+        for (let i = 0; i < 64; i++) outbox.offer(chunk)
+        assert.isAbove(outbox.queuedBytes, 1024 * 1024)
+        const waiting = Effect.runPromise(outbox.awaitBelow(1024))
+        let released = false
+        void waiting.then(() => (released = true))
+        await new Promise((r) => setTimeout(r, 50))
+        assert.isFalse(released, "the peer reads nothing: no room yet")
+        outbox.endWith("closing\n")
+        await waiting
+        assert.isTrue(outbox.isClosed)
+      })
+    ))
+})
