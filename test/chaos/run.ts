@@ -709,6 +709,8 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
     const sid = ctl.id.slice(0, 12)
     ctl.killed = true
     daemonDown = true
+    // A killed daemon's successor may well cut turns (daemon_restarted), as after daemon_kill.
+    graceful = undefined
     log(`damage_files ${sid}: daemon SIGKILL`)
     await daemon.kill()
     for (const c of clients) c.drop()

@@ -34,6 +34,19 @@ import { startCli, until } from "./cliRun.js"
 
 cleanUpAfterTests()
 
+/**
+ * `agentd attach` on a session, once it follows: it follows from the last event it reads at its
+ * start, so a turn started before that shows nothing until its end. A first turn gives it a
+ * history line and its separator to wait for.
+ */
+const followingAttach = async (watcher: WireClient, id: string, args: ReadonlyArray<string>) => {
+  await watcher.ok({ type: "prompt", activeSessionId: id, message: "one" })
+  await watcher.waitFor((m) => isEvent("agent_end")(m) && m["activeSessionId"] === id, 15_000)
+  const attach = startCli(["attach", id, "--history", "1", ...args])
+  await until("attach follows", () => attach.stdout.includes("----- live -----"))
+  return attach
+}
+
 /** Waits until the session runs a turn whose tool call (`/sleep`) has started; returns its worker's pid. */
 const inToolCall = async (watcher: WireClient, d: Daemon, id: string): Promise<number> => {
   await watcher.waitFor((m) => isEvent("tool_execution_start")(m) && m["activeSessionId"] === id, 15_000)
@@ -94,7 +107,7 @@ describe("a graceful stop", () => {
     const { id } = await createSession(c)
     const watcher = await d.connect("watcher")
     await watcher.ok({ type: "attach", activeSessionId: id })
-    const attach = startCli(["attach", id, "--history", "0", ...s])
+    const attach = await followingAttach(watcher, id, s)
     const prompt = startCli(["prompt", id, "/sleep 20000", ...s])
     await inToolCall(watcher, d, id)
     await until("attach shows the turn", () => attach.stdout.includes("sleep"))
@@ -141,12 +154,7 @@ describe("a graceful stop", () => {
     const { id } = await createSession(c)
     const watcher = await d.connect("watcher")
     await watcher.ok({ type: "attach", activeSessionId: id })
-    // attach follows from the last event it reads at its start: it must be following before the
-    // turn starts, or it shows nothing of the turn until its end (after its 20 s sleep).
-    await watcher.ok({ type: "prompt", activeSessionId: id, message: "one" })
-    await watcher.waitFor((m) => isEvent("agent_end")(m) && m["activeSessionId"] === id, 15_000)
-    const attach = startCli(["attach", id, "--history", "1", "--reconnect-timeout", "20", ...s])
-    await until("attach follows", () => attach.stdout.includes("----- live -----"))
+    const attach = await followingAttach(watcher, id, [...s, "--reconnect-timeout", "20"])
     const prompt = startCli(["prompt", id, "/sleep 20000", "--reconnect-timeout", "10", ...s])
     await inToolCall(watcher, d, id)
     await until("attach shows the turn", () => attach.stdout.includes("sleep"))
