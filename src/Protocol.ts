@@ -104,7 +104,7 @@ export const AgentMessage = Schema.Struct({
 export type AgentMessage = typeof AgentMessage.Type
 
 /** Why a turn ended without `agent_end`. */
-export const InterruptReason = Schema.Literal("worker_crashed", "aborted", "daemon_restarted", "daemon_shutdown")
+export const InterruptReason = Schema.Literal("worker_crashed", "aborted", "daemon_restarted", "daemon_shutdown", "storage_failed")
 export type InterruptReason = typeof InterruptReason.Type
 
 /**
@@ -268,6 +268,7 @@ export const ErrorCode = Schema.Literal(
   "session_busy",
   "session_failed",
   "session_damaged",
+  "storage_unavailable",
   "telemetry_policy_violation",
   "shutting_down",
   "internal"
@@ -490,7 +491,12 @@ export const StatusResult = Schema.Struct({
   pid: Schema.Int,
   uptimeMs: NonNegativeInt,
   sessions: NonNegativeInt,
-  workers: Schema.Array(WorkerInfo)
+  workers: Schema.Array(WorkerInfo),
+  /**
+   * Extension: whether the recovery journal takes writes. `ok: false` (with the error) after a
+   * journal write failed; new turns are refused `storage_unavailable` until one succeeds.
+   */
+  storage: optional(Schema.Struct({ ok: Schema.Boolean, error: optional(Schema.String) }))
 })
 export type StatusResult = typeof StatusResult.Type
 

@@ -44,7 +44,7 @@ import { bodyMessage, type LoggedBody, logged } from "./internal/delivery/wireLi
 import { makeCheckpoints } from "./internal/session/checkpoint.js"
 import { makeEntity } from "./internal/session/entity.js"
 import type { Input, Phase } from "./internal/session/phase.js"
-import { CommandError, internal, makeCore, notFound, READ_GATE_PERMITS, type Session } from "./internal/session/session.js"
+import { CommandError, internal, makeCore, notFound, READ_GATE_PERMITS, type Session, storageAsCommandError } from "./internal/session/session.js"
 import * as WorkerSlots from "./internal/session/workerSlots.js"
 import { makeSupervisor } from "./internal/session/supervisor.js"
 import type * as Protocol from "./Protocol.js"
@@ -151,7 +151,7 @@ export const make = Effect.gen(function*() {
     restarts,
     sessionScope
   })
-  const { connections, sessions, filterEnv, get, post, publishStatus, publishedState, record, summary } = core
+  const { connections, sessions, filterEnv, get, post, publishStatus, publishedState, recordBestEffort, summary } = core
   const checkpoints = makeCheckpoints(core)
   const delivery = makeDelivery(core, checkpoints)
   const supervisor = makeSupervisor(core, checkpoints)
@@ -194,7 +194,9 @@ export const make = Effect.gen(function*() {
         passivationWanted: false,
         retryWaiters: [],
         restarts: 0,
-        restartState: restarts.initial
+        restartState: restarts.initial,
+        publishedBusy: false,
+        stalled: undefined
       }
     })
 
@@ -237,9 +239,10 @@ export const make = Effect.gen(function*() {
       const s = yield* newSession(meta, { _tag: "Starting", worker: undefined, state: "starting", epoch: 0 })
       s.launchEnv = cmd.launchEnv === undefined ? undefined : { ...cmd.launchEnv }
       s.clientEnv = filterEnv(cmd.env)
-      yield* record(s, false, "created")
+      // An idle record: a session the journal does not name is idle all the same.
+      yield* recordBestEffort(s, false, "created")
       // The first worker starts before the entity takes any input (nothing can race it yet).
-      yield* startWorker(s, "starting", false)
+      yield* storageAsCommandError(startWorker(s, "starting", false))
       yield* register(s)
       return { activeSessionId, state: summary(s) }
     })
@@ -426,7 +429,7 @@ export const make = Effect.gen(function*() {
       } else if (lastStatusBusy || endsWithTurnEnd) {
         // The daemon died between a turn's end and its idle status: the status is owed (and the
         // journal's idle record, if the end was logged but not journaled: that turn is not cut).
-        if (journalBusy) yield* record(s, false, "turn_end")
+        if (journalBusy) yield* recordBestEffort(s, false, "turn_end")
         yield* Effect.catchAllCause(publishStatus(s), (cause) => Effect.logError(`session ${meta.activeSessionId}: idle status`, cause))
       }
       yield* register(s)
@@ -497,7 +500,8 @@ export const make = Effect.gen(function*() {
         workers: live.filter((w) => w.activeSessionId !== undefined).map((w) => {
           const s = sessions.get(w.activeSessionId!)
           return { pid: w.pid, activeSessionId: w.activeSessionId!, state: s === undefined ? "closed" : summary(s).worker, restarts: s?.restarts ?? 0 }
-        })
+        }),
+        storage: core.storage.ok ? { ok: true } : { ok: false, error: core.storage.error ?? "unknown" }
       }
     }),
     attach: (connectionId, outbox, cmd) => route(cmd.activeSessionId, () => attach(connectionId, outbox, cmd)),

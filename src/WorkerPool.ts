@@ -335,8 +335,13 @@ export const make = (options: WorkerPoolOptions = {}) =>
             }),
           catch: (e) => new WorkerSpawnError({ message: `cannot spawn a worker: ${String(e)}` })
         })
-        const pipe = child.stdio[3] as net.Socket | null
-        if (pipe === null || child.pid === undefined) {
+        // A spawn that fails at run time (EMFILE, EAGAIN...) says so with an 'error' event (and
+        // leaves no stdio): heard at once, else it is thrown as unhandled and takes the daemon down.
+        child.on("error", (err) => {
+          if (child.pid === undefined) warn(`cannot spawn a worker: ${err.message}`)
+        })
+        const pipe = child.stdio?.[3] as net.Socket | null | undefined
+        if (pipe === null || pipe === undefined || child.pid === undefined) {
           child.kill("SIGKILL")
           return yield* new WorkerSpawnError({ message: "cannot spawn a worker: no pid or pipe" })
         }

@@ -3,7 +3,7 @@
  * SIGKILL and start again. Every process it spawns carries `AGENTD_CHAOS_MARK` in its
  * environment, so clean-up (and the orphan check) finds them all, whatever their parent.
  */
-import { type ChildProcess, spawn } from "node:child_process"
+import { type ChildProcess, execFileSync, spawn } from "node:child_process"
 import { randomUUID } from "node:crypto"
 import * as fs from "node:fs"
 import * as net from "node:net"
@@ -43,11 +43,26 @@ export class ChaosDaemon {
   readonly stateDir: string
   readonly socketPath: string
   starts = 0
+  /** The run's dir is a tmpfs of its own (`disk_full` fills it), unmounted at clean-up. */
+  readonly onTmpfs: boolean
 
-  constructor(private readonly env: Readonly<Record<string, string>>) {
+  constructor(
+    private readonly env: Readonly<Record<string, string>>,
+    private readonly limits: { readonly tmpfsMiB?: number | undefined; readonly fdLimit?: number | undefined } = {}
+  ) {
     this.root = fs.mkdtempSync(path.join(os.tmpdir(), "agentd-chaos-"))
     this.stateDir = path.join(this.root, "state")
     this.socketPath = path.join(this.stateDir, "agentd.sock")
+    let mounted = false
+    if (limits.tmpfsMiB !== undefined) {
+      try {
+        execFileSync("mount", ["-t", "tmpfs", "-o", `size=${limits.tmpfsMiB}m,mode=0700`, "tmpfs", this.root], { stdio: "ignore" })
+        mounted = true
+      } catch {
+        // Not allowed here (not root, no mount namespace): `disk_full` is then skipped.
+      }
+    }
+    this.onTmpfs = mounted
     live.add(this)
     installExitHook()
   }
@@ -78,7 +93,15 @@ export class ChaosDaemon {
       env[k] = v
     }
     Object.assign(env, this.env, { AGENTD_CHAOS_MARK: this.mark })
-    const proc = spawn(process.execPath, [DAEMON_BIN, "serve", "--state-dir", this.stateDir], {
+    const argv = [DAEMON_BIN, "serve", "--state-dir", this.stateDir]
+    const fdLimit = this.limits.fdLimit
+    // Under `ulimit -n` (for `fd_pressure`): the shell execs the daemon, same pid.
+    const proc = spawn(fdLimit === undefined ? process.execPath : "/bin/sh", fdLimit === undefined ? argv : [
+      "-c",
+      `ulimit -n ${fdLimit} && exec "$0" "$@"`,
+      process.execPath,
+      ...argv
+    ], {
       cwd: this.root,
       env,
       stdio: ["ignore", "pipe", "pipe"],
@@ -287,6 +310,21 @@ export class ChaosDaemon {
       await sleep(25)
     }
     live.delete(this)
+    if (this.onTmpfs) {
+      // A kept state dir outlives the mount: copied out of the tmpfs and back onto the plain dir.
+      const copy = keep ? `${this.root}.kept` : undefined
+      const files = (src: string) => !fs.lstatSync(src).isSocket()
+      if (copy !== undefined) fs.cpSync(this.stateDir, copy, { recursive: true, filter: files })
+      try {
+        execFileSync("umount", ["-l", this.root], { stdio: "ignore" })
+      } catch {
+        // best effort
+      }
+      if (copy !== undefined) {
+        fs.cpSync(copy, this.stateDir, { recursive: true })
+        fs.rmSync(copy, { recursive: true, force: true })
+      }
+    }
     if (!keep) fs.rmSync(this.root, { recursive: true, force: true })
   }
 }

@@ -21,6 +21,13 @@
  * successor must resume every client completely and serve the same transcripts, then a clean
  * `shutdown` that leaves no process behind.
  *
+ * `disk_full` (the run's state dir on a small tmpfs of its own, filled by a file for a few
+ * seconds, then freed) and `fd_pressure` (the daemon under `ulimit -n`, idle connections taking
+ * every fd it has left for a few seconds, then closed): storage failures are turn failures. A
+ * prompt may be refused `storage_unavailable`, a turn may end `turn_interrupted
+ * {storage_failed}`, but every accepted prompt still ends, no event is lost or repeated, and the
+ * sessions go on by themselves once the fault is gone.
+ *
  * `sigint_group` (a terminal's Ctrl-C to a foreground `agentd serve`): SIGINT to the daemon's
  * whole process group must be a graceful stop, exit 0, with no crash in any history (no
  * `recovering` status, no `turn_interrupted` but `daemon_shutdown`, `aborted` or the reason of
@@ -54,9 +61,19 @@ export const FAULT_KINDS = [
   "damage_files",
   "second_daemon",
   "sigint_group",
-  "stuck_client"
+  "stuck_client",
+  "disk_full",
+  "fd_pressure"
 ] as const
 export type FaultKind = typeof FAULT_KINDS[number]
+
+/**
+ * The kinds a run draws from unless told (`--kinds`): all but the storage faults, which change
+ * the whole run (a tmpfs state dir, which needs root; the daemon under `ulimit -n`) and are
+ * asked for by name. Known limit: a worker spawned while `fd_pressure` holds every fd may take
+ * until its 30 s ready timeout to be counted a crash, as long as the watchdog's bound.
+ */
+export const DEFAULT_KINDS: ReadonlyArray<FaultKind> = FAULT_KINDS.filter((k) => k !== "disk_full" && k !== "fd_pressure")
 
 const WEIGHTS: Record<FaultKind, number> = {
   worker_kill: 3,
@@ -77,7 +94,65 @@ const WEIGHTS: Record<FaultKind, number> = {
   damage_files: 1,
   second_daemon: 1,
   sigint_group: 1,
-  stuck_client: 1
+  stuck_client: 1,
+  disk_full: 2,
+  fd_pressure: 2
+}
+
+/** The daemon's fd limit in a run with `fd_pressure` (ample for its sessions and clients). */
+const FD_LIMIT = 256
+
+/** Writes `file` until the file system of `dir` has `leave` bytes left (or none); returns its size. */
+const fillDisk = (dir: string, file: string, leave: number): number => {
+  const fd = fs.openSync(file, "a")
+  const chunk = Buffer.alloc(256 * 1024, 120)
+  let written = 0
+  try {
+    for (;;) {
+      const st = fs.statfsSync(dir)
+      const free = st.bavail * st.bsize
+      if (free <= leave) break
+      try {
+        written += fs.writeSync(fd, chunk, 0, Math.min(chunk.length, free - leave))
+      } catch {
+        break // ENOSPC
+      }
+    }
+  } finally {
+    fs.closeSync(fd)
+  }
+  return written
+}
+
+/**
+ * Idle connections to the daemon until it greets no more (its fds are gone: it accepts and
+ * drops, or not at all); the ones it greeted are returned, to be closed when the fault ends.
+ */
+const hogFds = async (socketPath: string, max = 1000): Promise<Array<net.Socket>> => {
+  const hogs: Array<net.Socket> = []
+  for (let i = 0; i < max; i++) {
+    const greeted = await new Promise<net.Socket | undefined>((resolve) => {
+      const socket = net.createConnection({ path: socketPath })
+      const done = (ok: boolean) => {
+        clearTimeout(timer)
+        socket.removeAllListeners("data")
+        if (ok) resolve(socket)
+        else {
+          socket.destroy()
+          resolve(undefined)
+        }
+      }
+      const timer = setTimeout(() => done(false), 1000)
+      socket.on("error", () => done(false))
+      socket.on("close", () => done(false))
+      socket.once("data", () => done(true))
+    })
+    if (greeted === undefined) break
+    // Never read again: what the daemon sends it (nothing, idle) stays in the kernel's buffers.
+    greeted.on("error", () => {})
+    hogs.push(greeted)
+  }
+  return hogs
 }
 
 export interface RunOptions {
@@ -85,7 +160,7 @@ export interface RunOptions {
   readonly seconds: number
   /** Faults to inject over the run (spread at random). */
   readonly faults: number
-  /** The fault kinds drawn from (default: all). */
+  /** The fault kinds drawn from (default: {@link DEFAULT_KINDS}). */
   readonly kinds?: ReadonlyArray<FaultKind>
   /** Print the fault schedule as it happens. */
   readonly verbose?: boolean
@@ -189,13 +264,19 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
   const rng = new Rng(options.seed)
   const sessionCount = rng.int(3, 4)
   const settings = { ...drawSettings(rng, sessionCount), ...options.settings }
-  const kinds = options.kinds ?? FAULT_KINDS
+  const kinds = options.kinds ?? DEFAULT_KINDS
   const weights = Object.fromEntries(kinds.map((k) => [k, WEIGHTS[k]])) as Record<FaultKind, number>
   // While spawns are being made to fail (and poisons overlap a heal), a retry's own worker can
   // fail to spawn again: it is then answered session_failed, as documented. After the run's
   // heal, retries must succeed (settle).
-  const retryCodes = kinds.includes("spawn_fail") ? ["session_not_found", "session_failed"] : ["session_not_found"]
-  const daemon = new ChaosDaemon(settings)
+  // Spawns fail too while no fd is left.
+  const retryCodes = kinds.includes("spawn_fail") || kinds.includes("fd_pressure") ? ["session_not_found", "session_failed"] : ["session_not_found"]
+  /** Storage faults in the run: a prompt (or a checkpoint) may be refused `storage_unavailable`. */
+  const storageFaults = kinds.includes("disk_full") || kinds.includes("fd_pressure")
+  const daemon = new ChaosDaemon(settings, {
+    tmpfsMiB: kinds.includes("disk_full") ? 128 : undefined,
+    fdLimit: kinds.includes("fd_pressure") ? FD_LIMIT : undefined
+  })
   const t0 = Date.now()
   const schedule: Array<string> = []
   const notes: Array<string> = []
@@ -211,6 +292,8 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
     transcriptReplaced: 0,
     damagedFiles: 0,
     damagedSessions: 0,
+    storageRefusals: 0,
+    storageCuts: 0,
     events: 0,
     commands: 0
   }
@@ -305,6 +388,11 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
     const code = r["error"]?.code as string
     // What a daemon stopping gracefully answers the commands it will not wait for.
     if (code === "shutting_down" && ((graceful !== undefined && graceful.restartedAt === undefined) || daemonStopping)) return
+    // A prompt (or a checkpoint, a create) that could not be made durable while storage failed.
+    if (code === "storage_unavailable" && storageFaults) {
+      stats.storageRefusals++
+      return
+    }
     if (code === "internal") {
       notes.push(`${stamp()} ${command} answered internal: ${r["error"]?.message}`)
       return
@@ -507,6 +595,7 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
         if (t === "agent_end" || t === "turn_interrupted") {
           ctl.inTurn = false
           ctl.ends++
+          if (m["event"]?.reason === "storage_failed" && m["meta"]?.replayed !== true) stats.storageCuts++
         }
       } else if (m["type"] === "session_status") {
         const st = m["state"] as Msg
@@ -973,6 +1062,27 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
           `supervisor-generation ${JSON.stringify(before)} -> ${JSON.stringify(fs.readFileSync(generationFile, "utf8"))}, socket file ${fs.existsSync(socketPath)}`)
         return
       }
+      case "disk_full": {
+        if (!daemon.onTmpfs) return log("disk_full: (no tmpfs here: skipped)")
+        const leave = frng.pick([0, 4096, 64 * 1024, 512 * 1024])
+        const holdMs = frng.int(1000, 4000)
+        const filler = path.join(daemon.root, `filler-${counts[kind]}`)
+        const written = fillDisk(daemon.root, filler, leave)
+        log(`disk_full: ${(written / 2 ** 20).toFixed(1)} MiB written, ${leave} bytes left, for ${holdMs} ms`)
+        await sleep(holdMs)
+        fs.rmSync(filler, { force: true })
+        log("  disk freed")
+        return
+      }
+      case "fd_pressure": {
+        const holdMs = frng.int(1000, 3000)
+        const hogs = await hogFds(daemon.socketPath)
+        log(`fd_pressure: ${hogs.length} idle connections hold the daemon's fds for ${holdMs} ms`)
+        await sleep(holdMs)
+        for (const h of hogs) h.destroy()
+        log("  fds released")
+        return
+      }
       case "spawn_fail": {
         // The session's next worker spawns fail (a bad NODE_OPTIONS in its launchEnv); its
         // worker is killed (or it is passivated) so that a spawn comes; healed a few seconds later.
@@ -1128,7 +1238,8 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
       let retried = false
       for (;;) {
         const r = await send(c, { type: "get_state", activeSessionId: ctl.id })
-        check("daemon reachable", r !== undefined, () => "the connection dropped while settling")
+        check("daemon reachable", r !== undefined, () =>
+          `the connection dropped while settling (daemon ${daemon.running ? "running" : `exited ${JSON.stringify(daemon.exit)}`})`)
         check("live session exists", r!["success"] === true, () => `get_state ${ctl.id}: ${JSON.stringify(r!["error"])}`)
         const st = r!["data"] as Msg
         if (st["busy"] === false && (st["worker"] === "ready" || st["worker"] === "passivated")) break

@@ -78,6 +78,7 @@ const ERROR_CODES: ReadonlySet<string> = new Set([
   "session_not_found",
   "session_busy",
   "session_failed",
+  "storage_unavailable",
   "telemetry_policy_violation",
   "shutting_down",
   "internal"

@@ -304,6 +304,8 @@ export interface StartOptions {
    * many KiB fail with EFBIG (a full disk, as far as the daemon can tell).
    */
   readonly fileSizeLimitKiB?: number
+  /** Runs the daemon (and its workers) under `ulimit -n`: at most this many open file descriptors. */
+  readonly fdLimit?: number
 }
 
 const liveDaemons = new Set<Daemon>()
@@ -514,10 +516,14 @@ export const startDaemon = async (options: StartOptions = {}): Promise<Daemon> =
   if (!fs.existsSync(entry)) fs.symlinkSync(DAEMON_BIN, entry)
   const argv = [entry, "serve", "--state-dir", stateDir, ...socketArgs, ...(options.extraArgs ?? [])]
   const limit = options.fileSizeLimitKiB
-  const proc = spawn(limit === undefined ? process.execPath : "/bin/sh", limit === undefined ? argv : [
-    "-c",
+  const limits = [
     // /bin/sh (dash) counts `ulimit -f` in 512-byte blocks; an ignored signal stays ignored across exec.
-    `ulimit -f ${Math.ceil(limit * 2)} && trap '' XFSZ && exec "$0" "$@"`,
+    ...(limit === undefined ? [] : [`ulimit -f ${Math.ceil(limit * 2)} && trap '' XFSZ`]),
+    ...(options.fdLimit === undefined ? [] : [`ulimit -n ${options.fdLimit}`])
+  ]
+  const proc = spawn(limits.length === 0 ? process.execPath : "/bin/sh", limits.length === 0 ? argv : [
+    "-c",
+    `${limits.join(" && ")} && exec "$0" "$@"`,
     process.execPath,
     ...argv
   ], {

@@ -21,11 +21,11 @@ import type { WorkerHandle } from "../../WorkerPool.js"
 import type { SnapshotHeaderInput, SnapshotInfo } from "../../SessionStore.js"
 import type { LoggedBody } from "../delivery/wireLines.js"
 import type { AnyFrame } from "./phase.js"
-import { type Core, CommandError, internal, READ_GATE_PERMITS, type Session, snapshotIdOf } from "./session.js"
+import { type Core, CommandError, internal, READ_GATE_PERMITS, type Session, snapshotIdOf, storageAsCommandError } from "./session.js"
 
 /** Checkpoints: the transcript of the next generation, the log's new generation, pruning. */
 export const makeCheckpoints = (core: Core) => {
-  const { cache, config, log, store, record, fork } = core
+  const { cache, config, log, store, record, recordBestEffort, fork } = core
 
   /**
    * Takes a checkpoint in one step of the entity, between turns: the messages the current
@@ -75,7 +75,8 @@ export const makeCheckpoints = (core: Core) => {
       const snapshotId = snapshotIdOf(s, generation)
       const snapshotCursor = s.lastCursor
       const { messageCount, rewrittenAt } = next
-      yield* record(s, next.busy, "snapshot_begin")
+      // No journal, no checkpoint: it is refused before anything moves.
+      yield* storageAsCommandError(record(s, next.busy, "snapshot_begin"))
       const written = yield* next.write({
         snapshotId,
         generation,
@@ -87,7 +88,9 @@ export const makeCheckpoints = (core: Core) => {
       yield* enterGeneration(s, { generation, snapshotCursor, messageCount, ...(next.snapshotId === undefined ? {} : { snapshotId: next.snapshotId }) })
       s.rewriteGeneration = rewrittenAt
       s.sessionFile = written.path
-      yield* record(s, next.busy, "snapshot_end")
+      // The generation is on disk already (the store is what restores it): a journal that
+      // cannot say so is shown in `status`, and its next record names the new file.
+      yield* recordBestEffort(s, next.busy, "snapshot_end")
       if (rewrittenAt === generation) for (const a of s.attachments) a.replaceState()
       yield* pruneBefore(s, generation)
       return { generation, snapshotId }

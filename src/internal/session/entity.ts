@@ -20,7 +20,7 @@ import type { Delivery } from "../delivery/attach.js"
 import type { Checkpoints } from "./checkpoint.js"
 import type { Input } from "./phase.js"
 import { CommandTakesEffect, workerOf } from "./phase.js"
-import { CommandError, type Core, failed, internal, notFound, type Session } from "./session.js"
+import { CommandError, type Core, failed, internal, notFound, type Session, type StorageFailed } from "./session.js"
 import type { Supervisor } from "./supervisor.js"
 
 /** How long the workers have to cut their running turns at a graceful stop, before the supervisor does. */
@@ -30,7 +30,7 @@ const SHUTDOWN_CUT_GRACE = "2 seconds"
 export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Supervisor, delivery: Delivery) => {
   const { cache, journal, log, restarts, sessions, store, publish, publishStatus, record, summary, fork, forkIn } = core
   const { abandonRewrite, runCheckpoint } = checkpoints
-  const { answerWaiting, cutForShutdown, endCutTurnForShutdown, failSession, onCrash, onFrames, pump, startTurn, startWorker } = supervisor
+  const { answerWaiting, cutForShutdown, endCutTurnForShutdown, failSession, onCrash, onFrames, onStorageFailed, pump, retryStorage, startTurn, startWorker } = supervisor
   const { detachAttachment } = delivery
 
   /**
@@ -97,13 +97,22 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
   /** Wakes a passivated session (or retries a failed one): a worker that restores it. */
   const wake = (s: Session) => startWorker(s, s.phase._tag === "Failed" ? "recovering" : "starting", true)
 
-  const onInput = (s: Session, input: Input): Effect.Effect<void> => {
+  const onInput = (s: Session, input: Input): Effect.Effect<void, StorageFailed> => {
     const phase = s.phase
     switch (input._tag) {
       case "Prompt": {
         s.lastUsed = Date.now()
         if (phase._tag === "Failed") {
           return Deferred.fail(input.reply, failed(`Session \`${s.meta.activeSessionId}\` has failed; use retry_worker.`))
+        }
+        if (s.stalled !== undefined) {
+          return Deferred.fail(
+            input.reply,
+            new CommandError({
+              code: "storage_unavailable",
+              message: `Session \`${s.meta.activeSessionId}\` cannot take a prompt: storage failed and the end of its last turn is not logged yet.`
+            })
+          )
         }
         if (phase._tag === "Running" || s.pendingPrompt !== undefined || s.promptAfterCut !== undefined) {
           return Deferred.fail(input.reply, new CommandError({ code: "session_busy", message: `Session \`${s.meta.activeSessionId}\` is running a turn.` }))
@@ -155,8 +164,12 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
           for (const a of aborts) yield* Deferred.fail(a, error)
           yield* answerWaiting(s, error)
           if (phase._tag !== "Running") {
-            yield* endCutTurnForShutdown(s)
-            return yield* Deferred.succeed(input.done, undefined)
+            // An owed end that storage still refuses stays owed: the journal says busy, and the
+            // next start ends that turn `daemon_restarted`.
+            return yield* endCutTurnForShutdown(s).pipe(
+              Effect.catchAll((e) => Effect.logError(`session ${s.meta.activeSessionId}: ${e.message}`)),
+              Effect.ensuring(Deferred.succeed(input.done, undefined))
+            )
           }
           // A running turn is cut before the sockets close, so that its end reaches the clients
           // attached and the journal says idle (the next start restores nothing, reports no
@@ -183,6 +196,10 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
       }
       case "Restore":
         return phase._tag === "Passivated" ? startWorker(s, "recovering", true) : Effect.void
+      case "StorageRetry": {
+        if (phase._tag !== "Starting" || phase.epoch !== input.epoch || s.stalled === undefined || stopping) return Effect.void
+        return retryStorage(s)
+      }
       case "RestartDue": {
         if (phase._tag !== "Starting" || phase.epoch !== input.epoch || phase.worker !== undefined || stopping) return Effect.void
         return startWorker(s, "recovering", true)
@@ -231,7 +248,7 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
       // after `kill` answered (it ran on beside the next spare, past --max-workers).
       for (const input of yield* Queue.takeAll(s.mailbox)) yield* answerGone(s, input)
       const archived = yield* Effect.either(Effect.gen(function*() {
-        yield* record(s, false, "closed")
+        yield* core.recordBestEffort(s, false, "closed")
         yield* Effect.ignoreLogged(journal.forget(id))
         const dir = yield* store.archive(id).pipe(Effect.mapError(internal("session store")))
         yield* log.remove(id, { archiveTo: path.join(dir, "events") }).pipe(Effect.mapError(internal("event log")))
@@ -291,7 +308,10 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
     )
   })
 
-  /** Something broke inside a transition (the log refuses writes): the session fails, loudly. */
+  /**
+   * Something broke inside a transition that is no storage failure (those are typed, and cut the
+   * turn: `onStorageFailed`): a broken invariant. The session fails, loudly.
+   */
   const onDefect = (s: Session, cause: Cause.Cause<unknown>) =>
     Effect.gen(function*() {
       yield* Effect.logError(`session ${s.meta.activeSessionId} failed: a transition could not complete`, cause)
@@ -305,8 +325,10 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
     Effect.gen(function*() {
       while (!s.closed) {
         const input = yield* Queue.take(s.mailbox)
-        yield* onInput(s, input).pipe(Effect.catchAllCause((cause) => onDefect(s, cause)))
-        if (!s.closed) yield* drain(s).pipe(Effect.catchAllCause((cause) => onDefect(s, cause)))
+        yield* onInput(s, input).pipe(Effect.catchTag("StorageFailed", (e) => onStorageFailed(s, e)), Effect.catchAllCause((cause) => onDefect(s, cause)))
+        if (!s.closed) {
+          yield* drain(s).pipe(Effect.catchTag("StorageFailed", (e) => onStorageFailed(s, e)), Effect.catchAllCause((cause) => onDefect(s, cause)))
+        }
         yield* releaseCutWaiters(s)
         if ("taken" in input && input.taken !== undefined) yield* Deferred.succeed(input.taken, undefined)
       }

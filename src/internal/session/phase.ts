@@ -84,6 +84,8 @@ export type Input =
   | { readonly _tag: "Acquired"; readonly epoch: number; readonly worker: WorkerHandle }
   | { readonly _tag: "AcquireFailed"; readonly epoch: number; readonly message: string }
   | { readonly _tag: "RestartDue"; readonly epoch: number }
+  /** Time to try again to log the end owed to a turn that storage cut (attempt `epoch`). */
+  | { readonly _tag: "StorageRetry"; readonly epoch: number }
   | {
     readonly _tag: "Frames"
     readonly worker: WorkerHandle

@@ -47,6 +47,29 @@ export const notFound = (id: string) => new CommandError({ code: "session_not_fo
 
 export const failed = (message: string) => new CommandError({ code: "session_failed", message })
 
+/**
+ * The event log or the recovery journal could not be written (ENOSPC, EFBIG, EMFILE, EIO,
+ * EACCES...): what depended on that write did not happen. A running turn is cut by it
+ * (`turn_interrupted {storage_failed}`, owed until it can be logged); a prompt is refused
+ * `storage_unavailable`.
+ */
+export class StorageFailed extends Data.TaggedError("StorageFailed")<{
+  readonly what: "event log" | "recovery journal"
+  readonly message: string
+}> {}
+
+/** A prompt that cannot be made durable: refused, never accepted then dropped. */
+export const storageUnavailable = (id: string, e: StorageFailed) =>
+  new CommandError({ code: "storage_unavailable", message: `Session \`${id}\` cannot take a prompt: ${e.message}` })
+
+/** A storage failure outside a turn, as the answer to the command that met it. */
+export const storageAsCommandError = <A, E, R>(effect: Effect.Effect<A, E | StorageFailed, R>) =>
+  Effect.catchIf(
+    effect,
+    (e): e is StorageFailed => e instanceof StorageFailed,
+    (e) => Effect.fail(new CommandError({ code: "storage_unavailable", message: e.message }))
+  ) as Effect.Effect<A, Exclude<E, StorageFailed> | CommandError, R>
+
 /** An unexpected failure of a part below the core, as the `internal` error code. */
 export const internal = (what: string) => (e: { readonly message: string }) =>
   new CommandError({ code: "internal", message: `${what}: ${e.message}` })
@@ -125,6 +148,13 @@ export interface Session {
   restarts: number
   /** The state of the restart schedule (the crashes in its window). */
   restartState: unknown
+  /** Whether the last `session_status` logged said busy. */
+  publishedBusy: boolean
+  /**
+   * A turn cut because storage failed, whose end could not be logged yet: the summary the stream
+   * last showed (busy), which `get_state` shows until that end is out; the entity retries it.
+   */
+  stalled: SessionSummary | undefined
 }
 
 export const snapshotIdOf = (s: Session, generation: number) => `${s.meta.activeSessionId}~g${generation}`
@@ -154,6 +184,12 @@ export interface CoreDeps {
 export const makeCore = (deps: CoreDeps) => {
   const { config, journal, log, sessions } = deps
 
+  /**
+   * Whether the journal takes writes (`status` shows it): set by a failed journal write, cleared
+   * by the next one that succeeds.
+   */
+  const storage: { ok: boolean; error: string | undefined } = { ok: true, error: undefined }
+
   /** Forks work that must finish even if its session is killed (stopping a worker). */
   const fork = <A, E>(effect: Effect.Effect<A, E>) => FiberSet.run(deps.fibers, effect).pipe(Effect.asVoid)
 
@@ -161,6 +197,8 @@ export const makeCore = (deps: CoreDeps) => {
   const forkIn = <A, E>(s: Session, effect: Effect.Effect<A, E>) => FiberSet.run(s.fibers, effect).pipe(Effect.asVoid)
 
   const summary = (s: Session): SessionSummary => {
+    // Nothing is logged while an owed end waits: the stream still shows the cut turn running.
+    if (s.stalled !== undefined && !s.closed) return s.stalled
     const out: {
       -readonly [K in keyof SessionSummary]: SessionSummary[K]
     } = {
@@ -188,7 +226,7 @@ export const makeCore = (deps: CoreDeps) => {
 
   /** Appends messages to the log (one group commit) and hands them to live attachments. */
   const publishAll = (s: Session, messages: ReadonlyArray<Outgoing>) =>
-    s.publishLock.withPermits(1)(appendAndDeliver(s, messages)).pipe(Effect.orDie)
+    s.publishLock.withPermits(1)(appendAndDeliver(s, messages))
 
   /** What publishAll does under the publish lock. */
   const appendAndDeliver = (s: Session, messages: ReadonlyArray<Outgoing>) =>
@@ -196,7 +234,9 @@ export const makeCore = (deps: CoreDeps) => {
       if (messages.length === 0) return
       const emittedAt = Date.now()
       // One write and one fsync for the batch; cursors follow the array order.
-      const cursors = yield* log.appendAll(s.meta.activeSessionId, messages.map((m) => logged(m, emittedAt)))
+      const cursors = yield* log.appendAll(s.meta.activeSessionId, messages.map((m) => logged(m, emittedAt))).pipe(
+        Effect.mapError((e) => new StorageFailed({ what: "event log", message: e.message }))
+      )
       const sessionJson = JSON.stringify(s.meta.activeSessionId)
       let text = ""
       for (let i = 0; i < messages.length; i++) {
@@ -223,9 +263,15 @@ export const makeCore = (deps: CoreDeps) => {
    */
   const publishStatus = (s: Session, change?: () => void) =>
     s.publishLock.withPermits(1)(Effect.suspend(() => {
+      // A status that cannot be logged did not happen: the change is undone with it.
+      const before = { phase: s.phase, cutTurn: s.cutTurn, pendingPrompt: s.pendingPrompt, stalled: s.stalled }
       change?.()
-      return appendAndDeliver(s, [bodyMessage({ type: "session_status", state: summary(s) })])
-    })).pipe(Effect.orDie)
+      const state = summary(s)
+      return appendAndDeliver(s, [bodyMessage({ type: "session_status", state })]).pipe(
+        Effect.tap(() => Effect.sync(() => (s.publishedBusy = state.busy))),
+        Effect.tapError(() => Effect.sync(() => Object.assign(s, before)))
+      )
+    }))
 
   /** The session's summary and last cursor at one moment, consistent with what is logged. */
   const publishedState = (s: Session) =>
@@ -238,7 +284,20 @@ export const makeCore = (deps: CoreDeps) => {
       busy,
       operation,
       ...(s.sessionFile === undefined ? {} : { sessionFile: s.sessionFile })
-    }).pipe(Effect.catchAll((e) => Effect.logError(`journal: ${e.message}`)))
+    }).pipe(
+      Effect.tap(() => Effect.sync(() => Object.assign(storage, { ok: true, error: undefined }))),
+      Effect.mapError((e) => new StorageFailed({ what: "recovery journal", message: e.message })),
+      Effect.tapError((e) =>
+        Effect.zipRight(Effect.sync(() => Object.assign(storage, { ok: false, error: e.message })), Effect.logError(`journal: ${e.message}`))
+      )
+    )
+
+  /**
+   * A journal record that nothing waits on (the turn's tool steps, an idle record whose failure
+   * only leaves the journal saying busy: a restart then finds the turn's end in the log): logged
+   * and shown in `status`, not a failure of the step that writes it.
+   */
+  const recordBestEffort = (s: Session, busy: boolean, operation: string) => Effect.ignore(record(s, busy, operation))
 
   const workerEnv = (s: Session): Record<string, string> | undefined =>
     s.launchEnv === undefined && s.clientEnv === undefined ? undefined : { ...s.clientEnv, ...s.launchEnv }
@@ -257,7 +316,23 @@ export const makeCore = (deps: CoreDeps) => {
     return out
   }
 
-  return { ...deps, fork, forkIn, summary, publishedState, get, publishAll, publish, publishStatus, record, workerEnv, post, filterEnv }
+  return {
+    ...deps,
+    storage,
+    fork,
+    forkIn,
+    summary,
+    publishedState,
+    get,
+    publishAll,
+    publish,
+    publishStatus,
+    record,
+    recordBestEffort,
+    workerEnv,
+    post,
+    filterEnv
+  }
 }
 
 export type Core = ReturnType<typeof makeCore>

@@ -19,11 +19,17 @@ import { safeSegment } from "../fsx.js"
 import type { Checkpoints } from "./checkpoint.js"
 import type { AnyFrame, PendingPrompt, Phase, TurnEnd } from "./phase.js"
 import { workerOf } from "./phase.js"
-import { type CommandError, type Core, failed, PUBLISH_BATCH_BYTES, type Session } from "./session.js"
+import { type CommandError, type Core, failed, PUBLISH_BATCH_BYTES, type Session, type StorageFailed, storageUnavailable } from "./session.js"
+
+/**
+ * How often a session whose turn storage cut tries again to log that turn's end (a full disk
+ * freed, file descriptors given back).
+ */
+export const STORAGE_RETRY_INTERVAL = "1500 millis"
 
 /** Worker supervision: start, frame pump, turns, crash -> restore on the restart schedule, failure. */
 export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
-  const { config, info, pool, restartPolicy, restarts, sessions, slots, fork, post, publish, publishAll, publishStatus, record, summary, workerEnv, forkIn } = core
+  const { config, info, pool, restartPolicy, restarts, sessions, slots, fork, post, publish, publishAll, publishStatus, record, recordBestEffort, summary, workerEnv, forkIn } = core
   const { abandonRewrite, rewriteFrame } = checkpoints
 
   /**
@@ -94,10 +100,14 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
   /** The running turn is over: its end is out, the journal says idle, the idle status follows. */
   const endTurn = (s: Session, phase: Extract<Phase, { _tag: "Running" }>, how: TurnEnd) =>
     Effect.gen(function*() {
-      yield* record(s, false, "turn_end")
+      // The end is logged: should the journal still say busy, a restart finds it there and cuts nothing.
+      yield* recordBestEffort(s, false, "turn_end")
       // Not busy from here, and said so at once, under the publish lock: nobody reading under it
-      // (`get_state`, an attach) sees busy:false before the stream does.
-      yield* publishStatus(s, () => (s.phase = { _tag: "Idle", worker: phase.worker }))
+      // (`get_state`, an attach) sees busy:false before the stream does. A status that cannot
+      // be logged leaves the turn's end out and only its status owed.
+      yield* publishStatus(s, () => (s.phase = { _tag: "Idle", worker: phase.worker })).pipe(
+        Effect.tapError(() => Effect.sync(() => (s.cutTurn = { _tag: "StatusOwed" })))
+      )
       for (const a of phase.aborts) yield* Deferred.succeed(a, { aborted: how === "aborted" })
       checkDue(s)
     })
@@ -114,7 +124,7 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
   const interruptReported = (s: Session) =>
     Effect.gen(function*() {
       s.cutTurn = { _tag: "StatusOwed" }
-      yield* record(s, false, "turn_end")
+      yield* recordBestEffort(s, false, "turn_end")
       checkDue(s)
     })
 
@@ -142,8 +152,20 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
       s.pendingPrompt = undefined
       const turnId = `t-${randomUUID()}`
       s.lastUsed = Date.now()
-      yield* record(s, true, "prompt")
-      yield* publishStatus(s, () => (s.phase = { _tag: "Running", worker, turnId, aborts: [] }))
+      // Accepted only once durable: the journal says busy (a crash from here is a cut turn it
+      // finds) and the log holds the busy status. Else refused, and nothing of it remains.
+      const durable = yield* Effect.either(Effect.zipRight(
+        record(s, true, "prompt"),
+        publishStatus(s, () => (s.phase = { _tag: "Running", worker, turnId, aborts: [] }))
+      ))
+      if (durable._tag === "Left") {
+        yield* Effect.logError(`session ${s.meta.activeSessionId}: prompt refused: ${durable.left.message}`)
+        yield* Deferred.fail(prompt.reply, storageUnavailable(s.meta.activeSessionId, durable.left))
+        if (durable.left.what === "event log") yield* recordBestEffort(s, false, "prompt_refused")
+        // The stream showed the prompt waiting (busy): it says it is gone.
+        if (s.publishedBusy) yield* publishStatus(s)
+        return
+      }
       yield* worker.send({ type: "prompt", turnId, message: prompt.message })
       yield* Deferred.succeed(prompt.reply, { accepted: true as const })
     })
@@ -168,12 +190,20 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
         switch (frame.type) {
           case "worker_event": {
             const { eventJson, eventType } = raw as WorkerProtocol.EventFrame
+            if (eventType === "turn_interrupted" && phase._tag !== "Running" && s.cutTurn?._tag !== "InterruptOwed") {
+              // A restored worker reports a cut turn because the journal said busy, but no turn
+              // is owed its end (its end is logged; the journal's idle record could not be
+              // written): a second end would be a lie.
+              yield* Effect.logWarning(`worker of ${s.meta.activeSessionId}: a cut turn it reported is not owed one (its end is logged): not published`)
+              break
+            }
             events.push(eventMessage(eventType, eventJson))
             eventBytes += eventJson.length
             if (eventBytes >= PUBLISH_BATCH_BYTES) yield* flushEvents
             if (eventType === "tool_execution_start" || eventType === "tool_execution_end") {
               yield* flushEvents
-              yield* record(s, true, eventType === "tool_execution_start" ? "tool_start" : "tool_end")
+              // The journal said busy when the turn began: a restart cuts it either way.
+              yield* recordBestEffort(s, true, eventType === "tool_execution_start" ? "tool_start" : "tool_end")
             } else if (eventType === "agent_end" || eventType === "turn_interrupted") {
               yield* flushEvents
               const how: TurnEnd = eventType === "agent_end"
@@ -269,6 +299,8 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
       s.epoch++
       s.phase = { _tag: "Failed" }
       s.cutTurn = undefined
+      // A stall on storage ends here: the failed status says the session's state from now on.
+      s.stalled = undefined
       const error = failed(`Session \`${s.meta.activeSessionId}\` failed: ${why}; use retry_worker.`)
       const waiting = answerWaiting(s, error)
       for (const a of aborts) yield* Deferred.succeed(a, { aborted: false })
@@ -279,7 +311,7 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
           publish(s, { type: "session_event", event: { type: "turn_interrupted", reason: cut } as Protocol.AgentEvent }),
           () => Effect.void
         )
-        yield* record(s, false, "failed")
+        yield* recordBestEffort(s, false, "failed")
       }
       // Tell attached clients if the log takes it; it may well not.
       yield* Effect.catchAllCause(publishStatus(s), () => Effect.void)
@@ -297,7 +329,7 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
       yield* abandonRewrite(s, "the daemon stopped")
       s.epoch++
       yield* publish(s, { type: "session_event", event: { type: "turn_interrupted", reason: "daemon_shutdown" } as Protocol.AgentEvent })
-      yield* record(s, false, "turn_end")
+      yield* recordBestEffort(s, false, "turn_end")
       yield* publishStatus(s, () => (s.phase = { _tag: "Passivated" }))
       for (const a of phase.aborts) yield* Deferred.succeed(a, { aborted: false })
       yield* fork(Effect.asVoid(phase.worker.stop()))
@@ -317,10 +349,71 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
       s.epoch++
       if (cut._tag === "InterruptOwed") {
         yield* publish(s, { type: "session_event", event: { type: "turn_interrupted", reason: cut.reason } as Protocol.AgentEvent })
-        yield* record(s, false, "turn_end")
+        s.cutTurn = { _tag: "StatusOwed" }
+        yield* recordBestEffort(s, false, "turn_end")
       }
-      yield* endCutTurn(s, () => (s.phase = { _tag: "Passivated" }))
+      yield* endCutTurn(s, () => {
+        s.phase = { _tag: "Passivated" }
+        s.stalled = undefined
+      })
       if (worker !== undefined) yield* fork(Effect.asVoid(worker.stop()))
+    })
+
+  /**
+   * Storage failed under the session (`error`): the event log or the journal did not take a
+   * write that a step depended on. A running turn is cut (`turn_interrupted {storage_failed}`
+   * owed; a turn already cut keeps its reason), its worker stopped (it holds events that were
+   * not logged) and the session stalls: it shows what the stream shows (busy) and tries again
+   * every STORAGE_RETRY_INTERVAL to log the owed end, then the status that follows it; then a
+   * worker restores the session from what is logged, as after a crash. A status that could not
+   * be logged with no turn at stake is the same, with no end owed.
+   */
+  const onStorageFailed = (s: Session, error: StorageFailed) =>
+    Effect.gen(function*() {
+      if (s.closed) return
+      yield* Effect.logError(`session ${s.meta.activeSessionId}: storage failed: ${error.message}`)
+      if (s.stalled !== undefined) return yield* retryStorageLater(s)
+      const phase = s.phase
+      if (phase._tag === "Failed") return
+      s.stalled = summary(s)
+      if (phase._tag === "Running") {
+        if (s.cutTurn === undefined) s.cutTurn = { _tag: "InterruptOwed", reason: "storage_failed" }
+        for (const a of phase.aborts) yield* Deferred.succeed(a, { aborted: false })
+      }
+      yield* abandonRewrite(s, "storage failed")
+      const worker = workerOf(phase)
+      const epoch = ++s.epoch
+      // No worker until the end is out; the next one restores what the log holds.
+      s.phase = { _tag: "Starting", worker: undefined, state: "recovering", epoch }
+      // A prompt waiting to start is refused: it cannot be made durable now.
+      const waiting = [s.promptAfterCut, s.pendingPrompt].filter((p) => p !== undefined)
+      s.promptAfterCut = undefined
+      s.pendingPrompt = undefined
+      for (const p of waiting) yield* Deferred.fail(p.reply, storageUnavailable(s.meta.activeSessionId, error))
+      if (worker !== undefined) yield* fork(Effect.asVoid(worker.stop()))
+      yield* retryStorageLater(s)
+    })
+
+  const retryStorageLater = (s: Session) =>
+    Effect.suspend(() => {
+      const epoch = s.epoch
+      return forkIn(s, Effect.zipRight(Effect.sleep(STORAGE_RETRY_INTERVAL), post(s, { _tag: "StorageRetry", epoch })))
+    })
+
+  /** Tries again to end the turn that storage cut: its end, its status, then a worker. */
+  const retryStorage = (s: Session) =>
+    Effect.gen(function*() {
+      const cut = s.cutTurn
+      if (cut?._tag === "InterruptOwed") {
+        yield* publish(s, { type: "session_event", event: { type: "turn_interrupted", reason: cut.reason } as Protocol.AgentEvent })
+        s.cutTurn = { _tag: "StatusOwed" }
+      }
+      // Before any worker restores it: a journal still saying busy would have that worker
+      // report the turn cut once more.
+      yield* record(s, false, "turn_end")
+      // The status that ends the turn: not busy, `recovering`.
+      yield* endCutTurn(s, () => (s.stalled = undefined))
+      yield* startWorker(s, "recovering", true)
     })
 
   /**
@@ -354,7 +447,19 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
       return Effect.forEach(idle.slice(0, slots.wanted()), (victim) => post(victim, { _tag: "Passivate" }), { discard: true })
     })
 
-  return { startWorker, pump, startTurn, onCrash, onFrames, failSession, answerWaiting, cutForShutdown, endCutTurnForShutdown }
+  return {
+    startWorker,
+    pump,
+    startTurn,
+    onCrash,
+    onFrames,
+    failSession,
+    answerWaiting,
+    cutForShutdown,
+    endCutTurnForShutdown,
+    onStorageFailed,
+    retryStorage
+  }
 }
 
 export type Supervisor = ReturnType<typeof makeSupervisor>

@@ -1,0 +1,182 @@
+/**
+ * Storage failures in the session core (docs/protocol.md sections 3, 4, 6), in-process over
+ * memory storage whose event log and journal fail on demand: a prompt that cannot be made
+ * durable is refused `storage_unavailable`; a turn whose events cannot be logged ends with
+ * `turn_interrupted {storage_failed}`, owed and retried until the log takes it, before any
+ * status that depends on it; `get_state` shows what the stream shows meanwhile; the session
+ * goes on by itself once storage works; a restart in between ends the turn `daemon_restarted`.
+ */
+import { assert, describe, it } from "@effect/vitest"
+import * as Context from "effect/Context"
+import * as Effect from "effect/Effect"
+import * as Either from "effect/Either"
+import * as Option from "effect/Option"
+import { EventLog, EventLogError } from "../src/EventLog.js"
+import * as RecoveryJournal from "../src/RecoveryJournal.js"
+import { SessionManager } from "../src/SessionManager.js"
+import { describeMsg } from "./chaos/streamCheck.js"
+import { makeStored, MemoryConnection, type StoredContext, waitFor, withCore } from "./support/core.js"
+
+type Line = Record<string, any>
+type Manager = SessionManager["Type"]
+
+const seq = (conn: MemoryConnection): Array<Line> => conn.sequenced()
+const show = (lines: ReadonlyArray<Line>) => lines.map((l) => describeMsg(l).replace(/@.*/, "")).join(" ")
+const statuses = (lines: ReadonlyArray<Line>) =>
+  lines.filter((l) => l["type"] === "session_status").map((l) => `${l["state"].worker}/${l["state"].busy ? "busy" : "idle"}`)
+const eventTypes = (lines: ReadonlyArray<Line>) => lines.filter((l) => l["type"] === "session_event").map((l) => l["event"].type as string)
+
+/** What the test can break: the log's appends, the journal's records. */
+interface Faults {
+  log: boolean
+  journal: boolean
+}
+
+/** The stored context with an event log and a journal that fail while `faults` say so. */
+const faulty = (stored: StoredContext, faults: Faults): StoredContext => {
+  const log = Context.get(stored, EventLog)
+  const journal = Context.get(stored, RecoveryJournal.RecoveryJournal)
+  const enospc = (sessionId: string) =>
+    new EventLogError({ reason: "Io", sessionId, message: "writing the event log failed: write: ENOSPC: no space left on device" })
+  return stored.pipe(
+    Context.add(EventLog, {
+      ...log,
+      append: (id, event) => faults.log ? Effect.fail(enospc(id)) : log.append(id, event),
+      appendAll: (id, events) => faults.log ? Effect.fail(enospc(id)) : log.appendAll(id, events)
+    }),
+    Context.add(RecoveryJournal.RecoveryJournal, {
+      ...journal,
+      record: (input) =>
+        faults.journal
+          ? Effect.fail(new RecoveryJournal.RecoveryJournalError({ operation: "open", path: "/state/recovery.jsonl", cause: new Error("EMFILE: too many open files") }))
+          : journal.record(input)
+    })
+  )
+}
+
+const prompt = (sm: Manager, id: string, message: string) => sm.prompt({ type: "prompt", activeSessionId: id, message } as any)
+
+const open = (sm: Manager) =>
+  Effect.gen(function*() {
+    const created = yield* sm.create({ type: "create" } as any)
+    const conn = new MemoryConnection("c1")
+    const outcome = yield* sm.attach(conn.id, conn, { type: "attach", activeSessionId: created.activeSessionId } as any)
+    yield* Effect.forkScoped(outcome.deliver)
+    yield* waitFor("ready", () => statuses(seq(conn)).at(-1) === "ready/idle")
+    return { id: created.activeSessionId, conn }
+  })
+
+const codeOf = <A>(outcome: Either.Either<A, { readonly code: string }>) => Either.isLeft(outcome) ? outcome.left.code : "accepted"
+
+describe("storage failures (in-process)", () => {
+  it.scopedLive("a journal that cannot be written: the prompt is refused storage_unavailable, nothing is published, status says so; the next write clears it", () =>
+    Effect.gen(function*() {
+      const faults: Faults = { log: false, journal: false }
+      const stored = faulty(yield* makeStored, faults)
+      yield* withCore({}, () =>
+        Effect.gen(function*() {
+          const sm = yield* SessionManager
+          const { conn, id } = yield* open(sm)
+          const before = seq(conn).length
+          faults.journal = true
+          const refused = yield* Effect.either(prompt(sm, id, "hello"))
+          assert.strictEqual(codeOf(refused), "storage_unavailable")
+          if (Either.isLeft(refused)) assert.match(refused.left.message, /recovery journal.*EMFILE/)
+          assert.deepStrictEqual(seq(conn).slice(before), [], "nothing of a refused prompt is published")
+          const state = yield* sm.getState(id)
+          assert.strictEqual(state.busy, false)
+          assert.strictEqual(state.worker, "ready")
+          assert.deepStrictEqual((yield* sm.status as Effect.Effect<any>).storage, {
+            ok: false,
+            error: "recovery journal: open /state/recovery.jsonl failed: EMFILE: too many open files"
+          })
+          faults.journal = false
+          assert.deepStrictEqual(yield* prompt(sm, id, "hello"), { accepted: true })
+          yield* waitFor("the turn's end", () => eventTypes(seq(conn)).includes("agent_end"))
+          assert.deepStrictEqual((yield* sm.status as Effect.Effect<any>).storage, { ok: true })
+          const journal = yield* RecoveryJournal.RecoveryJournal
+          yield* waitFor("idle", () => statuses(seq(conn)).at(-1) === "ready/idle")
+          const record = yield* journal.get(id)
+          assert.isTrue(Option.isSome(record) && record.value.busy === false)
+        }), stored)
+    }))
+
+  it.scopedLive("a log that fails mid-turn: the turn stalls busy (get_state as the stream), prompts are refused; once the log works: turn_interrupted {storage_failed}, idle, a worker restores it, turns go on", () =>
+    Effect.gen(function*() {
+      const faults: Faults = { log: false, journal: false }
+      const stored = faulty(yield* makeStored, faults)
+      yield* withCore({}, (ctl) =>
+        Effect.gen(function*() {
+          const sm = yield* SessionManager
+          const { conn, id } = yield* open(sm)
+          ctl.holdGate.close()
+          assert.deepStrictEqual(yield* prompt(sm, id, "/hold"), { accepted: true })
+          yield* waitFor("the user message", () => eventTypes(seq(conn)).includes("message_end"))
+          yield* waitFor("the turn held", () => ctl.holdGate.waiting === 1)
+          const shown = seq(conn).length
+          faults.log = true
+          ctl.holdGate.open()
+          // Several retries fail meanwhile (one every 1.5 s).
+          yield* Effect.sleep("3500 millis")
+          assert.strictEqual(seq(conn).length, shown, `nothing could be logged: ${show(seq(conn).slice(shown))}`)
+          const stalled = yield* sm.getState(id)
+          assert.isTrue(stalled.busy, "the stream's last status said busy")
+          assert.strictEqual(stalled.worker, "ready")
+          assert.strictEqual(codeOf(yield* Effect.either(prompt(sm, id, "meanwhile"))), "storage_unavailable")
+          faults.log = false
+          yield* waitFor("the session ready again", () => statuses(seq(conn)).at(-1) === "ready/idle", 10_000)
+          const after = seq(conn).slice(shown)
+          assert.deepStrictEqual(show(after).split(" "), [
+            "ev:turn_interrupted(storage_failed)",
+            "status(busy=false,worker=recovering)",
+            "status(busy=false,worker=ready)"
+          ], show(after))
+          // What was logged before the fault stands: the user message.
+          const messages = yield* sm.getMessages({ type: "get_messages", activeSessionId: id, limit: 100 } as any)
+          assert.deepStrictEqual(messages.messages.map((m) => `${m.role}:${m.content}`), ["user:/hold"])
+          assert.deepStrictEqual(yield* prompt(sm, id, "after"), { accepted: true })
+          yield* waitFor("the next turn's end", () => eventTypes(seq(conn)).filter((t) => t === "agent_end").length === 1)
+          const journal = yield* RecoveryJournal.RecoveryJournal
+          yield* waitFor("idle", () => statuses(seq(conn)).at(-1) === "ready/idle")
+          const record = yield* journal.get(id)
+          assert.isTrue(Option.isSome(record) && record.value.busy === false)
+        }), stored)
+    }), { timeout: 30_000 })
+
+  it.scopedLive("a restart while the owed end cannot be logged: the journal still says busy, the turn ends daemon_restarted, once", () =>
+    Effect.gen(function*() {
+      const faults: Faults = { log: false, journal: false }
+      const stored = faulty(yield* makeStored, faults)
+      const before = yield* withCore({}, (ctl) =>
+        Effect.gen(function*() {
+          const sm = yield* SessionManager
+          const { conn, id } = yield* open(sm)
+          ctl.holdGate.close()
+          yield* prompt(sm, id, "/hold")
+          yield* waitFor("the turn held", () => ctl.holdGate.waiting === 1)
+          faults.log = true
+          ctl.holdGate.open()
+          yield* Effect.sleep("500 millis")
+          assert.isTrue((yield* sm.getState(id)).busy)
+          return { id, lines: seq(conn) }
+        }), stored)
+      faults.log = false
+      yield* withCore({}, () =>
+        Effect.gen(function*() {
+          const sm = yield* SessionManager
+          const conn = new MemoryConnection("c2")
+          const outcome = yield* sm.attach(conn.id, conn, {
+            type: "attach",
+            activeSessionId: before.id,
+            resumeCursor: before.lines.at(-1)!["meta"].cursor
+          } as any)
+          yield* Effect.forkScoped(outcome.deliver)
+          yield* waitFor("ready", () => statuses(seq(conn)).at(-1) === "ready/idle", 10_000)
+          assert.deepStrictEqual(show(seq(conn)).split(" "), [
+            "status(busy=true,worker=recovering)",
+            "ev:turn_interrupted(daemon_restarted)",
+            "status(busy=false,worker=ready)"
+          ], show(seq(conn)))
+        }), stored)
+    }), { timeout: 30_000 })
+})
