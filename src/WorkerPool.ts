@@ -341,9 +341,15 @@ export const make = (options: WorkerPoolOptions = {}) =>
           if (child.pid === undefined) warn(`cannot spawn a worker: ${err.message}`)
         })
         const pipe = child.stdio?.[3] as net.Socket | null | undefined
-        if (pipe === null || pipe === undefined || child.pid === undefined) {
+        if (child.pid === undefined) {
+          // Never `child.kill()` here: until the 'error' event is emitted, node still holds the
+          // failed spawn's handle, whose pid is 0, and kill(0, SIGKILL) kills the daemon's own
+          // process group (the daemon itself, silently).
+          return yield* new WorkerSpawnError({ message: "cannot spawn a worker: no process was started" })
+        }
+        if (pipe === null || pipe === undefined) {
           child.kill("SIGKILL")
-          return yield* new WorkerSpawnError({ message: "cannot spawn a worker: no pid or pipe" })
+          return yield* new WorkerSpawnError({ message: "cannot spawn a worker: no pipe to it" })
         }
         const worker = new WorkerProcess(child, pipe, exited, warn)
         workers.add(worker)

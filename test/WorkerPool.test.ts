@@ -2,7 +2,7 @@ import { assert, describe, it } from "@effect/vitest"
 import * as Deferred from "effect/Deferred"
 import * as Effect from "effect/Effect"
 import * as TestClock from "effect/TestClock"
-import { spawnSync } from "node:child_process"
+import { spawn, spawnSync } from "node:child_process"
 import * as fs from "node:fs"
 import * as os from "node:os"
 import * as path from "node:path"
@@ -43,6 +43,23 @@ describe("WorkerPool", () => {
         yield* worker.stop()
       })
     ), 60_000)
+
+  it("a spawn that fails for want of fds is a WorkerSpawnError, and the daemon lives (never kill(0): its own process group)", async () => {
+    // In a process (and process group) of its own: the old code SIGKILLed its whole group.
+    const fixture = path.resolve(path.dirname(fileURLToPath(import.meta.url)), "fixtures", "spawnAtFdLimit.mjs")
+    const child = spawn("/bin/sh", ["-c", `ulimit -n 1024 && exec "$0" "$@"`, process.execPath, fixture, workerEntry], {
+      stdio: ["ignore", "pipe", "pipe"],
+      detached: true
+    })
+    let out = ""
+    child.stdout.on("data", (b: Buffer) => (out += b.toString()))
+    child.stderr.on("data", (b: Buffer) => (out += b.toString()))
+    const [code, signal] = await new Promise<[number | null, NodeJS.Signals | null]>((resolve) =>
+      child.once("exit", (c, s) => resolve([c, s]))
+    )
+    assert.deepStrictEqual([code, signal], [0, null], out)
+    assert.match(out, /^refused WorkerSpawnError: cannot spawn a worker/m)
+  }, 30_000)
 
   it.live("a SIGKILLed worker reports its signal; stop() of a live one is not a crash", () =>
     withPool((pool) =>

@@ -14,6 +14,7 @@ import * as os from "node:os"
 import * as path from "node:path"
 import { describe, expect, it, onTestFinished } from "vitest"
 import { attachAndReplay } from "./attach.js"
+import { until } from "./cliRun.js"
 import {
   cleanUpAfterTests,
   type Client,
@@ -148,6 +149,9 @@ const hog = async (d: Daemon, label: string): Promise<Client | undefined> => {
   return c
 }
 
+/** How a daemon that should be running ended, with the end of its log (for a failure message). */
+const diedHow = (d: Daemon): string => `exited with code ${d.exitCode}, signal ${d.exitSignal}; its log ends:\n${d.stderr.slice(-3000)}`
+
 describe("storage failures", () => {
   it.skipIf(!canMountTmpfs)("a disk that fills during a turn: turn_interrupted {storage_failed} before the idle status, get_state never ahead; freed, the session goes on by itself; a restart keeps it closed", async () => {
     const root = tmpfs(24)!
@@ -260,6 +264,40 @@ describe("storage failures", () => {
     const accepted = prompt["success"] === true ? 3 : 2
     const ends = all.filter((m) => isEvent("agent_end")(m) || isEvent("turn_interrupted")(m)).length
     expect(ends, all.map(describeMsg).join(", ")).toBe(accepted)
+  }, 90_000)
+
+  it("a worker that crashes while the daemon has no fd left: its replacement cannot be spawned, the daemon lives on, and once fds come back the session runs again", async () => {
+    const d = await useDaemon()
+    const c = await d.connect("c")
+    const { id } = await createSession(c)
+    const ready = await waitIdle(c, id)
+    await attachAndReplay(c, { activeSessionId: id })
+    // The session's worker and the warm spare are up: every fd the daemon needs now is open.
+    await until("the warm spare", () => d.workerProcesses().length >= 2)
+    await sleep(300)
+    // No new fd: the limit is the lowest free fd number (those open above it stay usable).
+    // Then only the 3 fds the dead worker's pipes free come back, and a spawn, which needs 8
+    // at once, fails with EMFILE, whatever the load (no idle connections racing for fds).
+    const open = new Set(fs.readdirSync(`/proc/${d.pid}/fd`).map(Number))
+    let limit = 0
+    while (open.has(limit)) limit++
+    // The soft limit only: raising it back needs no privilege.
+    const [soft, hard] = fs.readFileSync(`/proc/${d.pid}/limits`, "utf8").match(/^Max open files\s+(\d+)\s+(\d+)/m)!.slice(1)
+    execFileSync("prlimit", ["--pid", String(d.pid), `--nofile=${limit}:${hard}`])
+    const logged = d.stderr.length
+    process.kill(ready["workerPid"] as number, "SIGKILL")
+    await until("a failed spawn", () => /cannot spawn a worker/.test(d.stderr.slice(logged)) || !d.running, 15_000)
+    await sleep(1_000)
+    // A failed spawn once killed the daemon's own process group (kill(0, SIGKILL)), silently.
+    expect(d.running, diedHow(d)).toBe(true)
+    expect((await c.ok({ type: "ping" }))["pong"]).toBe(true)
+    execFileSync("prlimit", ["--pid", String(d.pid), `--nofile=${soft}:${hard}`])
+    const state = await c.ok({ type: "get_state", activeSessionId: id })
+    if (state["worker"] === "failed") await c.ok({ type: "retry_worker", activeSessionId: id })
+    await waitIdle(c, id, 30_000)
+    await c.ok({ type: "prompt", activeSessionId: id, message: "after" })
+    await collectUntil(c, id, isEvent("agent_end"), 20_000)
+    expect(d.running, diedHow(d)).toBe(true)
   }, 90_000)
 
   it("at the fd limit, a prompt whose journal record cannot be written is refused storage_unavailable and status says so; fds back, turns run and a crash is still caught", async () => {
