@@ -317,9 +317,18 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
    * worker was already recovering from a crash at the signal (their cut turn ends then with
    * that crash's reason).
    */
-  let graceful: { readonly at: number; restartedAt: number | undefined; readonly crashed: ReadonlySet<string>; readonly strict: boolean } | undefined
+  let graceful: {
+    readonly at: number
+    restartedAt: number | undefined
+    readonly crashed: ReadonlySet<string>
+    readonly strict: boolean
+    /** A storage fault ended just before: a turn it cut may get its owed `storage_failed` end now. */
+    readonly storageCut: boolean
+  } | undefined
   /** When a fault last SIGKILLed a worker: a crash the daemon takes in just after a SIGINT is no fault of the stop. */
   let lastWorkerKillAt = 0
+  /** When the last disk_full or fd_pressure ended (0: none yet). */
+  let lastStorageFaultAt = 0
   /** Set while the daemon stops gracefully (`stuck_client`): any command may be answered `shutting_down`. */
   let daemonStopping = false
   const stamp = () => `${((Date.now() - t0) / 1000).toFixed(2)}s`
@@ -644,7 +653,12 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
     if (during && g.strict) {
       check("a graceful stop writes no crash", !(m["type"] === "session_status" && (m["state"]?.worker === "recovering" || m["state"]?.worker === "failed")), () =>
         `${id}: ${describeMsg(m)} emitted during the graceful stop`)
-      const allowed = ["daemon_shutdown", "aborted", ...(g.crashed.has(id) ? ["worker_crashed", "daemon_restarted"] : [])]
+      const allowed = [
+        "daemon_shutdown",
+        "aborted",
+        ...(g.crashed.has(id) ? ["worker_crashed", "daemon_restarted"] : []),
+        ...(g.storageCut ? ["storage_failed"] : [])
+      ]
       check("a graceful stop cuts turns with daemon_shutdown", reason === undefined || allowed.includes(reason), () =>
         `${id}: ${describeMsg(m)} emitted during the graceful stop`)
     } else if (g.restartedAt !== undefined && at >= g.restartedAt) {
@@ -660,7 +674,10 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
     // A worker SIGKILLed just before may have its crash taken in after the signal: that stop's
     // window is then not held to "no crash" (the restart after it still is).
     const strict = Date.now() - lastWorkerKillAt > 2_000
-    graceful = { at: Date.now(), restartedAt: undefined, crashed, strict }
+    // A turn cut by a full disk or a want of fds owes its `storage_failed` end until a write
+    // succeeds (retried every 1.5 s): that end may come during the stop.
+    const storageCut = Date.now() - lastStorageFaultAt < 5_000
+    graceful = { at: Date.now(), restartedAt: undefined, crashed, strict, storageCut }
     log(`sigint_group: SIGINT to the daemon's process group (in turn: ${inTurn.join(", ") || "none"}${strict ? "" : "; a worker was just killed: not strict"})`)
     const exit = await daemon.sigintGroup(20_000)
     check("a graceful stop exits 0", exit?.code === 0 && exit.signal === null, () => `daemon after SIGINT to its group: ${JSON.stringify(exit ?? "still running after 20 s")}`)
@@ -1071,6 +1088,7 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
         log(`disk_full: ${(written / 2 ** 20).toFixed(1)} MiB written, ${leave} bytes left, for ${holdMs} ms`)
         await sleep(holdMs)
         fs.rmSync(filler, { force: true })
+        lastStorageFaultAt = Date.now()
         log("  disk freed")
         return
       }
@@ -1080,6 +1098,7 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
         log(`fd_pressure: ${hogs.length} idle connections hold the daemon's fds for ${holdMs} ms`)
         await sleep(holdMs)
         for (const h of hogs) h.destroy()
+        lastStorageFaultAt = Date.now()
         log("  fds released")
         return
       }
