@@ -91,6 +91,10 @@ describe("EchoEngine", () => {
       // validate says the same without making a session.
       assert.strictEqual((yield* Effect.flip(engine.validate("echo", { tokenDelayMs: "x" }))).reason, "invalid_config")
       assert.strictEqual((yield* Effect.flip(engine.validate("gpt", {}))).reason, "unknown_engine")
+      const typo = yield* Effect.flip(engine.validate("echo", { tokenDelay: 10 }))
+      assert.strictEqual(typo.reason, "invalid_config")
+      assert.include(typo.message, "config.tokenDelay ")
+      assert.include(typo.message, "tokenDelayMs")
       yield* engine.validate("echo", { tokenDelayMs: 5 })
     }).pipe(Effect.provide(EchoEngine.layer)))
 

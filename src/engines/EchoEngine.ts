@@ -26,7 +26,19 @@ interface EchoConfig {
   readonly tokenDelayMs: number
 }
 
+const CONFIG_KEYS: ReadonlyArray<string> = ["tokenDelayMs"]
+
+/** Checks a session's config; unknown keys are refused (a typo such as `tokenDelay` is not ignored). */
 const readConfig = (config: Readonly<Record<string, unknown>>): Effect.Effect<EchoConfig, EngineError> => {
+  const unknown = Object.keys(config).find((key) => !CONFIG_KEYS.includes(key))
+  if (unknown !== undefined) {
+    return Effect.fail(
+      new EngineError({
+        reason: "invalid_config",
+        message: `echo: unknown option config.${unknown} (known: ${CONFIG_KEYS.join(", ")})`
+      })
+    )
+  }
   const delay = config["tokenDelayMs"] ?? 0
   return typeof delay === "number" && Number.isFinite(delay) && delay >= 0
     ? Effect.succeed({ tokenDelayMs: delay })

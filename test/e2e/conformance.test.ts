@@ -357,6 +357,10 @@ describe("error codes", () => {
     const e8b = await rawRequest(c, `{"type":"create","id":"e8b","config":{"tokenDelayMs":-1}}`, "e8b")
     expectError(e8b, "invalid_command", "e8b", "create")
     expect(e8b["error"].message).toContain("tokenDelayMs")
+    // A misspelt option is refused, not ignored.
+    const e8t = await rawRequest(c, `{"type":"create","id":"e8t","config":{"tokenDelay":10}}`, "e8t")
+    expectError(e8t, "invalid_command", "e8t", "create")
+    expect(e8t["error"].message).toContain("unknown option config.tokenDelay ")
     const e8c = await rawRequest(c, `{"type":"create","id":"e8c","engine":"gpt"}`, "e8c")
     expectError(e8c, "invalid_command", "e8c", "create")
     expect(e8c["error"].message).toContain("unknown engine")
