@@ -86,11 +86,14 @@ afterAll(() => {
 })
 
 describe("npm pack, installed in another project (e2e)", () => {
-  it("the tarball holds dist/src with types and bins, and no tests, benchmarks, examples or sources", () => {
+  it("the tarball holds dist/src with types and bins and the LICENSE, and no tests, benchmarks, examples, sources or source maps", () => {
     for (const file of ["package.json", "README.md", "dist/src/index.js", "dist/src/index.d.ts", "dist/src/client.js", "dist/src/client.d.ts", "dist/src/Worker.d.ts", "dist/src/bin/agentd.js", "dist/src/bin/worker.js"]) {
       expect(packed).toContain(file)
     }
     expect(packed.filter((f) => !f.startsWith("dist/src/") && f !== "package.json" && f !== "README.md" && f !== "LICENSE")).toEqual([])
+    expect(packed).toContain("LICENSE")
+    // Source maps are three quarters of dist/ (25 of 31 MB): a clone's build has them.
+    expect(packed.filter((f) => f.endsWith(".map"))).toEqual([])
     expect(fs.readdirSync(path.join(project, "node_modules", "agentd", "dist")).sort()).toEqual(["src"])
   })
 
