@@ -13,9 +13,9 @@ import { onTestFinished } from "vitest"
 import { commandHelp, mainHelp, parse, useColor } from "../src/cli/args.js"
 import { connect, withConnection } from "../src/cli/connection.js"
 import { builtinEngines } from "../src/cli/engines.js"
-import { type CliError, EXIT, isCliError } from "../src/cli/errors.js"
+import { type CliError, daemonErrorText, EXIT, isCliError, noDaemonText } from "../src/cli/errors.js"
 import { commands } from "../src/cli/main.js"
-import { EventRenderer } from "../src/cli/render.js"
+import { count, EventRenderer } from "../src/cli/render.js"
 import { matches } from "../src/cli/target.js"
 import * as BuiltinEngines from "../src/engines/builtin.js"
 import type * as Protocol from "../src/Protocol.js"
@@ -274,6 +274,8 @@ describe("the one-shot commands' connection (plain node:net) against a scripted 
     const none = await failure(connect(path.join(os.tmpdir(), `agentd-none-${process.pid}.sock`)))
     assert.strictEqual(none.exitCode, EXIT.unreachable)
     assert.include(none.message, "no daemon listens at")
+    assert.include(none.message, "no socket file there: ENOENT")
+    assert.include(none.message, "agentd serve --detach")
 
     const silent = await peer((socket) => socket.end())
     const early = await failure(connect(silent))
@@ -303,5 +305,35 @@ describe("the one-shot commands' connection (plain node:net) against a scripted 
 
     const notHello = await peer((socket) => socket.write(`{"type":"response"}\n`))
     assert.include((await failure(connect(notHello))).message, "did not greet with daemon_hello")
+  })
+})
+
+describe("what the command line says", () => {
+  it("daemon errors name the command line's commands, not the protocol's", () => {
+    const table: Array<[string, string, ReadonlyArray<string>, ReadonlyArray<string>]> = [
+      ["session_failed", "Session `s-1` has failed; use retry_worker.", ["`agentd retry s-1`", "has failed."], ["retry_worker"]],
+      ["session_busy", "Session `s-1` is running a turn.", ["`agentd abort s-1`", "`agentd attach s-1`"], []],
+      ["session_damaged", "Session `s-1` is damaged (x). What can be read is shown.", ["`agentd log s-1`", "`agentd retry s-1`", "`agentd kill s-1`"], ["What can be read"]],
+      ["session_not_found", "No session `x`.", ["No session `x`."], ["agentd"]]
+    ]
+    for (const [code, message, has, hasNot] of table) {
+      const text = daemonErrorText(code, message)
+      for (const h of has) assert.include(text, h, `${code}: ${text}`)
+      for (const h of hasNot) assert.notInclude(text, h, `${code}: ${text}`)
+    }
+  })
+
+  it("no daemon: the errno in words, and how to start one where that helps", () => {
+    assert.strictEqual(
+      noDaemonText("/s.sock", "ENOENT"),
+      "no daemon listens at /s.sock (no socket file there: ENOENT); start one with `agentd serve --detach`"
+    )
+    assert.include(noDaemonText("/s.sock", "ECONNREFUSED"), "nothing listening on it: ECONNREFUSED); start one")
+    assert.strictEqual(noDaemonText("/s.sock", "EACCES"), "no daemon listens at /s.sock (permission denied: EACCES)")
+    assert.strictEqual(noDaemonText("/s.sock", "EWHATEVER"), "no daemon listens at /s.sock (EWHATEVER)")
+  })
+
+  it("counts: singular for one, plural otherwise", () => {
+    assert.deepStrictEqual([0, 1, 2].map((n) => count(n, "session")), ["0 sessions", "1 session", "2 sessions"])
   })
 })

@@ -16,7 +16,7 @@ import * as SessionClient from "../SessionClient.js"
 import { type Context, eachMessage } from "./commands.js"
 import { withConnection } from "./connection.js"
 import { CliError, daemonErrorText, EXIT, failed } from "./errors.js"
-import { EventRenderer, LIVE_SEPARATOR } from "./render.js"
+import { count, EventRenderer, LIVE_SEPARATOR } from "./render.js"
 import * as Target from "./target.js"
 
 export interface AttachOptions {
@@ -78,6 +78,10 @@ export const attach = (ctx: Context, target: string, options: AttachOptions) =>
       return yield* Effect.fail(failed(`--from ${Cursor.format(options.from)} is after the session's last event ${Cursor.format(start.state.lastEventCursor)}`))
     }
     if (renderer !== undefined && options.history > 0 && options.from === undefined) renderer.line(LIVE_SEPARATOR)
+    // Followed all the same (a retry from elsewhere shows here), but nothing runs until then.
+    if (start.state.worker === "failed") {
+      yield* notice(renderer, ctx, `session ${id} has failed (its worker could not be kept running): \`agentd retry ${id}\` starts it again`)
+    }
     else if (renderer === undefined && options.history > 0 && options.from === undefined) yield* writeJson({ type: "live" })
 
     let generation = start.generation
@@ -149,7 +153,7 @@ export const attach = (ctx: Context, target: string, options: AttachOptions) =>
         firstBaseline = false
         if (b.purpose === "replacement") {
           return Effect.zipRight(
-            notice(renderer, ctx, `the history of ${id} was rewritten; it now holds ${b.messages.length} messages`),
+            notice(renderer, ctx, `the history of ${id} was rewritten; it now holds ${count(b.messages.length, "message")}`),
             renderer === undefined ? Effect.void : Effect.sync(() => {
               for (const m of b.messages) renderer.message(m)
               renderer.line(LIVE_SEPARATOR)
@@ -157,7 +161,7 @@ export const attach = (ctx: Context, target: string, options: AttachOptions) =>
           )
         }
         if (b.purpose === "resync") {
-          return notice(renderer, ctx, `resync: events this view lacked were checkpointed meanwhile; continuing from snapshot ${b.snapshotId} (${b.messages.length} messages)`)
+          return notice(renderer, ctx, `resync: events this view lacked were checkpointed meanwhile; continuing from snapshot ${b.snapshotId} (${count(b.messages.length, "message")})`)
         }
         if (b.skipped && first) {
           return notice(renderer, ctx, `events after ${from === undefined ? "the start" : Cursor.format(from)} up to ${b.cursor === undefined ? "-" : Cursor.format(b.cursor)} were checkpointed and are not shown one by one (\`agentd log\` shows the transcript)`)

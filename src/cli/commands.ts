@@ -9,7 +9,7 @@ import type * as Protocol from "../Protocol.js"
 import type { Parsed } from "./args.js"
 import { type Connection, withConnection } from "./connection.js"
 import { failed, usage } from "./errors.js"
-import { alignedTable, EventRenderer, shortDate, shortId, summaryLines } from "./render.js"
+import { alignedTable, count, EventRenderer, shortDate, shortId, summaryLines } from "./render.js"
 import * as Target from "./target.js"
 
 /** What every client command knows. */
@@ -73,7 +73,7 @@ export const status = (ctx: Context) =>
     print(ctx, data, () =>
       `agentd pid ${data.pid}, supervisor generation ${data.supervisorGeneration}, up ${
         Math.round(data.uptimeMs / 1000)
-      } s, ${data.sessions} sessions, ${data.workers.length} workers\nsocket ${ctx.socketPath}`)
+      } s, ${count(data.sessions, "session")}, ${count(data.workers.length, "worker")}\nsocket ${ctx.socketPath}`)
   })
 
 export const state = (ctx: Context, target: string) =>

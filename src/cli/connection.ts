@@ -12,7 +12,7 @@
  */
 import * as net from "node:net"
 import { LineDecoder } from "../JsonLines.js"
-import { type CliError, daemonErrorText, failed, unreachable } from "./errors.js"
+import { type CliError, daemonErrorText, failed, noDaemonText, unreachable } from "./errors.js"
 
 /** The protocol this command line speaks (the daemon's `daemon_hello.protocol`). */
 const PROTOCOL = { name: "agentd", version: 1 } as const
@@ -111,7 +111,7 @@ export const connect = (socketPath: string): Promise<Connection> =>
     socket.once("error", (e: NodeJS.ErrnoException) =>
       fail(
         hello === undefined
-          ? unreachable(`no daemon listens at ${socketPath} (${e.code ?? e.message})`)
+          ? unreachable(e.code === undefined ? `no daemon listens at ${socketPath} (${e.message})` : noDaemonText(socketPath, e.code))
           : unreachable(`the connection to the daemon failed (${e.code ?? e.message})`)
       ))
     socket.on("data", (chunk: Buffer) => onLines(decoder.push(chunk)))

@@ -32,17 +32,41 @@ export const isCliError = (e: unknown): e is CliError =>
  * command line names its own.
  */
 export const daemonErrorText = (code: unknown, message: string): string => {
-  if (code === "session_damaged") {
-    const id = /`([^`]+)`/.exec(message)?.[1] ?? "ID"
-    return `${message.replace(/ What can be read.*$/s, "")} \`agentd log ${id}\` shows what can be read, ` +
-      `\`agentd retry ${id}\` loads it again, \`agentd kill ${id}\` archives it.`
+  const id = /`([^`]+)`/.exec(message)?.[1] ?? "ID"
+  switch (code) {
+    case "session_damaged":
+      return `${message.replace(/ What can be read.*$/s, "")} \`agentd log ${id}\` shows what can be read, ` +
+        `\`agentd retry ${id}\` loads it again, \`agentd kill ${id}\` archives it.`
+    case "session_failed":
+      return `${message.replace(/;? ?use retry_worker\.?$/, ".")} \`agentd retry ${id}\` starts its worker again.`
+    case "session_busy":
+      return `${message} \`agentd abort ${id}\` stops the turn; \`agentd attach ${id}\` watches it.`
+    default:
+      return message
   }
-  return message
+}
+
+/** What an errno of a connect says to a user (the code stays, for searching). */
+const CONNECT_ERRORS: Readonly<Record<string, string>> = {
+  ENOENT: "no socket file there",
+  ECONNREFUSED: "a socket file with nothing listening on it",
+  EACCES: "permission denied",
+  ENOTSOCK: "not a socket"
+}
+
+/** No daemon answered at `socketPath`: why, and how to start one. */
+export const noDaemonText = (socketPath: string, code: string | undefined): string => {
+  const why = code === undefined ? "" : ` (${CONNECT_ERRORS[code] === undefined ? code : `${CONNECT_ERRORS[code]}: ${code}`})`
+  const hint = code === "ENOENT" || code === "ECONNREFUSED" ? "; start one with `agentd serve --detach`" : ""
+  return `no daemon listens at ${socketPath}${why}${hint}`
 }
 
 const messageOf = (e: unknown): string => {
   if (typeof e !== "object" || e === null || !("message" in e) || typeof e.message !== "string" || e.message.length === 0) return String(e)
-  return "_tag" in e && e._tag === "DaemonError" && "code" in e ? daemonErrorText(e.code, e.message) : e.message
+  if ("_tag" in e && e._tag === "DaemonError" && "code" in e) return daemonErrorText(e.code, e.message)
+  // The SDK says which errno; the command line also says what to do.
+  const unreachable = "_tag" in e && e._tag === "DaemonUnreachable" ? /^no daemon listens at (.*) \((\w+)\)$/.exec(e.message) : null
+  return unreachable === null ? e.message : noDaemonText(unreachable[1]!, unreachable[2])
 }
 
 /** The exit code of a failure: a CliError's own; the SDK's for a daemon not reachable; else 1. */

@@ -141,6 +141,9 @@ export class EventRenderer {
   }
 }
 
+/** `1 session`, `3 sessions`. */
+export const count = (n: number, noun: string): string => `${n} ${noun}${n === 1 ? "" : "s"}`
+
 /** `2026-12-01T02:37:42.123Z` -> `2026-12-01 02:37`. */
 export const shortDate = (iso: string): string => iso.replace("T", " ").slice(0, 16)
 

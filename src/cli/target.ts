@@ -6,7 +6,7 @@
 import type * as Protocol from "../Protocol.js"
 import { type Connection, withConnection } from "./connection.js"
 import { failed } from "./errors.js"
-import { shortDate } from "./render.js"
+import { count, shortDate } from "./render.js"
 
 /** A whole session id: then no `list` is needed, the daemon is the judge. */
 export const isFullId = (target: string): boolean =>
@@ -27,7 +27,7 @@ export const matches = (
 }
 
 const candidate = (s: Protocol.SessionSummary) =>
-  `  ${s.activeSessionId}  ${s.name ?? "-"}  created ${shortDate(s.createdAt)}  ${s.messageCount} messages`
+  `  ${s.activeSessionId}  ${s.name ?? "-"}  created ${shortDate(s.createdAt)}  ${count(s.messageCount, "message")}`
 
 /** The id of the one session of `sessions` that `target` names; throws a CliError (exit 1) otherwise. */
 const pick = (sessions: ReadonlyArray<Protocol.SessionSummary>, target: string): string => {

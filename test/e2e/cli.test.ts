@@ -354,7 +354,36 @@ describe("agentd CLI against a daemon", () => {
       r.stdout,
       "> one\necho: one\n----- live -----\n> /compact\ncompacted 3 messages\n----- live -----\n-- turn ended --\n> two\necho: two\n-- turn ended --\n"
     )
-    assert.include(r.stderr, `agentd: the history of ${id} was rewritten; it now holds 1 messages`)
+    assert.include(r.stderr, `agentd: the history of ${id} was rewritten; it now holds 1 message`)
+  })
+
+  it("hints name the command line's commands: a busy session says agentd abort, a failed one agentd retry (also at attach)", async () => {
+    const s = sock()
+    const d = daemon()
+    const id = (await runCli(["create", ...s])).stdout.trim()
+    const running = startCli(["prompt", id, "/sleep 60000", ...s])
+    await busyWorker(d, id)
+    const busy = await runCli(["prompt", id, "more", ...s])
+    assert.strictEqual(busy.code, 1)
+    assert.include(busy.stderr, `\`agentd abort ${id}\` stops the turn`)
+    await runCli(["abort", id, ...s])
+    await running.done
+    // Its workers cannot start (a bad NODE_OPTIONS in its launch env): the session fails.
+    const c = await d.connect("poison")
+    await c.ok({ type: "attach", activeSessionId: id, launchEnv: { NODE_OPTIONS: "--no-such-option" } })
+    const state = await c.ok({ type: "get_state", activeSessionId: id })
+    process.kill(state["workerPid"] as number, "SIGKILL")
+    await until("the session failed", async () => (await c.ok({ type: "get_state", activeSessionId: id }))["worker"] === "failed", 30_000)
+    c.close()
+    const refused = await runCli(["prompt", id, "after", ...s])
+    assert.strictEqual(refused.code, 1)
+    assert.include(refused.stderr, `\`agentd retry ${id}\` starts its worker again`)
+    assert.notInclude(refused.stderr, "retry_worker")
+    const att = startCli(["attach", id, ...s])
+    await until("the failed notice", () => att.stderr.includes(`session ${id} has failed`))
+    assert.include(att.stderr, `\`agentd retry ${id}\``)
+    await runCli(["kill", id, ...s])
+    assert.strictEqual((await att.done).code, 1)
   })
 
   it("attach --from CURSOR shows the events after it; --json prints JSON lines", async () => {
