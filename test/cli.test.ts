@@ -15,7 +15,7 @@ import { connect, withConnection } from "../src/cli/connection.js"
 import { builtinEngines } from "../src/cli/engines.js"
 import { type CliError, daemonErrorText, EXIT, isCliError, noDaemonText } from "../src/cli/errors.js"
 import { commands } from "../src/cli/main.js"
-import { count, EventRenderer } from "../src/cli/render.js"
+import { count, EventRenderer, message } from "../src/cli/render.js"
 import { matches } from "../src/cli/target.js"
 import * as BuiltinEngines from "../src/engines/builtin.js"
 import type * as Protocol from "../src/Protocol.js"
@@ -335,5 +335,20 @@ describe("what the command line says", () => {
 
   it("counts: singular for one, plural otherwise", () => {
     assert.deepStrictEqual([0, 1, 2].map((n) => count(n, "session")), ["0 sessions", "1 session", "2 sessions"])
+  })
+
+  it("a transcript message as log shows it: tool calls with their arguments, failed tools and turns, a cut message marked", () => {
+    const at = { id: "m", timestamp: 0 }
+    const table: Array<[Protocol.AgentMessage, string]> = [
+      [{ ...at, role: "user", content: "hi\nthere" }, "> hi\n> there\n"],
+      [{ ...at, role: "assistant", content: "hello" }, "hello\n"],
+      [{ ...at, role: "tool", content: "slept 10 ms", toolCallId: "c1", toolName: "sleep", toolArgs: { ms: 10 } }, '[tool sleep {"ms":10}]\n[tool sleep -> slept 10 ms]\n'],
+      [{ ...at, role: "tool", content: "no such file", toolName: "read", toolArgs: { path: "x" }, isError: true }, '[tool read {"path":"x"}]\n[tool read failed no such file]\n'],
+      [{ ...at, role: "tool", content: "r", toolName: "t" }, "[tool t -> r]\n"],
+      [{ ...at, role: "assistant", content: "rate limited", isError: true }, "[turn failed] rate limited\n"],
+      [{ ...at, role: "assistant", content: "half a sen", interrupted: true }, "half a sen\n-- turn interrupted --\n"],
+      [{ ...at, role: "assistant", content: "", interrupted: true }, "-- turn interrupted --\n"]
+    ]
+    for (const [m, expected] of table) assert.strictEqual(message(m), expected, JSON.stringify(m))
   })
 })

@@ -25,17 +25,26 @@ export const message = (m: Protocol.AgentMessage): string => {
   switch (m.role) {
     case "user":
       return `${quoted(m.content)}\n`
-    case "tool":
-      return `[tool ${m.toolName ?? m.toolCallId ?? "?"} -> ${compact(m.content)}]\n`
+    case "tool": {
+      // The call and its result, as a live view shows them.
+      const name = m.toolName ?? m.toolCallId ?? "?"
+      const call = m.toolArgs === undefined ? "" : `[tool ${name} ${compact(m.toolArgs)}]\n`
+      return `${call}[tool ${name} ${m.isError === true ? "failed" : "->"} ${compact(m.content)}]\n`
+    }
     default: {
       // An engine's error (the turn ended failed) is marked apart from what the model said.
       const content = m.role === "assistant" && m.isError === true ? `${FAILED_MARK} ${m.content}` : m.content
-      return content.endsWith("\n") ? content : `${content}\n`
+      const text = content.endsWith("\n") || content.length === 0 ? content : `${content}\n`
+      // Cut while it streamed: what was said so far, then the mark a live view shows (the
+      // transcript does not keep the reason).
+      return m.interrupted === true ? `${text}${INTERRUPTED_MARK}\n` : text
     }
   }
 }
 
 export const TURN_ENDED = "-- turn ended --"
+/** After a transcript message cut while it streamed (`interrupted`). */
+export const INTERRUPTED_MARK = "-- turn interrupted --"
 /** The mark of an assistant message that is an engine's error (`isError`): its turn failed. */
 export const FAILED_MARK = "[turn failed]"
 export const LIVE_SEPARATOR = "----- live -----"

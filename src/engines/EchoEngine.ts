@@ -100,7 +100,7 @@ const reply = (input: TurnInput, config: EchoConfig): Stream.Stream<TurnOutput, 
       Stream.concat(Stream.fromEffect(Effect.sleep(Duration.millis(ms))).pipe(Stream.drain)),
       Stream.concat(Stream.suspend(() => {
         const result = `slept ${ms} ms`
-        const toolMessage = agentMessage(`${input.turnId}-r`, "tool", result, { toolCallId, toolName: "sleep" })
+        const toolMessage = agentMessage(`${input.turnId}-r`, "tool", result, { toolCallId, toolName: "sleep", toolArgs: { ms } })
         return Stream.make<Array<AgentEvent>>(
           { type: "tool_execution_end", toolCallId, result, isError: false },
           { type: "message_start", message: toolMessage },

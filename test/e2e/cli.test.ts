@@ -89,7 +89,7 @@ describe("agentd CLI against a daemon", () => {
     assert.match(state.stdout, new RegExp(`^id +${id}$`, "m"))
     assert.match(state.stdout, /^messages +5$/m)
     assert.strictEqual(JSON.parse(stateJson.stdout).activeSessionId, id)
-    assert.strictEqual(log.stdout, "> hello there\necho: hello there\n> /sleep 10\n[tool sleep -> slept 10 ms]\ndone\n")
+    assert.strictEqual(log.stdout, "> hello there\necho: hello there\n> /sleep 10\n[tool sleep {\"ms\":10}]\n[tool sleep -> slept 10 ms]\ndone\n")
     const transcript = JSON.parse(logJson.stdout) as Msg
     assert.strictEqual(transcript["total"], 5)
     assert.deepStrictEqual(transcript["messages"].map((m: Msg) => m["role"]), ["user", "assistant", "user", "tool", "assistant"])
