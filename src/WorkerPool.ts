@@ -18,7 +18,6 @@ import * as Effect from "effect/Effect"
 import * as FiberId from "effect/FiberId"
 import * as FiberSet from "effect/FiberSet"
 import * as Layer from "effect/Layer"
-import * as Option from "effect/Option"
 import * as Schedule from "effect/Schedule"
 import * as ScheduleDecision from "effect/ScheduleDecision"
 import * as ScheduleInterval from "effect/ScheduleInterval"
@@ -29,10 +28,7 @@ import * as fs from "node:fs"
 import type * as net from "node:net"
 import { fileURLToPath } from "node:url"
 import type { Engine } from "./Engine.js"
-import type * as EventLog from "./EventLog.js"
 import { LineDecoder } from "./JsonLines.js"
-import * as RecoveryJournal from "./RecoveryJournal.js"
-import type * as SessionStore from "./SessionStore.js"
 import * as Worker from "./Worker.js"
 import * as WorkerProtocol from "./WorkerProtocol.js"
 
@@ -84,6 +80,11 @@ export interface WorkerHandle {
   readonly takeFrames: Effect.Effect<Array<WorkerProtocol.ReceivedFrame>>
   /** Sends one frame; waits while the link is full. */
   readonly send: (frame: WorkerProtocol.SupervisorFrame) => Effect.Effect<void>
+  /**
+   * Sends frames already encoded as JSON lines (each ending with a newline, e.g. a restore's
+   * messages as the store holds them); waits while the link is full.
+   */
+  readonly sendRaw: (lines: string) => Effect.Effect<void>
   /** Asks the worker to exit, and waits until it has (forcing it after `graceMs`). */
   readonly stop: (graceMs?: number) => Effect.Effect<WorkerExit>
   /** Kills the worker at once, as SIGKILL would: its exit is a crash. */
@@ -189,9 +190,13 @@ export class WorkerProcess implements WorkerHandle {
   }
 
   send(frame: WorkerProtocol.SupervisorFrame): Effect.Effect<void> {
+    return this.sendRaw(WorkerProtocol.encodeFrame(frame))
+  }
+
+  sendRaw(lines: string): Effect.Effect<void> {
     return Effect.async<void>((resume) => {
       if (this.pipe.destroyed || !this.pipe.writable) return resume(Effect.void)
-      if (this.pipe.write(WorkerProtocol.encodeFrame(frame))) return resume(Effect.void)
+      if (this.pipe.write(lines)) return resume(Effect.void)
       const done = () => {
         this.pipe.off("drain", done)
         this.pipe.off("close", done)
@@ -464,11 +469,17 @@ class InProcessWorker implements WorkerHandle {
   }
 
   send(frame: WorkerProtocol.SupervisorFrame): Effect.Effect<void> {
+    return this.sendRaw(WorkerProtocol.encodeFrame(frame))
+  }
+
+  sendRaw(lines: string): Effect.Effect<void> {
     return Effect.sync(() => {
       if (this.closed) return
-      const line = WorkerProtocol.encodeFrame(frame).slice(0, -1)
-      if (this.onLine === undefined) this.toWorker.push(line)
-      else this.onLine(line)
+      for (const line of lines.split("\n")) {
+        if (line.length === 0) continue
+        if (this.onLine === undefined) this.toWorker.push(line)
+        else this.onLine(line)
+      }
     })
   }
 
@@ -495,25 +506,18 @@ class InProcessWorker implements WorkerHandle {
 
 /**
  * A pool whose workers run the worker program ({@link Worker.run}) inside this process, on the
- * engines, storage and journal in context: the session core can then be tested over the memory
- * layers without spawning anything. Its workers' pids (`workerPid` in a session's summary) are
+ * engines in context (a restore is sent to them by the supervisor, as to any worker): the
+ * session core can then be tested over the memory layers without spawning anything. Its workers' pids (`workerPid` in a session's summary) are
  * numbers from 10,000,000 up that name no process.
  */
 export const makeInProcess = (options: InProcessOptions = {}) =>
   Effect.gen(function*() {
-    const context = yield* Effect.context<Engine | SessionStore.SessionStore | EventLog.EventLog | RecoveryJournal.RecoveryJournal>()
-    const journal = Context.get(context, RecoveryJournal.RecoveryJournal)
+    const context = yield* Effect.context<Engine>()
     const fibers = yield* FiberSet.make()
     const workers = new Set<InProcessWorker>()
     yield* Effect.addFinalizer(() => Effect.sync(() => {
       for (const w of workers) w.exit({ code: 0, signal: null })
     }))
-    const restore: Worker.RestoreSource = (activeSessionId) =>
-      Worker.readTranscript(
-        activeSessionId,
-        Effect.map(journal.get(activeSessionId), (record) => Option.isSome(record) && record.value.busy)
-      ).pipe(Effect.provide(context))
-
     const acquire = (activeSessionId: string, env?: Readonly<Record<string, string>>) =>
       Effect.gen(function*() {
         if (options.beforeStart !== undefined) yield* options.beforeStart(activeSessionId, env)
@@ -522,8 +526,7 @@ export const makeInProcess = (options: InProcessOptions = {}) =>
           workers.add(worker)
           const program = Worker.run(worker.pipe, {
             pid: worker.pid,
-            exit: Effect.sync(() => worker.exit({ code: 0, signal: null })),
-            restore
+            exit: Effect.sync(() => worker.exit({ code: 0, signal: null }))
           }).pipe(
             Effect.provide(context),
             Effect.matchCause({
@@ -549,7 +552,7 @@ export const makeInProcess = (options: InProcessOptions = {}) =>
 /** {@link makeInProcess} as a layer. */
 export const layerInProcess = (
   options: InProcessOptions = {}
-): Layer.Layer<WorkerPool, never, Engine | SessionStore.SessionStore | EventLog.EventLog | RecoveryJournal.RecoveryJournal> =>
+): Layer.Layer<WorkerPool, never, Engine> =>
   Layer.scoped(WorkerPool, makeInProcess(options))
 
 /** Restart policy of docs/protocol.md section 6. */

@@ -28,7 +28,12 @@ export const WARM_UP_FLAG = "--warm-up"
 
 // Supervisor -> worker ---------------------------------------------------------------------------
 
-/** Makes this worker the worker of a session: fresh, or restored from its files. */
+/**
+ * Makes this worker the worker of a session: fresh, or restored. A restore is streamed by the
+ * supervisor right after this frame, read through its own storage layers: the transcript as
+ * {@link RestoreMessages} frames, the logged events after it as {@link RestoreEvents} frames, then
+ * {@link RestoreEnd} (or {@link RestoreFailed}). A worker never opens the daemon's state dir.
+ */
 export const Load = Tagged("load", {
   activeSessionId: Schema.String,
   engine: Schema.String,
@@ -37,20 +42,46 @@ export const Load = Tagged("load", {
   workDir: optional(Schema.String),
   /** The chunk size of the snapshot frames of a history rewrite (default: the protocol's). */
   targetChunkBytes: optional(Schema.Int.pipe(Schema.positive())),
-  /** Where the session's files are; absent for a brand-new session. */
+  /** Present when the session is restored: its messages follow in restore frames. */
   restore: optional(
     Schema.Struct({
-      /** The recovery journal: says whether a turn was running when the last worker died. */
-      journalPath: Schema.String,
-      /** The SessionStore root, holding the session's transcripts. */
-      storeRoot: Schema.String,
-      /** The EventLog root, holding the events after the latest transcript. */
-      eventLogRoot: Schema.String,
+      /** The recovery journal says a turn was running when the last worker died. */
+      busy: Schema.Boolean,
       /** What cut the running turn, if one was running (default `worker_crashed`). */
       interruptedReason: optional(InterruptReason)
     })
   )
 })
+
+/**
+ * Messages of the restored transcript, in order (each a message as the session store holds it).
+ * A transcript is sent as many of these, each about {@link RESTORE_CHUNK_BYTES}: a 100 MB
+ * transcript is never one line.
+ */
+export const RestoreMessages = Tagged("restore_messages", { messages: Schema.Array(Schema.Unknown) })
+
+/** Agent events logged after the restored transcript, in order, to be folded into it. */
+export const RestoreEvents = Tagged("restore_events", { events: Schema.Array(Schema.Unknown) })
+
+/** The restore is complete: `messageCount` messages were sent (the worker checks it). */
+export const RestoreEnd = Tagged("restore_end", { messageCount: Schema.Int.pipe(Schema.nonNegative()) })
+
+/** The supervisor could not read the session: the worker reports `restore failed` and loads nothing. */
+export const RestoreFailed = Tagged("restore_failed", { message: Schema.String })
+
+/** About how many bytes of messages or events one restore frame carries (a bigger message goes alone). */
+export const RESTORE_CHUNK_BYTES = 1024 * 1024
+
+/**
+ * A {@link RestoreMessages} frame from messages already encoded as JSON text (as the session
+ * store holds them): they are put in as they are, not parsed and serialized again.
+ */
+export const encodeRestoreMessages = (jsonMessages: ReadonlyArray<string>): string =>
+  `{"type":"restore_messages","messages":[${jsonMessages.join(",")}]}\n`
+
+/** A {@link RestoreEvents} frame from events already encoded as JSON text. */
+export const encodeRestoreEvents = (jsonEvents: ReadonlyArray<string>): string =>
+  `{"type":"restore_events","events":[${jsonEvents.join(",")}]}\n`
 
 /** Starts a turn. */
 export const RunPrompt = Tagged("prompt", { turnId: Schema.String, message: Schema.String })
@@ -69,7 +100,7 @@ export const AbortTurn = Tagged("abort", {
 export const Stop = Tagged("stop", {})
 
 /** Every frame the supervisor sends. */
-export const SupervisorFrame = Schema.Union(Load, RunPrompt, AbortTurn, Stop)
+export const SupervisorFrame = Schema.Union(Load, RestoreMessages, RestoreEvents, RestoreEnd, RestoreFailed, RunPrompt, AbortTurn, Stop)
 export type SupervisorFrame = typeof SupervisorFrame.Type
 
 // Worker -> supervisor ---------------------------------------------------------------------------

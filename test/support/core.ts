@@ -244,6 +244,9 @@ class CrashingWorker implements WorkerPool.WorkerHandle {
   send(frame: WorkerProtocol.SupervisorFrame) {
     return this.inner.send(frame)
   }
+  sendRaw(lines: string) {
+    return this.inner.sendRaw(lines)
+  }
   stop(graceMs?: number) {
     return this.inner.stop(graceMs)
   }
