@@ -15,7 +15,7 @@
  */
 export * as Cursor from "./Cursor.js"
 export * as Daemon from "./Daemon.js"
-export { DaemonLive, type DaemonLayers, type DaemonStartError } from "./Daemon.js"
+export { CoreLive, type CoreStartError, DaemonLive, type DaemonLayers, type DaemonStartError } from "./Daemon.js"
 export * as DaemonConfig from "./DaemonConfig.js"
 export * as DaemonServer from "./DaemonServer.js"
 export * as BuiltinEngines from "./engines/builtin.js"
