@@ -22,6 +22,7 @@ import * as Queue from "effect/Queue"
 import * as Stream from "effect/Stream"
 import * as net from "node:net"
 import { Engine, type EngineSession, foldEvent, TranscriptReplaced } from "./Engine.js"
+import { isRecord } from "effect/Predicate"
 import * as BuiltinEngines from "./engines/builtin.js"
 import { SessionWorkDir } from "./engines/SessionWorkDir.js"
 import { LineDecoder } from "./JsonLines.js"
@@ -166,14 +167,47 @@ type RestoreFrame =
 /**
  * A session being restored from the supervisor's restore frames: the transcript's messages in
  * order, then the logged events after it folded in (following a message a cut turn was
- * streaming). The supervisor reads them through its own storage layers; the worker never opens
- * the state dir.
+ * streaming). A `restore_messages` or `restore_events` frame announces how many of the next
+ * lines are messages or records ({@link RestoreIntake.wantsLine}): those lines go to
+ * {@link RestoreIntake.line}, not to the frame decoder. The supervisor reads them through its own
+ * storage layers; the worker never opens the state dir.
  */
 export class RestoreIntake {
   readonly messages: Array<AgentMessage> = []
   private readonly streaming = new StreamingMessage()
   private received = 0
   private folding = false
+  /** Lines still owed to the last `restore_messages` / `restore_events` frame. */
+  private owed = 0
+  private error: string | undefined
+
+  /** Whether the next line is one of the lines a frame announced (not a frame itself). */
+  get wantsLine(): boolean {
+    return this.owed > 0
+  }
+
+  /** One announced line: a message, or a logged record whose agent event is folded in. */
+  line(text: string): void {
+    this.owed--
+    if (this.error !== undefined) return
+    let value: unknown
+    try {
+      value = JSON.parse(text)
+    } catch {
+      this.error = `an unreadable ${this.folding ? "event record" : "transcript message"} line: ${text.slice(0, 200)}`
+      return
+    }
+    if (!this.folding) {
+      this.messages.push(value as AgentMessage)
+      this.received++
+      return
+    }
+    // A log record holds the wire body (`session_event`, ...); the agent event is inside.
+    if (!isRecord(value) || value["type"] !== "session_event" || !isRecord(value["event"])) return
+    const event = value["event"] as AgentEvent
+    foldEvent(this.messages, event)
+    this.streaming.track(event)
+  }
 
   /**
    * Takes one restore frame: undefined while the restore goes on, else its outcome (the
@@ -183,19 +217,15 @@ export class RestoreIntake {
     switch (frame.type) {
       case "restore_messages":
         // Events are folded into the whole transcript: a message after them would be out of order.
-        if (this.folding) return Either.left("transcript messages came after logged events")
-        for (const m of frame.messages) this.messages.push(m as AgentMessage)
-        this.received += frame.messages.length
+        if (this.folding && this.error === undefined) this.error = "transcript messages came after logged events"
+        this.owed = frame.count
         return undefined
       case "restore_events":
         this.folding = true
-        for (const e of frame.events) {
-          const event = e as AgentEvent
-          foldEvent(this.messages, event)
-          this.streaming.track(event)
-        }
+        this.owed = frame.count
         return undefined
       case "restore_end":
+        if (this.error !== undefined) return Either.left(this.error)
         return this.received === frame.messageCount
           ? Either.right({ messages: this.messages, busy, streaming: this.streaming.take() })
           : Either.left(`${this.received} transcript messages arrived, ${frame.messageCount} were sent`)
@@ -216,16 +246,16 @@ export class RestoreIntake {
 const warmUpRestore: Effect.Effect<void> = Effect.gen(function*() {
   const message = (id: string, content: string): AgentMessage => ({ id, role: "assistant", content, timestamp: Date.now() })
   const messages = Array.from({ length: 64 }, (_, i) => JSON.stringify(message(`m${i}`, "warm-up ".repeat(64 * (i % 8 + 1)))))
-  const events = [
+  const records = [
     { type: "message_start", message: message("m64", "") },
     ...Array.from({ length: 32 }, () => ({ type: "message_update", messageId: "m64", delta: "warm-up " })),
     { type: "message_end", message: message("m64", "warm-up ".repeat(32)) },
     { type: "agent_end" }
-  ].map((e) => JSON.stringify(e))
+  ].map((event) => JSON.stringify({ type: "session_event", event, emittedAt: 0 }))
   const frames = Buffer.from(
     WorkerProtocol.encodeRestoreMessages(messages.slice(0, 32)) +
       WorkerProtocol.encodeRestoreMessages(messages.slice(32)) +
-      WorkerProtocol.encodeRestoreEvents(events) +
+      WorkerProtocol.encodeRestoreEvents(records) +
       WorkerProtocol.encodeFrame({ type: "restore_end", messageCount: messages.length }),
     "utf8"
   )
@@ -234,6 +264,10 @@ const warmUpRestore: Effect.Effect<void> = Effect.gen(function*() {
     let outcome: Either.Either<RestoredSession, string> | undefined
     for (const line of new LineDecoder(Number.MAX_SAFE_INTEGER).push(frames)) {
       if (typeof line !== "string") continue
+      if (intake.wantsLine) {
+        intake.line(line)
+        continue
+      }
       const frame = WorkerProtocol.decodeSupervisorFrame(line)
       if (Either.isLeft(frame) || !isRestoreFrame(frame.right)) return yield* Effect.logDebug("warm-up: a frame did not decode")
       outcome = intake.take(frame.right, false)
@@ -273,7 +307,12 @@ export const run = (pipe: WorkerPipe, options: RunOptions = {}) =>
     const fibers = yield* FiberSet.make()
     let session: LoadedSession | undefined
     /** A session whose restore frames are coming in (between `load` and `restore_end`). */
-    let restoring: { readonly load: LoadFrame; readonly engine: EngineSession; readonly intake: RestoreIntake } | undefined
+    let restoring: {
+      readonly load: LoadFrame
+      /** Undefined when it could not be made (reported): the restore's lines are only consumed. */
+      readonly engine: EngineSession | undefined
+      readonly intake: RestoreIntake
+    } | undefined
 
     const fail = (message: string) => pipe.send({ type: "worker_error", message })
 
@@ -382,13 +421,12 @@ export const run = (pipe: WorkerPipe, options: RunOptions = {}) =>
               // The session's work dir, for engines whose tools need one.
               frame.workDir === undefined ? (e) => e : Effect.provideService(SessionWorkDir, frame.workDir)
             ))
-            // The restore frames that follow, if any, find no restore under way and are dropped.
-            if (Either.isLeft(engine)) return yield* fail(engine.left.message)
+            // The restore's frames and lines that follow are still taken in, and dropped.
             if (frame.restore !== undefined) {
-              restoring = { load: frame, engine: engine.right, intake: new RestoreIntake() }
-              return
+              restoring = { load: frame, engine: Either.getOrUndefined(engine), intake: new RestoreIntake() }
             }
-            yield* loaded(frame, engine.right, [], undefined, undefined)
+            if (Either.isLeft(engine)) return yield* fail(engine.left.message)
+            if (frame.restore === undefined) yield* loaded(frame, engine.right, [], undefined, undefined)
           })
         case "restore_messages":
         case "restore_events":
@@ -396,11 +434,11 @@ export const run = (pipe: WorkerPipe, options: RunOptions = {}) =>
         case "restore_failed":
           return Effect.gen(function*() {
             const r = restoring
-            // Frames of a restore that already failed (its engine could not be made): ignored.
-            if (r === undefined || r.load.restore === undefined) return
+            if (r === undefined || r.load.restore === undefined) return yield* fail(`${frame.type} with no restore under way`)
             const outcome = r.intake.take(frame, r.load.restore.busy)
             if (outcome === undefined) return
             restoring = undefined
+            if (r.engine === undefined) return
             if (Either.isLeft(outcome)) return yield* fail(`restore failed: ${outcome.left}`)
             const restored = outcome.right
             const interrupted = restored.busy ? r.load.restore.interruptedReason ?? "worker_crashed" : undefined
@@ -438,17 +476,28 @@ export const run = (pipe: WorkerPipe, options: RunOptions = {}) =>
       fibers,
       Effect.promise(() => pipe.lines((line) => lines.unsafeOffer(line))).pipe(Effect.zipRight(lines.offer(undefined)))
     )
-    while (true) {
-      const line = yield* Queue.take(lines)
-      if (line === undefined) break
-      if (warmUp !== undefined) {
-        yield* FiberSet.run(fibers, Fiber.interrupt(warmUp))
-        warmUp = undefined
+    // Lines are taken in batches: a restore brings one line per message.
+    let open = true
+    while (open) {
+      for (const line of yield* Queue.takeBetween(lines, 1, 4096)) {
+        if (line === undefined) {
+          open = false
+          break
+        }
+        if (warmUp !== undefined) {
+          yield* FiberSet.run(fibers, Fiber.interrupt(warmUp))
+          warmUp = undefined
+        }
+        // A message or record line a restore frame announced: no frame to decode.
+        if (restoring?.intake.wantsLine === true) {
+          restoring.intake.line(line)
+          continue
+        }
+        const decoded = WorkerProtocol.decodeSupervisorFrame(line)
+        yield* (Either.isLeft(decoded) ? fail(`bad frame: ${decoded.left}`) : handle(decoded.right)).pipe(
+          Effect.catchAllCause((cause) => Effect.logError("a frame could not be handled", cause))
+        )
       }
-      const decoded = WorkerProtocol.decodeSupervisorFrame(line)
-      yield* (Either.isLeft(decoded) ? fail(`bad frame: ${decoded.left}`) : handle(decoded.right)).pipe(
-        Effect.catchAllCause((cause) => Effect.logError("a frame could not be handled", cause))
-      )
     }
   }).pipe(Effect.scoped)
 

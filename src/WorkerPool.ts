@@ -81,10 +81,11 @@ export interface WorkerHandle {
   /** Sends one frame; waits while the link is full. */
   readonly send: (frame: WorkerProtocol.SupervisorFrame) => Effect.Effect<void>
   /**
-   * Sends frames already encoded as JSON lines (each ending with a newline, e.g. a restore's
-   * messages as the store holds them); waits while the link is full.
+   * Sends bytes of JSON lines as they are (a restore's messages as the store holds them); the
+   * bytes of one call need not end with a whole line, those of the next go on with it. Waits
+   * while the link holds more than RAW_HIGH_WATER_BYTES not yet taken.
    */
-  readonly sendRaw: (lines: string) => Effect.Effect<void>
+  readonly sendRaw: (data: string | Uint8Array) => Effect.Effect<void>
   /** Asks the worker to exit, and waits until it has (forcing it after `graceMs`). */
   readonly stop: (graceMs?: number) => Effect.Effect<WorkerExit>
   /** Kills the worker at once, as SIGKILL would: its exit is a crash. */
@@ -93,6 +94,9 @@ export interface WorkerHandle {
 
 /** A worker that has not said `worker_ready` by then is given up (and stopped): a failed spawn. */
 const READY_TIMEOUT_MS = 30_000
+
+/** Bytes written to a worker and not yet taken by its pipe past which a sender waits. */
+const RAW_HIGH_WATER_BYTES = 4 * 1024 * 1024
 
 /** Bytes of decoded-but-unconsumed frames past which the link stops reading (backpressure). */
 const HIGH_WATER_BYTES = 4 * 1024 * 1024
@@ -193,10 +197,12 @@ export class WorkerProcess implements WorkerHandle {
     return this.sendRaw(WorkerProtocol.encodeFrame(frame))
   }
 
-  sendRaw(lines: string): Effect.Effect<void> {
+  sendRaw(data: string | Uint8Array): Effect.Effect<void> {
     return Effect.async<void>((resume) => {
       if (this.pipe.destroyed || !this.pipe.writable) return resume(Effect.void)
-      if (this.pipe.write(lines)) return resume(Effect.void)
+      // Some bytes may wait in the process (the next read of a restore goes on meanwhile, and
+      // the pipe never runs dry between two writes), not without bound.
+      if (this.pipe.write(data) || this.pipe.writableLength < RAW_HIGH_WATER_BYTES) return resume(Effect.void)
       const done = () => {
         this.pipe.off("drain", done)
         this.pipe.off("close", done)
@@ -443,6 +449,8 @@ class InProcessWorker implements WorkerHandle {
   stopping = false
   private closed = false
   private toWorker: Array<string> = []
+  /** The supervisor's bytes as lines, as the worker's end of a pipe reads them. */
+  private readonly toWorkerLines = new LineDecoder(Number.MAX_SAFE_INTEGER)
   private onLine: ((line: string) => void) | undefined
   private closeLink: (() => void) | undefined
 
@@ -472,11 +480,11 @@ class InProcessWorker implements WorkerHandle {
     return this.sendRaw(WorkerProtocol.encodeFrame(frame))
   }
 
-  sendRaw(lines: string): Effect.Effect<void> {
+  sendRaw(data: string | Uint8Array): Effect.Effect<void> {
     return Effect.sync(() => {
       if (this.closed) return
-      for (const line of lines.split("\n")) {
-        if (line.length === 0) continue
+      for (const line of this.toWorkerLines.push(typeof data === "string" ? Buffer.from(data, "utf8") : data)) {
+        if (typeof line !== "string") continue
         if (this.onLine === undefined) this.toWorker.push(line)
         else this.onLine(line)
       }

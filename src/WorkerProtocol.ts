@@ -31,7 +31,8 @@ export const WARM_UP_FLAG = "--warm-up"
 /**
  * Makes this worker the worker of a session: fresh, or restored. A restore is streamed by the
  * supervisor right after this frame, read through its own storage layers: the transcript as
- * {@link RestoreMessages} frames, the logged events after it as {@link RestoreEvents} frames, then
+ * {@link RestoreMessages} frames (each followed by its message lines), the logged events after
+ * it as {@link RestoreEvents} frames (each followed by its record lines), then
  * {@link RestoreEnd} (or {@link RestoreFailed}). A worker never opens the daemon's state dir.
  */
 export const Load = Tagged("load", {
@@ -54,14 +55,19 @@ export const Load = Tagged("load", {
 })
 
 /**
- * Messages of the restored transcript, in order (each a message as the session store holds it).
- * A transcript is sent as many of these, each about {@link RESTORE_CHUNK_BYTES}: a 100 MB
- * transcript is never one line.
+ * The next `count` lines on the pipe are messages of the restored transcript, in order, one JSON
+ * value each, exactly as the session store holds them (the supervisor passes the store's bytes
+ * on without parsing them). A transcript is sent as many of these, each covering about
+ * {@link RESTORE_CHUNK_BYTES}: a 100 MB transcript is never one line nor one buffer.
  */
-export const RestoreMessages = Tagged("restore_messages", { messages: Schema.Array(Schema.Unknown) })
+export const RestoreMessages = Tagged("restore_messages", { count: Schema.Int.pipe(Schema.nonNegative()) })
 
-/** Agent events logged after the restored transcript, in order, to be folded into it. */
-export const RestoreEvents = Tagged("restore_events", { events: Schema.Array(Schema.Unknown) })
+/**
+ * The next `count` lines are the `session_event` records logged after the restored transcript,
+ * in order, as the event log holds them (`{"type":"session_event","event":{...},...}`): the
+ * worker folds their `event` into the transcript.
+ */
+export const RestoreEvents = Tagged("restore_events", { count: Schema.Int.pipe(Schema.nonNegative()) })
 
 /** The restore is complete: `messageCount` messages were sent (the worker checks it). */
 export const RestoreEnd = Tagged("restore_end", { messageCount: Schema.Int.pipe(Schema.nonNegative()) })
@@ -69,19 +75,16 @@ export const RestoreEnd = Tagged("restore_end", { messageCount: Schema.Int.pipe(
 /** The supervisor could not read the session: the worker reports `restore failed` and loads nothing. */
 export const RestoreFailed = Tagged("restore_failed", { message: Schema.String })
 
-/** About how many bytes of messages or events one restore frame carries (a bigger message goes alone). */
+/** About how many bytes of messages or events one restore frame covers (a bigger message goes alone). */
 export const RESTORE_CHUNK_BYTES = 1024 * 1024
 
-/**
- * A {@link RestoreMessages} frame from messages already encoded as JSON text (as the session
- * store holds them): they are put in as they are, not parsed and serialized again.
- */
+/** A {@link RestoreMessages} frame followed by its lines (JSON texts without newlines), as one string. */
 export const encodeRestoreMessages = (jsonMessages: ReadonlyArray<string>): string =>
-  `{"type":"restore_messages","messages":[${jsonMessages.join(",")}]}\n`
+  `{"type":"restore_messages","count":${jsonMessages.length}}\n${jsonMessages.map((m) => m + "\n").join("")}`
 
-/** A {@link RestoreEvents} frame from events already encoded as JSON text. */
-export const encodeRestoreEvents = (jsonEvents: ReadonlyArray<string>): string =>
-  `{"type":"restore_events","events":[${jsonEvents.join(",")}]}\n`
+/** A {@link RestoreEvents} frame followed by its lines (logged `session_event` records), as one string. */
+export const encodeRestoreEvents = (jsonRecords: ReadonlyArray<string>): string =>
+  `{"type":"restore_events","count":${jsonRecords.length}}\n${jsonRecords.map((r) => r + "\n").join("")}`
 
 /** Starts a turn. */
 export const RunPrompt = Tagged("prompt", { turnId: Schema.String, message: Schema.String })

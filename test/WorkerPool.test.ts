@@ -84,14 +84,16 @@ describe("WorkerPool", () => {
         const message = (id: string, content: string) => ({ id, role: "assistant", content, timestamp: 1 })
         const big = "x".repeat(20_000_000)
         yield* worker.send({ type: "load", activeSessionId: "s-restore", engine: "echo", restore: { busy: true } })
-        // One message larger than a restore chunk goes alone, in one frame past the protocol's line limit.
+        // One message larger than a restore chunk, one line past the protocol's line limit.
         yield* worker.sendRaw(WorkerProtocol.encodeRestoreMessages([JSON.stringify(message("m0", "first"))]))
         yield* worker.sendRaw(WorkerProtocol.encodeRestoreMessages([JSON.stringify(message("m1", big)), JSON.stringify(message("m2", "third"))]))
         // A cut turn was streaming m3: its logged deltas are folded in.
+        const logged = (event: object) => JSON.stringify({ type: "session_event", event, emittedAt: 1 })
         yield* worker.sendRaw(WorkerProtocol.encodeRestoreEvents([
-          JSON.stringify({ type: "message_end", message: message("m3", "logged") }),
-          JSON.stringify({ type: "message_start", message: message("m4", "") }),
-          JSON.stringify({ type: "message_update", messageId: "m4", delta: "cut" })
+          logged({ type: "message_end", message: message("m3", "logged") }),
+          JSON.stringify({ type: "session_status", state: { busy: true } }),
+          logged({ type: "message_start", message: message("m4", "") }),
+          logged({ type: "message_update", messageId: "m4", delta: "cut" })
         ]))
         yield* worker.send({ type: "restore_end", messageCount: 3 })
         const { seen, found } = yield* takeUntil(worker, (f) => f.type === "worker_ready")

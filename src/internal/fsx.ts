@@ -197,6 +197,18 @@ export async function* lineBatches(path: string, byteLength?: number): AsyncGene
 
 const stripCr = (line: string): string => (line.endsWith("\r") ? line.slice(0, -1) : line)
 
+/** The bytes `[start, end)` of a file, in pieces of about `chunkBytes`, as they are read. */
+export async function* byteRange(path: string, start: number, end: number, chunkBytes: number): AsyncGenerator<Buffer> {
+  if (end <= start) return
+  // `end` is inclusive for createReadStream.
+  const input = createReadStream(path, { start, end: end - 1, highWaterMark: chunkBytes })
+  try {
+    for await (const piece of input as AsyncIterable<Buffer>) yield piece
+  } finally {
+    input.destroy()
+  }
+}
+
 /**
  * The first line of a file (without its `\n`), reading no more than `maxBytes`; `None` when the
  * file has no complete first line within that bound. Used to read a transcript's header without

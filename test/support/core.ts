@@ -244,8 +244,8 @@ class CrashingWorker implements WorkerPool.WorkerHandle {
   send(frame: WorkerProtocol.SupervisorFrame) {
     return this.inner.send(frame)
   }
-  sendRaw(lines: string) {
-    return this.inner.sendRaw(lines)
+  sendRaw(data: string | Uint8Array) {
+    return this.inner.sendRaw(data)
   }
   stop(graceMs?: number) {
     return this.inner.stop(graceMs)
