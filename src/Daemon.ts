@@ -1,16 +1,7 @@
 /**
- * `DaemonLive`: every layer composed into the daemon `agentd serve` runs, over a state dir:
- *
- * ```
- * <stateDir>/agentd.sock                 the socket (0600)
- *                                        (the state dir's lock is not a file: see StateDirLock)
- * <stateDir>/supervisor-generation       +1 at every start
- * <stateDir>/recovery.jsonl              the recovery journal
- * <stateDir>/events/<session>/...        the event log
- * <stateDir>/sessions/<session>/...      metadata and transcripts (SessionStore)
- * <stateDir>/archive/                    killed sessions
- * <stateDir>/snapshot-cache/<gen>/       snapshot chunks spilled to disk
- * ```
+ * `DaemonLive`: every layer composed into the daemon `agentd serve` runs, over a state dir whose
+ * paths are all named in StateLayout (the state dir's lock is not a file: see StateDirLock).
+ * `CoreLive`: the same without the socket server.
  */
 import type * as FileSystem from "@effect/platform/FileSystem"
 import * as NodeFileSystem from "@effect/platform-node/NodeFileSystem"
@@ -32,12 +23,13 @@ import * as SessionManager from "./SessionManager.js"
 import * as SessionStore from "./SessionStore.js"
 import * as SnapshotCache from "./SnapshotCache.js"
 import * as StateDirLock from "./StateDirLock.js"
+import * as StateLayout from "./StateLayout.js"
 import * as WorkerPool from "./WorkerPool.js"
 
 /** Reads, increments and durably stores the supervisor generation of a state dir. */
 export const nextSupervisorGeneration = (stateDir: string) =>
   Effect.gen(function*() {
-    const file = path.join(stateDir, "supervisor-generation")
+    const file = StateLayout.make(stateDir).generationFile
     const previous = yield* Fsx.readFileIfExists(file)
     const last = previous._tag === "Some" ? Number.parseInt(previous.value.trim(), 10) : 0
     const generation = (Number.isSafeInteger(last) && last > 0 ? last : 0) + 1
@@ -77,17 +69,18 @@ const makeSupervisorInfoLayer = <E>(beforeStateDir: Effect.Effect<void, E, Daemo
       yield* Fsx.ensureDir(config.stateDir)
       yield* beforeStateDir
       const generation = yield* nextSupervisorGeneration(config.stateDir)
+      const layout = StateLayout.make(config.stateDir)
       // Spilled chunks of earlier supervisors are of no use to anyone now.
-      const cacheDir = path.join(config.stateDir, "snapshot-cache")
+      const cacheDir = layout.snapshotCacheRoot
       if (fs.existsSync(cacheDir)) {
         for (const entry of fs.readdirSync(cacheDir)) fs.rmSync(path.join(cacheDir, entry), { recursive: true, force: true })
       }
       return {
         generation,
         startedAt: Date.now(),
-        journalPath: path.join(config.stateDir, "recovery.jsonl"),
-        storeRoot: config.stateDir,
-        eventLogRoot: path.join(config.stateDir, "events")
+        journalPath: layout.journalFile,
+        storeRoot: layout.storeRoot,
+        eventLogRoot: layout.eventLogRoot
       }
     })
   ).pipe(Layer.provide(stateDirLockLayer))
@@ -152,7 +145,7 @@ export const snapshotCacheLayer: Layer.Layer<SnapshotCache.SnapshotCache, never,
     const config = yield* DaemonConfig
     const info = yield* SessionManager.SupervisorInfo
     return SnapshotCache.layer({
-      cacheRoot: path.join(config.stateDir, "snapshot-cache", String(info.generation)),
+      cacheRoot: StateLayout.make(config.stateDir).snapshotCacheDir(info.generation),
       memoryCacheBytes: config.memoryCacheBytes
     })
   }))

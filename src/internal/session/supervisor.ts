@@ -9,13 +9,12 @@ import * as Deferred from "effect/Deferred"
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
 import { randomUUID } from "node:crypto"
-import * as nodePath from "node:path"
 import type * as Protocol from "../../Protocol.js"
 import type { WorkerState } from "../../Protocol.js"
+import * as StateLayout from "../../StateLayout.js"
 import { stepRestart, WorkerCrashed, type WorkerHandle } from "../../WorkerPool.js"
 import type * as WorkerProtocol from "../../WorkerProtocol.js"
 import { eventMessage, type Outgoing } from "../delivery/wireLines.js"
-import { safeSegment } from "../fsx.js"
 import { journalSaysBusy, sendRestore } from "./restore.js"
 import type { Checkpoints } from "./checkpoint.js"
 import type { AnyFrame, PendingPrompt, Phase, TurnEnd } from "./phase.js"
@@ -56,7 +55,7 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
         type: "load",
         activeSessionId: s.meta.activeSessionId,
         engine: s.meta.engine,
-        workDir: nodePath.join(info.storeRoot, "sessions", safeSegment(s.meta.activeSessionId), "work"),
+        workDir: StateLayout.sessionStorePaths(info.storeRoot).workDir(s.meta.activeSessionId),
         targetChunkBytes: config.targetChunkBytes,
         ...(s.meta.config === undefined ? {} : { config: s.meta.config as Record<string, unknown> }),
         ...(restore === undefined ? {} : { restore })
