@@ -236,47 +236,58 @@ export class RestoreIntake {
 }
 
 /**
- * Runs the restore path once, on a scratch session in memory, while this worker waits to be
- * needed: the frames a supervisor sends for a small transcript with events after it, through
- * the same line decoder, frame decoder and fold as a real restore.
- * A warm spare exists to make restores fast, and the first run of that code in a process pays
- * for compiling it. Interrupted by the first real frame; a failure only means the first real
- * restore runs cold.
+ * Runs the restore path `rounds` times on a scratch session in memory: the frames a supervisor
+ * sends for a small transcript with events after it, through the same line decoder, frame
+ * decoder and fold as a real restore. Returns the restored message count; fails if the path
+ * did not restore the scratch session (a warm-up that silently stopped working warms nothing).
  */
-const warmUpRestore: Effect.Effect<void> = Effect.gen(function*() {
-  const message = (id: string, content: string): AgentMessage => ({ id, role: "assistant", content, timestamp: Date.now() })
-  const messages = Array.from({ length: 64 }, (_, i) => JSON.stringify(message(`m${i}`, "warm-up ".repeat(64 * (i % 8 + 1)))))
-  const records = [
-    { type: "message_start", message: message("m64", "") },
-    ...Array.from({ length: 32 }, () => ({ type: "message_update", messageId: "m64", delta: "warm-up " })),
-    { type: "message_end", message: message("m64", "warm-up ".repeat(32)) },
-    { type: "agent_end" }
-  ].map((event) => JSON.stringify({ type: "session_event", event, emittedAt: 0 }))
-  const frames = Buffer.from(
-    WorkerProtocol.encodeRestoreMessages(messages.slice(0, 32)) +
-      WorkerProtocol.encodeRestoreMessages(messages.slice(32)) +
-      WorkerProtocol.encodeRestoreEvents(records) +
-      WorkerProtocol.encodeFrame({ type: "restore_end", messageCount: messages.length }),
-    "utf8"
-  )
-  for (let round = 0; round < 20; round++) {
-    const intake = new RestoreIntake()
-    let outcome: Either.Either<RestoredSession, string> | undefined
-    for (const line of new LineDecoder(Number.MAX_SAFE_INTEGER).push(frames)) {
-      if (typeof line !== "string") continue
-      if (intake.wantsLine) {
-        intake.line(line)
-        continue
+export const warmUpRestorePath = (rounds: number): Effect.Effect<number, string> =>
+  Effect.gen(function*() {
+    const message = (id: string, content: string): AgentMessage => ({ id, role: "assistant", content, timestamp: Date.now() })
+    const messages = Array.from({ length: 64 }, (_, i) => JSON.stringify(message(`m${i}`, "warm-up ".repeat(64 * (i % 8 + 1)))))
+    const records = [
+      { type: "message_start", message: message("m64", "") },
+      ...Array.from({ length: 32 }, () => ({ type: "message_update", messageId: "m64", delta: "warm-up " })),
+      { type: "message_end", message: message("m64", "warm-up ".repeat(32)) },
+      { type: "agent_end" }
+    ].map((event) => JSON.stringify({ type: "session_event", event, emittedAt: 0 }))
+    const frames = Buffer.from(
+      WorkerProtocol.encodeRestoreMessages(messages.slice(0, 32)) +
+        WorkerProtocol.encodeRestoreMessages(messages.slice(32)) +
+        WorkerProtocol.encodeRestoreEvents(records) +
+        WorkerProtocol.encodeFrame({ type: "restore_end", messageCount: messages.length }),
+      "utf8"
+    )
+    let restored = 0
+    for (let round = 0; round < rounds; round++) {
+      const intake = new RestoreIntake()
+      let outcome: Either.Either<RestoredSession, string> | undefined
+      for (const line of new LineDecoder(Number.MAX_SAFE_INTEGER).push(frames)) {
+        if (typeof line !== "string") continue
+        if (intake.wantsLine) {
+          intake.line(line)
+          continue
+        }
+        const frame = WorkerProtocol.decodeSupervisorFrame(line)
+        if (Either.isLeft(frame)) return yield* Effect.fail(`a warm-up frame did not decode: ${frame.left}`)
+        if (!isRestoreFrame(frame.right)) return yield* Effect.fail(`a warm-up frame is no restore frame: ${line}`)
+        outcome = intake.take(frame.right, false)
       }
-      const frame = WorkerProtocol.decodeSupervisorFrame(line)
-      if (Either.isLeft(frame) || !isRestoreFrame(frame.right)) return yield* Effect.logDebug("warm-up: a frame did not decode")
-      outcome = intake.take(frame.right, false)
+      if (outcome === undefined) return yield* Effect.fail("the warm-up restore did not end")
+      if (Either.isLeft(outcome)) return yield* Effect.fail(outcome.left)
+      restored = outcome.right.messages.length
+      // The first real frame interrupts the warm-up between two rounds.
+      yield* Effect.yieldNow()
     }
-    if (outcome === undefined || Either.isLeft(outcome)) return yield* Effect.logDebug("warm-up: the restore did not end")
-    // The first real frame interrupts the warm-up between two rounds.
-    yield* Effect.yieldNow()
-  }
-}).pipe(
+    return restored
+  })
+
+/**
+ * While a spare waits to be needed it runs the restore path a few times: the first run of that
+ * code in a process pays for compiling it. Interrupted by the first real frame; a failure only
+ * means the first real restore runs cold.
+ */
+const warmUpRestore: Effect.Effect<void> = warmUpRestorePath(20).pipe(
   // Whatever went wrong, the spare is still a worker.
   Effect.catchAllCause((cause) => Effect.logDebug("warm-up skipped", cause))
 )

@@ -1,10 +1,13 @@
 /**
  * The supervisor's side of a restore (src/internal/session/restore.ts): transcript bytes cut at
  * whole lines and counted as a worker's line decoder will yield them, without being decoded.
+ * And the warm spare's warm-up, which must go on running the worker's real restore path.
  */
 import { assert, describe, it } from "@effect/vitest"
+import * as Effect from "effect/Effect"
 import { LineCutter } from "../src/internal/session/restore.js"
 import { LineDecoder } from "../src/JsonLines.js"
+import { warmUpRestorePath } from "../src/Worker.js"
 
 /** Feeds `pieces` through a cutter; returns the bytes it let through, and its counts per cut. */
 const cutAll = (pieces: ReadonlyArray<string>) => {
@@ -60,4 +63,11 @@ describe("LineCutter", () => {
     assert.include(error, "0xc2")
     assert.deepStrictEqual(decoded(out), ['{"id":"a"}'])
   })
+})
+
+describe("warm-up", () => {
+  it.effect("the spare's warm-up restores its scratch session through the restore path (64 messages, a streamed one folded in)", () =>
+    Effect.gen(function*() {
+      assert.strictEqual(yield* warmUpRestorePath(3), 65)
+    }))
 })
