@@ -23,6 +23,7 @@ import * as ScheduleDecision from "effect/ScheduleDecision"
 import * as ScheduleInterval from "effect/ScheduleInterval"
 import * as ScheduleIntervals from "effect/ScheduleIntervals"
 import * as Schema from "effect/Schema"
+import type * as Scope from "effect/Scope"
 import { type ChildProcess, spawn } from "node:child_process"
 import * as fs from "node:fs"
 import type * as net from "node:net"
@@ -263,7 +264,16 @@ export class WorkerPool extends Context.Tag("agentd/WorkerPool")<WorkerPool, {
   ) => Effect.Effect<WorkerHandle, WorkerSpawnError>
   /** Every live worker (spare included). */
   readonly live: Effect.Effect<ReadonlyArray<WorkerHandle>>
+  /**
+   * Holds the next spare's start until the scope closes (a worker's acquisition and its
+   * restore), or for SPARE_HOLD_MS at most: a process booting beside a restore slows it down.
+   * Optional: a pool without spares need not have it.
+   */
+  readonly holdSpare?: Effect.Effect<void, never, Scope.Scope>
 }>() {}
+
+/** The longest a restore holds the next spare's start (a worker wedged in its restore would hold it for ever). */
+const SPARE_HOLD_MS = 2_000
 
 /**
  * `bin/worker.js` next to this module; when this module is bundled into the CLI
@@ -374,8 +384,15 @@ export const make = (options: WorkerPoolOptions = {}) =>
         return worker
       })
 
+    /** Acquisitions (and their restores) under way that hold the next spare's start. */
+    let holds = 0
+    let spareHeld = false
     const startSpare = () => {
       if (options.warmSpare === false || closing) return
+      if (holds > 0) {
+        spareHeld = true
+        return
+      }
       // Started now: the process boots while nobody waits for it; whoever takes it waits for its outcome.
       const outcome = Deferred.unsafeMake<WorkerProcess, WorkerSpawnError>(FiberId.none)
       runSpare(Effect.flatMap(Effect.exit(startAndAwaitReady(spawnWorker(undefined, true))), (exit) => Deferred.done(outcome, exit)))
@@ -414,9 +431,31 @@ export const make = (options: WorkerPoolOptions = {}) =>
         return worker
       })
 
+    const holdSpare: Effect.Effect<void, never, Scope.Scope> = Effect.asVoid(Effect.acquireRelease(
+      Effect.sync(() => {
+        holds++
+        let released = false
+        const release = () => {
+          if (released) return
+          released = true
+          clearTimeout(timer)
+          holds--
+          if (holds === 0 && spareHeld) {
+            spareHeld = false
+            startSpare()
+          }
+        }
+        const timer = setTimeout(release, SPARE_HOLD_MS)
+        timer.unref()
+        return release
+      }),
+      (release) => Effect.sync(release)
+    ))
+
     return WorkerPool.of({
       acquire,
-      live: Effect.sync(() => [...workers])
+      live: Effect.sync(() => [...workers]),
+      holdSpare
     })
   })
 

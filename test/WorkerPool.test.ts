@@ -1,6 +1,8 @@
 import { assert, describe, it } from "@effect/vitest"
 import * as Deferred from "effect/Deferred"
 import * as Effect from "effect/Effect"
+import * as Exit from "effect/Exit"
+import * as Scope from "effect/Scope"
 import * as TestClock from "effect/TestClock"
 import * as fs from "node:fs"
 import * as os from "node:os"
@@ -147,6 +149,30 @@ describe("WorkerPool", () => {
         yield* worker.send({ type: "prompt", turnId: "t", message: "early" })
         const { found } = yield* takeUntil(worker, (f) => f.eventType === "agent_end")
         assert.isDefined(found)
+      }), true), 30_000)
+
+  it.live("a restore holds the next spare's start until it is sent, or 2 s at most", () =>
+    withPool((pool) =>
+      Effect.gen(function*() {
+        // Held while the scope is open: the spare taken is not replaced.
+        yield* Effect.scoped(Effect.gen(function*() {
+          yield* pool.holdSpare!
+          yield* pool.acquire("s-held")
+          yield* Effect.sleep("300 millis")
+          assert.strictEqual((yield* pool.live).length, 1)
+        }))
+        // Released: the next spare starts.
+        for (let i = 0; i < 200 && (yield* pool.live).length < 2; i++) yield* Effect.sleep("25 millis")
+        assert.strictEqual((yield* pool.live).length, 2)
+        // A hold never released (a wedged restore) lets the spare start after 2 s all the same.
+        const scope = yield* Scope.make()
+        yield* Scope.extend(pool.holdSpare!, scope)
+        yield* pool.acquire("s-wedged")
+        yield* Effect.sleep("500 millis")
+        assert.strictEqual((yield* pool.live).length, 2)
+        for (let i = 0; i < 400 && (yield* pool.live).length < 3; i++) yield* Effect.sleep("25 millis")
+        assert.strictEqual((yield* pool.live).length, 3)
+        yield* Scope.close(scope, Exit.void)
       }), true), 30_000)
 
   it.live("a spare whose warm-up cannot run (TMPDIR missing) still starts and serves", () =>

@@ -8,6 +8,7 @@
 import * as Deferred from "effect/Deferred"
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
+import * as Scope from "effect/Scope"
 import { randomUUID } from "node:crypto"
 import type * as Protocol from "../../Protocol.js"
 import type { WorkerState } from "../../Protocol.js"
@@ -75,11 +76,18 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
       // worker over, nothing interrupts until it is the entity's, or stopped (its session was
       // killed): a worker left in between would run on, holding its slot. The restore is sent
       // once the entity has the worker (interruptible: a kill, a worker wedged on a full pipe).
+      // The pool's next spare starts once the restore is sent (or soon after, whatever happens):
+      // a process booting beside a restore slows it down.
+      const holdSpare = restore === undefined ? undefined : pool.holdSpare
+      const acquire = (scope: Scope.Scope) =>
+        holdSpare === undefined
+          ? pool.acquire(s.meta.activeSessionId, workerEnv(s))
+          : Effect.zipRight(Scope.extend(holdSpare, scope), pool.acquire(s.meta.activeSessionId, workerEnv(s)))
       yield* forkIn(
         s,
-        Effect.uninterruptibleMask((interruptible) =>
+        Effect.scopeWith((scope) => Effect.uninterruptibleMask((interruptible) =>
           // Under maxWorkers: with every slot held, this waits (and asks idle sessions to stop).
-          interruptible(slots.withSlot(pool.acquire(s.meta.activeSessionId, workerEnv(s)), passivateForSlots(s))).pipe(
+          interruptible(slots.withSlot(acquire(scope), passivateForSlots(s))).pipe(
             // Sent at once, before the pool starts its next spare (a process booting beside a
             // restore slows it down); should this attempt be stale by now, the worker is stopped.
             Effect.tap((worker) => worker.send(load)),
@@ -94,7 +102,7 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
                   )
             })
           )
-        )
+        )).pipe(Effect.scoped)
       )
     })
 
