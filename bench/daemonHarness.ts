@@ -348,6 +348,8 @@ export interface StartOptions {
   /** AGENTD_* settings and the like, merged over the bench's environment. */
   readonly env?: Readonly<Record<string, string>>
   readonly extraArgs?: ReadonlyArray<string>
+  /** Another build's `agentd.js` (default {@link DAEMON_BIN}), to compare two builds in one run. */
+  readonly bin?: string
 }
 
 export class Daemon {
@@ -470,7 +472,8 @@ export class Daemon {
 
 /** Starts `agentd serve --state-dir <tmp>/state` and waits until its socket greets. */
 export const startDaemon = async (options: StartOptions = {}): Promise<Daemon> => {
-  if (!fs.existsSync(DAEMON_BIN)) throw new Error(`${DAEMON_BIN} does not exist: run \`npm run build\` first`)
+  const bin = options.bin ?? DAEMON_BIN
+  if (!fs.existsSync(bin)) throw new Error(`${bin} does not exist: run \`npm run build\` first`)
   const root = fs.mkdtempSync(path.join(os.tmpdir(), "agentd-bench-"))
   const stateDir = path.join(root, "state")
   const socketPath = path.join(stateDir, "agentd.sock")
@@ -481,7 +484,7 @@ export const startDaemon = async (options: StartOptions = {}): Promise<Daemon> =
     env[k] = v
   }
   Object.assign(env, options.env ?? {}, { AGENTD_BENCH_MARK: mark })
-  const proc = spawn(process.execPath, [DAEMON_BIN, "serve", "--state-dir", stateDir, ...(options.extraArgs ?? [])], {
+  const proc = spawn(process.execPath, [bin, "serve", "--state-dir", stateDir, ...(options.extraArgs ?? [])], {
     cwd: root,
     env,
     stdio: ["ignore", "pipe", "pipe"],

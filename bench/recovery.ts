@@ -12,6 +12,11 @@
  * daemon's worker processes (the session's worker and the pool's warm spare, started at the
  * previous restore) are idle in epoll_wait, as they would be for crashes that are not back to
  * back: the figure is the restore path the daemon is designed for (warm spare), not Node's boot.
+ *
+ * `AGENTD_BENCH_COMPARE_BIN=<another build>/dist/src/bin/agentd.js` runs that build's daemon
+ * beside this one on the same transcripts, the kills alternating between the two, and prints the
+ * ratio of the medians: two builds compared under the same load (a shared machine's load moves
+ * between two runs far more than the difference measured).
  */
 import { spawn } from "node:child_process"
 import {
@@ -28,8 +33,8 @@ import {
   runTurn,
   sleep,
   waitIdleProcesses,
-  waitReady,
-  withDaemon
+  startDaemon,
+  waitReady
 } from "./daemonHarness.js"
 import { percentiles } from "./report.js"
 
@@ -81,22 +86,36 @@ const killOnce = async (
   return { ms, toRecovering, state }
 }
 
-const measure = async (daemon: Daemon, client: Client, id: string, kills: number, expectedMessages: number) => {
-  const samples: Array<number> = []
-  const firstStatus: Array<number> = []
+/** One daemon under measure: its build, and the session whose worker is killed. */
+interface Subject {
+  readonly name: string
+  readonly daemon: Daemon
+  readonly client: Client
+  readonly id: string
+}
+
+/**
+ * `kills` rounds; in each, the worker of every subject is killed once, one after the other (two
+ * builds compared in one run see the same load, round by round).
+ */
+const measure = async (subjects: ReadonlyArray<Subject>, kills: number, expectedMessages: number) => {
+  const samples = subjects.map(() => [] as Array<number>)
+  const firstStatus = subjects.map(() => [] as Array<number>)
   for (let i = 0; i < kills; i++) {
-    await sleep(PAUSE_MS)
-    if (!(await waitIdleProcesses(descendantsOf(daemon.pid)))) {
-      console.log(`  (kill ${i + 1}: the daemon's workers were still busy after 10 s; killing anyway)`)
+    for (const [k, { client, daemon, id }] of subjects.entries()) {
+      await sleep(PAUSE_MS)
+      if (!(await waitIdleProcesses(subjects.flatMap((x) => descendantsOf(x.daemon.pid))))) {
+        console.log(`  (kill ${i + 1}: the daemons' workers were still busy after 10 s; killing anyway)`)
+      }
+      const { ms, toRecovering, state } = await killOnce(daemon, client, id)
+      if (state["messageCount"] !== expectedMessages) {
+        throw new Error(`after recovery the session has ${state["messageCount"]} messages, expected ${expectedMessages}`)
+      }
+      samples[k]!.push(ms)
+      firstStatus[k]!.push(toRecovering)
     }
-    const { ms, toRecovering, state } = await killOnce(daemon, client, id)
-    if (state["messageCount"] !== expectedMessages) {
-      throw new Error(`after recovery the session has ${state["messageCount"]} messages, expected ${expectedMessages}`)
-    }
-    samples.push(ms)
-    firstStatus.push(toRecovering)
   }
-  return { samples, firstStatus }
+  return subjects.map((_, k) => ({ samples: samples[k]!, firstStatus: firstStatus[k]! }))
 }
 
 /** Adds `turns` turns of `/bulk <bytes>`, then checkpoints. */
@@ -109,70 +128,103 @@ const grow = async (client: Client, id: string, turns: number, bytes: number) =>
   client.drain()
 }
 
+/** Starts a daemon from `bin` (default: this build) with a session attached and ready. */
+const startSubject = async (name: string, bin: string | undefined): Promise<Subject> => {
+  const daemon = await startDaemon({
+    env: {
+      AGENTD_MAX_RESTARTS: "1000",
+      AGENTD_RESTART_WINDOW_MS: "1",
+      AGENTD_CHECKPOINT_EVENTS: "1000000000",
+      AGENTD_CHECKPOINT_BYTES: String(1024 * MiB)
+    },
+    ...(bin === undefined ? {} : { bin })
+  })
+  const client = await daemon.connect("recovery")
+  const { id } = await createSession(client)
+  await client.ok({ type: "attach", activeSessionId: id, capabilities: ["event_sequence", "slim_attach"] })
+  await client.waitFor((m) => m["type"] === "session_attached", 15_000, "session_attached")
+  await waitReady(client, id)
+  return { name, daemon, client, id }
+}
+
+/**
+ * With `AGENTD_BENCH_COMPARE_BIN=<another build's dist/src/bin/agentd.js>` a second daemon runs
+ * that build beside this one, on the same transcripts, and the kills alternate between the two.
+ */
 export default async function recovery(): Promise<void> {
   // Baseline first, before the daemon and its workers run, after one warm-up spawn.
   await spawnToExit()
   const base: Array<number> = []
   for (let i = 0; i < BASELINE_SPAWNS; i++) base.push(await spawnToExit())
   const baseline = percentiles(base)
+  const compareBin = process.env["AGENTD_BENCH_COMPARE_BIN"]
 
-  await withDaemon(
-    {
-      env: {
-        AGENTD_MAX_RESTARTS: "1000",
-        AGENTD_RESTART_WINDOW_MS: "1",
-        AGENTD_CHECKPOINT_EVENTS: "1000000000",
-        AGENTD_CHECKPOINT_BYTES: String(1024 * MiB)
-      }
-    },
-    async (daemon) => {
-      const client = await daemon.connect("recovery")
-      const { id } = await createSession(client)
-      await client.ok({ type: "attach", activeSessionId: id, capabilities: ["event_sequence", "slim_attach"] })
-      await client.waitFor((m) => m["type"] === "session_attached", 15_000, "session_attached")
-      await waitReady(client, id)
+  const subjects: Array<Subject> = []
+  try {
+    subjects.push(await startSubject("this build", undefined))
+    if (compareBin !== undefined) subjects.push(await startSubject(compareBin, compareBin))
+    const label = (x: Subject) => (subjects.length > 1 ? ` [${x.name}]` : "")
 
-      let t = nowMs()
-      await grow(client, id, 1, SMALL_BULK)
-      const buildSmall = nowMs() - t
-      t = nowMs()
-      const { samples: small, firstStatus: smallFirst } = await measure(daemon, client, id, SMALL_KILLS, 2)
-      const s = percentiles(small)
+    let t = nowMs()
+    for (const x of subjects) await grow(x.client, x.id, 1, SMALL_BULK)
+    const buildSmall = nowMs() - t
+    t = nowMs()
+    const small = await measure(subjects, SMALL_KILLS, 2)
+    const killSmall = nowMs() - t
+    for (const [k, x] of subjects.entries()) {
+      const s = percentiles(small[k]!.samples)
       printLatency({
-        what: `recovery after SIGKILL of the worker, ~${(SMALL_BULK / 1e6).toFixed(0)} MB transcript (${SMALL_KILLS} kills)`,
+        what: `recovery after SIGKILL of the worker, ~${(SMALL_BULK / 1e6).toFixed(0)} MB transcript (${SMALL_KILLS} kills)${label(x)}`,
         median: s.median,
         p95: s.p95,
         baselineMedian: baseline.median,
         baselineName: `node -e 0 spawn-to-exit, median of ${BASELINE_SPAWNS}`,
         targetMedianMs: 150
       })
+    }
 
-      const killSmall = nowMs() - t
-      t = nowMs()
-      await grow(client, id, LARGE_EXTRA_TURNS, LARGE_BULK)
-      const buildLarge = nowMs() - t
-      t = nowMs()
-      const { samples: large, firstStatus: largeFirst } = await measure(daemon, client, id, LARGE_KILLS, 2 * (1 + LARGE_EXTRA_TURNS))
-      const killLarge = nowMs() - t
-      const l = percentiles(large)
+    t = nowMs()
+    for (const x of subjects) await grow(x.client, x.id, LARGE_EXTRA_TURNS, LARGE_BULK)
+    const buildLarge = nowMs() - t
+    t = nowMs()
+    const large = await measure(subjects, LARGE_KILLS, 2 * (1 + LARGE_EXTRA_TURNS))
+    const killLarge = nowMs() - t
+    for (const [k, x] of subjects.entries()) {
+      const l = percentiles(large[k]!.samples)
       printLatency({
-        what: `recovery after SIGKILL of the worker, ~${((SMALL_BULK + LARGE_EXTRA_TURNS * LARGE_BULK) / 1e6).toFixed(0)} MB transcript (${LARGE_KILLS} kills, fewer to fit the time)`,
+        what: `recovery after SIGKILL of the worker, ~${((SMALL_BULK + LARGE_EXTRA_TURNS * LARGE_BULK) / 1e6).toFixed(0)} MB transcript (${LARGE_KILLS} kills, fewer to fit the time)${label(x)}`,
         median: l.median,
         p95: l.p95,
         baselineMedian: baseline.median,
         baselineName: `node -e 0 spawn-to-exit, median of ${BASELINE_SPAWNS}`
       })
+    }
+    for (const [k, x] of subjects.entries()) {
+      const { firstStatus: smallFirst, samples: smallSamples } = small[k]!
+      const { firstStatus: largeFirst, samples: largeSamples } = large[k]!
       console.log(
-        `  samples (ms): 1 MB [${small.map((x) => x.toFixed(0)).join(" ")}]; 51 MB [${large.map((x) => x.toFixed(0)).join(" ")}]`
+        `  samples (ms)${label(x)}: 1 MB [${smallSamples.map((v) => v.toFixed(0)).join(" ")}]; 51 MB [${largeSamples.map((v) => v.toFixed(0)).join(" ")}]`
       )
       console.log(
-        `  of which kill -> "recovering" status, median: 1 MB ${percentiles(smallFirst).median.toFixed(0)} ms, ` +
+        `  of which kill -> "recovering" status, median${label(x)}: 1 MB ${percentiles(smallFirst).median.toFixed(0)} ms, ` +
           `51 MB ${percentiles(largeFirst).median.toFixed(0)} ms`
       )
-      const sec = (ms: number) => (ms / 1000).toFixed(1)
-      console.log(
-        `  phases (s): build 1 MB ${sec(buildSmall)}, kills ${sec(killSmall)}; build 51 MB ${sec(buildLarge)}, kills ${sec(killLarge)}`
-      )
     }
-  )
+    if (subjects.length > 1) {
+      const ratio = (of: typeof small) => (percentiles(of[0]!.samples).median / percentiles(of[1]!.samples).median).toFixed(2)
+      console.log(`  this build / ${compareBin}, medians: 1 MB ${ratio(small)}x, 51 MB ${ratio(large)}x`)
+    }
+    const sec = (ms: number) => (ms / 1000).toFixed(1)
+    console.log(
+      `  phases (s): build 1 MB ${sec(buildSmall)}, kills ${sec(killSmall)}; build 51 MB ${sec(buildLarge)}, kills ${sec(killLarge)}`
+    )
+  } catch (e) {
+    for (const x of subjects) {
+      const state = x.daemon.running ? "running" : `exited: code ${x.daemon.exitCode}, signal ${x.daemon.exitSignal}`
+      console.error(`  daemon log tail (pid ${x.daemon.pid}, ${state}):\n${x.daemon.stderrTail(2000)}`)
+    }
+    throw e
+  } finally {
+    for (const x of subjects) await x.daemon.cleanup()
+  }
 }

@@ -1,16 +1,7 @@
 /**
- * `DaemonLive`: every layer composed into the daemon `agentd serve` runs, over a state dir:
- *
- * ```
- * <stateDir>/agentd.sock                 the socket (0600)
- *                                        (the state dir's lock is not a file: see StateDirLock)
- * <stateDir>/supervisor-generation       +1 at every start
- * <stateDir>/recovery.jsonl              the recovery journal
- * <stateDir>/events/<session>/...        the event log
- * <stateDir>/sessions/<session>/...      metadata and transcripts (SessionStore)
- * <stateDir>/archive/                    killed sessions
- * <stateDir>/snapshot-cache/<gen>/       snapshot chunks spilled to disk
- * ```
+ * `DaemonLive`: every layer composed into the daemon `agentd serve` runs, over a state dir whose
+ * paths are all named in StateLayout (the state dir's lock is not a file: see StateDirLock).
+ * `CoreLive`: the same without the socket server.
  */
 import type * as FileSystem from "@effect/platform/FileSystem"
 import * as NodeFileSystem from "@effect/platform-node/NodeFileSystem"
@@ -32,12 +23,13 @@ import * as SessionManager from "./SessionManager.js"
 import * as SessionStore from "./SessionStore.js"
 import * as SnapshotCache from "./SnapshotCache.js"
 import * as StateDirLock from "./StateDirLock.js"
+import * as StateLayout from "./StateLayout.js"
 import * as WorkerPool from "./WorkerPool.js"
 
 /** Reads, increments and durably stores the supervisor generation of a state dir. */
 export const nextSupervisorGeneration = (stateDir: string) =>
   Effect.gen(function*() {
-    const file = path.join(stateDir, "supervisor-generation")
+    const file = StateLayout.make(stateDir).generationFile
     const previous = yield* Fsx.readFileIfExists(file)
     const last = previous._tag === "Some" ? Number.parseInt(previous.value.trim(), 10) : 0
     const generation = (Number.isSafeInteger(last) && last > 0 ? last : 0) + 1
@@ -60,36 +52,55 @@ export const stateDirLockLayer: Layer.Layer<
 
 /**
  * Paths and generation of this supervisor; creates the state dir (0700). It takes the state
- * dir's lock first: a second daemon on the same state dir, whatever its socket, is refused
- * before it writes anything (the generation counter included).
+ * dir's lock first: a second daemon on the same state dir is refused before it writes anything
+ * (the generation counter included). `beforeStateDir` runs once the lock is held, before the
+ * state dir is touched (`serve` claims its socket path there).
  */
+const makeSupervisorInfoLayer = <E>(beforeStateDir: Effect.Effect<void, E, DaemonConfig>): Layer.Layer<
+  SessionManager.SupervisorInfo,
+  Fsx.FsError | E | StateDirLock.StateDirLocked | StateDirLock.StateDirLockError,
+  DaemonConfig
+> =>
+  Layer.effect(
+    SessionManager.SupervisorInfo,
+    Effect.gen(function*() {
+      const config = yield* DaemonConfig
+      yield* StateDirLock.StateDirLock
+      yield* Fsx.ensureDir(config.stateDir)
+      yield* beforeStateDir
+      const generation = yield* nextSupervisorGeneration(config.stateDir)
+      const layout = StateLayout.make(config.stateDir)
+      // Spilled chunks of earlier supervisors are of no use to anyone now.
+      const cacheDir = layout.snapshotCacheRoot
+      if (fs.existsSync(cacheDir)) {
+        for (const entry of fs.readdirSync(cacheDir)) fs.rmSync(path.join(cacheDir, entry), { recursive: true, force: true })
+      }
+      return {
+        generation,
+        startedAt: Date.now(),
+        journalPath: layout.journalFile,
+        storeRoot: layout.storeRoot,
+        eventLogRoot: layout.eventLogRoot
+      }
+    })
+  ).pipe(Layer.provide(stateDirLockLayer))
+
+/** The supervisor's paths and generation, with no socket: what {@link CoreLive} is built over. */
 export const supervisorInfoLayer: Layer.Layer<
+  SessionManager.SupervisorInfo,
+  Fsx.FsError | StateDirLock.StateDirLocked | StateDirLock.StateDirLockError,
+  DaemonConfig
+> = makeSupervisorInfoLayer(Effect.void)
+
+/**
+ * {@link supervisorInfoLayer} for a daemon that serves the socket: the socket path is claimed
+ * before the state dir is touched, so a second daemon on a live socket changes nothing.
+ */
+export const servedSupervisorInfoLayer: Layer.Layer<
   SessionManager.SupervisorInfo,
   Fsx.FsError | DaemonServer.ServerStartError | StateDirLock.StateDirLocked | StateDirLock.StateDirLockError,
   DaemonConfig
-> = Layer.effect(
-  SessionManager.SupervisorInfo,
-  Effect.gen(function*() {
-    const config = yield* DaemonConfig
-    yield* StateDirLock.StateDirLock
-    yield* Fsx.ensureDir(config.stateDir)
-    // Before the state dir is touched: a second daemon on a live socket must change nothing.
-    yield* DaemonServer.claimSocketPath(config.socketPath)
-    const generation = yield* nextSupervisorGeneration(config.stateDir)
-    // Spilled chunks of earlier supervisors are of no use to anyone now.
-    const cacheDir = path.join(config.stateDir, "snapshot-cache")
-    if (fs.existsSync(cacheDir)) {
-      for (const entry of fs.readdirSync(cacheDir)) fs.rmSync(path.join(cacheDir, entry), { recursive: true, force: true })
-    }
-    return {
-      generation,
-      startedAt: Date.now(),
-      journalPath: path.join(config.stateDir, "recovery.jsonl"),
-      storeRoot: config.stateDir,
-      eventLogRoot: path.join(config.stateDir, "events")
-    }
-  })
-).pipe(Layer.provide(stateDirLockLayer))
+> = makeSupervisorInfoLayer(Effect.flatMap(DaemonConfig, (config) => DaemonServer.claimSocketPath(config.socketPath)))
 
 /**
  * The engines the workers run (`create` checks a session's engine and config against them),
@@ -134,7 +145,7 @@ export const snapshotCacheLayer: Layer.Layer<SnapshotCache.SnapshotCache, never,
     const config = yield* DaemonConfig
     const info = yield* SessionManager.SupervisorInfo
     return SnapshotCache.layer({
-      cacheRoot: path.join(config.stateDir, "snapshot-cache", String(info.generation)),
+      cacheRoot: StateLayout.make(config.stateDir).snapshotCacheDir(info.generation),
       memoryCacheBytes: config.memoryCacheBytes
     })
   }))
@@ -182,8 +193,8 @@ export interface DaemonLayers {
   /** Default {@link snapshotCacheLayer}; e.g. `SnapshotCache.layerMemory` (never spills). */
   readonly snapshotCache?: Layer.Layer<SnapshotCache.SnapshotCache, never, StorageContext | FileSystem.FileSystem> | undefined
   /**
-   * Default {@link workerPoolLayer}. Workers that read the daemon's files when they restore (the
-   * default ones do) need the default `eventLog` and `sessionStore`.
+   * Default {@link workerPoolLayer}. Workers never read storage: a restore is sent to them by the
+   * supervisor, read through the layers above, whatever they are.
    */
   readonly workerPool?:
     | Layer.Layer<
@@ -214,8 +225,46 @@ export type DaemonStartError =
   | SessionStore.SessionStoreError
   | RecoveryJournal.RecoveryJournalError
 
+/** Why the core ({@link CoreLive}) could not start: {@link DaemonStartError} less the socket's. */
+export type CoreStartError = Exclude<DaemonStartError, DaemonServer.ServerStartError>
+
+const configLayerOf = (config: Partial<DaemonConfigShape> | Layer.Layer<DaemonConfig, ConfigError.ConfigError>) =>
+  Layer.isLayer(config)
+    ? config as Layer.Layer<DaemonConfig, ConfigError.ConfigError>
+    : DaemonConfigModule.layer(config as Partial<DaemonConfigShape>)
+
+/** The core over a supervisor info layer: engines, storage, workers, sessions. */
+const coreOver = <E>(
+  configLayer: Layer.Layer<DaemonConfig, ConfigError.ConfigError>,
+  infoLayer: Layer.Layer<SessionManager.SupervisorInfo, E, DaemonConfig>,
+  layers: DaemonLayers
+) => {
+  const enginesLayer = checkEngines.pipe(Layer.provideMerge(layers.engines ?? BuiltinEngines.layer))
+  const info = infoLayer.pipe(Layer.provideMerge(enginesLayer), Layer.provideMerge(configLayer))
+  const storage = Layer.mergeAll(
+    layers.eventLog ?? eventLogLayer,
+    layers.sessionStore ?? sessionStoreLayer,
+    layers.recoveryJournal ?? recoveryJournalLayer,
+    (layers.snapshotCache ?? snapshotCacheLayer).pipe(Layer.provide(layers.fileSystem ?? NodeFileSystem.layer))
+  ).pipe(Layer.provideMerge(info))
+  const workers = (layers.workerPool ?? workerPoolLayer).pipe(Layer.provideMerge(storage))
+  return SessionManager.layer.pipe(Layer.provideMerge(workers))
+}
+
 /**
- * Every layer of the daemon: the socket server and what it needs.
+ * The embeddable core: the SessionManager with its storage, workers and engines, over a state
+ * dir (its lock held), and no socket server: for an app that talks to sessions in-process
+ * (`SessionManager.attach` takes any `ConnectionPort`). `config` and `layers` as for
+ * {@link DaemonLive}; the socket path is never touched.
+ */
+export const CoreLive = (
+  config: Partial<DaemonConfigShape> | Layer.Layer<DaemonConfig, ConfigError.ConfigError> = {},
+  layers: DaemonLayers = {}
+): Layer.Layer<SessionManager.SessionManager | SessionManager.SupervisorInfo | DaemonConfig, CoreStartError> =>
+  coreOver(configLayerOf(config), supervisorInfoLayer, layers)
+
+/**
+ * Every layer of the daemon: the socket server on top of the core ({@link CoreLive}).
  *
  * `config`: overrides of the configuration (each field left out comes from the `AGENTD_*`
  * settings of the `ConfigProvider`, the environment by default, else the embedded defaults;
@@ -225,22 +274,8 @@ export type DaemonStartError =
 export const DaemonLive = (
   config: Partial<DaemonConfigShape> | Layer.Layer<DaemonConfig, ConfigError.ConfigError> = {},
   layers: DaemonLayers = {}
-): Layer.Layer<DaemonServer.DaemonServer | SessionManager.SessionManager, DaemonStartError> => {
-  const configLayer = Layer.isLayer(config)
-    ? config as Layer.Layer<DaemonConfig, ConfigError.ConfigError>
-    : DaemonConfigModule.layer(config as Partial<DaemonConfigShape>)
-  const enginesLayer = checkEngines.pipe(Layer.provideMerge(layers.engines ?? BuiltinEngines.layer))
-  const info = supervisorInfoLayer.pipe(Layer.provideMerge(enginesLayer), Layer.provideMerge(configLayer))
-  const storage = Layer.mergeAll(
-    layers.eventLog ?? eventLogLayer,
-    layers.sessionStore ?? sessionStoreLayer,
-    layers.recoveryJournal ?? recoveryJournalLayer,
-    (layers.snapshotCache ?? snapshotCacheLayer).pipe(Layer.provide(layers.fileSystem ?? NodeFileSystem.layer))
-  ).pipe(Layer.provideMerge(info))
-  const workers = (layers.workerPool ?? workerPoolLayer).pipe(Layer.provideMerge(storage))
-  const manager = SessionManager.layer.pipe(Layer.provideMerge(workers))
-  return DaemonServer.layer.pipe(Layer.provideMerge(manager))
-}
+): Layer.Layer<DaemonServer.DaemonServer | SessionManager.SessionManager, DaemonStartError> =>
+  DaemonServer.layer.pipe(Layer.provideMerge(coreOver(configLayerOf(config), servedSupervisorInfoLayer, layers)))
 
 /** Runs the daemon until a client sends `shutdown` (or the fiber is interrupted by a signal). */
 export const serve = (config: Partial<DaemonConfigShape> = {}) =>

@@ -11,6 +11,7 @@
  * <root>/<sanitized sessionId>/events/     0700
  * <root>/<sanitized sessionId>/events/<generation>.jsonl   0600, one segment per generation
  * ```
+ * (the paths are StateLayout's, the sanitizer its {@link StateLayout.safeSegment})
  * A segment starts with one header line `{"segment":{"generation":g,"after"?:Cursor}}` (`after`
  * is the session's last event before generation g), then one line per event:
  * `{"cursor":{"generation":g,"sequence":s},"event":{...}}`, with `s` = 0, 1, 2, ... in line order.
@@ -37,6 +38,7 @@ import * as Stream from "effect/Stream"
 import * as fs from "node:fs"
 import * as path from "node:path"
 import * as Cursor from "./Cursor.js"
+import * as StateLayout from "./StateLayout.js"
 
 // ---------------------------------------------------------------------------------------------
 // Public types
@@ -189,30 +191,14 @@ export class EventLog extends Context.Tag("agentd/EventLog")<EventLog, EventLogS
 const fail = (reason: EventLogErrorReason, sessionId: string, message: string, cause?: unknown) =>
   new EventLogError(cause === undefined ? { reason, sessionId, message } : { reason, sessionId, message, cause })
 
-/** Longest directory name we produce; file systems allow 255 bytes. */
-const MAX_DIRNAME = 200
-
-const SAFE_BYTE = /^[A-Za-z0-9_.-]$/
-
 /**
- * Maps a session id to a directory name: bytes outside `[A-Za-z0-9_.-]` become `%XX` (and so does
- * `%` itself), so the mapping is injective and never yields a path separator, `.` or `..`.
+ * A session id's directory name, StateLayout's one sanitizer ({@link StateLayout.safeSegment}:
+ * injective, never a path separator, `.` or `..`); the empty id is refused.
  */
-export const sanitizeSessionId = (sessionId: string): Either.Either<string, EventLogError> => {
-  if (sessionId.length === 0) return Either.left(fail("InvalidSessionId", sessionId, "session id is empty"))
-  let out = ""
-  for (const byte of Buffer.from(sessionId, "utf8")) {
-    const ch = String.fromCharCode(byte)
-    out += byte < 0x80 && SAFE_BYTE.test(ch) ? ch : `%${byte.toString(16).toUpperCase().padStart(2, "0")}`
-  }
-  if (out === "." || out === "..") out = out.replaceAll(".", "%2E")
-  if (out.length > MAX_DIRNAME) {
-    return Either.left(
-      fail("InvalidSessionId", sessionId, `session id is too long (${out.length} > ${MAX_DIRNAME} bytes once escaped)`)
-    )
-  }
-  return Either.right(out)
-}
+export const sanitizeSessionId = (sessionId: string): Either.Either<string, EventLogError> =>
+  sessionId.length === 0
+    ? Either.left(fail("InvalidSessionId", sessionId, "session id is empty"))
+    : Either.right(StateLayout.safeSegment(sessionId))
 
 /** The event as JSON text, or why it cannot be logged. */
 const serializeSync = (sessionId: string, event: EventData | EncodedEvent): string | EventLogError => {
@@ -442,7 +428,7 @@ export const firstDamage = (
   return offset === 0 ? { offset: 0, line: 1 } : undefined
 }
 
-const segmentPath = (h: Handle, generation: number) => path.join(h.eventsDir, `${generation}.jsonl`)
+const segmentPath = (h: Handle, generation: number) => StateLayout.eventSegmentFile(h.eventsDir, generation)
 
 const SEGMENT_NAME = /^([1-9][0-9]*)\.jsonl$/
 
@@ -543,11 +529,11 @@ const openHandle = (root: string, sessionId: string, readOnly: boolean): Effect.
   Effect.gen(function*() {
     const name = sanitizeSessionId(sessionId)
     if (name._tag === "Left") return yield* Effect.fail(name.left)
-    const dir = path.join(root, name.right)
+    const paths = StateLayout.eventLogPaths(root)
     const h: Handle = {
       sessionId,
-      dir,
-      eventsDir: path.join(dir, "events"),
+      dir: paths.sessionDir(sessionId),
+      eventsDir: paths.eventsDir(sessionId),
       lock: Effect.unsafeMakeSemaphore(1),
       segments: [],
       fd: undefined,
@@ -1083,7 +1069,7 @@ export const make = (options: EventLogOptions): Effect.Effect<EventLogService, E
       if (open !== undefined) yield* kill(open, fail("Closed", sessionId, "the session's event log is being repaired"))
       const name = sanitizeSessionId(sessionId)
       if (name._tag === "Left") return yield* Effect.fail(name.left)
-      const eventsDir = path.join(root, name.right, "events")
+      const eventsDir = StateLayout.eventLogPaths(root).eventsDir(sessionId)
       const segments = (yield* fsReaddir(sessionId, eventsDir).pipe(
         Effect.catchIf(isNotFound, () => Effect.succeed<Array<string>>([]))
       )).flatMap((entry) => {
@@ -1091,7 +1077,7 @@ export const make = (options: EventLogOptions): Effect.Effect<EventLogService, E
         return match === null ? [] : [Number(match[1])]
       }).sort((a, b) => a - b)
       for (const [i, generation] of segments.entries()) {
-        const file = path.join(eventsDir, `${generation}.jsonl`)
+        const file = StateLayout.eventSegmentFile(eventsDir, generation)
         const bytes = yield* io<Buffer>(sessionId, `read ${file}`, (cb) => fs.readFile(file, cb))
         const damage = firstDamage(bytes, generation, i === segments.length - 1)
         if (damage === undefined) continue
@@ -1116,7 +1102,7 @@ export const make = (options: EventLogOptions): Effect.Effect<EventLogService, E
         movedTo.push(file + suffix)
         moved += bytes.length - damage.offset
         for (const later of segments.slice(i + 1)) {
-          const laterFile = path.join(eventsDir, `${later}.jsonl`)
+          const laterFile = StateLayout.eventSegmentFile(eventsDir, later)
           moved += yield* io<fs.Stats>(sessionId, `stat ${laterFile}`, (cb) => fs.stat(laterFile, cb)).pipe(Effect.map((st) => st.size))
           yield* fsRename(sessionId, laterFile, laterFile + suffix)
           movedTo.push(laterFile + suffix)

@@ -34,7 +34,6 @@ import * as Queue from "effect/Queue"
 import * as Scope from "effect/Scope"
 import * as Stream from "effect/Stream"
 import { randomUUID } from "node:crypto"
-import * as path from "node:path"
 import * as Cursor from "./Cursor.js"
 import { DaemonConfig } from "./DaemonConfig.js"
 import { Engine } from "./Engine.js"
@@ -52,6 +51,7 @@ import type { AgentMessage, CommandOf, SessionSummary } from "./Protocol.js"
 import { RecoveryJournal } from "./RecoveryJournal.js"
 import { type SessionMeta, SessionStore } from "./SessionStore.js"
 import { SnapshotCache } from "./SnapshotCache.js"
+import * as StateLayout from "./StateLayout.js"
 import { defaultRestartPolicy, restartSchedule, WorkerPool } from "./WorkerPool.js"
 
 export { CommandError } from "./internal/session/session.js"
@@ -459,7 +459,7 @@ export const make = Effect.gen(function*() {
       const id = d.activeSessionId
       yield* Effect.ignoreLogged(journal.forget(id))
       const dir = yield* store.archive(id).pipe(Effect.mapError(internal("session store")))
-      yield* log.remove(id, { archiveTo: path.join(dir, "events") }).pipe(Effect.mapError(internal("event log")))
+      yield* log.remove(id, { archiveTo: StateLayout.archivedEventsDir(dir) }).pipe(Effect.mapError(internal("event log")))
       damaged.delete(id)
       return {}
     }))

@@ -23,8 +23,9 @@
  * reading are streamed and never hold a whole file in memory. Pruning a generation removes its
  * file, and an append-only transcript once no retained generation reads it.
  *
- * Session ids come from the wire: they are turned into a single path segment by
- * {@link Fsx.safeSegment} (injective, so ids never collide, and `..`/`/` cannot escape `root`).
+ * The paths are StateLayout's. Session ids come from the wire: they are turned into a single
+ * path segment by {@link StateLayout.safeSegment} (injective, so ids never collide, and `..`/`/`
+ * cannot escape `root`).
  * `env` and `launchEnv` are not part of {@link SessionMeta} and are never written.
  */
 import * as fs from "node:fs"
@@ -45,6 +46,7 @@ import * as Schema from "effect/Schema"
 import * as Stream from "effect/Stream"
 import { Cursor } from "./Cursor.js"
 import * as Fsx from "./internal/fsx.js"
+import * as StateLayout from "./StateLayout.js"
 
 // ---------------------------------------------------------------------------------------------
 // Schemas
@@ -262,23 +264,8 @@ export class SessionStore extends Context.Tag("agentd/SessionStore")<SessionStor
 // ---------------------------------------------------------------------------------------------
 // Shared helpers
 
-/** Paths of a store rooted at `root`. */
-const pathsOf = (root: string) => {
-  const sessions = nodePath.join(root, "sessions")
-  const archive = nodePath.join(root, "archive")
-  const sessionDir = (id: string) => nodePath.join(sessions, Fsx.safeSegment(id))
-  const snapshotsDir = (id: string) => nodePath.join(sessionDir(id), "snapshots")
-  return {
-    sessions,
-    archive,
-    sessionDir,
-    metaFile: (id: string) => nodePath.join(sessionDir(id), "meta.json"),
-    snapshotsDir,
-    snapshotFile: (id: string, generation: number) => nodePath.join(snapshotsDir(id), `${generation}.jsonl`),
-    transcriptsDir: (id: string) => nodePath.join(sessionDir(id), "transcripts"),
-    transcriptFile: (id: string, epoch: number) => nodePath.join(sessionDir(id), "transcripts", `${epoch}.jsonl`)
-  }
-}
+/** Paths of a store rooted at `root` (named once, in StateLayout). */
+const pathsOf = StateLayout.sessionStorePaths
 
 const encodeMeta = Schema.encode(SessionMeta)
 const decodeMetaJson = Schema.decodeUnknownEither(Schema.parseJson(SessionMeta))
@@ -552,7 +539,7 @@ export const make = (options: Options): Effect.Effect<SessionStoreService, Sessi
       const unreadable: Array<SessionListing> = []
       for (const name of names) {
         if (name.startsWith(".")) continue
-        const id = Fsx.segmentId(name)
+        const id = StateLayout.segmentId(name)
         const path = nodePath.join(paths.sessions, name, "meta.json")
         const found = yield* Effect.either(readMetaFile(name, path))
         if (Either.isRight(found) && Option.isSome(found.right)) metas.push(found.right.value)
@@ -810,11 +797,11 @@ export const make = (options: Options): Effect.Effect<SessionStoreService, Sessi
           return yield* new SessionNotFound({ activeSessionId: id })
         }
         yield* Fsx.ensureDir(paths.archive).pipe(Effect.mapError(ioError(id)))
-        const base = `${Fsx.safeSegment(id)}-${compactTimestamp(yield* Clock.currentTimeMillis)}`
+        const base = paths.archiveDir(id, compactTimestamp(yield* Clock.currentTimeMillis))
         // The same id can be created and archived twice within one millisecond.
-        let target = nodePath.join(paths.archive, base)
+        let target = base
         for (let n = 1; yield* exists(target).pipe(Effect.mapError(ioError(id))); n++) {
-          target = nodePath.join(paths.archive, `${base}-${n}`)
+          target = `${base}-${n}`
         }
         const destination = target
         yield* Fsx.attempt("rename", source, () => fsp.rename(source, destination)).pipe(
@@ -989,7 +976,7 @@ export const makeMemory: Effect.Effect<SessionStoreService> = Effect.gen(functio
         return [found, rest]
       })
       if (session === undefined) return yield* new SessionNotFound({ activeSessionId: id })
-      const base = nodePath.join(paths.archive, `${Fsx.safeSegment(id)}-${compactTimestamp(now)}`)
+      const base = paths.archiveDir(id, compactTimestamp(now))
       return yield* Ref.modify(archived, (list): [string, ReadonlyArray<{ readonly path: string; readonly session: MemorySession }>] => {
         const taken = new Set(list.map((a) => a.path))
         let path = base

@@ -26,10 +26,10 @@ import * as Option from "effect/Option"
 import * as Ref from "effect/Ref"
 import type * as Scope from "effect/Scope"
 import * as Stream from "effect/Stream"
-import { createHash } from "node:crypto"
 import * as fsp from "node:fs/promises"
 import * as NodePath from "node:path"
 import type { Cursor } from "./Cursor.js"
+import * as StateLayout from "./StateLayout.js"
 
 // ---------------------------------------------------------------------------------------------
 // Chunking
@@ -380,27 +380,11 @@ export interface SnapshotCacheOptions {
 // Spill paths
 // ---------------------------------------------------------------------------------------------
 
-// Names longer than this are shortened with a hash, well under the usual 255-byte file name limit.
-const MAX_DIRECTORY_NAME = 180
-
 /**
- * The spill directory name of a snapshotId: ASCII letters, digits, `_` and `-` are kept, every
- * other UTF-8 byte becomes `%XX` (so `.` and `/` never appear and no name is `.` or `..`; a
- * snapshotId cannot leave the cache root). Distinct ids give distinct names: `%` is itself
- * encoded, and a name that would be too long is cut and suffixed with `~` and a SHA-256 prefix of
- * the id (`~` is never produced by the encoding).
+ * The spill directory name of a snapshotId: StateLayout's one sanitizer (so `.` and `/` never
+ * appear, no name is `.` or `..`, and distinct ids give distinct names).
  */
-export const spillDirectoryName = (snapshotId: string): string => {
-  let name = ""
-  for (const byte of Buffer.from(snapshotId, "utf8")) {
-    const safe = (byte >= 0x30 && byte <= 0x39) || (byte >= 0x41 && byte <= 0x5a) ||
-      (byte >= 0x61 && byte <= 0x7a) || byte === 0x5f || byte === 0x2d
-    name += safe ? String.fromCharCode(byte) : `%${byte.toString(16).toUpperCase().padStart(2, "0")}`
-  }
-  if (name.length <= MAX_DIRECTORY_NAME) return name
-  const digest = createHash("sha256").update(snapshotId, "utf8").digest("hex").slice(0, 32)
-  return `${name.slice(0, MAX_DIRECTORY_NAME - 33)}~${digest}`
-}
+export const spillDirectoryName = (snapshotId: string): string => StateLayout.safeSegment(snapshotId)
 
 // ---------------------------------------------------------------------------------------------
 // Implementation
@@ -580,7 +564,7 @@ const makeWith = (memoryCacheBytes: number, spill: SpillConfig | undefined) =>
       const entry: Entry = {
         snapshotId,
         meta,
-        directory: spill !== undefined ? NodePath.join(spill.root, spillDirectoryName(snapshotId)) : undefined,
+        directory: spill !== undefined ? StateLayout.spillDir(spill.root, snapshotId) : undefined,
         state: yield* Ref.make<EntryState>({
           status: { _tag: "Open" },
           chunkCount: 0,

@@ -5,8 +5,10 @@
  * outlives its daemon, even one killed with SIGKILL.
  *
  * A worker starts empty (the pool's warm spare) and becomes a session's worker on `load`,
- * either fresh or restoring: it loads the latest complete transcript, folds the logged events
- * after it, and reports `turn_interrupted` when the journal says a turn was running.
+ * either fresh or restoring: the supervisor sends it the latest complete transcript and the
+ * logged events after it in restore frames (read through the daemon's storage layers; a worker
+ * never opens the state dir), it folds them, and reports `turn_interrupted` when the journal
+ * said a turn was running.
  */
 import * as Deferred from "effect/Deferred"
 import * as Effect from "effect/Effect"
@@ -16,22 +18,15 @@ import * as Fiber from "effect/Fiber"
 import * as FiberSet from "effect/FiberSet"
 import * as Layer from "effect/Layer"
 import * as Logger from "effect/Logger"
-import * as Option from "effect/Option"
+import { isRecord } from "effect/Predicate"
 import * as Queue from "effect/Queue"
 import * as Stream from "effect/Stream"
-import * as fs from "node:fs"
 import * as net from "node:net"
-import * as os from "node:os"
-import * as path from "node:path"
-import * as Cursor from "./Cursor.js"
 import { Engine, type EngineSession, foldEvent, TranscriptReplaced } from "./Engine.js"
 import * as BuiltinEngines from "./engines/builtin.js"
 import { SessionWorkDir } from "./engines/SessionWorkDir.js"
-import * as EventLog from "./EventLog.js"
 import { LineDecoder } from "./JsonLines.js"
 import type { AgentEvent, AgentMessage, InterruptReason } from "./Protocol.js"
-import * as RecoveryJournal from "./RecoveryJournal.js"
-import * as SessionStore from "./SessionStore.js"
 import { chunkMessages, DEFAULT_TARGET_CHUNK_BYTES } from "./SnapshotCache.js"
 import * as WorkerProtocol from "./WorkerProtocol.js"
 
@@ -83,7 +78,9 @@ class FdPipe implements WorkerPipe {
 
   /** Calls `onLine` for every line; resolves when the supervisor's end closes. */
   lines(onLine: (line: string) => void): Promise<void> {
-    const decoder = new LineDecoder()
+    // The supervisor is trusted: a restore frame holding one large message can pass the
+    // protocol's line limit.
+    const decoder = new LineDecoder(Number.MAX_SAFE_INTEGER)
     return new Promise((resolve) => {
       this.socket.on("data", (chunk: Buffer) => {
         for (const item of decoder.push(chunk)) if (typeof item === "string") onLine(item)
@@ -160,172 +157,153 @@ export class StreamingMessage {
   }
 }
 
-/** Where a worker reads the session it restores (the `restore` of its `load` frame). */
-export type RestoreSource = (
-  activeSessionId: string,
-  restore: NonNullable<LoadFrame["restore"]>
-) => Effect.Effect<RestoredSession, { readonly message: string }>
+/** A restore frame, as the worker takes it in. */
+type RestoreFrame =
+  | typeof WorkerProtocol.RestoreMessages.Type
+  | typeof WorkerProtocol.RestoreEvents.Type
+  | typeof WorkerProtocol.RestoreEnd.Type
+  | typeof WorkerProtocol.RestoreFailed.Type
 
 /**
- * The latest complete transcript with the logged events after it folded in, from the session
- * store and event log in context; `busy` says whether the journal has a turn running.
+ * A session being restored from the supervisor's restore frames: the transcript's messages in
+ * order, then the logged events after it folded in (following a message a cut turn was
+ * streaming). A `restore_messages` or `restore_events` frame announces how many of the next
+ * lines are messages or records ({@link RestoreIntake.wantsLine}): those lines go to
+ * {@link RestoreIntake.line}, not to the frame decoder. The supervisor reads them through its own
+ * storage layers; the worker never opens the state dir.
  */
-export const readTranscript = (activeSessionId: string, busy: Effect.Effect<boolean, { readonly message: string }>) =>
-  Effect.gen(function*() {
-    const store = yield* SessionStore.SessionStore
-    const log = yield* EventLog.EventLog
-    const messages: Array<AgentMessage> = []
-    const streaming = new StreamingMessage()
-    const latest = yield* store.latestSnapshot(activeSessionId)
-    let after: Cursor.Cursor | undefined
-    if (Option.isSome(latest)) {
-      yield* store.readSnapshot(activeSessionId, latest.value.header.generation).pipe(
-        Stream.runForEach((m) => Effect.sync(() => messages.push(m as AgentMessage)))
-      )
-      after = latest.value.header.cursor
+export class RestoreIntake {
+  readonly messages: Array<AgentMessage> = []
+  private readonly streaming = new StreamingMessage()
+  private received = 0
+  private folding = false
+  /** Lines still owed to the last `restore_messages` / `restore_events` frame. */
+  private owed = 0
+  private error: string | undefined
+
+  /** Whether the next line is one of the lines a frame announced (not a frame itself). */
+  get wantsLine(): boolean {
+    return this.owed > 0
+  }
+
+  /** One announced line: a message, or a logged record whose agent event is folded in. */
+  line(text: string): void {
+    this.owed--
+    if (this.error !== undefined) return
+    let value: unknown
+    try {
+      value = JSON.parse(text)
+    } catch {
+      this.error = `an unreadable ${this.folding ? "event record" : "transcript message"} line: ${text.slice(0, 200)}`
+      return
     }
-    yield* log.read(activeSessionId, after).pipe(
-      Stream.runForEach((record) =>
-        Effect.sync(() => {
-          // A log record holds the wire body (`session_event`, `session_status`, ...); the agent
-          // event is inside a `session_event`.
-          const body = record.event as { readonly type: string; readonly event?: { readonly type: string } }
-          if (body.type === "session_event" && body.event !== undefined) {
-            foldEvent(messages, body.event)
-            streaming.track(body.event)
-          }
-        })
-      )
+    if (!this.folding) {
+      this.messages.push(value as AgentMessage)
+      this.received++
+      return
+    }
+    // A log record holds the wire body (`session_event`, ...); the agent event is inside.
+    if (!isRecord(value) || value["type"] !== "session_event" || !isRecord(value["event"])) return
+    const event = value["event"] as AgentEvent
+    foldEvent(this.messages, event)
+    this.streaming.track(event)
+  }
+
+  /**
+   * Takes one restore frame: undefined while the restore goes on, else its outcome (the
+   * restored session, or why the restore failed).
+   */
+  take(frame: RestoreFrame, busy: boolean): Either.Either<RestoredSession, string> | undefined {
+    switch (frame.type) {
+      case "restore_messages":
+        // Events are folded into the whole transcript: a message after them would be out of order.
+        if (this.folding && this.error === undefined) this.error = "transcript messages came after logged events"
+        this.owed = frame.count
+        return undefined
+      case "restore_events":
+        this.folding = true
+        this.owed = frame.count
+        return undefined
+      case "restore_end":
+        if (this.error !== undefined) return Either.left(this.error)
+        return this.received === frame.messageCount
+          ? Either.right({ messages: this.messages, busy, streaming: this.streaming.take() })
+          : Either.left(`${this.received} transcript messages arrived, ${frame.messageCount} were sent`)
+      case "restore_failed":
+        return Either.left(frame.message)
+    }
+  }
+}
+
+/**
+ * Runs the restore path `rounds` times on a scratch session in memory: the frames a supervisor
+ * sends for a small transcript with events after it, through the same line decoder, frame
+ * decoder and fold as a real restore. Returns the restored message count; fails if the path
+ * did not restore the scratch session (a warm-up that silently stopped working warms nothing).
+ */
+export const warmUpRestorePath = (rounds: number): Effect.Effect<number, string> =>
+  Effect.gen(function*() {
+    const message = (id: string, content: string): AgentMessage => ({ id, role: "assistant", content, timestamp: Date.now() })
+    const messages = Array.from({ length: 64 }, (_, i) => JSON.stringify(message(`m${i}`, "warm-up ".repeat(64 * (i % 8 + 1)))))
+    const records = [
+      { type: "message_start", message: message("m64", "") },
+      ...Array.from({ length: 32 }, () => ({ type: "message_update", messageId: "m64", delta: "warm-up " })),
+      { type: "message_end", message: message("m64", "warm-up ".repeat(32)) },
+      { type: "agent_end" }
+    ].map((event) => JSON.stringify({ type: "session_event", event, emittedAt: 0 }))
+    const frames = Buffer.from(
+      WorkerProtocol.encodeRestoreMessages(messages.slice(0, 32)) +
+        WorkerProtocol.encodeRestoreMessages(messages.slice(32)) +
+        WorkerProtocol.encodeRestoreEvents(records) +
+        WorkerProtocol.encodeFrame({ type: "restore_end", messageCount: messages.length }),
+      "utf8"
     )
-    return { messages, busy: yield* busy, streaming: streaming.take() }
+    let restored = 0
+    for (let round = 0; round < rounds; round++) {
+      const intake = new RestoreIntake()
+      let outcome: Either.Either<RestoredSession, string> | undefined
+      for (const line of new LineDecoder(Number.MAX_SAFE_INTEGER).push(frames)) {
+        if (typeof line !== "string") continue
+        if (intake.wantsLine) {
+          intake.line(line)
+          continue
+        }
+        const frame = WorkerProtocol.decodeSupervisorFrame(line)
+        if (Either.isLeft(frame)) return yield* Effect.fail(`a warm-up frame did not decode: ${frame.left}`)
+        if (!isRestoreFrame(frame.right)) return yield* Effect.fail(`a warm-up frame is no restore frame: ${line}`)
+        outcome = intake.take(frame.right, false)
+      }
+      if (outcome === undefined) return yield* Effect.fail("the warm-up restore did not end")
+      if (Either.isLeft(outcome)) return yield* Effect.fail(outcome.left)
+      restored = outcome.right.messages.length
+      // The first real frame interrupts the warm-up between two rounds.
+      yield* Effect.yieldNow()
+    }
+    return restored
   })
 
-/** A worker process restores from the daemon's files, read-only (the supervisor may be appending). */
-const restoreFromFiles: RestoreSource = (activeSessionId, restore) =>
-  readTranscript(
-    activeSessionId,
-    Effect.map(RecoveryJournal.readLatest(restore.journalPath), (journal) => journal.get(activeSessionId)?.busy ?? false)
-  ).pipe(
-    Effect.provide(Layer.mergeAll(
-      SessionStore.layer({ root: restore.storeRoot }),
-      EventLog.layer({ root: restore.eventLogRoot, readOnly: true })
-    ))
-  )
-
-const WARM_UP_PREFIX = "agentd-worker-warm-up-"
-
 /**
- * Removes the warm-up dirs that workers killed during their warm-up left (named by pid): only
- * this user's, only of dead pids; anything in the way is skipped.
+ * While a spare waits to be needed it runs the restore path a few times: the first run of that
+ * code in a process pays for compiling it. Interrupted by the first real frame; a failure only
+ * means the first real restore runs cold.
  */
-const sweepWarmUpDirs = (): void => {
-  const uid = process.getuid?.()
-  for (const entry of fs.readdirSync(os.tmpdir())) {
-    if (!entry.startsWith(WARM_UP_PREFIX)) continue
-    const pid = Number(entry.slice(WARM_UP_PREFIX.length).split("-")[0])
-    if (!Number.isSafeInteger(pid) || pid <= 0 || isAlive(pid)) continue
-    const dir = path.join(os.tmpdir(), entry)
-    try {
-      if (uid !== undefined && fs.lstatSync(dir).uid !== uid) continue
-      fs.rmSync(dir, { recursive: true, force: true })
-    } catch {
-      // gone meanwhile, or not ours to remove
-    }
-  }
-}
-
-const removeQuietly = (dir: string): void => {
-  try {
-    fs.rmSync(dir, { recursive: true, force: true, maxRetries: 2 })
-  } catch {
-    // a file operation still in flight; the next attempt or the next spare's sweep gets it
-  }
-}
-
-const isAlive = (pid: number): boolean => {
-  try {
-    process.kill(pid, 0)
-    return true
-  } catch (e) {
-    // EPERM: it exists, it is someone else's.
-    return (e as NodeJS.ErrnoException).code === "EPERM"
-  }
-}
-
-/**
- * Runs the restore path once, on a scratch session in a temp dir, while this worker waits to be
- * needed.
- * A warm spare exists to make restores fast, and the first run of that code in a process pays
- * for compiling it: a cold restore of a 1 MB transcript took ~100-150 ms, most of it there.
- * Best effort: a failure only means the first real restore runs cold.
- */
-const warmUpRestore: Effect.Effect<void> = Effect.gen(function*() {
-  yield* Effect.try(sweepWarmUpDirs)
-  const dir = yield* Effect.acquireRelease(
-    Effect.try(() => {
-      const dir = fs.mkdtempSync(path.join(os.tmpdir(), `${WARM_UP_PREFIX}${process.pid}-`))
-      // Removed however the process ends: at exit, and on the pool's SIGTERM (a spare is
-      // stopped that way, possibly mid warm-up).
-      const onExit = () => removeQuietly(dir)
-      const onTerm = () => process.exit(0)
-      process.on("exit", onExit)
-      process.once("SIGTERM", onTerm)
-      return { dir, onExit, onTerm }
-    }),
-    ({ dir, onExit, onTerm }) =>
-      Effect.sync(() => {
-        process.off("SIGTERM", onTerm)
-        removeQuietly(dir)
-        // An interrupted warm-up may still have file operations in flight that recreate
-        // parts of the dir: remove it once more when they are surely done.
-        setTimeout(() => {
-          removeQuietly(dir)
-          process.off("exit", onExit)
-        }, 2000).unref()
-      })
-  ).pipe(Effect.map(({ dir }) => dir))
-  const restore = {
-    journalPath: path.join(dir, "recovery.jsonl"),
-    storeRoot: path.join(dir, "sessions"),
-    eventLogRoot: path.join(dir, "events")
-  }
-  const activeSessionId = "warm-up"
-  const message = (id: string): AgentMessage => ({ id, role: "assistant", content: "warm-up", timestamp: Date.now() })
-  const messageEnd = (id: string) => ({ type: "session_event", event: { type: "message_end", message: message(id) }, emittedAt: 0 })
-  // A session as a supervisor leaves it: a checkpoint, events after it, a journal record.
-  yield* Effect.gen(function*() {
-    const store = yield* SessionStore.SessionStore
-    const log = yield* EventLog.EventLog
-    const journal = yield* RecoveryJournal.RecoveryJournal
-    yield* store.create({ activeSessionId, sessionId: activeSessionId, engine: "echo", telemetry: false, createdAt: new Date().toISOString() })
-    const first = yield* log.append(activeSessionId, messageEnd("m0"))
-    yield* log.startGeneration(activeSessionId)
-    yield* store.writeSnapshot(activeSessionId, { snapshotId: "warm-up~g2", generation: 2, cursor: first, messageCount: 1 }, [message("m0")])
-    yield* log.appendAll(activeSessionId, [messageEnd("m1"), messageEnd("m2")])
-    yield* journal.record({ activeSessionId, sessionId: activeSessionId, busy: false, operation: "warm_up" })
-  }).pipe(Effect.provide(Layer.mergeAll(
-    SessionStore.layer({ root: restore.storeRoot }),
-    EventLog.layer({ root: restore.eventLogRoot }),
-    RecoveryJournal.layer({ path: restore.journalPath })
-  )))
-  const restored = yield* restoreFromFiles(activeSessionId, restore)
-  if (restored.messages.length !== 3) yield* Effect.logDebug(`warm-up restore found ${restored.messages.length} messages`)
-}).pipe(
-  Effect.scoped,
-  // Whatever went wrong (a missing TMPDIR, a full disk), the spare is still a worker.
+const warmUpRestore: Effect.Effect<void> = warmUpRestorePath(20).pipe(
+  // Whatever went wrong, the spare is still a worker.
   Effect.catchAllCause((cause) => Effect.logDebug("warm-up skipped", cause))
 )
 
+const isRestoreFrame = (frame: WorkerProtocol.SupervisorFrame): frame is RestoreFrame =>
+  frame.type === "restore_messages" || frame.type === "restore_events" || frame.type === "restore_end" ||
+  frame.type === "restore_failed"
+
 /** How a worker runs: in its own process (the defaults), or inside the daemon's (tests). */
 export interface RunOptions {
-  /** Run the restore path once on scratch files while waiting for a session (a warm spare). */
+  /** Run the restore path once on a scratch session while waiting for a session (a warm spare). */
   readonly warmUp?: boolean
   /** The pid the worker reports (default: this process's). */
   readonly pid?: number
   /** What the `stop` frame does (default: exit the process). */
   readonly exit?: Effect.Effect<void>
-  /** Where a restoring worker reads its session (default: the files named in `load`). */
-  readonly restore?: RestoreSource
 }
 
 /**
@@ -336,10 +314,16 @@ export interface RunOptions {
 export const run = (pipe: WorkerPipe, options: RunOptions = {}) =>
   Effect.gen(function*() {
     const engines = yield* Engine
-    const restoreSource = options.restore ?? restoreFromFiles
     const pid = options.pid ?? process.pid
     const fibers = yield* FiberSet.make()
     let session: LoadedSession | undefined
+    /** A session whose restore frames are coming in (between `load` and `restore_end`). */
+    let restoring: {
+      readonly load: LoadFrame
+      /** Undefined when it could not be made (reported): the restore's lines are only consumed. */
+      readonly engine: EngineSession | undefined
+      readonly intake: RestoreIntake
+    } | undefined
 
     const fail = (message: string) => pipe.send({ type: "worker_error", message })
 
@@ -419,42 +403,58 @@ export const run = (pipe: WorkerPipe, options: RunOptions = {}) =>
         WorkerProtocol.encodeFrame({ type: "session_snapshot_end", ...base, chunkCount: chunks.length, lastEventSequence: -1 })
     }
 
+    /** The session is loaded (a restored one first reports the turn that was cut), and says so. */
+    const loaded = (
+      frame: LoadFrame,
+      engine: EngineSession,
+      messages: Array<AgentMessage>,
+      interrupted: InterruptReason | undefined,
+      partial: AgentMessage | undefined
+    ) =>
+      Effect.gen(function*() {
+        session = {
+          activeSessionId: frame.activeSessionId,
+          engine,
+          messages,
+          targetChunkBytes: frame.targetChunkBytes ?? DEFAULT_TARGET_CHUNK_BYTES,
+          turn: undefined
+        }
+        if (interrupted !== undefined) yield* cutTurn(messages, partial, interrupted)
+        yield* pipe.send({ type: "worker_ready", pid, activeSessionId: frame.activeSessionId, messageCount: messages.length })
+      })
+
     const handle = (frame: WorkerProtocol.SupervisorFrame): Effect.Effect<void> => {
       switch (frame.type) {
         case "load":
           return Effect.gen(function*() {
-            if (session !== undefined) return yield* fail("this worker already runs a session")
+            if (session !== undefined || restoring !== undefined) return yield* fail("this worker already runs a session")
             const engine = yield* Effect.either(engines.make(frame.engine, frame.config ?? {}).pipe(
               // The session's work dir, for engines whose tools need one.
               frame.workDir === undefined ? (e) => e : Effect.provideService(SessionWorkDir, frame.workDir)
             ))
-            if (Either.isLeft(engine)) return yield* fail(engine.left.message)
-            let messages: Array<AgentMessage> = []
-            let interrupted: InterruptReason | undefined
-            let partial: AgentMessage | undefined
+            // The restore's frames and lines that follow are still taken in, and dropped.
             if (frame.restore !== undefined) {
-              const restored = yield* Effect.either(restoreSource(frame.activeSessionId, frame.restore))
-              if (Either.isLeft(restored)) return yield* fail(`restore failed: ${restored.left.message}`)
-              messages = restored.right.messages
-              if (restored.right.busy) {
-                interrupted = frame.restore.interruptedReason ?? "worker_crashed"
-                if (engine.right.endsCutMessages === true) partial = restored.right.streaming
-              }
+              restoring = { load: frame, engine: Either.getOrUndefined(engine), intake: new RestoreIntake() }
             }
-            session = {
-              activeSessionId: frame.activeSessionId,
-              engine: engine.right,
-              messages,
-              targetChunkBytes: frame.targetChunkBytes ?? DEFAULT_TARGET_CHUNK_BYTES,
-              turn: undefined
-            }
-            if (interrupted !== undefined) yield* cutTurn(messages, partial, interrupted)
-            yield* pipe.send({
-              type: "worker_ready",
-              pid,
-              activeSessionId: frame.activeSessionId,
-              messageCount: messages.length
-            })
+            if (Either.isLeft(engine)) return yield* fail(engine.left.message)
+            if (frame.restore === undefined) yield* loaded(frame, engine.right, [], undefined, undefined)
+          })
+        case "restore_messages":
+        case "restore_events":
+        case "restore_end":
+        case "restore_failed":
+          return Effect.gen(function*() {
+            const r = restoring
+            if (r === undefined || r.load.restore === undefined) return yield* fail(`${frame.type} with no restore under way`)
+            const outcome = r.intake.take(frame, r.load.restore.busy)
+            if (outcome === undefined) return
+            restoring = undefined
+            if (r.engine === undefined) return
+            if (Either.isLeft(outcome)) return yield* fail(`restore failed: ${outcome.left}`)
+            const restored = outcome.right
+            const interrupted = restored.busy ? r.load.restore.interruptedReason ?? "worker_crashed" : undefined
+            const partial = interrupted !== undefined && r.engine.endsCutMessages === true ? restored.streaming : undefined
+            yield* loaded(r.load, r.engine, restored.messages, interrupted, partial)
           })
         case "prompt":
           return Effect.gen(function*() {
@@ -487,17 +487,28 @@ export const run = (pipe: WorkerPipe, options: RunOptions = {}) =>
       fibers,
       Effect.promise(() => pipe.lines((line) => lines.unsafeOffer(line))).pipe(Effect.zipRight(lines.offer(undefined)))
     )
-    while (true) {
-      const line = yield* Queue.take(lines)
-      if (line === undefined) break
-      if (warmUp !== undefined) {
-        yield* FiberSet.run(fibers, Fiber.interrupt(warmUp))
-        warmUp = undefined
+    // Lines are taken in batches: a restore brings one line per message.
+    let open = true
+    while (open) {
+      for (const line of yield* Queue.takeBetween(lines, 1, 4096)) {
+        if (line === undefined) {
+          open = false
+          break
+        }
+        if (warmUp !== undefined) {
+          yield* FiberSet.run(fibers, Fiber.interrupt(warmUp))
+          warmUp = undefined
+        }
+        // A message or record line a restore frame announced: no frame to decode.
+        if (restoring?.intake.wantsLine === true) {
+          restoring.intake.line(line)
+          continue
+        }
+        const decoded = WorkerProtocol.decodeSupervisorFrame(line)
+        yield* (Either.isLeft(decoded) ? fail(`bad frame: ${decoded.left}`) : handle(decoded.right)).pipe(
+          Effect.catchAllCause((cause) => Effect.logError("a frame could not be handled", cause))
+        )
       }
-      const decoded = WorkerProtocol.decodeSupervisorFrame(line)
-      yield* (Either.isLeft(decoded) ? fail(`bad frame: ${decoded.left}`) : handle(decoded.right)).pipe(
-        Effect.catchAllCause((cause) => Effect.logError("a frame could not be handled", cause))
-      )
     }
   }).pipe(Effect.scoped)
 

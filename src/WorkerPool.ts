@@ -18,21 +18,18 @@ import * as Effect from "effect/Effect"
 import * as FiberId from "effect/FiberId"
 import * as FiberSet from "effect/FiberSet"
 import * as Layer from "effect/Layer"
-import * as Option from "effect/Option"
 import * as Schedule from "effect/Schedule"
 import * as ScheduleDecision from "effect/ScheduleDecision"
 import * as ScheduleInterval from "effect/ScheduleInterval"
 import * as ScheduleIntervals from "effect/ScheduleIntervals"
 import * as Schema from "effect/Schema"
+import type * as Scope from "effect/Scope"
 import { type ChildProcess, spawn } from "node:child_process"
 import * as fs from "node:fs"
 import type * as net from "node:net"
 import { fileURLToPath } from "node:url"
 import type { Engine } from "./Engine.js"
-import type * as EventLog from "./EventLog.js"
 import { LineDecoder } from "./JsonLines.js"
-import * as RecoveryJournal from "./RecoveryJournal.js"
-import type * as SessionStore from "./SessionStore.js"
 import * as Worker from "./Worker.js"
 import * as WorkerProtocol from "./WorkerProtocol.js"
 
@@ -84,6 +81,12 @@ export interface WorkerHandle {
   readonly takeFrames: Effect.Effect<Array<WorkerProtocol.ReceivedFrame>>
   /** Sends one frame; waits while the link is full. */
   readonly send: (frame: WorkerProtocol.SupervisorFrame) => Effect.Effect<void>
+  /**
+   * Sends bytes of JSON lines as they are (a restore's messages as the store holds them); the
+   * bytes of one call need not end with a whole line, those of the next go on with it. Waits
+   * while the link holds more than RAW_HIGH_WATER_BYTES not yet taken.
+   */
+  readonly sendRaw: (data: string | Uint8Array) => Effect.Effect<void>
   /** Asks the worker to exit, and waits until it has (forcing it after `graceMs`). */
   readonly stop: (graceMs?: number) => Effect.Effect<WorkerExit>
   /** Kills the worker at once, as SIGKILL would: its exit is a crash. */
@@ -92,6 +95,9 @@ export interface WorkerHandle {
 
 /** A worker that has not said `worker_ready` by then is given up (and stopped): a failed spawn. */
 const READY_TIMEOUT_MS = 30_000
+
+/** Bytes written to a worker and not yet taken by its pipe past which a sender waits. */
+const RAW_HIGH_WATER_BYTES = 4 * 1024 * 1024
 
 /** Bytes of decoded-but-unconsumed frames past which the link stops reading (backpressure). */
 const HIGH_WATER_BYTES = 4 * 1024 * 1024
@@ -189,9 +195,15 @@ export class WorkerProcess implements WorkerHandle {
   }
 
   send(frame: WorkerProtocol.SupervisorFrame): Effect.Effect<void> {
+    return this.sendRaw(WorkerProtocol.encodeFrame(frame))
+  }
+
+  sendRaw(data: string | Uint8Array): Effect.Effect<void> {
     return Effect.async<void>((resume) => {
       if (this.pipe.destroyed || !this.pipe.writable) return resume(Effect.void)
-      if (this.pipe.write(WorkerProtocol.encodeFrame(frame))) return resume(Effect.void)
+      // Some bytes may wait in the process (the next read of a restore goes on meanwhile, and
+      // the pipe never runs dry between two writes), not without bound.
+      if (this.pipe.write(data) || this.pipe.writableLength < RAW_HIGH_WATER_BYTES) return resume(Effect.void)
       const done = () => {
         this.pipe.off("drain", done)
         this.pipe.off("close", done)
@@ -252,7 +264,16 @@ export class WorkerPool extends Context.Tag("agentd/WorkerPool")<WorkerPool, {
   ) => Effect.Effect<WorkerHandle, WorkerSpawnError>
   /** Every live worker (spare included). */
   readonly live: Effect.Effect<ReadonlyArray<WorkerHandle>>
+  /**
+   * Holds the next spare's start until the scope closes (a worker's acquisition and its
+   * restore), or for SPARE_HOLD_MS at most: a process booting beside a restore slows it down.
+   * Optional: a pool without spares need not have it.
+   */
+  readonly holdSpare?: Effect.Effect<void, never, Scope.Scope>
 }>() {}
+
+/** The longest a restore holds the next spare's start (a worker wedged in its restore would hold it for ever). */
+const SPARE_HOLD_MS = 2_000
 
 /**
  * `bin/worker.js` next to this module; when this module is bundled into the CLI
@@ -369,8 +390,15 @@ export const make = (options: WorkerPoolOptions = {}) =>
         return worker
       })
 
+    /** Acquisitions (and their restores) under way that hold the next spare's start. */
+    let holds = 0
+    let spareHeld = false
     const startSpare = () => {
       if (options.warmSpare === false || closing) return
+      if (holds > 0) {
+        spareHeld = true
+        return
+      }
       // Started now: the process boots while nobody waits for it; whoever takes it waits for its outcome.
       const outcome = Deferred.unsafeMake<WorkerProcess, WorkerSpawnError>(FiberId.none)
       runSpare(Effect.flatMap(Effect.exit(startAndAwaitReady(spawnWorker(undefined, true))), (exit) => Deferred.done(outcome, exit)))
@@ -409,9 +437,31 @@ export const make = (options: WorkerPoolOptions = {}) =>
         return worker
       })
 
+    const holdSpare: Effect.Effect<void, never, Scope.Scope> = Effect.asVoid(Effect.acquireRelease(
+      Effect.sync(() => {
+        holds++
+        let released = false
+        const release = () => {
+          if (released) return
+          released = true
+          clearTimeout(timer)
+          holds--
+          if (holds === 0 && spareHeld) {
+            spareHeld = false
+            startSpare()
+          }
+        }
+        const timer = setTimeout(release, SPARE_HOLD_MS)
+        timer.unref()
+        return release
+      }),
+      (release) => Effect.sync(release)
+    ))
+
     return WorkerPool.of({
       acquire,
-      live: Effect.sync(() => [...workers])
+      live: Effect.sync(() => [...workers]),
+      holdSpare
     })
   })
 
@@ -444,6 +494,8 @@ class InProcessWorker implements WorkerHandle {
   stopping = false
   private closed = false
   private toWorker: Array<string> = []
+  /** The supervisor's bytes as lines, as the worker's end of a pipe reads them. */
+  private readonly toWorkerLines = new LineDecoder(Number.MAX_SAFE_INTEGER)
   private onLine: ((line: string) => void) | undefined
   private closeLink: (() => void) | undefined
 
@@ -470,11 +522,17 @@ class InProcessWorker implements WorkerHandle {
   }
 
   send(frame: WorkerProtocol.SupervisorFrame): Effect.Effect<void> {
+    return this.sendRaw(WorkerProtocol.encodeFrame(frame))
+  }
+
+  sendRaw(data: string | Uint8Array): Effect.Effect<void> {
     return Effect.sync(() => {
       if (this.closed) return
-      const line = WorkerProtocol.encodeFrame(frame).slice(0, -1)
-      if (this.onLine === undefined) this.toWorker.push(line)
-      else this.onLine(line)
+      for (const line of this.toWorkerLines.push(typeof data === "string" ? Buffer.from(data, "utf8") : data)) {
+        if (typeof line !== "string") continue
+        if (this.onLine === undefined) this.toWorker.push(line)
+        else this.onLine(line)
+      }
     })
   }
 
@@ -501,25 +559,18 @@ class InProcessWorker implements WorkerHandle {
 
 /**
  * A pool whose workers run the worker program ({@link Worker.run}) inside this process, on the
- * engines, storage and journal in context: the session core can then be tested over the memory
- * layers without spawning anything. Its workers' pids (`workerPid` in a session's summary) are
+ * engines in context (a restore is sent to them by the supervisor, as to any worker): the
+ * session core can then be tested over the memory layers without spawning anything. Its workers' pids (`workerPid` in a session's summary) are
  * numbers from 10,000,000 up that name no process.
  */
 export const makeInProcess = (options: InProcessOptions = {}) =>
   Effect.gen(function*() {
-    const context = yield* Effect.context<Engine | SessionStore.SessionStore | EventLog.EventLog | RecoveryJournal.RecoveryJournal>()
-    const journal = Context.get(context, RecoveryJournal.RecoveryJournal)
+    const context = yield* Effect.context<Engine>()
     const fibers = yield* FiberSet.make()
     const workers = new Set<InProcessWorker>()
     yield* Effect.addFinalizer(() => Effect.sync(() => {
       for (const w of workers) w.exit({ code: 0, signal: null })
     }))
-    const restore: Worker.RestoreSource = (activeSessionId) =>
-      Worker.readTranscript(
-        activeSessionId,
-        Effect.map(journal.get(activeSessionId), (record) => Option.isSome(record) && record.value.busy)
-      ).pipe(Effect.provide(context))
-
     const acquire = (activeSessionId: string, env?: Readonly<Record<string, string>>) =>
       Effect.gen(function*() {
         if (options.beforeStart !== undefined) yield* options.beforeStart(activeSessionId, env)
@@ -528,8 +579,7 @@ export const makeInProcess = (options: InProcessOptions = {}) =>
           workers.add(worker)
           const program = Worker.run(worker.pipe, {
             pid: worker.pid,
-            exit: Effect.sync(() => worker.exit({ code: 0, signal: null })),
-            restore
+            exit: Effect.sync(() => worker.exit({ code: 0, signal: null }))
           }).pipe(
             Effect.provide(context),
             Effect.matchCause({
@@ -555,7 +605,7 @@ export const makeInProcess = (options: InProcessOptions = {}) =>
 /** {@link makeInProcess} as a layer. */
 export const layerInProcess = (
   options: InProcessOptions = {}
-): Layer.Layer<WorkerPool, never, Engine | SessionStore.SessionStore | EventLog.EventLog | RecoveryJournal.RecoveryJournal> =>
+): Layer.Layer<WorkerPool, never, Engine> =>
   Layer.scoped(WorkerPool, makeInProcess(options))
 
 /** Restart policy of docs/protocol.md section 6. */

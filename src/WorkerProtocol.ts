@@ -28,7 +28,13 @@ export const WARM_UP_FLAG = "--warm-up"
 
 // Supervisor -> worker ---------------------------------------------------------------------------
 
-/** Makes this worker the worker of a session: fresh, or restored from its files. */
+/**
+ * Makes this worker the worker of a session: fresh, or restored. A restore is streamed by the
+ * supervisor right after this frame, read through its own storage layers: the transcript as
+ * {@link RestoreMessages} frames (each followed by its message lines), the logged events after
+ * it as {@link RestoreEvents} frames (each followed by its record lines), then
+ * {@link RestoreEnd} (or {@link RestoreFailed}). A worker never opens the daemon's state dir.
+ */
 export const Load = Tagged("load", {
   activeSessionId: Schema.String,
   engine: Schema.String,
@@ -37,20 +43,48 @@ export const Load = Tagged("load", {
   workDir: optional(Schema.String),
   /** The chunk size of the snapshot frames of a history rewrite (default: the protocol's). */
   targetChunkBytes: optional(Schema.Int.pipe(Schema.positive())),
-  /** Where the session's files are; absent for a brand-new session. */
+  /** Present when the session is restored: its messages follow in restore frames. */
   restore: optional(
     Schema.Struct({
-      /** The recovery journal: says whether a turn was running when the last worker died. */
-      journalPath: Schema.String,
-      /** The SessionStore root, holding the session's transcripts. */
-      storeRoot: Schema.String,
-      /** The EventLog root, holding the events after the latest transcript. */
-      eventLogRoot: Schema.String,
+      /** The recovery journal says a turn was running when the last worker died. */
+      busy: Schema.Boolean,
       /** What cut the running turn, if one was running (default `worker_crashed`). */
       interruptedReason: optional(InterruptReason)
     })
   )
 })
+
+/**
+ * The next `count` lines on the pipe are messages of the restored transcript, in order, one JSON
+ * value each, exactly as the session store holds them (the supervisor passes the store's bytes
+ * on without parsing them). A transcript is sent as many of these, each covering about
+ * {@link RESTORE_CHUNK_BYTES}: a 100 MB transcript is never one line nor one buffer.
+ */
+export const RestoreMessages = Tagged("restore_messages", { count: Schema.Int.pipe(Schema.nonNegative()) })
+
+/**
+ * The next `count` lines are the `session_event` records logged after the restored transcript,
+ * in order, as the event log holds them (`{"type":"session_event","event":{...},...}`): the
+ * worker folds their `event` into the transcript.
+ */
+export const RestoreEvents = Tagged("restore_events", { count: Schema.Int.pipe(Schema.nonNegative()) })
+
+/** The restore is complete: `messageCount` messages were sent (the worker checks it). */
+export const RestoreEnd = Tagged("restore_end", { messageCount: Schema.Int.pipe(Schema.nonNegative()) })
+
+/** The supervisor could not read the session: the worker reports `restore failed` and loads nothing. */
+export const RestoreFailed = Tagged("restore_failed", { message: Schema.String })
+
+/** About how many bytes of messages or events one restore frame covers (a bigger message goes alone). */
+export const RESTORE_CHUNK_BYTES = 1024 * 1024
+
+/** A {@link RestoreMessages} frame followed by its lines (JSON texts without newlines), as one string. */
+export const encodeRestoreMessages = (jsonMessages: ReadonlyArray<string>): string =>
+  `{"type":"restore_messages","count":${jsonMessages.length}}\n${jsonMessages.map((m) => m + "\n").join("")}`
+
+/** A {@link RestoreEvents} frame followed by its lines (logged `session_event` records), as one string. */
+export const encodeRestoreEvents = (jsonRecords: ReadonlyArray<string>): string =>
+  `{"type":"restore_events","count":${jsonRecords.length}}\n${jsonRecords.map((r) => r + "\n").join("")}`
 
 /** Starts a turn. */
 export const RunPrompt = Tagged("prompt", { turnId: Schema.String, message: Schema.String })
@@ -69,7 +103,7 @@ export const AbortTurn = Tagged("abort", {
 export const Stop = Tagged("stop", {})
 
 /** Every frame the supervisor sends. */
-export const SupervisorFrame = Schema.Union(Load, RunPrompt, AbortTurn, Stop)
+export const SupervisorFrame = Schema.Union(Load, RestoreMessages, RestoreEvents, RestoreEnd, RestoreFailed, RunPrompt, AbortTurn, Stop)
 export type SupervisorFrame = typeof SupervisorFrame.Type
 
 // Worker -> supervisor ---------------------------------------------------------------------------

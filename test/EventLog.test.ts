@@ -287,7 +287,8 @@ for (const impl of implementations) {
     test("invalid input is a typed error", Effect.gen(function*() {
       const log = yield* EventLog.EventLog
       assert.strictEqual((yield* Effect.flip(log.append("", { x: 1 }))).reason, "InvalidSessionId")
-      assert.strictEqual((yield* Effect.flip(log.append("x".repeat(300), { x: 1 }))).reason, "InvalidSessionId")
+      // A long id is no error: StateLayout's sanitizer names it with a hash (its own test says how).
+      assert.deepStrictEqual(yield* log.append("x".repeat(300), { x: 1 }), Cursor.make(1, 0))
       const cyclic: Record<string, unknown> = {}
       cyclic["self"] = cyclic
       assert.strictEqual((yield* Effect.flip(log.append("s", cyclic))).reason, "InvalidEvent")

@@ -1,13 +1,16 @@
 import { assert, describe, it } from "@effect/vitest"
 import * as Deferred from "effect/Deferred"
 import * as Effect from "effect/Effect"
+import * as Exit from "effect/Exit"
+import * as Scope from "effect/Scope"
 import * as TestClock from "effect/TestClock"
-import { spawn, spawnSync } from "node:child_process"
+import { spawn } from "node:child_process"
 import * as fs from "node:fs"
 import * as os from "node:os"
 import * as path from "node:path"
 import { fileURLToPath } from "node:url"
 import * as WorkerPool from "../src/WorkerPool.js"
+import * as WorkerProtocol from "../src/WorkerProtocol.js"
 
 // Real worker processes: the built entry (npm ci builds it through `prepare`).
 const workerEntry = path.resolve(path.dirname(fileURLToPath(import.meta.url)), "..", "dist", "src", "bin", "worker.js")
@@ -23,7 +26,7 @@ const takeUntil = (worker: WorkerPool.WorkerHandle, pred: (frame: any) => boolea
       const frames = yield* worker.takeFrames
       if (frames.length === 0) return { seen, found: undefined }
       seen.push(...frames)
-      const found = frames.find(pred)
+      const found: any = frames.find(pred)
       if (found !== undefined) return { seen, found }
     }
   })
@@ -94,47 +97,101 @@ describe("WorkerPool", () => {
       }
     }), 30_000)
 
-  it.live("the spare warms up in a temp dir it removes, and sweeps the dirs of workers killed while warming up", () =>
-    Effect.gen(function*() {
-      // A dir left by a worker that died mid warm-up (a pid that has exited).
-      const dead = spawnSync(process.execPath, ["-e", "0"]).pid
-      const stale = fs.mkdtempSync(path.join(os.tmpdir(), `agentd-worker-warm-up-${dead}-`))
-      const spare = yield* withPool((pool) =>
-        Effect.gen(function*() {
-          const worker = yield* pool.acquire("s-warm")
-          // Left alone, the spare sweeps first, then warms up and removes its own dir.
-          const mine = () => fs.readdirSync(os.tmpdir()).filter((e) => e.startsWith(`agentd-worker-warm-up-${worker.pid}-`))
-          for (let i = 0; i < 400 && fs.existsSync(stale); i++) yield* Effect.sleep("25 millis")
-          // Its own dir is made just after the sweep: wait until it has come and gone (a warm-up
-          // takes ~100 ms; one not seen within 2 s came and went between two looks).
-          let seen = false
-          for (let i = 0; i < 400; i++) {
-            if (mine().length > 0) seen = true
-            else if (seen || i >= 80) break
-            yield* Effect.sleep("25 millis")
-          }
-          assert.deepStrictEqual(mine(), [], "the warm-up dir is gone once the warm-up is over")
-          return worker.pid
-        }), true)
-      assert.isFalse(fs.existsSync(stale), `${stale} was not swept by worker ${spare}`)
-    }), 30_000)
+  it.live("a worker restores a session from the supervisor's restore frames, a 20 MB message and a cut turn included", () =>
+    withPool((pool) =>
+      Effect.gen(function*() {
+        const worker = yield* pool.acquire("s-restore")
+        const message = (id: string, content: string) => ({ id, role: "assistant", content, timestamp: 1 })
+        const big = "x".repeat(20_000_000)
+        yield* worker.send({ type: "load", activeSessionId: "s-restore", engine: "echo", restore: { busy: true } })
+        // One message larger than a restore chunk, one line past the protocol's line limit.
+        yield* worker.sendRaw(WorkerProtocol.encodeRestoreMessages([JSON.stringify(message("m0", "first"))]))
+        yield* worker.sendRaw(WorkerProtocol.encodeRestoreMessages([JSON.stringify(message("m1", big)), JSON.stringify(message("m2", "third"))]))
+        // A cut turn was streaming m3: its logged deltas are folded in.
+        const logged = (event: object) => JSON.stringify({ type: "session_event", event, emittedAt: 1 })
+        yield* worker.sendRaw(WorkerProtocol.encodeRestoreEvents([
+          logged({ type: "message_end", message: message("m3", "logged") }),
+          JSON.stringify({ type: "session_status", state: { busy: true } }),
+          logged({ type: "message_start", message: message("m4", "") }),
+          logged({ type: "message_update", messageId: "m4", delta: "cut" })
+        ]))
+        yield* worker.send({ type: "restore_end", messageCount: 3 })
+        const { seen, found } = yield* takeUntil(worker, (f) => f.type === "worker_ready")
+        assert.isDefined(found)
+        assert.strictEqual(found.messageCount, 4)
+        // The journal said busy: the restored worker reports the turn cut before it is ready.
+        assert.deepStrictEqual(seen.filter((f) => f.type === "worker_event").map((f) => JSON.parse(f.eventJson)), [
+          { type: "turn_interrupted", reason: "worker_crashed" }
+        ])
+        // The restored transcript is the history of the next turn: `/compact` counts it (4 and its own).
+        yield* worker.send({ type: "prompt", turnId: "t", message: "/compact" })
+        const turn = yield* takeUntil(worker, (f) => f.eventType === "agent_end")
+        assert.isDefined(turn.found)
+        assert.include(JSON.stringify(turn.seen), "compacted 5 messages")
+        yield* worker.stop()
+      })
+    ), 60_000)
 
-  it.live("a spare loaded in the middle of its warm-up serves at once and still removes its warm-up dir", () =>
-    Effect.gen(function*() {
-      const left = yield* withPool((pool) =>
-        Effect.gen(function*() {
-          // Taken the moment it is ready: its warm-up has just begun.
-          const worker = yield* pool.acquire("s-early")
-          yield* worker.send({ type: "load", activeSessionId: "s-early", engine: "echo" })
-          yield* worker.send({ type: "prompt", turnId: "t", message: "early" })
-          const { found } = yield* takeUntil(worker, (f) => f.eventType === "agent_end")
-          assert.isDefined(found)
-          const mine = () => fs.readdirSync(os.tmpdir()).filter((e) => e.startsWith(`agentd-worker-warm-up-${worker.pid}-`))
-          for (let i = 0; i < 200 && mine().length > 0; i++) yield* Effect.sleep("25 millis")
-          return mine()
-        }), true)
-      assert.deepStrictEqual(left, [])
-    }), 30_000)
+  it.live("a restore the supervisor could not read, or whose count is off, is reported and loads nothing", () =>
+    withPool((pool) =>
+      Effect.gen(function*() {
+        const worker = yield* pool.acquire("s-failed")
+        yield* worker.send({ type: "load", activeSessionId: "s-failed", engine: "echo", restore: { busy: false } })
+        yield* worker.sendRaw(WorkerProtocol.encodeRestoreMessages(['{"id":"m0","role":"user","content":"a","timestamp":1}']))
+        yield* worker.send({ type: "restore_failed", message: "session store: Io: disk on fire" })
+        const failed = yield* takeUntil(worker, (f) => f.type === "worker_error")
+        assert.strictEqual(failed.found?.message, "restore failed: session store: Io: disk on fire")
+        // Nothing loaded: the worker can still be given its session, and a count that is off fails it.
+        yield* worker.send({ type: "load", activeSessionId: "s-failed", engine: "echo", restore: { busy: false } })
+        yield* worker.sendRaw(WorkerProtocol.encodeRestoreMessages(['{"id":"m0","role":"user","content":"a","timestamp":1}']))
+        yield* worker.send({ type: "restore_end", messageCount: 2 })
+        const miscount = yield* takeUntil(worker, (f) => f.type === "worker_error" || f.type === "worker_ready")
+        assert.strictEqual(miscount.found?.message, "restore failed: 1 transcript messages arrived, 2 were sent")
+        yield* worker.send({ type: "prompt", turnId: "t", message: "hi" })
+        const refused = yield* takeUntil(worker, (f) => f.type === "worker_error")
+        assert.strictEqual(refused.found?.message, "no session is loaded")
+        yield* worker.stop()
+      })
+    ), 30_000)
+
+  it.live("a spare loaded in the middle of its warm-up serves at once, its restore too", () =>
+    withPool((pool) =>
+      Effect.gen(function*() {
+        // Taken the moment it is ready: its warm-up has just begun.
+        const worker = yield* pool.acquire("s-early")
+        yield* worker.send({ type: "load", activeSessionId: "s-early", engine: "echo", restore: { busy: false } })
+        yield* worker.sendRaw(WorkerProtocol.encodeRestoreMessages(['{"id":"m0","role":"user","content":"a","timestamp":1}']))
+        yield* worker.send({ type: "restore_end", messageCount: 1 })
+        const ready = yield* takeUntil(worker, (f) => f.type === "worker_ready" && f.activeSessionId === "s-early")
+        assert.strictEqual(ready.found?.messageCount, 1)
+        yield* worker.send({ type: "prompt", turnId: "t", message: "early" })
+        const { found } = yield* takeUntil(worker, (f) => f.eventType === "agent_end")
+        assert.isDefined(found)
+      }), true), 30_000)
+
+  it.live("a restore holds the next spare's start until it is sent, or 2 s at most", () =>
+    withPool((pool) =>
+      Effect.gen(function*() {
+        // Held while the scope is open: the spare taken is not replaced.
+        yield* Effect.scoped(Effect.gen(function*() {
+          yield* pool.holdSpare!
+          yield* pool.acquire("s-held")
+          yield* Effect.sleep("300 millis")
+          assert.strictEqual((yield* pool.live).length, 1)
+        }))
+        // Released: the next spare starts.
+        for (let i = 0; i < 200 && (yield* pool.live).length < 2; i++) yield* Effect.sleep("25 millis")
+        assert.strictEqual((yield* pool.live).length, 2)
+        // A hold never released (a wedged restore) lets the spare start after 2 s all the same.
+        const scope = yield* Scope.make()
+        yield* Scope.extend(pool.holdSpare!, scope)
+        yield* pool.acquire("s-wedged")
+        yield* Effect.sleep("500 millis")
+        assert.strictEqual((yield* pool.live).length, 2)
+        for (let i = 0; i < 400 && (yield* pool.live).length < 3; i++) yield* Effect.sleep("25 millis")
+        assert.strictEqual((yield* pool.live).length, 3)
+        yield* Scope.close(scope, Exit.void)
+      }), true), 30_000)
 
   it.live("a spare whose warm-up cannot run (TMPDIR missing) still starts and serves", () =>
     Effect.gen(function*() {

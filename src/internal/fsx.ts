@@ -7,7 +7,7 @@
  * wraps `node:fs/promises` directly. Everything private to the daemon is created 0700 (dirs) and
  * 0600 (files): transcripts and journals hold users' conversations.
  */
-import { createHash, randomBytes } from "node:crypto"
+import { randomBytes } from "node:crypto"
 import { createReadStream } from "node:fs"
 import * as fsp from "node:fs/promises"
 import type { FileHandle } from "node:fs/promises"
@@ -197,6 +197,18 @@ export async function* lineBatches(path: string, byteLength?: number): AsyncGene
 
 const stripCr = (line: string): string => (line.endsWith("\r") ? line.slice(0, -1) : line)
 
+/** The bytes `[start, end)` of a file, in pieces of about `chunkBytes`, as they are read. */
+export async function* byteRange(path: string, start: number, end: number, chunkBytes: number): AsyncGenerator<Buffer> {
+  if (end <= start) return
+  // `end` is inclusive for createReadStream.
+  const input = createReadStream(path, { start, end: end - 1, highWaterMark: chunkBytes })
+  try {
+    for await (const piece of input as AsyncIterable<Buffer>) yield piece
+  } finally {
+    input.destroy()
+  }
+}
+
 /**
  * The first line of a file (without its `\n`), reading no more than `maxBytes`; `None` when the
  * file has no complete first line within that bound. Used to read a transcript's header without
@@ -227,40 +239,3 @@ export const readFirstLine = (path: string, maxBytes = 1024 * 1024): Effect.Effe
     closeQuietly
   )
 
-/** Longest safe segment we produce; file names are limited to 255 bytes. */
-const MAX_SEGMENT = 120
-
-/**
- * Turns an untrusted id (from the wire) into one path segment that cannot escape its parent:
- * letters, digits, `-` and `_` are kept, every other byte (including `.`, `/`, `%`) is written
- * `%XX`. The mapping is injective, so two ids never share a directory; `..`, `/` and NUL cannot
- * survive it. The empty id becomes `%` (which no encoding produces); a very long id is cut and
- * suffixed with a hash of the whole id.
- */
-export const safeSegment = (raw: string): string => {
-  if (raw.length === 0) return "%"
-  let out = ""
-  for (const byte of Buffer.from(raw, "utf8")) {
-    const isSafe = (byte >= 0x30 && byte <= 0x39) || (byte >= 0x41 && byte <= 0x5a) ||
-      (byte >= 0x61 && byte <= 0x7a) || byte === 0x2d || byte === 0x5f
-    out += isSafe ? String.fromCharCode(byte) : `%${byte.toString(16).toUpperCase().padStart(2, "0")}`
-  }
-  if (out.length <= MAX_SEGMENT) return out
-  // `~` is never produced by the encoding above, so a hashed name cannot equal an encoded one.
-  const digest = createHash("sha256").update(raw, "utf8").digest("hex").slice(0, 32)
-  return `${out.slice(0, MAX_SEGMENT - 33)}~${digest}`
-}
-
-/**
- * The id a {@link safeSegment} name stands for (`%XX` decoded); `undefined` for a name it cannot
- * have produced (or a hashed one, which does not say the whole id).
- */
-export const segmentId = (name: string): string | undefined => {
-  if (name === "%") return ""
-  if (!/^(?:[A-Za-z0-9_-]|%[0-9A-F]{2})+$/.test(name)) return undefined
-  try {
-    return decodeURIComponent(name)
-  } catch {
-    return undefined
-  }
-}

@@ -1,5 +1,5 @@
 /**
- * Embedding: an app's own engine runs in real worker processes. The daemon's layers are built
+ * Embedding: an app's own engine runs in real worker processes; the core runs without the socket server. The daemon's layers are built
  * in this process (`DaemonLive` with the app's engine registry); the workers are spawned from a
  * one-line entry calling `Worker.main` with the same registry (test/fixtures/shoutWorker.ts,
  * compiled by `npm run build`).
@@ -12,12 +12,14 @@ import * as fs from "node:fs"
 import * as os from "node:os"
 import * as path from "node:path"
 import { fileURLToPath } from "node:url"
-import { DaemonLive } from "../../src/Daemon.js"
+import { CoreLive, DaemonLive } from "../../src/Daemon.js"
 import { SessionManager } from "../../src/SessionManager.js"
 import * as ShoutEngine from "../fixtures/shoutEngine.js"
 import { MemoryConnection, waitFor } from "../support/core.js"
 
 const workerEntry = path.resolve(path.dirname(fileURLToPath(import.meta.url)), "..", "..", "dist", "test", "fixtures", "shoutWorker.js")
+/** The daemon's own worker entry, built. */
+const builtWorker = path.resolve(path.dirname(fileURLToPath(import.meta.url)), "..", "..", "dist", "src", "bin", "worker.js")
 
 describe("embedding (e2e)", () => {
   it.live("an embedder's engine registry: create checks it, and real workers run its engine", () =>
@@ -50,4 +52,37 @@ describe("embedding (e2e)", () => {
       const echo = yield* sm.create({ type: "create", engine: "echo" } as any)
       assert.strictEqual(echo.state.engine, "echo")
     }).pipe(Effect.scoped), 30_000)
+
+  it.live("the core without the socket server: SessionManager + file storage + real workers run a turn and restore a killed worker, the socket path never touched", () =>
+    Effect.gen(function*() {
+      const root = fs.mkdtempSync(path.join(os.tmpdir(), "agentd-core-"))
+      yield* Effect.addFinalizer(() => Effect.sync(() => fs.rmSync(root, { recursive: true, force: true })))
+      // A socket path no server could claim (a regular file): the core must not need it.
+      const socketPath = path.join(root, "not-a-socket")
+      fs.writeFileSync(socketPath, "left alone\n")
+      const stateDir = path.join(root, "state")
+      const context = yield* Layer.build(CoreLive({ stateDir, socketPath, workerEntry: builtWorker }))
+      const sm = yield* Effect.provide(SessionManager, context)
+      const { activeSessionId } = yield* sm.create({ type: "create" } as any)
+      const conn = new MemoryConnection("in-process")
+      const attached = yield* sm.attach("in-process", conn, { type: "attach", activeSessionId } as any)
+      yield* Effect.forkScoped(attached.deliver)
+      const turnEnds = () => conn.sequenced().filter((l) => l["event"]?.type === "agent_end").length
+      yield* sm.prompt({ type: "prompt", activeSessionId, message: "no socket here" } as any)
+      yield* waitFor("the first turn's end", () => turnEnds() === 1, 20_000)
+      yield* sm.checkpoint(activeSessionId)
+      // A real worker process: killed, it is restored by the supervisor from the file storage.
+      const pid = (yield* sm.getState(activeSessionId)).workerPid!
+      assert.include(fs.readFileSync(`/proc/${pid}/cmdline`, "utf8"), "worker.js")
+      process.kill(pid, "SIGKILL")
+      yield* waitFor("the restored worker", () =>
+        conn.sequenced().some((l) => l["type"] === "session_status" && l["state"]?.worker === "ready" && l["state"]?.workerPid !== pid), 20_000)
+      yield* sm.prompt({ type: "prompt", activeSessionId, message: "/compact" } as any)
+      yield* waitFor("the second turn's end", () => turnEnds() === 2, 20_000)
+      const { messages } = yield* sm.getMessages({ type: "get_messages", activeSessionId } as any)
+      // The restored worker held both messages of the first turn (and counts its own prompt).
+      assert.deepStrictEqual(messages.map((m) => m.content), ["compacted 3 messages"])
+      assert.strictEqual(fs.readFileSync(socketPath, "utf8"), "left alone\n")
+      assert.isFalse(fs.existsSync(path.join(stateDir, "agentd.sock")))
+    }).pipe(Effect.scoped), 60_000)
 })

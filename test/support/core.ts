@@ -244,6 +244,9 @@ class CrashingWorker implements WorkerPool.WorkerHandle {
   send(frame: WorkerProtocol.SupervisorFrame) {
     return this.inner.send(frame)
   }
+  sendRaw(data: string | Uint8Array) {
+    return this.inner.sendRaw(data)
+  }
   stop(graceMs?: number) {
     return this.inner.stop(graceMs)
   }

@@ -14,7 +14,7 @@ import * as Either from "effect/Either"
 import * as Exit from "effect/Exit"
 import * as Queue from "effect/Queue"
 import * as Scope from "effect/Scope"
-import * as path from "node:path"
+import * as StateLayout from "../../StateLayout.js"
 import { WorkerCrashed } from "../../WorkerPool.js"
 import type { Delivery } from "../delivery/attach.js"
 import type { Checkpoints } from "./checkpoint.js"
@@ -251,7 +251,7 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
         yield* core.recordBestEffort(s, false, "closed")
         yield* Effect.ignoreLogged(journal.forget(id))
         const dir = yield* store.archive(id).pipe(Effect.mapError(internal("session store")))
-        yield* log.remove(id, { archiveTo: path.join(dir, "events") }).pipe(Effect.mapError(internal("event log")))
+        yield* log.remove(id, { archiveTo: StateLayout.archivedEventsDir(dir) }).pipe(Effect.mapError(internal("event log")))
       }))
       if (s.snapshotId !== undefined) yield* Effect.ignore(cache.dispose(s.snapshotId))
       sessions.delete(id)

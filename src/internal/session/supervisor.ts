@@ -8,14 +8,15 @@
 import * as Deferred from "effect/Deferred"
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
+import * as Scope from "effect/Scope"
 import { randomUUID } from "node:crypto"
-import * as nodePath from "node:path"
 import type * as Protocol from "../../Protocol.js"
 import type { WorkerState } from "../../Protocol.js"
+import * as StateLayout from "../../StateLayout.js"
 import { stepRestart, WorkerCrashed, type WorkerHandle } from "../../WorkerPool.js"
 import type * as WorkerProtocol from "../../WorkerProtocol.js"
 import { eventMessage, type Outgoing } from "../delivery/wireLines.js"
-import { safeSegment } from "../fsx.js"
+import { journalSaysBusy, sendRestore } from "./restore.js"
 import type { Checkpoints } from "./checkpoint.js"
 import type { AnyFrame, PendingPrompt, Phase, TurnEnd } from "./phase.js"
 import { workerOf } from "./phase.js"
@@ -43,11 +44,11 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
       const starting = () => (s.phase = { _tag: "Starting", worker: undefined, state: worker, epoch })
       if (before !== worker) yield* publishStatus(s, starting)
       else starting()
+      // The journal as it stands now (the entity is its only writer for this session): a turn
+      // it says was running is reported cut by the restored worker.
       const restore = restoring
         ? {
-          journalPath: info.journalPath,
-          storeRoot: info.storeRoot,
-          eventLogRoot: info.eventLogRoot,
+          busy: yield* journalSaysBusy(core, s.meta.activeSessionId),
           ...(s.cutTurn?._tag === "InterruptOwed" ? { interruptedReason: s.cutTurn.reason } : {})
         }
         : undefined
@@ -55,29 +56,53 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
         type: "load",
         activeSessionId: s.meta.activeSessionId,
         engine: s.meta.engine,
-        workDir: nodePath.join(info.storeRoot, "sessions", safeSegment(s.meta.activeSessionId), "work"),
+        workDir: StateLayout.sessionStorePaths(info.storeRoot).workDir(s.meta.activeSessionId),
         targetChunkBytes: config.targetChunkBytes,
         ...(s.meta.config === undefined ? {} : { config: s.meta.config as Record<string, unknown> }),
         ...(restore === undefined ? {} : { restore })
       }
+      /**
+       * A restoring worker is sent the session after its `load`, read here through the storage
+       * layers (never by the worker), under a read permit so no checkpoint moves the generation
+       * meanwhile. Beside the entity: it waits on the worker's pipe. A read that fails is told to
+       * the worker, which reports it and is replaced like a worker that crashed.
+       */
+      const sendSession = (worker: WorkerHandle) =>
+        s.readGate.withPermits(1)(sendRestore(core, s.meta.activeSessionId, worker)).pipe(
+          Effect.catchAll((error) => Effect.logError(`session ${s.meta.activeSessionId}: restore read failed: ${error.message}`))
+        )
       // A `kill` meanwhile interrupts the wait for a slot or the spawn (closing the session's
       // scope): the pool then stops the worker it was starting. Once the pool has handed the
       // worker over, nothing interrupts until it is the entity's, or stopped (its session was
-      // killed): a worker left in between would run on, holding its slot.
+      // killed): a worker left in between would run on, holding its slot. The restore is sent
+      // once the entity has the worker (interruptible: a kill, a worker wedged on a full pipe).
+      // The pool's next spare starts once the restore is sent (or soon after, whatever happens):
+      // a process booting beside a restore slows it down.
+      const holdSpare = restore === undefined ? undefined : pool.holdSpare
+      const acquire = (scope: Scope.Scope) =>
+        holdSpare === undefined
+          ? pool.acquire(s.meta.activeSessionId, workerEnv(s))
+          : Effect.zipRight(Scope.extend(holdSpare, scope), pool.acquire(s.meta.activeSessionId, workerEnv(s)))
       yield* forkIn(
         s,
-        Effect.uninterruptibleMask((restore) =>
+        Effect.scopeWith((scope) => Effect.uninterruptibleMask((interruptible) =>
           // Under maxWorkers: with every slot held, this waits (and asks idle sessions to stop).
-          restore(slots.withSlot(pool.acquire(s.meta.activeSessionId, workerEnv(s)), passivateForSlots(s))).pipe(
+          interruptible(slots.withSlot(acquire(scope), passivateForSlots(s))).pipe(
             // Sent at once, before the pool starts its next spare (a process booting beside a
             // restore slows it down); should this attempt be stale by now, the worker is stopped.
             Effect.tap((worker) => worker.send(load)),
             Effect.matchEffect({
               onFailure: (error) => post(s, { _tag: "AcquireFailed", epoch, message: error.message }),
-              onSuccess: (w) => s.closed ? Effect.asVoid(w.stop()) : post(s, { _tag: "Acquired", epoch, worker: w })
+              onSuccess: (w) =>
+                s.closed
+                  ? Effect.asVoid(w.stop())
+                  : Effect.zipRight(
+                    post(s, { _tag: "Acquired", epoch, worker: w }),
+                    restore === undefined ? Effect.void : interruptible(sendSession(w))
+                  )
             })
           )
-        )
+        )).pipe(Effect.scoped)
       )
     })
 
