@@ -15,6 +15,8 @@ import * as path from "node:path"
 import { fileURLToPath } from "node:url"
 import * as Cursor from "../src/Cursor.js"
 import * as EventLog from "../src/EventLog.js"
+import * as PostgresStore from "../src/PostgresStore.js"
+import { describePg, storeLayer } from "./support/postgres.js"
 
 /** A fresh directory under the OS temp dir, removed when the scope closes. */
 const tempDir = Effect.acquireRelease(
@@ -41,11 +43,13 @@ const implementations: ReadonlyArray<{
   readonly layer: Layer.Layer<EventLog.EventLog, EventLog.EventLogError>
 }> = [
   { name: "file", layer: Layer.unwrapScoped(Effect.map(tempDir, (root) => EventLog.layer({ root }))) },
-  { name: "memory", layer: EventLog.layerMemory }
+  { name: "memory", layer: EventLog.layerMemory },
+  // A fresh schema of the test server per test.
+  { name: "postgres", layer: PostgresStore.eventLog.pipe(Layer.provide(storeLayer())) }
 ]
 
 for (const impl of implementations) {
-  describe(`EventLog (${impl.name})`, () => {
+  ;(impl.name === "postgres" ? describePg : describe)(`EventLog (${impl.name})`, () => {
     const test = <E>(name: string, body: Effect.Effect<void, E, EventLog.EventLog>) =>
       it.effect(name, () => body.pipe(Effect.provide(impl.layer)))
 
