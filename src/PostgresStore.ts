@@ -28,7 +28,11 @@ import type * as SqlClient from "@effect/sql/SqlClient"
 import * as Layer from "effect/Layer"
 import { EventLog } from "./EventLog.js"
 import * as PgEventLog from "./internal/postgres/eventLog.js"
+import * as PgRecoveryJournal from "./internal/postgres/recoveryJournal.js"
+import * as PgSessionStore from "./internal/postgres/sessionStore.js"
 import * as Store from "./internal/postgres/store.js"
+import { RecoveryJournal, type RecoveryJournalError } from "./RecoveryJournal.js"
+import { SessionStore } from "./SessionStore.js"
 
 export {
   /** Connection, schema and lock of a store (what the storage layers run on). */
@@ -51,3 +55,19 @@ export const eventLog: Layer.Layer<EventLog, never, SqlClient.SqlClient | Store.
   EventLog,
   PgEventLog.make
 )
+
+/** The session registry, snapshot headers and append-only transcripts in the store. */
+export const sessionStore: Layer.Layer<SessionStore, never, SqlClient.SqlClient | Store.PostgresStore> = Layer.effect(
+  SessionStore,
+  PgSessionStore.make
+)
+
+/** The recovery journal in the store: the latest record of each session, one row each. */
+export const recoveryJournal: Layer.Layer<RecoveryJournal, RecoveryJournalError, SqlClient.SqlClient | Store.PostgresStore> =
+  Layer.effect(RecoveryJournal, PgRecoveryJournal.make)
+
+/** The three storage layers over one store (connection, schema and lock: {@link layer}, built once). */
+export const layerStorage = (options: Store.Options): Layer.Layer<
+  EventLog | SessionStore | RecoveryJournal,
+  Store.PostgresStoreError | Store.PostgresStoreLocked | RecoveryJournalError
+> => Layer.mergeAll(eventLog, sessionStore, recoveryJournal).pipe(Layer.provide(Store.layer(options)))

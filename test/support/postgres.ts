@@ -49,7 +49,10 @@ let warned = false
  * failing test) saying why.
  */
 export const describePg = (name: string, body: () => void): void => {
-  if (pgUrl() !== undefined) return describe(name, body)
+  if (pgUrl() !== undefined) {
+    describe(name, body)
+    return
+  }
   const why = `no PostgreSQL for the tests: ${whyNone()}`
   if (process.env["CI"] === "true") {
     describe(name, () => {

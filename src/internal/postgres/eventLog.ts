@@ -82,6 +82,11 @@ type Op =
 /** One open session; the fields under `// durable` describe what is committed. */
 interface Handle {
   readonly sessionId: string
+  /**
+   * Its rows' key: the id escaped as the file layer names its directory (injective, and free of
+   * the NUL byte PostgreSQL text cannot hold).
+   */
+  readonly key: string
   /** Held by the flusher while it writes, and by prune/remove, so they never interleave. */
   readonly lock: Effect.Semaphore
   // durable
@@ -152,6 +157,7 @@ export const make: Effect.Effect<EventLogService, never, SqlClient.SqlClient | S
       if (name._tag === "Left") return yield* Effect.fail(name.left)
       const h: Handle = {
         sessionId,
+        key: name.right,
         lock: Effect.unsafeMakeSemaphore(1),
         starts: new Map(),
         generation: 1,
@@ -165,13 +171,13 @@ export const make: Effect.Effect<EventLogService, never, SqlClient.SqlClient | S
       }
       const generations = yield* sql<{ generation: number; after_generation: number | null; after_sequence: number | null }>`
         SELECT generation, after_generation, after_sequence FROM agentd_generations
-        WHERE session_id = ${sessionId} ORDER BY generation`
+        WHERE session_id = ${h.key} ORDER BY generation`
       if (generations.length === 0) return h
       for (const row of generations) h.starts.set(row.generation, startOf(row))
       const newest = generations[generations.length - 1]!
       const [tail] = yield* sql.unsafe<{ count: string; bytes: string }>(
         `SELECT count(*) AS count, ${RECORD_BYTES_SQL} AS bytes FROM agentd_events WHERE session_id = $1 AND generation = $2`,
-        [sessionId, newest.generation]
+        [h.key, newest.generation]
       )
       const count = Number(tail?.count ?? 0)
       h.generation = newest.generation
@@ -203,16 +209,16 @@ export const make: Effect.Effect<EventLogService, never, SqlClient.SqlClient | S
       )
     })
 
-  const insertEvents = (sessionId: string, generation: number, ops: ReadonlyArray<Extract<Op, { _tag: "Append" }>>) =>
+  const insertEvents = (key: string, generation: number, ops: ReadonlyArray<Extract<Op, { _tag: "Append" }>>) =>
     sql.unsafe(
       `INSERT INTO agentd_events (session_id, generation, sequence, event)
        SELECT $1, $2, s, e FROM unnest($3::integer[], $4::text[]) AS t(s, e)`,
-      [sessionId, generation, ops.map((op) => op.cursor.sequence), ops.map((op) => op.json)]
+      [key, generation, ops.map((op) => op.cursor.sequence), ops.map((op) => op.json)]
     )
 
-  const insertGeneration = (sessionId: string, generation: number, after: Option.Option<Cursor.Cursor>) =>
+  const insertGeneration = (key: string, generation: number, after: Option.Option<Cursor.Cursor>) =>
     sql`INSERT INTO agentd_generations (session_id, generation, after_generation, after_sequence)
-      VALUES (${sessionId}, ${generation}, ${Option.isSome(after) ? after.value.generation : null},
+      VALUES (${key}, ${generation}, ${Option.isSome(after) ? after.value.generation : null},
         ${Option.isSome(after) ? after.value.sequence : null})`
 
   /**
@@ -223,14 +229,14 @@ export const make: Effect.Effect<EventLogService, never, SqlClient.SqlClient | S
   const writeBatch = (h: Handle, batch: ReadonlyArray<Op>): Effect.Effect<void> => {
     const write = Effect.gen(function*() {
       if (h.dead !== undefined) return yield* Effect.fail(h.dead)
-      if (h.starts.size === 0) yield* insertGeneration(h.sessionId, 1, Option.none())
+      if (h.starts.size === 0) yield* insertGeneration(h.key, 1, Option.none())
       let generation = h.generation
       let last = h.last
       let run: Array<Extract<Op, { _tag: "Append" }>> = []
       const flushRun = Effect.suspend(() => {
         const ops = run
         run = []
-        return ops.length === 0 ? Effect.void : insertEvents(h.sessionId, generation, ops)
+        return ops.length === 0 ? Effect.void : insertEvents(h.key, generation, ops)
       })
       for (const op of batch) {
         if (op._tag === "Append") {
@@ -238,7 +244,7 @@ export const make: Effect.Effect<EventLogService, never, SqlClient.SqlClient | S
           last = Option.some(op.cursor)
         } else {
           yield* flushRun
-          yield* insertGeneration(h.sessionId, op.generation, last)
+          yield* insertGeneration(h.key, op.generation, last)
           generation = op.generation
         }
       }
@@ -377,15 +383,15 @@ export const make: Effect.Effect<EventLogService, never, SqlClient.SqlClient | S
   }
 
   /** Committed rows strictly after (generation, sequence), each with its generation's start. */
-  const page = (sessionId: string, generation: number, sequence: number, onlyGeneration?: number) =>
+  const page = (h: Handle, generation: number, sequence: number, onlyGeneration?: number) =>
     sql.unsafe<Row>(
       `SELECT e.generation, e.sequence, e.event, g.after_generation, g.after_sequence
        FROM agentd_events e JOIN agentd_generations g ON g.session_id = e.session_id AND g.generation = e.generation
        WHERE e.session_id = $1 AND (e.generation, e.sequence) > ($2, $3)
        ${onlyGeneration === undefined ? "" : "AND e.generation = $5"}
        ORDER BY e.generation, e.sequence LIMIT $4`,
-      onlyGeneration === undefined ? [sessionId, generation, sequence, PAGE] : [sessionId, generation, sequence, PAGE, onlyGeneration]
-    ).pipe(Effect.mapError(sqlFail(sessionId, "reading the event log failed")))
+      onlyGeneration === undefined ? [h.key, generation, sequence, PAGE] : [h.key, generation, sequence, PAGE, onlyGeneration]
+    ).pipe(Effect.mapError(sqlFail(h.sessionId, "reading the event log failed")))
 
   const read = (sessionId: string, after?: Cursor.Cursor): Stream.Stream<EventRecord, EventLogError> =>
     Stream.unwrap(Effect.map(handleFor(sessionId), (h) => {
@@ -437,7 +443,7 @@ export const make: Effect.Effect<EventLogService, never, SqlClient.SqlClient | S
       const pull: Effect.Effect<Chunk.Chunk<EventRecord>, Option.Option<EventLogError>> = Effect.suspend(() => {
         if (done) return Effect.fail(Option.none())
         const from = previous ?? Cursor.make(0, 0)
-        return page(sessionId, from.generation, from.sequence).pipe(
+        return page(h, from.generation, from.sequence).pipe(
           Effect.mapError(Option.some),
           Effect.flatMap((rows) => {
             if (rows.length < PAGE) done = true
@@ -463,7 +469,7 @@ export const make: Effect.Effect<EventLogService, never, SqlClient.SqlClient | S
       let done = false
       const pull: Effect.Effect<Chunk.Chunk<EventRecord>, Option.Option<EventLogError>> = Effect.suspend(() => {
         if (done) return Effect.fail(Option.none())
-        return page(sessionId, generation, next - 1, generation).pipe(
+        return page(h, generation, next - 1, generation).pipe(
           Effect.mapError(Option.some),
           Effect.flatMap((rows) => {
             if (rows.length < PAGE) done = true
@@ -499,8 +505,8 @@ export const make: Effect.Effect<EventLogService, never, SqlClient.SqlClient | S
       // Readers look generations up as they go: forget them before deleting.
       for (const g of doomed) h.starts.delete(g)
       yield* sql.withTransaction(Effect.zipRight(
-        sql`DELETE FROM agentd_events WHERE session_id = ${sessionId} AND generation < ${keep}`,
-        sql`DELETE FROM agentd_generations WHERE session_id = ${sessionId} AND generation < ${keep}`
+        sql`DELETE FROM agentd_events WHERE session_id = ${h.key} AND generation < ${keep}`,
+        sql`DELETE FROM agentd_generations WHERE session_id = ${h.key} AND generation < ${keep}`
       )).pipe(Effect.mapError(sqlFail(sessionId, "pruning the event log failed")))
       return doomed
     }))
@@ -511,11 +517,11 @@ export const make: Effect.Effect<EventLogService, never, SqlClient.SqlClient | S
       const h = yield* handleFor(sessionId)
       yield* h.lock.withPermits(1)(Effect.gen(function*() {
         kill(h, fail("Closed", sessionId, "the session's event log was removed"))
-        // Archived: the rows move under another key, nothing is deleted.
+        // Archived: the rows move under another key (`:` is never in an escaped id), nothing is deleted.
         const move = (table: string) =>
           options?.archiveTo !== undefined
-            ? sql.unsafe(`UPDATE ${table} SET session_id = $2 WHERE session_id = $1`, [sessionId, `archive:${options.archiveTo}`])
-            : sql.unsafe(`DELETE FROM ${table} WHERE session_id = $1`, [sessionId])
+            ? sql.unsafe(`UPDATE ${table} SET session_id = $2 WHERE session_id = $1`, [h.key, `archive:${options.archiveTo}`])
+            : sql.unsafe(`DELETE FROM ${table} WHERE session_id = $1`, [h.key])
         yield* sql.withTransaction(Effect.zipRight(move("agentd_events"), move("agentd_generations"))).pipe(
           Effect.mapError(sqlFail(sessionId, "removing the event log failed"))
         )

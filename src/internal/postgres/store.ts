@@ -11,9 +11,13 @@
  *   segment's header).
  * - `agentd_sessions (active_session_id) -> meta, created_at` the session registry.
  * - `agentd_snapshots (active_session_id, generation) -> header, body_bytes` one row per
- *   published transcript header; `agentd_transcript_lines (active_session_id, epoch, line_no)
- *   -> line` the messages, append-only per epoch: an ordinary checkpoint adds only its new lines
- *   and a header naming the first `messageCount` lines of its epoch.
+ *   published transcript header, as the file store's; `agentd_transcript_lines
+ *   (active_session_id, epoch, line_no) -> line` the append-only transcripts: an ordinary
+ *   checkpoint adds only its new lines and a header naming the first `messageCount` lines of
+ *   its epoch; `agentd_snapshot_lines (active_session_id, generation, line_no) -> line` the
+ *   messages of a transcript written whole (a history rewrite). Session ids are keyed escaped
+ *   as the file store names their directories (PostgreSQL text cannot hold a NUL byte); an
+ *   archived session's rows move under an `archive/...` key.
  * - `agentd_journal (active_session_id) -> record` the latest recovery record of each session.
  * - `agentd_holder (id = 1) -> pid, socket_path, host, started_at` who holds the store.
  *
@@ -103,6 +107,13 @@ const migrations = Migrator.fromRecord({
       header text NOT NULL,
       body_bytes bigint NOT NULL,
       PRIMARY KEY (active_session_id, generation)
+    )`
+    yield* sql`CREATE TABLE agentd_snapshot_lines (
+      active_session_id text NOT NULL,
+      generation integer NOT NULL,
+      line_no integer NOT NULL,
+      line text NOT NULL,
+      PRIMARY KEY (active_session_id, generation, line_no)
     )`
     yield* sql`CREATE TABLE agentd_transcript_lines (
       active_session_id text NOT NULL,
