@@ -167,21 +167,39 @@ const lock = (url: string, socketPath: string) =>
   Effect.gen(function*() {
     const sql = yield* SqlClient.SqlClient
     const connection = yield* sql.reserve
-    const rows = yield* connection.executeValues(
-      "SELECT pg_try_advisory_lock(hashtext($1 || current_schema()))",
-      [LOCK_KEY]
-    )
-    if (rows[0]?.[0] !== true) {
+    for (let attempt = 1;; attempt++) {
+      const rows = yield* connection.executeValues(
+        "SELECT pg_try_advisory_lock(hashtext($1 || current_schema()))",
+        [LOCK_KEY]
+      )
+      if (rows[0]?.[0] === true) break
       const holder = yield* sql<{ pid: number; socket_path: string; host: string }>`
         SELECT pid, socket_path, host FROM agentd_holder WHERE id = 1`
       const h = holder[0]
-      return yield* new PostgresStoreLocked({ url, pid: h?.pid, socketPath: h?.socket_path, host: h?.host })
+      // A holder SIGKILLed a moment ago still holds the lock until its server process sees the
+      // connection closed (milliseconds): when the holder named is a dead process of this
+      // machine, wait for that, for up to 5 s; a live holder refuses at once.
+      const dead = h !== undefined && h.host === os.hostname() && !isAlive(h.pid)
+      if (!dead || attempt >= 50) {
+        return yield* new PostgresStoreLocked({ url, pid: h?.pid, socketPath: h?.socket_path, host: h?.host })
+      }
+      yield* Effect.sleep("100 millis")
     }
     yield* sql`INSERT INTO agentd_holder (id, pid, socket_path, host, started_at)
       VALUES (1, ${process.pid}, ${socketPath}, ${os.hostname()}, ${new Date().toISOString()})
       ON CONFLICT (id) DO UPDATE SET pid = EXCLUDED.pid, socket_path = EXCLUDED.socket_path,
         host = EXCLUDED.host, started_at = EXCLUDED.started_at`
   })
+
+const isAlive = (pid: number): boolean => {
+  try {
+    process.kill(pid, 0)
+    return true
+  } catch (error) {
+    // EPERM: it exists, as another user's.
+    return (error as NodeJS.ErrnoException).code === "EPERM"
+  }
+}
 
 const toStoreError = (url: string, what: string) => (cause: SqlError | Migrator.MigrationError) =>
   new PostgresStoreError({ url, detail: `${what}: ${cause.message}`, cause })
