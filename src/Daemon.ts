@@ -157,6 +157,14 @@ export class InvalidStore extends Data.TaggedError("InvalidStore")<{ readonly st
   }
 }
 
+/** The configured store is one there is: checked before the state dir is touched, as the engine is. */
+const checkStore: Layer.Layer<never, InvalidStore, DaemonConfig> = Layer.effectDiscard(
+  Effect.flatMap(DaemonConfig, (config) =>
+    config.store === undefined || config.store === "files" || PostgresStore.isPostgresUrl(config.store)
+      ? Effect.void
+      : Effect.fail(new InvalidStore({ store: config.store })))
+)
+
 /**
  * The event log, session store and recovery journal: `layers`' own where given, else the
  * configured store's (`config.store`): the state dir's files, or PostgreSQL, where the three
@@ -275,7 +283,7 @@ export const DaemonLive = (
   const configLayer = Layer.isLayer(config)
     ? config as Layer.Layer<DaemonConfig, ConfigError.ConfigError>
     : DaemonConfigModule.layer(config as Partial<DaemonConfigShape>)
-  const enginesLayer = checkEngines.pipe(Layer.provideMerge(layers.engines ?? BuiltinEngines.layer))
+  const enginesLayer = Layer.merge(checkEngines, checkStore).pipe(Layer.provideMerge(layers.engines ?? BuiltinEngines.layer))
   const info = supervisorInfoLayer.pipe(Layer.provideMerge(enginesLayer), Layer.provideMerge(configLayer))
   const storage = Layer.mergeAll(
     storageLayers(layers),

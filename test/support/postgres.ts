@@ -10,8 +10,10 @@ import * as SqlClient from "@effect/sql/SqlClient"
 import * as PgClient from "@effect/sql-pg/PgClient"
 import { describe, inject, it } from "vitest"
 import * as Effect from "effect/Effect"
+import * as Exit from "effect/Exit"
 import * as Layer from "effect/Layer"
 import * as Redacted from "effect/Redacted"
+import * as Scope from "effect/Scope"
 import * as PostgresStore from "../../src/PostgresStore.js"
 
 declare module "vitest" {
@@ -82,7 +84,7 @@ export const withSchema = (url: string, schema: string): string => {
  * A fresh schema for one test (one store: its own tables and its own lock), dropped when the
  * scope closes; the URL that uses it.
  */
-export const freshSchema: Effect.Effect<string, never, import("effect/Scope").Scope> = Effect.gen(function*() {
+export const freshSchema: Effect.Effect<string, never, Scope.Scope> = Effect.gen(function*() {
   const url = pgUrl()
   if (url === undefined) return yield* Effect.die(new Error("no PostgreSQL for the tests"))
   const schema = `t_${process.pid}_${Date.now().toString(36)}_${Math.random().toString(36).slice(2, 8)}`
@@ -98,3 +100,13 @@ export const freshSchema: Effect.Effect<string, never, import("effect/Scope").Sc
 /** The store's connection, schema and lock over a fresh schema. */
 export const storeLayer = (options: { readonly socketPath?: string } = {}) =>
   Layer.unwrapScoped(Effect.map(freshSchema, (url) => PostgresStore.layer({ url, ...options }))).pipe(Layer.orDie)
+
+/**
+ * {@link freshSchema} for tests outside Effect (the e2e tests): the URL of a new schema and a
+ * function that drops it.
+ */
+export const freshSchemaUrl = async (): Promise<{ readonly url: string; readonly drop: () => Promise<void> }> => {
+  const scope = await Effect.runPromise(Scope.make())
+  const url = await Effect.runPromise(Scope.extend(freshSchema, scope))
+  return { url, drop: () => Effect.runPromise(Scope.close(scope, Exit.void)) }
+}
