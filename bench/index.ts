@@ -7,6 +7,7 @@ const benches: Record<string, () => Promise<{ default: () => Promise<void> }>> =
   framing: () => import("./framing.js"),
   snapshotCache: () => import("./snapshotCache.js"),
   eventLog: () => import("./eventLog.js"),
+  storeAppend: () => import("./storeAppend.js"),
   recovery: () => import("./recovery.js"),
   delivery: () => import("./delivery.js"),
   attach: () => import("./attach.js"),
