@@ -6,12 +6,16 @@
  */
 import { assert, it } from "@effect/vitest"
 import * as Chunk from "effect/Chunk"
+import * as Context from "effect/Context"
 import * as Effect from "effect/Effect"
 import * as Exit from "effect/Exit"
 import * as Layer from "effect/Layer"
 import * as Option from "effect/Option"
 import * as Stream from "effect/Stream"
-import { spawn } from "node:child_process"
+import { spawn, spawnSync } from "node:child_process"
+import * as fs from "node:fs"
+import * as os from "node:os"
+import * as path from "node:path"
 import { fileURLToPath } from "node:url"
 import * as Cursor from "../src/Cursor.js"
 import * as EventLog from "../src/EventLog.js"
@@ -55,6 +59,24 @@ const holderProcess = (url: string, socketPath: string) =>
   )
 
 const storage = (url: string, socketPath = "/run/test.sock") => PostgresStore.layerStorage({ url, socketPath })
+
+const serverScript = fileURLToPath(new URL("../scripts/pg-test-server.sh", import.meta.url))
+
+/** A private server of the test's own (it is restarted: the shared one must not be). */
+const privateServer = Effect.acquireRelease(
+  Effect.sync(() => {
+    const base = fs.mkdtempSync(path.join(os.tmpdir(), "agentd-pg-restart-"))
+    const dir = path.join(base, "pg")
+    const started = spawnSync("bash", [serverScript, "start", dir], { encoding: "utf8" })
+    if (started.status !== 0) throw new Error(`cannot start a private PostgreSQL: ${started.stderr}`)
+    return { base, dir, url: started.stdout.trim() }
+  }),
+  (server) =>
+    Effect.sync(() => {
+      spawnSync("bash", [serverScript, "stop", server.dir])
+      fs.rmSync(server.base, { recursive: true, force: true })
+    })
+)
 
 describePg("PostgresStore", () => {
   it.scopedLive("one writer per store: a second one is refused naming the first's pid and socket, until the first is closed", () =>
@@ -162,4 +184,29 @@ describePg("PostgresStore", () => {
       assert.include(error.message, "127.0.0.1:1/nowhere")
       assert.notInclude(error.message, "s3cret")
     }), { timeout: 30_000 })
+
+  it.scopedLive("PostgreSQL restarted under a holder: it takes its lock again, and its log goes on without a gap", () =>
+    Effect.gen(function*() {
+      const server = yield* privateServer
+      const ctx = yield* Layer.build(storage(server.url, "/run/holder.sock"))
+      const log = Context.get(ctx, EventLog.EventLog)
+      assert.deepStrictEqual(yield* log.append("s", { n: 0 }), Cursor.make(1, 0))
+      const restarted = spawnSync("bash", [serverScript, "restart", server.dir], { encoding: "utf8" })
+      assert.strictEqual(restarted.status, 0, restarted.stderr)
+      // The first append after it may meet a dead pooled connection: a clear error, not a hang.
+      const first = yield* Effect.either(log.append("s", { n: 1 }))
+      if (first._tag === "Left") assert.strictEqual(first.left.reason, "Io")
+      // Within a few checks the holder has its lock back: a second store is refused again.
+      let refused: string | undefined
+      for (let i = 0; i < 40 && refused === undefined; i++) {
+        const other = yield* Effect.either(Effect.scoped(Layer.build(PostgresStore.layer({ url: server.url }))))
+        if (other._tag === "Left" && other.left._tag === "PostgresStoreLocked") refused = other.left.message
+        else yield* Effect.sleep("250 millis")
+      }
+      assert.isDefined(refused, "the lock was not taken again after the restart")
+      assert.include(refused!, "socket /run/holder.sock")
+      const next = yield* log.append("s", { n: 2 })
+      const records = Chunk.toReadonlyArray(yield* Stream.runCollect(log.read("s")))
+      assert.deepStrictEqual(records.map((r) => r.cursor), Array.from({ length: next.sequence + 1 }, (_, i) => Cursor.make(1, i)))
+    }), { timeout: 60_000 })
 })

@@ -24,10 +24,12 @@
  * Single writer: the daemon takes a session-level advisory lock on a connection it keeps for
  * its whole life. PostgreSQL releases it when that connection ends, which it does when the
  * daemon dies however it dies (SIGKILL included: the socket closes), so a restart takes it at
- * once. A second daemon finds it taken and is refused, naming the holder.
+ * once. A second daemon finds it taken and is refused, naming the holder. The lock is checked
+ * every 2 s and taken again after the server restarted (which ends every session's locks).
  */
 import * as Migrator from "@effect/sql/Migrator"
 import * as SqlClient from "@effect/sql/SqlClient"
+import type * as SqlConnection from "@effect/sql/SqlConnection"
 import type { SqlError } from "@effect/sql/SqlError"
 import * as PgClient from "@effect/sql-pg/PgClient"
 import * as Context from "effect/Context"
@@ -35,6 +37,7 @@ import * as Data from "effect/Data"
 import * as Effect from "effect/Effect"
 import * as Layer from "effect/Layer"
 import * as Redacted from "effect/Redacted"
+import * as Scope from "effect/Scope"
 import * as os from "node:os"
 
 /** The store could not be reached or its schema could not be made. */
@@ -163,7 +166,7 @@ const LOCK_KEY = "agentd-store"
  * Takes the store's advisory lock on a connection kept for the scope's life, then says who holds
  * it. Fails {@link PostgresStoreLocked} naming the holder when another session has it.
  */
-const lock = (url: string, socketPath: string) =>
+const lock = (url: string, socketPath: string, waitForDeadHolder = true) =>
   Effect.gen(function*() {
     const sql = yield* SqlClient.SqlClient
     const connection = yield* sql.reserve
@@ -180,7 +183,7 @@ const lock = (url: string, socketPath: string) =>
       // connection closed (milliseconds): when the holder named is a dead process of this
       // machine, wait for that, for up to 5 s; a live holder refuses at once.
       const dead = h !== undefined && h.host === os.hostname() && !isAlive(h.pid)
-      if (!dead || attempt >= 50) {
+      if (!dead || !waitForDeadHolder || attempt >= 50) {
         return yield* new PostgresStoreLocked({ url, pid: h?.pid, socketPath: h?.socket_path, host: h?.host })
       }
       yield* Effect.sleep("100 millis")
@@ -189,6 +192,41 @@ const lock = (url: string, socketPath: string) =>
       VALUES (1, ${process.pid}, ${socketPath}, ${os.hostname()}, ${new Date().toISOString()})
       ON CONFLICT (id) DO UPDATE SET pid = EXCLUDED.pid, socket_path = EXCLUDED.socket_path,
         host = EXCLUDED.host, started_at = EXCLUDED.started_at`
+    return connection
+  })
+
+/** How often the lock's connection is checked. */
+const LOCK_CHECK = "2 seconds"
+
+/**
+ * Keeps the lock: PostgreSQL restarted (or the connection cut) ends the session holding it, and
+ * with it the lock. Checked every {@link LOCK_CHECK}; once lost it is taken again on a new
+ * connection as soon as the server answers. Should another daemon have taken it meanwhile, that
+ * is logged at ERROR, naming it, and retried: two writers on one store is a broken promise to
+ * be seen, not a reason to stop serving in the middle of turns.
+ */
+const keepLock = (url: string, socketPath: string, first: SqlConnection.Connection) =>
+  Effect.gen(function*() {
+    const scope = yield* Effect.scope
+    let connection = first
+    let lost = false
+    const check = Effect.gen(function*() {
+      if (!lost) {
+        const alive = yield* Effect.isSuccess(connection.executeValues("SELECT 1", []))
+        if (alive) return
+        lost = true
+        yield* Effect.logWarning(`PostgreSQL store ${url}: the connection holding the store's lock is gone; taking the lock again`)
+      }
+      const again = yield* Effect.either(Scope.extend(lock(url, socketPath, false), scope))
+      if (again._tag === "Right") {
+        connection = again.right
+        lost = false
+        yield* Effect.logInfo(`PostgreSQL store ${url}: the store's lock is held again`)
+      } else if (again.left._tag === "PostgresStoreLocked") {
+        yield* Effect.logError(`PostgreSQL store ${url}: lost the store's lock: ${again.left.message}`)
+      }
+    })
+    yield* Effect.forkScoped(Effect.forever(Effect.zipRight(Effect.sleep(LOCK_CHECK), check)))
   })
 
 const isAlive = (pid: number): boolean => {
@@ -223,9 +261,10 @@ export const layer = (options: Options): Layer.Layer<
     PostgresStore,
     Effect.gen(function*() {
       yield* migrate.pipe(Effect.mapError(toStoreError(url, "schema migration failed")))
-      yield* lock(url, options.socketPath ?? "").pipe(
+      const connection = yield* lock(url, options.socketPath ?? "").pipe(
         Effect.catchTag("SqlError", toStoreError(url, "cannot take the store's lock"))
       )
+      yield* keepLock(url, options.socketPath ?? "", connection)
       return { url }
     })
   )
