@@ -75,10 +75,28 @@ case "$cmd" in
       echo "$dir is not writable by $owner (a parent directory is not searchable)" >&2
       exit 1
     fi
-    as_owner "$bin/initdb" -D "$data" -U agentd --auth=trust -E UTF8 --locale=C --no-sync >"$dir/initdb.log" 2>&1 || {
-      cat "$dir/initdb.log" >&2
-      exit 1
-    }
+    # initdb takes seconds; its result is the same every time: made once per user and version
+    # into a template (atomically: a temp dir renamed) and copied, unless PG_TEMPLATE=0.
+    version=$("$bin/postgres" --version | awk '{print $3}')
+    template="${TMPDIR:-/tmp}/agentd-pg-template-$(id -u)-$version"
+    if [ "${PG_TEMPLATE:-1}" != "0" ] && [ ! -d "$template" ]; then
+      staging=$(mktemp -d "${TMPDIR:-/tmp}/agentd-pg-template.XXXXXX")
+      chmod 0711 "$staging"
+      if [ -n "$owner" ]; then chown "$owner" "$staging"; fi
+      if as_owner "$bin/initdb" -D "$staging/data" -U agentd --auth=trust -E UTF8 --locale=C --no-sync >"$dir/initdb.log" 2>&1; then
+        mv -T "$staging" "$template" 2>/dev/null || rm -rf "$staging"
+      else
+        rm -rf "$staging"
+      fi
+    fi
+    if [ "${PG_TEMPLATE:-1}" != "0" ] && [ -d "$template/data" ]; then
+      cp -a "$template/data" "$data"
+    else
+      as_owner "$bin/initdb" -D "$data" -U agentd --auth=trust -E UTF8 --locale=C --no-sync >"$dir/initdb.log" 2>&1 || {
+        cat "$dir/initdb.log" >&2
+        exit 1
+      }
+    fi
     start_server
     echo "postgresql://agentd@localhost:$port/postgres?host=$sock"
     ;;
