@@ -8,6 +8,7 @@ const benches: Record<string, () => Promise<{ default: () => Promise<void> }>> =
   snapshotCache: () => import("./snapshotCache.js"),
   eventLog: () => import("./eventLog.js"),
   storeAppend: () => import("./storeAppend.js"),
+  storeDelivery: () => import("./storeDelivery.js"),
   recovery: () => import("./recovery.js"),
   delivery: () => import("./delivery.js"),
   attach: () => import("./attach.js"),

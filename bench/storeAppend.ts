@@ -83,14 +83,29 @@ const admin = (url: string, statement: string) =>
     yield* sql.unsafe(statement)
   }).pipe(Effect.provide(PgClient.layer({ url: Redacted.make(url), maxConnections: 1 })))
 
-export default async function storeAppend(): Promise<void> {
-  const dir = fs.mkdtempSync(path.join(os.tmpdir(), "agentd-bench-store-"))
+/**
+ * A PostgreSQL store for a benchmark: a schema of its own on the server of {@link server}; `close`
+ * drops it (and stops a server started for it).
+ */
+export const benchStore = async (name: string): Promise<{ readonly url: string; readonly close: () => Promise<void> }> => {
   const pg = server()
-  const schema = `bench_${process.pid}`
+  const schema = `bench_${name}_${process.pid}`
   const withSchema = new URL(pg.url)
   withSchema.searchParams.set("options", `-c search_path=${schema}`)
+  await Effect.runPromise(admin(pg.url, `CREATE SCHEMA ${schema}`))
+  return {
+    url: withSchema.toString(),
+    close: async () => {
+      await Effect.runPromise(Effect.ignore(admin(pg.url, `DROP SCHEMA IF EXISTS ${schema} CASCADE`)))
+      pg.stop()
+    }
+  }
+}
+
+export default async function storeAppend(): Promise<void> {
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), "agentd-bench-store-"))
+  const store = await benchStore("append")
   try {
-    await Effect.runPromise(admin(pg.url, `CREATE SCHEMA ${schema}`))
     for (const sessions of [1, 8]) {
       const files: Tally = { events: 0, ms: 0 }
       const postgres: Tally = { events: 0, ms: 0 }
@@ -101,7 +116,7 @@ export default async function storeAppend(): Promise<void> {
         )
         const pgLog = Context.get(
           yield* Layer.build(
-            PostgresStore.eventLog.pipe(Layer.provide(PostgresStore.layer({ url: withSchema.toString(), maxConnections: 16 })), Layer.orDie)
+            PostgresStore.eventLog.pipe(Layer.provide(PostgresStore.layer({ url: store.url, maxConnections: 16 })), Layer.orDie)
           ),
           EventLog.EventLog
         )
@@ -124,8 +139,7 @@ export default async function storeAppend(): Promise<void> {
       `(${ROUNDS} alternating rounds of ${ROUND_MS} ms each; load average ${os.loadavg().map((l) => l.toFixed(1)).join(" ")} on ${os.cpus().length} cpus)`
     )
   } finally {
-    await Effect.runPromise(Effect.ignore(admin(pg.url, `DROP SCHEMA IF EXISTS ${schema} CASCADE`)))
-    pg.stop()
+    await store.close()
     fs.rmSync(dir, { recursive: true, force: true })
   }
 }
