@@ -3,6 +3,8 @@ import { defineConfig } from "vitest/config"
 export default defineConfig({
   test: {
     include: ["test/**/*.test.ts"],
+    // A private PostgreSQL for the store's suites when AGENTD_TEST_PG_URL names none.
+    globalSetup: ["test/support/pgGlobalSetup.ts"],
     // End-to-end tests spawn real processes; two cores are the budget.
     pool: "forks",
     poolOptions: { forks: { maxForks: 2, minForks: 1 } },

@@ -35,7 +35,7 @@ import { printRatio } from "./report.js"
 
 const WORDS = 20_000
 /** `echo:` then one delta per word. */
-const EVENTS = WORDS + 1
+export const EVENTS = WORDS + 1
 const CLIENT_COUNTS = [1, 10, 100] as const
 const TURN_TIMEOUT_MS = 60_000
 const WARM_UP_TURNS = 3
@@ -44,7 +44,7 @@ const RUNS = 3
 const TARGETS: Record<number, number | undefined> = { 1: 0.5, 100: 0.3 }
 const UPDATE_MARK = '"type":"message_update"'
 
-interface Result {
+export interface Result {
   readonly clients: number
   readonly seconds: number
   readonly perClient: ReadonlyArray<number>
@@ -232,13 +232,20 @@ const linesLike = (sample: Msg): Array<string> => {
   return out
 }
 
-export default async function delivery(): Promise<void> {
+/**
+ * The daemon's side: the median run at each of `clientCounts`, and a sample live line.
+ * `extraArgs` go to `agentd serve` (bench/storeDelivery.ts: `--store postgres://...`).
+ */
+export const measureOurs = async (
+  extraArgs: ReadonlyArray<string> = [],
+  clientCounts: ReadonlyArray<number> = CLIENT_COUNTS
+): Promise<{ readonly ours: ReadonlyArray<Result>; readonly sample: Msg }> => {
   const ours: Array<Result> = []
   let sample: Msg | undefined
   let t0 = nowMs()
   await withDaemon(
     // Checkpoints are taken explicitly between runs, never while one is measured.
-    { env: { AGENTD_CHECKPOINT_EVENTS: "1000000000", AGENTD_CHECKPOINT_BYTES: String(1024 * 1024 * 1024) } },
+    { env: { AGENTD_CHECKPOINT_EVENTS: "1000000000", AGENTD_CHECKPOINT_BYTES: String(1024 * 1024 * 1024) }, extraArgs },
     async (daemon) => {
       const ctl = await daemon.connect("ctl")
       const { id } = await createSession(ctl)
@@ -253,7 +260,7 @@ export default async function delivery(): Promise<void> {
       for (let i = 0; i < WARM_UP_TURNS; i++) await runTurn(watcher, id, message())
       watcher.close()
       phase("warm-up turn", t0)
-      for (const n of CLIENT_COUNTS) {
+      for (const n of clientCounts) {
         let t = nowMs()
         await ctl.ok({ type: "checkpoint", activeSessionId: id }, 60_000)
         phase(`checkpoint`, t)
@@ -275,7 +282,12 @@ export default async function delivery(): Promise<void> {
     }
   )
   phase("daemon stop", t0)
-  const lines = linesLike(sample!)
+  return { ours, sample: sample! }
+}
+
+export default async function delivery(): Promise<void> {
+  const { ours, sample } = await measureOurs()
+  const lines = linesLike(sample)
   for (const r of ours) {
     const t = nowMs()
     const runs: Array<Result> = []

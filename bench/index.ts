@@ -7,6 +7,8 @@ const benches: Record<string, () => Promise<{ default: () => Promise<void> }>> =
   framing: () => import("./framing.js"),
   snapshotCache: () => import("./snapshotCache.js"),
   eventLog: () => import("./eventLog.js"),
+  storeAppend: () => import("./storeAppend.js"),
+  storeDelivery: () => import("./storeDelivery.js"),
   recovery: () => import("./recovery.js"),
   delivery: () => import("./delivery.js"),
   attach: () => import("./attach.js"),

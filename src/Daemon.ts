@@ -6,6 +6,7 @@
 import type * as FileSystem from "@effect/platform/FileSystem"
 import * as NodeFileSystem from "@effect/platform-node/NodeFileSystem"
 import type * as ConfigError from "effect/ConfigError"
+import * as Data from "effect/Data"
 import * as Deferred from "effect/Deferred"
 import * as Effect from "effect/Effect"
 import * as Layer from "effect/Layer"
@@ -18,6 +19,7 @@ import { Engine, EngineError } from "./Engine.js"
 import * as BuiltinEngines from "./engines/builtin.js"
 import * as EventLog from "./EventLog.js"
 import * as Fsx from "./internal/fsx.js"
+import * as PostgresStore from "./PostgresStore.js"
 import * as RecoveryJournal from "./RecoveryJournal.js"
 import * as SessionManager from "./SessionManager.js"
 import * as SessionStore from "./SessionStore.js"
@@ -159,6 +161,55 @@ export const workerPoolLayer: Layer.Layer<WorkerPool.WorkerPool, never, StorageC
     }))
 )
 
+/** `store` (`--store`, `AGENTD_STORE`) names neither `files` nor a PostgreSQL URL. */
+export class InvalidStore extends Data.TaggedError("InvalidStore")<{ readonly store: string }> {
+  override get message(): string {
+    return `invalid store \`${this.store}\`: expected \`files\` or a PostgreSQL URL (postgres://...)`
+  }
+}
+
+/** The configured store is one there is: checked before the state dir is touched, as the engine is. */
+const checkStore: Layer.Layer<never, InvalidStore, DaemonConfig> = Layer.effectDiscard(
+  Effect.flatMap(DaemonConfig, (config) =>
+    config.store === undefined || config.store === "files" || PostgresStore.isPostgresUrl(config.store)
+      ? Effect.void
+      : Effect.fail(new InvalidStore({ store: config.store })))
+)
+
+/**
+ * The event log, session store and recovery journal: `layers`' own where given, else the
+ * configured store's (`config.store`): the state dir's files, or PostgreSQL, where the three
+ * share one connection pool and the store's single-writer lock (PostgresStore.layer), taken
+ * once the state dir's lock is held.
+ */
+const storageLayers = (layers: DaemonLayers): Layer.Layer<
+  EventLog.EventLog | SessionStore.SessionStore | RecoveryJournal.RecoveryJournal,
+  | EventLog.EventLogError
+  | SessionStore.SessionStoreError
+  | RecoveryJournal.RecoveryJournalError
+  | PostgresStore.PostgresStoreError
+  | PostgresStore.PostgresStoreLocked
+  | InvalidStore,
+  StorageContext
+> =>
+  Layer.unwrapEffect(Effect.gen(function*() {
+    const config = yield* DaemonConfig
+    const store = config.store ?? "files"
+    if (store === "files") {
+      return Layer.mergeAll(
+        layers.eventLog ?? eventLogLayer,
+        layers.sessionStore ?? sessionStoreLayer,
+        layers.recoveryJournal ?? recoveryJournalLayer
+      )
+    }
+    if (!PostgresStore.isPostgresUrl(store)) return yield* new InvalidStore({ store })
+    return Layer.mergeAll(
+      layers.eventLog ?? PostgresStore.eventLog,
+      layers.sessionStore ?? PostgresStore.sessionStore,
+      layers.recoveryJournal ?? PostgresStore.recoveryJournal
+    ).pipe(Layer.provide(PostgresStore.layer({ url: store, socketPath: config.socketPath })))
+  }))
+
 /**
  * The layers {@link DaemonLive} is made of that an embedder may replace; each one left out is
  * the default named on it. A replacement may use what the defaults use: the configuration
@@ -178,7 +229,7 @@ export interface DaemonLayers {
   readonly engines?: Layer.Layer<Engine> | undefined
   /** Where the snapshot cache spills (default: `NodeFileSystem.layer`). */
   readonly fileSystem?: Layer.Layer<FileSystem.FileSystem> | undefined
-  /** Default {@link eventLogLayer}; e.g. `EventLog.layerMemory`. */
+  /** Default {@link eventLogLayer} (with `store: "postgres://..."`, `PostgresStore.eventLog`); e.g. `EventLog.layerMemory`. */
   readonly eventLog?: Layer.Layer<EventLog.EventLog, EventLog.EventLogError, StorageContext> | undefined
   /** Default {@link sessionStoreLayer}; e.g. `SessionStore.layerMemory`. */
   readonly sessionStore?: Layer.Layer<SessionStore.SessionStore, SessionStore.SessionStoreError, StorageContext> | undefined
@@ -224,6 +275,9 @@ export type DaemonStartError =
   | EventLog.EventLogError
   | SessionStore.SessionStoreError
   | RecoveryJournal.RecoveryJournalError
+  | PostgresStore.PostgresStoreError
+  | PostgresStore.PostgresStoreLocked
+  | InvalidStore
 
 /** Why the core ({@link CoreLive}) could not start: {@link DaemonStartError} less the socket's. */
 export type CoreStartError = Exclude<DaemonStartError, DaemonServer.ServerStartError>
@@ -239,12 +293,10 @@ const coreOver = <E>(
   infoLayer: Layer.Layer<SessionManager.SupervisorInfo, E, DaemonConfig>,
   layers: DaemonLayers
 ) => {
-  const enginesLayer = checkEngines.pipe(Layer.provideMerge(layers.engines ?? BuiltinEngines.layer))
+  const enginesLayer = Layer.merge(checkEngines, checkStore).pipe(Layer.provideMerge(layers.engines ?? BuiltinEngines.layer))
   const info = infoLayer.pipe(Layer.provideMerge(enginesLayer), Layer.provideMerge(configLayer))
   const storage = Layer.mergeAll(
-    layers.eventLog ?? eventLogLayer,
-    layers.sessionStore ?? sessionStoreLayer,
-    layers.recoveryJournal ?? recoveryJournalLayer,
+    storageLayers(layers),
     (layers.snapshotCache ?? snapshotCacheLayer).pipe(Layer.provide(layers.fileSystem ?? NodeFileSystem.layer))
   ).pipe(Layer.provideMerge(info))
   const workers = (layers.workerPool ?? workerPoolLayer).pipe(Layer.provideMerge(storage))

@@ -48,6 +48,12 @@ export interface DaemonConfigShape {
    */
   readonly shutdownGraceMs: number
   /**
+   * Where sessions, events and the recovery journal are stored: the state dir's files (absent,
+   * or `files`: the default) or a PostgreSQL database (`postgres://...`; `--store`,
+   * `AGENTD_STORE`). The socket and the workers' directories stay in the state dir either way.
+   */
+  readonly store?: string
+  /**
    * The worker program to spawn; by default this package's `bin/worker.js` next to the module
    * that spawns it. The bundled CLI names the worker bundled next to it.
    */
@@ -79,6 +85,9 @@ export const defaults = (stateDir: string = defaultStateDir()): DaemonConfigShap
   shutdownGraceMs: 3000
 })
 
+/** `files` or a PostgreSQL URL: the values of {@link DaemonConfigShape.store}. */
+export const isStoreSetting = (store: string): boolean => store === "files" || /^postgres(ql)?:\/\//.test(store)
+
 /** A whole number of at least `min` under `name`, if set. */
 const count = (name: string, min: number) =>
   Config.option(Config.integer(name).pipe(Config.validate({ message: `must be an integer >= ${min}`, validation: (n) => n >= min })))
@@ -102,7 +111,11 @@ export const settings: Config.Config<Partial<DaemonConfigShape>> = Config.all({
   clientEnvKeys: Config.option(Config.map(Config.string("AGENTD_CLIENT_ENV_KEYS"), (keys) =>
     keys.split(",").map((k) => k.trim()).filter((k) => k.length > 0))),
   warmSpare: Config.option(Config.map(Config.string("AGENTD_WARM_SPARE"), (v) => v !== "0")),
-  shutdownGraceMs: count("AGENTD_SHUTDOWN_GRACE_MS", 0)
+  shutdownGraceMs: count("AGENTD_SHUTDOWN_GRACE_MS", 0),
+  store: Config.option(Config.string("AGENTD_STORE").pipe(Config.validate({
+    message: "must be `files` or a PostgreSQL URL (postgres://...)",
+    validation: isStoreSetting
+  })))
 }).pipe(Config.map((all) => {
   const out: Record<string, unknown> = {}
   for (const [key, value] of Object.entries(all) as Array<[string, Option.Option<unknown>]>) {

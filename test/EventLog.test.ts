@@ -15,6 +15,8 @@ import * as path from "node:path"
 import { fileURLToPath } from "node:url"
 import * as Cursor from "../src/Cursor.js"
 import * as EventLog from "../src/EventLog.js"
+import * as PostgresStore from "../src/PostgresStore.js"
+import { describePg, freshSchema, storeLayer } from "./support/postgres.js"
 
 /** A fresh directory under the OS temp dir, removed when the scope closes. */
 const tempDir = Effect.acquireRelease(
@@ -41,11 +43,13 @@ const implementations: ReadonlyArray<{
   readonly layer: Layer.Layer<EventLog.EventLog, EventLog.EventLogError>
 }> = [
   { name: "file", layer: Layer.unwrapScoped(Effect.map(tempDir, (root) => EventLog.layer({ root }))) },
-  { name: "memory", layer: EventLog.layerMemory }
+  { name: "memory", layer: EventLog.layerMemory },
+  // A fresh schema of the test server per test.
+  { name: "postgres", layer: PostgresStore.eventLog.pipe(Layer.provide(storeLayer())) }
 ]
 
 for (const impl of implementations) {
-  describe(`EventLog (${impl.name})`, () => {
+  ;(impl.name === "postgres" ? describePg : describe)(`EventLog (${impl.name})`, () => {
     const test = <E>(name: string, body: Effect.Effect<void, E, EventLog.EventLog>) =>
       it.effect(name, () => body.pipe(Effect.provide(impl.layer)))
 
@@ -313,6 +317,101 @@ for (const impl of implementations) {
   })
 }
 
+/** The stores that outlive their process: each test opens the same one twice, as a restart would. */
+const durableStores: ReadonlyArray<{
+  readonly name: string
+  /** A fresh store's address (a directory, a PostgreSQL schema), for the test's scope. */
+  readonly open: Effect.Effect<string, never, import("effect/Scope").Scope>
+  /** Runs `body` against the store, closing it afterwards (as a process exit would). */
+  readonly withLog: <A, E>(address: string, body: Effect.Effect<A, E, EventLog.EventLog>) => Effect.Effect<A, E>
+}> = [
+  {
+    name: "file",
+    open: tempDir,
+    withLog: (root, body) => Effect.provide(body, Layer.orDie(EventLog.layer({ root })))
+  },
+  {
+    name: "postgres",
+    open: freshSchema,
+    withLog: (url, body) =>
+      Effect.provide(body, PostgresStore.eventLog.pipe(Layer.provide(PostgresStore.layer({ url })), Layer.orDie))
+  }
+]
+
+for (const store of durableStores) {
+  ;(store.name === "postgres" ? describePg : describe)(`EventLog reopened (${store.name})`, () => {
+  it.scoped("reopen recovers last cursor, generation and continues the sequence", () =>
+    Effect.gen(function*() {
+      const root = yield* store.open
+      yield* store.withLog(root, Effect.gen(function*() {
+        const log = yield* EventLog.EventLog
+        for (const i of range(3)) yield* log.append("s", { i })
+        yield* log.startGeneration("s")
+        yield* log.append("s", { i: 3 })
+        yield* log.append("other", { i: 0 })
+      }))
+      yield* store.withLog(root, Effect.gen(function*() {
+        const log = yield* EventLog.EventLog
+        assert.strictEqual(yield* log.currentGeneration("s"), 2)
+        assert.deepStrictEqual(yield* log.lastCursor("s"), Option.some(Cursor.make(2, 0)))
+        assert.deepStrictEqual(yield* log.generations("s"), [1, 2])
+        assert.deepStrictEqual(yield* log.append("s", { i: 4 }), Cursor.make(2, 1))
+        assert.deepStrictEqual(cursors(yield* readAll("s")), ["1:0", "1:1", "1:2", "2:0", "2:1"])
+        assert.deepStrictEqual(yield* log.lastCursor("other"), Option.some(Cursor.make(1, 0)))
+        const status = yield* log.status("s")
+        assert.strictEqual(status.generationEvents, 2)
+      }))
+    }))
+
+  it.scoped("reopen remembers a started generation without events, even after pruning", () =>
+    Effect.gen(function*() {
+      const root = yield* store.open
+      yield* store.withLog(root, Effect.gen(function*() {
+        const log = yield* EventLog.EventLog
+        yield* log.append("s", { i: 0 })
+        yield* log.append("s", { i: 1 })
+        yield* log.startGeneration("s")
+        yield* log.startGeneration("s")
+        yield* log.prune("s", 3)
+      }))
+      yield* store.withLog(root, Effect.gen(function*() {
+        const log = yield* EventLog.EventLog
+        assert.strictEqual(yield* log.currentGeneration("s"), 3)
+        assert.deepStrictEqual(yield* log.generations("s"), [3])
+        // The header of generation 3 still knows where the history stood.
+        assert.deepStrictEqual(yield* log.lastCursor("s"), Option.some(Cursor.make(1, 1)))
+        assert.deepStrictEqual(yield* log.append("s", { i: 2 }), Cursor.make(3, 0))
+      }))
+    }))
+
+  it.scoped("closing the layer with appends in flight: none hangs, the log stays gapless", () =>
+    Effect.gen(function*() {
+      const root = yield* store.open
+      const inFlight = yield* store.withLog(root, Effect.gen(function*() {
+        const log = yield* EventLog.EventLog
+        yield* Effect.forEach(range(64), (i) => log.append("s", { i }), { concurrency: "unbounded", discard: true })
+        // Still waiting for their fsync when the layer closes.
+        return yield* Effect.fork(
+          Effect.forEach(range(64), (i) => Effect.exit(log.append("s", { i: 64 + i })), { concurrency: "unbounded" })
+        )
+      }))
+      const exits = yield* Fiber.join(inFlight)
+      for (const exit of exits) {
+        if (Exit.isFailure(exit)) {
+          assert.strictEqual(Option.getOrThrow(Cause.failureOption(exit.cause)).reason, "Closed")
+        }
+      }
+      const acknowledged = exits.filter(Exit.isSuccess).length
+      yield* store.withLog(root, Effect.gen(function*() {
+        const records = yield* readAll("s")
+        assert.isAtLeast(records.length, 64 + acknowledged)
+        assert.deepStrictEqual(cursors(records), range(records.length).map((i) => `1:${i}`))
+        assert.deepStrictEqual(yield* (yield* EventLog.EventLog).append("s", {}), Cursor.make(1, records.length))
+      }))
+    }))
+  })
+}
+
 describe("EventLog (file only)", () => {
   /** Runs `body` against a log opened on `root`, closing it afterwards (as a process exit would). */
   const withLog = <A, E>(root: string, body: Effect.Effect<A, E, EventLog.EventLog>) =>
@@ -368,29 +467,6 @@ describe("EventLog (file only)", () => {
       assert.strictEqual(mode(segment(root, "s", 2)), 0o600)
     }))
 
-  it.scoped("reopen recovers last cursor, generation and continues the sequence", () =>
-    Effect.gen(function*() {
-      const root = yield* tempDir
-      yield* withLog(root, Effect.gen(function*() {
-        const log = yield* EventLog.EventLog
-        for (const i of range(3)) yield* log.append("s", { i })
-        yield* log.startGeneration("s")
-        yield* log.append("s", { i: 3 })
-        yield* log.append("other", { i: 0 })
-      }))
-      yield* withLog(root, Effect.gen(function*() {
-        const log = yield* EventLog.EventLog
-        assert.strictEqual(yield* log.currentGeneration("s"), 2)
-        assert.deepStrictEqual(yield* log.lastCursor("s"), Option.some(Cursor.make(2, 0)))
-        assert.deepStrictEqual(yield* log.generations("s"), [1, 2])
-        assert.deepStrictEqual(yield* log.append("s", { i: 4 }), Cursor.make(2, 1))
-        assert.deepStrictEqual(cursors(yield* readAll("s")), ["1:0", "1:1", "1:2", "2:0", "2:1"])
-        assert.deepStrictEqual(yield* log.lastCursor("other"), Option.some(Cursor.make(1, 0)))
-        const status = yield* log.status("s")
-        assert.strictEqual(status.generationEvents, 2)
-      }))
-    }))
-
   it.scoped("a read that outlives the generations after it (pruned while it went on) fails, never skips them", () =>
     Effect.gen(function*() {
       const root = yield* tempDir
@@ -413,27 +489,6 @@ describe("EventLog (file only)", () => {
         assert.deepStrictEqual(rest, ["1:1"])
         assert.isTrue(Option.isSome(failure) && failure.value.reason === "GenerationNotFound", JSON.stringify(failure))
       }).pipe(Effect.scoped))
-    }))
-
-  it.scoped("reopen remembers a started generation without events, even after pruning", () =>
-    Effect.gen(function*() {
-      const root = yield* tempDir
-      yield* withLog(root, Effect.gen(function*() {
-        const log = yield* EventLog.EventLog
-        yield* log.append("s", { i: 0 })
-        yield* log.append("s", { i: 1 })
-        yield* log.startGeneration("s")
-        yield* log.startGeneration("s")
-        yield* log.prune("s", 3)
-      }))
-      yield* withLog(root, Effect.gen(function*() {
-        const log = yield* EventLog.EventLog
-        assert.strictEqual(yield* log.currentGeneration("s"), 3)
-        assert.deepStrictEqual(yield* log.generations("s"), [3])
-        // The header of generation 3 still knows where the history stood.
-        assert.deepStrictEqual(yield* log.lastCursor("s"), Option.some(Cursor.make(1, 1)))
-        assert.deepStrictEqual(yield* log.append("s", { i: 2 }), Cursor.make(3, 0))
-      }))
     }))
 
   it.scoped("reopen truncates a torn tail (a line without newline); whole lines that fail to parse are damage, repaired aside", () =>
@@ -646,31 +701,6 @@ describe("EventLog (file only)", () => {
       }))
     }))
 
-  it.scoped("closing the layer with appends in flight: none hangs, the log stays gapless", () =>
-    Effect.gen(function*() {
-      const root = yield* tempDir
-      const inFlight = yield* withLog(root, Effect.gen(function*() {
-        const log = yield* EventLog.EventLog
-        yield* Effect.forEach(range(64), (i) => log.append("s", { i }), { concurrency: "unbounded", discard: true })
-        // Still waiting for their fsync when the layer closes.
-        return yield* Effect.fork(
-          Effect.forEach(range(64), (i) => Effect.exit(log.append("s", { i: 64 + i })), { concurrency: "unbounded" })
-        )
-      }))
-      const exits = yield* Fiber.join(inFlight)
-      for (const exit of exits) {
-        if (Exit.isFailure(exit)) {
-          assert.strictEqual(Option.getOrThrow(Cause.failureOption(exit.cause)).reason, "Closed")
-        }
-      }
-      const acknowledged = exits.filter(Exit.isSuccess).length
-      yield* withLog(root, Effect.gen(function*() {
-        const records = yield* readAll("s")
-        assert.isAtLeast(records.length, 64 + acknowledged)
-        assert.deepStrictEqual(cursors(records), range(records.length).map((i) => `1:${i}`))
-        assert.deepStrictEqual(yield* (yield* EventLog.EventLog).append("s", {}), Cursor.make(1, records.length))
-      }))
-    }))
 })
 
 // -----------------------------------------------------------------------------------------------
@@ -777,7 +807,7 @@ const checkRawSegments = (root: string, sid: string): boolean => {
 }
 
 /** Checks a log after a kill: every acknowledged record is there, and cursors are gapless. */
-const verify = (root: string, sid: string, acked: ReadonlyMap<string, AckedEvent>) =>
+const verify = <E>(layer: Layer.Layer<EventLog.EventLog, E>, sid: string, acked: ReadonlyMap<string, AckedEvent>) =>
   Effect.provide(
     Effect.gen(function*() {
       const log = yield* EventLog.EventLog
@@ -801,7 +831,7 @@ const verify = (root: string, sid: string, acked: ReadonlyMap<string, AckedEvent
       if (last !== undefined) assert.deepStrictEqual(yield* log.lastCursor(sid), Option.some(last.cursor))
       return records.length
     }),
-    EventLog.layer({ root })
+    layer
   )
 
 describe("EventLog crash safety", () => {
@@ -846,7 +876,7 @@ describe("EventLog crash safety", () => {
             (copy) =>
               Effect.suspend(() => {
                 if (fs.existsSync(path.join(copy, sid)) && checkRawSegments(copy, sid)) torn++
-                return verify(copy, sid, acked)
+                return verify(EventLog.layer({ root: copy }), sid, acked)
               }),
             (copy) => Effect.sync(() => fs.rmSync(copy, { recursive: true, force: true }))
           )
@@ -860,5 +890,36 @@ describe("EventLog crash safety", () => {
       assert.isAbove(acks, 1000)
       const torn = results.reduce((n, r) => n + r.torn, 0)
       yield* Effect.logDebug(`crash test: ${acks} acknowledged appends, ${torn} torn tails`)
+    }), { timeout: 180_000 })
+})
+
+describePg("EventLog crash safety (postgres)", () => {
+  it.scopedLive("every acknowledged append survives SIGKILL of its process at random moments; no gap", () =>
+    Effect.gen(function*() {
+      // One store, one lane: the children take turns (each holds the store's lock while it runs).
+      const url = yield* freshSchema
+      const runs = 8
+      const sid = "crash-session"
+      const acked = new Map<string, AckedEvent>()
+      const childArgs = (run: number) => [url, sid, String(run), "64", "53"]
+      let next = yield* spawnChild(childArgs(0))
+      for (let run = 0; run < runs; run++) {
+        const child = next
+        if (run + 1 < runs) next = yield* spawnChild(childArgs(run + 1))
+        yield* run % 4 === 3
+          ? runAndKill(child, "ready", Math.floor(Math.random() * 20))
+          : runAndKill(child, "ack", Math.floor(Math.random() * 150))
+        for (const line of child.lines) {
+          const parts = line.split(" ")
+          if (parts[0] !== "ack") continue
+          const [g, s, r, w, i] = parts.slice(1).map(Number) as [number, number, number, number, number]
+          assert.isFalse(acked.has(`${g}:${s}`), `cursor ${g}:${s} acknowledged twice`)
+          acked.set(`${g}:${s}`, { run: r, w, i })
+        }
+        // The next child waits for `go`: the store's lock is free for the check.
+        const count = yield* verify(PostgresStore.eventLog.pipe(Layer.provide(PostgresStore.layer({ url }))), sid, acked)
+        assert.isAtLeast(count, acked.size)
+      }
+      assert.isAbove(acked.size, 500)
     }), { timeout: 180_000 })
 })

@@ -14,7 +14,9 @@ import * as Logger from "effect/Logger"
 import * as Option from "effect/Option"
 import * as Schema from "effect/Schema"
 import type * as Scope from "effect/Scope"
+import * as PostgresStore from "../src/PostgresStore.js"
 import * as RecoveryJournal from "../src/RecoveryJournal.js"
+import { describePg, storeLayer } from "./support/postgres.js"
 
 // ---------------------------------------------------------------------------------------------
 // Helpers
@@ -83,6 +85,14 @@ const implementations: ReadonlyArray<{
       const context = yield* Layer.build(RecoveryJournal.layerMemory)
       return { journal: Context.get(context, RecoveryJournal.RecoveryJournal), path: Option.none() }
     })
+  },
+  {
+    // A fresh schema of the test server per test.
+    name: "postgres",
+    make: Effect.gen(function*() {
+      const context = yield* Layer.build(PostgresStore.recoveryJournal.pipe(Layer.provide(storeLayer())))
+      return { journal: Context.get(context, RecoveryJournal.RecoveryJournal), path: Option.none() }
+    })
   }
 ]
 
@@ -90,7 +100,7 @@ const implementations: ReadonlyArray<{
 // The shared suite
 
 for (const implementation of implementations) {
-  describe(`RecoveryJournal (${implementation.name})`, () => {
+  ;(implementation.name === "postgres" ? describePg : describe)(`RecoveryJournal (${implementation.name})`, () => {
     it.scoped("records and returns the latest record per session", () =>
       Effect.gen(function*() {
         const { journal, path } = yield* implementation.make

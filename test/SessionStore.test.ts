@@ -12,7 +12,9 @@ import * as Layer from "effect/Layer"
 import * as Option from "effect/Option"
 import type * as Scope from "effect/Scope"
 import * as Stream from "effect/Stream"
+import * as PostgresStore from "../src/PostgresStore.js"
 import * as SessionStore from "../src/SessionStore.js"
+import { describePg, storeLayer } from "./support/postgres.js"
 
 // ---------------------------------------------------------------------------------------------
 // Helpers
@@ -47,6 +49,8 @@ interface Fixture {
   readonly store: SessionStore.SessionStoreService
   /** The store's root directory (file implementation only). */
   readonly root: Option.Option<string>
+  /** What the paths it reports start with when it has no root (`memory:/`, `postgres:/`). */
+  readonly pathBase?: string
 }
 
 const implementations: ReadonlyArray<{
@@ -68,6 +72,14 @@ const implementations: ReadonlyArray<{
       const context = yield* Layer.build(SessionStore.layerMemory)
       return { store: Context.get(context, SessionStore.SessionStore), root: Option.none() }
     })
+  },
+  {
+    // A fresh schema of the test server per test.
+    name: "postgres",
+    make: Effect.gen(function*() {
+      const context = yield* Layer.build(PostgresStore.sessionStore.pipe(Layer.provide(storeLayer())))
+      return { store: Context.get(context, SessionStore.SessionStore), root: Option.none(), pathBase: "postgres:/" }
+    })
   }
 ]
 
@@ -75,7 +87,7 @@ const implementations: ReadonlyArray<{
 // The shared suite
 
 for (const implementation of implementations) {
-  describe(`SessionStore (${implementation.name})`, () => {
+  ;(implementation.name === "postgres" ? describePg : describe)(`SessionStore (${implementation.name})`, () => {
     it.scoped("round-trips metadata; create is exclusive; env and launchEnv are never stored", () =>
       Effect.gen(function*() {
         const { root, store } = yield* implementation.make
@@ -320,7 +332,7 @@ for (const implementation of implementations) {
 
     it.scoped("sanitizes ids from the wire: nothing escapes the root, distinct ids stay distinct", () =>
       Effect.gen(function*() {
-        const { root, store } = yield* implementation.make
+        const { pathBase, root, store } = yield* implementation.make
         const ids = ["../../x", "..", ".", "a/b", "a%2Fb", "a_2Fb", "", "x\u0000y", "é", "../sessions/../../x", "z".repeat(400)]
         for (const [n, id] of ids.entries()) {
           yield* store.create(meta(id, { name: `n${n}` }))
@@ -332,7 +344,7 @@ for (const implementation of implementations) {
         }
         assert.strictEqual((yield* store.list()).length, ids.length)
 
-        const base = Option.getOrElse(root, () => "memory:/")
+        const base = Option.getOrElse(root, () => pathBase ?? "memory:/")
         const paths = new Set<string>()
         for (const id of ids) {
           const path = store.snapshotPath(id, 1)

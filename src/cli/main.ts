@@ -36,6 +36,7 @@ export interface ServeOptions {
   readonly maxWorkers: number | undefined
   readonly shutdownGraceMs: number | undefined
   readonly logLevel: string | undefined
+  readonly store?: string | undefined
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -94,6 +95,13 @@ export const commands: ReadonlyArray<CommandSpec> = [
           "At a graceful stop, how long clients may take to read what they are owed before every connection is closed (default 3000, or $AGENTD_SHUTDOWN_GRACE_MS)."
       },
       {
+        name: "store",
+        kind: "string",
+        value: "STORE",
+        description:
+          "Where sessions, events and the recovery journal are kept: `files` (the state dir, the default) or a PostgreSQL database, postgres://user@host/db (default $AGENTD_STORE)."
+      },
+      {
         name: "log-level",
         kind: "string",
         value: "LEVEL",
@@ -103,7 +111,7 @@ export const commands: ReadonlyArray<CommandSpec> = [
       { name: "detach", kind: "flag", description: "Start the daemon in the background and return once it listens." },
       { name: "json", kind: "flag", description: "With --detach: print the daemon's pid, socket and log file as JSON." }
     ],
-    examples: ["agentd serve", "agentd serve --detach --state-dir /tmp/agentd"]
+    examples: ["agentd serve", "agentd serve --detach --state-dir /tmp/agentd", "agentd serve --store postgres://agentd@localhost/agentd"]
   },
   {
     name: "status",

@@ -30,7 +30,8 @@ export const serve = (options: ServeOptions & { readonly workerEntry: string }):
     workerEntry: options.workerEntry,
     ...(options.engine === undefined ? {} : { engine: options.engine }),
     ...(options.maxWorkers === undefined ? {} : { maxWorkers: options.maxWorkers }),
-    ...(options.shutdownGraceMs === undefined ? {} : { shutdownGraceMs: options.shutdownGraceMs })
+    ...(options.shutdownGraceMs === undefined ? {} : { shutdownGraceMs: options.shutdownGraceMs }),
+    ...(options.store === undefined ? {} : { store: options.store })
   }).pipe(
     // The daemon logs to stderr; stdout stays free.
     Effect.provide(Logger.replace(Logger.defaultLogger, Logger.prettyLogger({ stderr: true, colors: false }))),
@@ -40,7 +41,7 @@ export const serve = (options: ServeOptions & { readonly workerEntry: string }):
         const message = ConfigError.isConfigError(error) ? `invalid setting: ${describeConfigError(error)}` : error.message
         process.stderr.write(`agentd: ${message}\n`)
         // `--engine` naming an engine that does not exist is a usage error.
-        process.exitCode = error._tag === "EngineError" ? 2 : 1
+        process.exitCode = error._tag === "EngineError" || error._tag === "InvalidStore" ? 2 : 1
       })
     ),
     NodeRuntime.runMain({ disableErrorReporting: false, disablePrettyLogger: true })

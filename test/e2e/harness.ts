@@ -20,6 +20,7 @@ import * as path from "node:path"
 import { fileURLToPath } from "node:url"
 import { afterAll, afterEach, beforeAll, onTestFinished } from "vitest"
 import { Inbox } from "../support/inbox.js"
+import { freshSchemaUrl } from "../support/postgres.js"
 import { descendantsOf, isAlive, killQuietly, processesWithEnv } from "../support/procfs.js"
 
 export { isAlive }
@@ -493,6 +494,21 @@ export const freshStateDir = (): string => {
 }
 
 /** Starts `agentd serve` and waits until its socket greets with `daemon_hello`. */
+/** PostgreSQL stores of `AGENTD_E2E_STORE=postgres` runs, one per state dir, and how to drop them. */
+const stores = new Map<string, { readonly url: string; readonly drop: () => Promise<void> }>()
+
+/**
+ * `AGENTD_E2E_STORE=postgres`: every daemon runs with `--store`, over a schema of its state dir's
+ * own (a restart on the same state dir finds its store again), so that the e2e suites run once
+ * more on the PostgreSQL store. Tests that name a store themselves are left as they are.
+ */
+const storeArgs = async (stateDir: string, options: StartOptions): Promise<Array<string>> => {
+  if (process.env["AGENTD_E2E_STORE"] !== "postgres" || (options.extraArgs ?? []).includes("--store")) return []
+  let store = stores.get(stateDir)
+  if (store === undefined) stores.set(stateDir, store = await freshSchemaUrl())
+  return ["--store", store.url]
+}
+
 export const startDaemon = async (options: StartOptions = {}): Promise<Daemon> => {
   if (!fs.existsSync(DAEMON_BIN)) {
     throw new Error(`${DAEMON_BIN} does not exist: run \`npm run build\` first`)
@@ -514,7 +530,7 @@ export const startDaemon = async (options: StartOptions = {}): Promise<Daemon> =
   // on a shared machine have been seen to `pkill -f` (observed: SIGTERM to daemons mid-start).
   const entry = path.join(path.dirname(stateDir), `daemon-under-test-${mark.slice(0, 8)}.js`)
   if (!fs.existsSync(entry)) fs.symlinkSync(DAEMON_BIN, entry)
-  const argv = [entry, "serve", "--state-dir", stateDir, ...socketArgs, ...(options.extraArgs ?? [])]
+  const argv = [entry, "serve", "--state-dir", stateDir, ...socketArgs, ...(await storeArgs(stateDir, options)), ...(options.extraArgs ?? [])]
   const limit = options.fileSizeLimitKiB
   const limits = [
     // /bin/sh (dash) counts `ulimit -f` in 512-byte blocks; an ignored signal stays ignored across exec.
@@ -628,7 +644,7 @@ export const cleanUpAfterTests = (): void => {
 }
 
 /** Removes the temp roots of daemons that are gone (best effort). */
-export const removeTempRoots = (): void => {
+export const removeTempRoots = async (): Promise<void> => {
   if ([...liveDaemons].some((d) => d.running)) return
   for (const root of tempRoots) {
     try {
@@ -638,6 +654,9 @@ export const removeTempRoots = (): void => {
     }
   }
   tempRoots.clear()
+  const dropped = [...stores.values()]
+  stores.clear()
+  await Promise.all(dropped.map((s) => s.drop().catch(() => undefined)))
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -1,0 +1,272 @@
+/**
+ * The PostgreSQL store's connection, schema and single-writer lock, shared by its three layers
+ * (event log, session store, recovery journal).
+ *
+ * Schema (`@effect/sql` Migrator, table `agentd_migrations`), in the connection's schema
+ * (`search_path`): one store is one schema of one database.
+ * - `agentd_events (session_id, generation, sequence) -> event` the event log; `event` is the
+ *   event's JSON text exactly as it was logged (text, not jsonb: jsonb reorders keys).
+ * - `agentd_generations (session_id, generation) -> after_generation, after_sequence` one row
+ *   per retained generation of a session's log: where the history stood when it began (a file
+ *   segment's header).
+ * - `agentd_sessions (active_session_id) -> meta, created_at` the session registry.
+ * - `agentd_snapshots (active_session_id, generation) -> header, body_bytes` one row per
+ *   published transcript header, as the file store's; `agentd_transcript_lines
+ *   (active_session_id, epoch, line_no) -> line` the append-only transcripts: an ordinary
+ *   checkpoint adds only its new lines and a header naming the first `messageCount` lines of
+ *   its epoch; `agentd_snapshot_lines (active_session_id, generation, line_no) -> line` the
+ *   messages of a transcript written whole (a history rewrite). Session ids are keyed escaped
+ *   as the file store names their directories (PostgreSQL text cannot hold a NUL byte); an
+ *   archived session's rows move under an `archive/...` key.
+ * - `agentd_journal (active_session_id) -> record` the latest recovery record of each session.
+ * - `agentd_holder (id = 1) -> pid, socket_path, host, started_at` who holds the store.
+ *
+ * Single writer: the daemon takes a session-level advisory lock on a connection it keeps for
+ * its whole life. PostgreSQL releases it when that connection ends, which it does when the
+ * daemon dies however it dies (SIGKILL included: the socket closes), so a restart takes it at
+ * once. A second daemon finds it taken and is refused, naming the holder. The lock is checked
+ * every 2 s and taken again after the server restarted (which ends every session's locks).
+ */
+import * as Migrator from "@effect/sql/Migrator"
+import * as SqlClient from "@effect/sql/SqlClient"
+import type * as SqlConnection from "@effect/sql/SqlConnection"
+import type { SqlError } from "@effect/sql/SqlError"
+import * as PgClient from "@effect/sql-pg/PgClient"
+import * as Context from "effect/Context"
+import * as Data from "effect/Data"
+import * as Effect from "effect/Effect"
+import * as Layer from "effect/Layer"
+import * as Redacted from "effect/Redacted"
+import * as Scope from "effect/Scope"
+import * as os from "node:os"
+
+/** The store could not be reached or its schema could not be made. */
+export class PostgresStoreError extends Data.TaggedError("PostgresStoreError")<{
+  readonly url: string
+  readonly detail: string
+  readonly cause?: unknown
+}> {
+  override get message(): string {
+    return `PostgreSQL store ${this.url}: ${this.detail}`
+  }
+}
+
+/** Another daemon holds the store (its advisory lock). */
+export class PostgresStoreLocked extends Data.TaggedError("PostgresStoreLocked")<{
+  readonly url: string
+  readonly pid: number | undefined
+  readonly socketPath: string | undefined
+  readonly host: string | undefined
+}> {
+  override get message(): string {
+    return this.pid === undefined
+      ? `another daemon (pid unknown, socket unknown: it left no holder record) holds the store ${this.url}`
+      : `another daemon (pid ${this.pid}${this.host === undefined || this.host === os.hostname() ? "" : ` on ${this.host}`}, socket ${this.socketPath}) holds the store ${this.url}`
+  }
+}
+
+/** The URL without its password, for messages and logs. */
+export const redactUrl = (url: string): string => {
+  try {
+    const parsed = new URL(url)
+    if (parsed.password !== "") parsed.password = "***"
+    return parsed.toString()
+  } catch {
+    return "<invalid PostgreSQL URL>"
+  }
+}
+
+/** True when `store` names a PostgreSQL store rather than the state dir's files. */
+export const isPostgresUrl = (store: string): boolean => /^postgres(ql)?:\/\//.test(store)
+
+// ---------------------------------------------------------------------------------------------
+// Schema
+
+const migrations = Migrator.fromRecord({
+  "1_initial": Effect.gen(function*() {
+    const sql = yield* SqlClient.SqlClient
+    yield* sql`CREATE TABLE agentd_events (
+      session_id text NOT NULL,
+      generation integer NOT NULL,
+      sequence integer NOT NULL,
+      event text NOT NULL,
+      PRIMARY KEY (session_id, generation, sequence)
+    )`
+    yield* sql`CREATE TABLE agentd_generations (
+      session_id text NOT NULL,
+      generation integer NOT NULL,
+      after_generation integer,
+      after_sequence integer,
+      PRIMARY KEY (session_id, generation)
+    )`
+    yield* sql`CREATE TABLE agentd_sessions (
+      active_session_id text PRIMARY KEY,
+      meta text NOT NULL,
+      created_at text NOT NULL
+    )`
+    yield* sql`CREATE TABLE agentd_snapshots (
+      active_session_id text NOT NULL,
+      generation integer NOT NULL,
+      header text NOT NULL,
+      body_bytes bigint NOT NULL,
+      PRIMARY KEY (active_session_id, generation)
+    )`
+    yield* sql`CREATE TABLE agentd_snapshot_lines (
+      active_session_id text NOT NULL,
+      generation integer NOT NULL,
+      line_no integer NOT NULL,
+      line text NOT NULL,
+      PRIMARY KEY (active_session_id, generation, line_no)
+    )`
+    yield* sql`CREATE TABLE agentd_transcript_lines (
+      active_session_id text NOT NULL,
+      epoch integer NOT NULL,
+      line_no integer NOT NULL,
+      line text NOT NULL,
+      PRIMARY KEY (active_session_id, epoch, line_no)
+    )`
+    yield* sql`CREATE TABLE agentd_journal (
+      active_session_id text PRIMARY KEY,
+      record text NOT NULL
+    )`
+    yield* sql`CREATE TABLE agentd_holder (
+      id integer PRIMARY KEY,
+      pid integer NOT NULL,
+      socket_path text NOT NULL,
+      host text NOT NULL,
+      started_at text NOT NULL
+    )`
+  })
+})
+
+const migrate = Migrator.make({})({ loader: migrations, table: "agentd_migrations" })
+
+// ---------------------------------------------------------------------------------------------
+// The store
+
+/** The store this daemon holds: its URL (redacted) and the lock's connection. */
+export class PostgresStore extends Context.Tag("agentd/PostgresStore")<PostgresStore, {
+  readonly url: string
+}>() {}
+
+/** Options of {@link layer}. */
+export interface Options {
+  /** `postgres://user:password@host:port/database` (`?host=/dir` for a Unix socket dir). */
+  readonly url: string
+  /** What a refused daemon is told about this one (its socket). */
+  readonly socketPath?: string | undefined
+  /** Connections in the pool besides the lock's (default 8). */
+  readonly maxConnections?: number | undefined
+}
+
+/** The advisory lock's key: one per schema, so two stores in one database do not collide. */
+const LOCK_KEY = "agentd-store"
+
+/**
+ * Takes the store's advisory lock on a connection kept for the scope's life, then says who holds
+ * it. Fails {@link PostgresStoreLocked} naming the holder when another session has it.
+ */
+const lock = (url: string, socketPath: string, waitForDeadHolder = true) =>
+  Effect.gen(function*() {
+    const sql = yield* SqlClient.SqlClient
+    const connection = yield* sql.reserve
+    for (let attempt = 1;; attempt++) {
+      const rows = yield* connection.executeValues(
+        "SELECT pg_try_advisory_lock(hashtext($1 || current_schema()))",
+        [LOCK_KEY]
+      )
+      if (rows[0]?.[0] === true) break
+      const holder = yield* sql<{ pid: number; socket_path: string; host: string }>`
+        SELECT pid, socket_path, host FROM agentd_holder WHERE id = 1`
+      const h = holder[0]
+      // A holder SIGKILLed a moment ago still holds the lock until its server process sees the
+      // connection closed (milliseconds): when the holder named is a dead process of this
+      // machine, wait for that, for up to 5 s; a live holder refuses at once.
+      const dead = h !== undefined && h.host === os.hostname() && !isAlive(h.pid)
+      if (!dead || !waitForDeadHolder || attempt >= 50) {
+        return yield* new PostgresStoreLocked({ url, pid: h?.pid, socketPath: h?.socket_path, host: h?.host })
+      }
+      yield* Effect.sleep("100 millis")
+    }
+    yield* sql`INSERT INTO agentd_holder (id, pid, socket_path, host, started_at)
+      VALUES (1, ${process.pid}, ${socketPath}, ${os.hostname()}, ${new Date().toISOString()})
+      ON CONFLICT (id) DO UPDATE SET pid = EXCLUDED.pid, socket_path = EXCLUDED.socket_path,
+        host = EXCLUDED.host, started_at = EXCLUDED.started_at`
+    return connection
+  })
+
+/** How often the lock's connection is checked. */
+const LOCK_CHECK = "2 seconds"
+
+/**
+ * Keeps the lock: PostgreSQL restarted (or the connection cut) ends the session holding it, and
+ * with it the lock. Checked every {@link LOCK_CHECK}; once lost it is taken again on a new
+ * connection as soon as the server answers. Should another daemon have taken it meanwhile, that
+ * is logged at ERROR, naming it, and retried: two writers on one store is a broken promise to
+ * be seen, not a reason to stop serving in the middle of turns.
+ */
+const keepLock = (url: string, socketPath: string, first: SqlConnection.Connection) =>
+  Effect.gen(function*() {
+    const scope = yield* Effect.scope
+    let connection = first
+    let lost = false
+    const check = Effect.gen(function*() {
+      if (!lost) {
+        const alive = yield* Effect.isSuccess(connection.executeValues("SELECT 1", []))
+        if (alive) return
+        lost = true
+        yield* Effect.logWarning(`PostgreSQL store ${url}: the connection holding the store's lock is gone; taking the lock again`)
+      }
+      const again = yield* Effect.either(Scope.extend(lock(url, socketPath, false), scope))
+      if (again._tag === "Right") {
+        connection = again.right
+        lost = false
+        yield* Effect.logInfo(`PostgreSQL store ${url}: the store's lock is held again`)
+      } else if (again.left._tag === "PostgresStoreLocked") {
+        yield* Effect.logError(`PostgreSQL store ${url}: lost the store's lock: ${again.left.message}`)
+      }
+    })
+    yield* Effect.forkScoped(Effect.forever(Effect.zipRight(Effect.sleep(LOCK_CHECK), check)))
+  })
+
+const isAlive = (pid: number): boolean => {
+  try {
+    process.kill(pid, 0)
+    return true
+  } catch (error) {
+    // EPERM: it exists, as another user's.
+    return (error as NodeJS.ErrnoException).code === "EPERM"
+  }
+}
+
+const toStoreError = (url: string, what: string) => (cause: SqlError | Migrator.MigrationError) =>
+  new PostgresStoreError({ url, detail: `${what}: ${cause.message}`, cause })
+
+/**
+ * Connects (a pool), migrates the schema and takes the single-writer lock, for the scope's life.
+ * The SqlClient it gives is what the store's layers run on.
+ */
+export const layer = (options: Options): Layer.Layer<
+  PostgresStore | SqlClient.SqlClient,
+  PostgresStoreError | PostgresStoreLocked
+> => {
+  const url = redactUrl(options.url)
+  const client = PgClient.layer({
+    url: Redacted.make(options.url),
+    // The lock's connection is one of them, held for good.
+    maxConnections: (options.maxConnections ?? 8) + 1,
+    applicationName: "agentd"
+  }).pipe(Layer.mapError(toStoreError(url, "cannot connect")))
+  const store = Layer.scoped(
+    PostgresStore,
+    Effect.gen(function*() {
+      yield* migrate.pipe(Effect.mapError(toStoreError(url, "schema migration failed")))
+      const connection = yield* lock(url, options.socketPath ?? "").pipe(
+        Effect.catchTag("SqlError", toStoreError(url, "cannot take the store's lock"))
+      )
+      yield* keepLock(url, options.socketPath ?? "", connection)
+      return { url }
+    })
+  )
+  return store.pipe(Layer.provideMerge(client))
+}

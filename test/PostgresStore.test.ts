@@ -1,0 +1,212 @@
+/**
+ * The PostgreSQL store's own promises (its storage layers run the shared suites of
+ * EventLog/SessionStore/RecoveryJournal): one writer per store through an advisory lock (a second
+ * daemon is refused naming the first, a SIGKILLed one frees it at once), the schema made by the
+ * Migrator once, and everything acknowledged still there when the store is opened again.
+ */
+import { assert, it } from "@effect/vitest"
+import * as Chunk from "effect/Chunk"
+import * as Context from "effect/Context"
+import * as Effect from "effect/Effect"
+import * as Exit from "effect/Exit"
+import * as Layer from "effect/Layer"
+import * as Option from "effect/Option"
+import * as Stream from "effect/Stream"
+import { spawn, spawnSync } from "node:child_process"
+import * as fs from "node:fs"
+import * as os from "node:os"
+import * as path from "node:path"
+import { fileURLToPath } from "node:url"
+import * as Cursor from "../src/Cursor.js"
+import * as EventLog from "../src/EventLog.js"
+import * as PostgresStore from "../src/PostgresStore.js"
+import * as RecoveryJournal from "../src/RecoveryJournal.js"
+import * as SessionStore from "../src/SessionStore.js"
+import { describePg, freshSchema } from "./support/postgres.js"
+
+const childPath = fileURLToPath(new URL("../dist/test/fixtures/lockChild.js", import.meta.url))
+
+/** A lockChild holding the store at `url` (it prints `locked <pid>`); SIGKILLed at scope end. */
+const holderProcess = (url: string, socketPath: string) =>
+  Effect.acquireRelease(
+    Effect.async<{ readonly pid: number; readonly exited: Promise<void> }, Error>((resume) => {
+      const proc = spawn(process.execPath, [childPath, url, socketPath], { stdio: ["pipe", "pipe", "inherit"] })
+      const exited = new Promise<void>((resolve) => proc.once("exit", () => resolve()))
+      let text = ""
+      proc.stdout.setEncoding("utf8")
+      proc.stdout.on("data", (chunk: string) => {
+        text += chunk
+        if (text.includes("loaded\n") && !text.includes("go-sent")) {
+          text += "go-sent"
+          proc.stdin.write("go\n")
+        }
+        const locked = /locked (\d+)\n/.exec(text)
+        if (locked !== null) resume(Effect.succeed({ pid: Number(locked[1]), exited }))
+        const refused = /refused (.*)\n/.exec(text)
+        if (refused !== null) resume(Effect.fail(new Error(`the child was refused: ${refused[1]}`)))
+      })
+      proc.once("exit", (code) => resume(Effect.fail(new Error(`the child exited (${code}): ${text}`))))
+    }),
+    (child) =>
+      Effect.promise(async () => {
+        try {
+          process.kill(child.pid, "SIGKILL")
+        } catch {
+          // gone already
+        }
+        await child.exited
+      })
+  )
+
+const storage = (url: string, socketPath = "/run/test.sock") => PostgresStore.layerStorage({ url, socketPath })
+
+const serverScript = fileURLToPath(new URL("../scripts/pg-test-server.sh", import.meta.url))
+
+/** A private server of the test's own (it is restarted: the shared one must not be). */
+const privateServer = Effect.acquireRelease(
+  Effect.sync(() => {
+    const base = fs.mkdtempSync(path.join(os.tmpdir(), "agentd-pg-restart-"))
+    const dir = path.join(base, "pg")
+    const started = spawnSync("bash", [serverScript, "start", dir], { encoding: "utf8" })
+    if (started.status !== 0) throw new Error(`cannot start a private PostgreSQL: ${started.stderr}`)
+    return { base, dir, url: started.stdout.trim() }
+  }),
+  (server) =>
+    Effect.sync(() => {
+      spawnSync("bash", [serverScript, "stop", server.dir])
+      fs.rmSync(server.base, { recursive: true, force: true })
+    })
+)
+
+describePg("PostgresStore", () => {
+  it.scopedLive("one writer per store: a second one is refused naming the first's pid and socket, until the first is closed", () =>
+    Effect.gen(function*() {
+      const url = yield* freshSchema
+      const first = yield* Effect.exit(Layer.build(PostgresStore.layer({ url, socketPath: "/run/first.sock" })).pipe(Effect.scoped, Effect.as(true)))
+      assert.isTrue(Exit.isSuccess(first))
+      yield* Effect.scoped(Effect.gen(function*() {
+        yield* Layer.build(PostgresStore.layer({ url, socketPath: "/run/first.sock" }))
+        const refused = yield* Effect.flip(Layer.build(PostgresStore.layer({ url, socketPath: "/run/second.sock" })))
+        assert.strictEqual(refused._tag, "PostgresStoreLocked")
+        assert.include(refused.message, `pid ${process.pid}`)
+        assert.include(refused.message, "socket /run/first.sock")
+        // Another schema is another store, with its own lock.
+        const other = yield* freshSchema
+        yield* Layer.build(PostgresStore.layer({ url: other }))
+      }))
+      // Released with its scope: the next one takes it.
+      yield* Effect.scoped(Layer.build(PostgresStore.layer({ url, socketPath: "/run/third.sock" })))
+    }))
+
+  it.scopedLive("a holder killed with SIGKILL leaves no lock behind: the store is taken again at once", () =>
+    Effect.gen(function*() {
+      const url = yield* freshSchema
+      yield* Effect.scoped(Effect.gen(function*() {
+        const child = yield* holderProcess(url, "/run/child.sock")
+        const refused = yield* Effect.flip(Effect.scoped(Layer.build(PostgresStore.layer({ url }))))
+        assert.strictEqual(refused._tag, "PostgresStoreLocked")
+        assert.include(refused.message, `pid ${child.pid}`)
+        assert.include(refused.message, "socket /run/child.sock")
+        process.kill(child.pid, "SIGKILL")
+        yield* Effect.promise(() => child.exited)
+        yield* Effect.scoped(Layer.build(PostgresStore.layer({ url })))
+      }))
+    }), { timeout: 30_000 })
+
+  it.scopedLive("reopened, the store has everything acknowledged: events, generations, transcripts, registry, journal", () =>
+    Effect.gen(function*() {
+      const url = yield* freshSchema
+      const meta: SessionStore.SessionMeta = {
+        activeSessionId: "s\u0000é",
+        sessionId: "engine-s",
+        engine: "echo",
+        telemetry: false,
+        createdAt: "2026-01-01T00:00:00.000Z"
+      }
+      yield* Effect.gen(function*() {
+        const log = yield* EventLog.EventLog
+        const store = yield* SessionStore.SessionStore
+        const journal = yield* RecoveryJournal.RecoveryJournal
+        yield* store.create(meta)
+        yield* log.appendAll(meta.activeSessionId, [{ n: 0 }, { n: 1 }])
+        yield* log.startGeneration(meta.activeSessionId)
+        yield* log.append(meta.activeSessionId, { n: 2 })
+        yield* store.appendSnapshot(meta.activeSessionId, { snapshotId: "s2", generation: 2, messageCount: 2 }, [{ m: 0 }, { m: 1 }])
+        yield* journal.record({ activeSessionId: meta.activeSessionId, sessionId: "engine-s", busy: true, operation: "prompt" })
+      }).pipe(Effect.provide(storage(url)))
+      yield* Effect.gen(function*() {
+        const log = yield* EventLog.EventLog
+        const store = yield* SessionStore.SessionStore
+        const journal = yield* RecoveryJournal.RecoveryJournal
+        const sid = meta.activeSessionId
+        assert.deepStrictEqual(yield* store.loadMeta(sid), meta)
+        assert.deepStrictEqual((yield* store.list()).map(SessionStore.listingId), [sid])
+        assert.strictEqual(yield* log.currentGeneration(sid), 2)
+        assert.deepStrictEqual(yield* log.lastCursor(sid), Option.some(Cursor.make(2, 0)))
+        const records = Chunk.toReadonlyArray(yield* Stream.runCollect(log.read(sid)))
+        assert.deepStrictEqual(records.map((r) => r.event), [{ n: 0 }, { n: 1 }, { n: 2 }])
+        assert.deepStrictEqual(yield* log.generationStart(sid, 2), Option.some(Cursor.make(1, 1)))
+        // The same bytes as the file layer counts, so checkpoints come at the same points.
+        const status = yield* log.status(sid)
+        assert.strictEqual(status.generationEvents, 1)
+        assert.strictEqual(status.generationBytes, `{"cursor":{"generation":2,"sequence":0},"event":{"n":2}}\n`.length)
+        assert.deepStrictEqual(yield* log.append(sid, { n: 3 }), Cursor.make(2, 1))
+        const latest = Option.getOrThrow(yield* store.latestSnapshot(sid))
+        assert.strictEqual(latest.header.messageCount, 2)
+        assert.deepStrictEqual(Chunk.toReadonlyArray(yield* Stream.runCollect(store.readSnapshot(sid, 2))), [{ m: 0 }, { m: 1 }])
+        yield* store.checkTranscript(sid, 2)
+        const record = Option.getOrThrow(yield* journal.get(sid))
+        assert.strictEqual(record.operation, "prompt")
+        assert.isTrue(record.busy)
+        // Same state: still deduplicated against what was loaded.
+        assert.isFalse(yield* journal.record({ activeSessionId: sid, sessionId: "engine-s", busy: true, operation: "prompt" }))
+      }).pipe(Effect.provide(storage(url)))
+    }))
+
+  it.scopedLive("the schema is made once: a second open runs no migration, and a store's tables are its own schema's", () =>
+    Effect.gen(function*() {
+      const url = yield* freshSchema
+      yield* Effect.scoped(Layer.build(storage(url)))
+      yield* Effect.scoped(Layer.build(storage(url)))
+      const other = yield* freshSchema
+      yield* Effect.gen(function*() {
+        const store = yield* SessionStore.SessionStore
+        assert.deepStrictEqual(yield* store.list(), [])
+      }).pipe(Effect.provide(storage(other)))
+    }))
+
+  it.scopedLive("an unreachable server is a clear error naming the store, without its password", () =>
+    Effect.gen(function*() {
+      const error = yield* Effect.flip(Effect.scoped(Layer.build(
+        PostgresStore.layer({ url: "postgres://agentd:s3cret@127.0.0.1:1/nowhere?connect_timeout=2" })
+      )))
+      assert.strictEqual(error._tag, "PostgresStoreError")
+      assert.include(error.message, "127.0.0.1:1/nowhere")
+      assert.notInclude(error.message, "s3cret")
+    }), { timeout: 30_000 })
+
+  it.scopedLive("PostgreSQL restarted under a holder: it takes its lock again, and its log goes on without a gap", () =>
+    Effect.gen(function*() {
+      const server = yield* privateServer
+      const ctx = yield* Layer.build(storage(server.url, "/run/holder.sock"))
+      const log = Context.get(ctx, EventLog.EventLog)
+      assert.deepStrictEqual(yield* log.append("s", { n: 0 }), Cursor.make(1, 0))
+      const restarted = spawnSync("bash", [serverScript, "restart", server.dir], { encoding: "utf8" })
+      assert.strictEqual(restarted.status, 0, restarted.stderr)
+      // The first append after it may meet a dead pooled connection: a clear error, not a hang.
+      const first = yield* Effect.either(log.append("s", { n: 1 }))
+      if (first._tag === "Left") assert.strictEqual(first.left.reason, "Io")
+      // Within a few checks the holder has its lock back: a second store is refused again.
+      let refused: string | undefined
+      for (let i = 0; i < 40 && refused === undefined; i++) {
+        const other = yield* Effect.either(Effect.scoped(Layer.build(PostgresStore.layer({ url: server.url }))))
+        if (other._tag === "Left" && other.left._tag === "PostgresStoreLocked") refused = other.left.message
+        else yield* Effect.sleep("250 millis")
+      }
+      assert.isDefined(refused, "the lock was not taken again after the restart")
+      assert.include(refused!, "socket /run/holder.sock")
+      const next = yield* log.append("s", { n: 2 })
+      const records = Chunk.toReadonlyArray(yield* Stream.runCollect(log.read("s")))
+      assert.deepStrictEqual(records.map((r) => r.cursor), Array.from({ length: next.sequence + 1 }, (_, i) => Cursor.make(1, i)))
+    }), { timeout: 60_000 })
+})
