@@ -494,6 +494,9 @@ export const freshStateDir = (): string => {
 }
 
 /** Starts `agentd serve` and waits until its socket greets with `daemon_hello`. */
+/** Whether this run's daemons keep their sessions in PostgreSQL (`AGENTD_E2E_STORE=postgres`): tests of the files' own crash points skip then. */
+export const e2eOnPostgres = process.env["AGENTD_E2E_STORE"] === "postgres"
+
 /** PostgreSQL stores of `AGENTD_E2E_STORE=postgres` runs, one per state dir, and how to drop them. */
 const stores = new Map<string, { readonly url: string; readonly drop: () => Promise<void> }>()
 

@@ -16,6 +16,7 @@ import {
   createSession,
   cursorGap,
   cursorOf,
+  e2eOnPostgres,
   describeMsg,
   isAlive,
   isEvent,
@@ -171,7 +172,8 @@ describe("worker crash", () => {
 })
 
 describe("daemon crash", () => {
-  it("a daemon killed between a checkpoint's transcript and its generation starts again and finishes it (found by the chaos harness)", async () => {
+  // The files' own crash point (a transcript written, its generation not yet).
+  it.skipIf(e2eOnPostgres)("a daemon killed between a checkpoint's transcript and its generation starts again and finishes it (found by the chaos harness)", async () => {
     // The repair at start-up looped on a status read before the loop: the daemon never listened.
     const d = await useDaemon()
     const a = await d.connect("a")
