@@ -10,6 +10,7 @@
  * <stateDir>/sessions/<session>/...      metadata and transcripts (SessionStore)
  * <stateDir>/archive/                    killed sessions
  * <stateDir>/snapshot-cache/<gen>/       snapshot chunks spilled to disk
+ * <stateDir>/http-token                  the HTTP front's token (0600)
  * ```
  */
 import type * as FileSystem from "@effect/platform/FileSystem"
@@ -26,6 +27,7 @@ import * as DaemonServer from "./DaemonServer.js"
 import { Engine, EngineError } from "./Engine.js"
 import * as BuiltinEngines from "./engines/builtin.js"
 import * as EventLog from "./EventLog.js"
+import * as HttpServer from "./HttpServer.js"
 import * as Fsx from "./internal/fsx.js"
 import * as RecoveryJournal from "./RecoveryJournal.js"
 import * as SessionManager from "./SessionManager.js"
@@ -213,6 +215,7 @@ export type DaemonStartError =
   | EventLog.EventLogError
   | SessionStore.SessionStoreError
   | RecoveryJournal.RecoveryJournalError
+  | HttpServer.HttpStartError
 
 /**
  * Every layer of the daemon: the socket server and what it needs.
@@ -239,7 +242,8 @@ export const DaemonLive = (
   ).pipe(Layer.provideMerge(info))
   const workers = (layers.workerPool ?? workerPoolLayer).pipe(Layer.provideMerge(storage))
   const manager = SessionManager.layer.pipe(Layer.provideMerge(workers))
-  return DaemonServer.layer.pipe(Layer.provideMerge(manager))
+  // The HTTP front, when asked for, starts after the socket and stops before it.
+  return HttpServer.layerIfConfigured.pipe(Layer.provideMerge(DaemonServer.layer.pipe(Layer.provideMerge(manager))))
 }
 
 /** Runs the daemon until a client sends `shutdown` (or the fiber is interrupted by a signal). */

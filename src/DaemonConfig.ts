@@ -52,6 +52,12 @@ export interface DaemonConfigShape {
    * that spawns it. The bundled CLI names the worker bundled next to it.
    */
   readonly workerEntry?: string
+  /** `HOST:PORT` of the HTTP front (docs/protocol.md section 10); none when undefined. */
+  readonly http?: string | undefined
+  /** Allow the HTTP front on an address that is not loopback (TLS is expected in front). */
+  readonly httpInsecure: boolean
+  /** How long an idle SSE stream waits before a keep-alive comment. */
+  readonly httpKeepAliveMs: number
 }
 
 /** The configuration of the running daemon. */
@@ -76,7 +82,9 @@ export const defaults = (stateDir: string = defaultStateDir()): DaemonConfigShap
   restartWindowMs: 60_000,
   clientEnvKeys: ["TERM", "LANG", "TZ"],
   warmSpare: true,
-  shutdownGraceMs: 3000
+  shutdownGraceMs: 3000,
+  httpInsecure: false,
+  httpKeepAliveMs: 15_000
 })
 
 /** A whole number of at least `min` under `name`, if set. */
@@ -102,7 +110,10 @@ export const settings: Config.Config<Partial<DaemonConfigShape>> = Config.all({
   clientEnvKeys: Config.option(Config.map(Config.string("AGENTD_CLIENT_ENV_KEYS"), (keys) =>
     keys.split(",").map((k) => k.trim()).filter((k) => k.length > 0))),
   warmSpare: Config.option(Config.map(Config.string("AGENTD_WARM_SPARE"), (v) => v !== "0")),
-  shutdownGraceMs: count("AGENTD_SHUTDOWN_GRACE_MS", 0)
+  shutdownGraceMs: count("AGENTD_SHUTDOWN_GRACE_MS", 0),
+  http: Config.option(Config.string("AGENTD_HTTP")),
+  httpInsecure: Config.option(Config.map(Config.string("AGENTD_HTTP_INSECURE"), (v) => v !== "0" && v !== "")),
+  httpKeepAliveMs: count("AGENTD_HTTP_KEEPALIVE_MS", 1)
 }).pipe(Config.map((all) => {
   const out: Record<string, unknown> = {}
   for (const [key, value] of Object.entries(all) as Array<[string, Option.Option<unknown>]>) {

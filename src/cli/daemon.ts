@@ -63,7 +63,9 @@ export const detach = (ctx: Context, options: ServeOptions, self: ReadonlyArray<
       ...(options.engine === undefined ? [] : ["--engine", options.engine]),
       ...(options.maxWorkers === undefined ? [] : ["--max-workers", String(options.maxWorkers)]),
       ...(options.shutdownGraceMs === undefined ? [] : ["--shutdown-grace-ms", String(options.shutdownGraceMs)]),
-      ...(options.logLevel === undefined ? [] : ["--log-level", options.logLevel])
+      ...(options.logLevel === undefined ? [] : ["--log-level", options.logLevel]),
+      ...(options.http === undefined ? [] : ["--http", options.http]),
+      ...(options.httpInsecure === true ? ["--http-insecure"] : [])
     ]
     const child = spawn(process.execPath, args, { detached: true, stdio: ["ignore", fd, fd] })
     fs.closeSync(fd)
