@@ -58,6 +58,8 @@ export interface DaemonConfigShape {
   readonly httpInsecure: boolean
   /** How long an idle SSE stream waits before a keep-alive comment. */
   readonly httpKeepAliveMs: number
+  /** How long a long-poll read at the tail waits for an event before answering 204. */
+  readonly httpLongPollMs: number
 }
 
 /** The configuration of the running daemon. */
@@ -84,7 +86,8 @@ export const defaults = (stateDir: string = defaultStateDir()): DaemonConfigShap
   warmSpare: true,
   shutdownGraceMs: 3000,
   httpInsecure: false,
-  httpKeepAliveMs: 15_000
+  httpKeepAliveMs: 15_000,
+  httpLongPollMs: 20_000
 })
 
 /** A whole number of at least `min` under `name`, if set. */
@@ -113,7 +116,8 @@ export const settings: Config.Config<Partial<DaemonConfigShape>> = Config.all({
   shutdownGraceMs: count("AGENTD_SHUTDOWN_GRACE_MS", 0),
   http: Config.option(Config.string("AGENTD_HTTP")),
   httpInsecure: Config.option(Config.map(Config.string("AGENTD_HTTP_INSECURE"), (v) => v !== "0" && v !== "")),
-  httpKeepAliveMs: count("AGENTD_HTTP_KEEPALIVE_MS", 1)
+  httpKeepAliveMs: count("AGENTD_HTTP_KEEPALIVE_MS", 1),
+  httpLongPollMs: count("AGENTD_HTTP_LONG_POLL_MS", 1)
 }).pipe(Config.map((all) => {
   const out: Record<string, unknown> = {}
   for (const [key, value] of Object.entries(all) as Array<[string, Option.Option<unknown>]>) {

@@ -58,8 +58,6 @@ export class HttpFront extends Context.Tag("agentd/HttpFront")<HttpFront, {
 
 /** Most bytes of one catch-up or long-poll page of events. */
 const PAGE_BYTES = 4 * 1024 * 1024
-/** How long a long-poll at the tail waits for a new event before answering 204. */
-const LONG_POLL_MS = 20_000
 /** At a stop, how long open responses may take to end before their connections are closed. */
 const CLOSE_GRACE_MS = 1_000
 
@@ -278,7 +276,7 @@ export const make = Effect.gen(function*() {
               headers: { ...streamHeaders(ctx, Offset.encode(reader.from), false, true), connection: "keep-alive" }
             })
           }
-          const page = yield* readPage(reader, PAGE_BYTES, live === "long-poll" ? LONG_POLL_MS : undefined)
+          const page = yield* readPage(reader, PAGE_BYTES, live === "long-poll" ? config.httpLongPollMs : undefined)
           yield* close
           yield* Metric.incrementBy(Metrics.eventsDelivered, page.lines.length)
           const next = Offset.encode(page.next)
