@@ -537,7 +537,9 @@ export const make = Effect.gen(function*() {
       }
       return yield* refuse("not_found", `No route for ${request.method} ${url.pathname.slice(0, 200)}.`)
     })
-    const response = yield* respond.pipe(
+    // Interruptible: a request's waits (a long-poll, an event read) end when the client goes
+    // away or at a stop, and their timeouts can cut them.
+    const response = yield* Effect.interruptible(respond).pipe(
       Effect.catchAll((r) => Effect.succeed(errorResponse(r.code, r.message, requestId, r.headers))),
       Effect.catchAllDefect((defect) =>
         Effect.gen(function*() {

@@ -163,7 +163,7 @@ export const readPage = (r: Reader, maxBytes: number, waitMs: number | undefined
     let stop = false
     if (reached() && waitMs !== undefined) {
       // Long-poll at the tail: wait for the first new event.
-      const first = yield* nextItems(r, true).pipe(Effect.timeout(waitMs), Effect.option)
+      const first = yield* Effect.interruptible(nextItems(r, true)).pipe(Effect.timeout(waitMs), Effect.option)
       if (Option.isSome(first)) r.pending.push(...first.value)
     }
     while (!stop && (!reached() || r.pending.length > 0 || r.port.hasItems) && bytes < maxBytes) {
@@ -205,7 +205,7 @@ export const sseStream = (
       const head = `retry: 1000\n\n${caughtUp() && r.pending.length === 0 ? control({ upToDate: true }) : ""}`
       return encoder.encode(head)
     }
-    const items = yield* nextItems(r, true).pipe(Effect.timeout(options.keepAliveMs), Effect.option)
+    const items = yield* Effect.interruptible(nextItems(r, true)).pipe(Effect.timeout(options.keepAliveMs), Effect.option)
     if (Option.isNone(items)) return encoder.encode(": keep-alive\n\n")
     if (items.value.length === 0) {
       // The port closed (the daemon stops, or the session's delivery ended).
