@@ -131,6 +131,33 @@ export const make = Effect.gen(function*() {
   let stopping = false
   const fibers = yield* FiberSet.make()
   const runFork = yield* FiberSet.runtime(fibers)<never>()
+  const layerScope = yield* Effect.scope
+
+  /** Ends every open stream and connection (once): what a stop does first. */
+  const stopStreams = Effect.gen(function*() {
+    if (stopping) return
+    stopping = true
+    for (const scope of [...openScopes]) yield* Effect.ignore(Scope.close(scope, Exit.void))
+    nodeServer.closeIdleConnections()
+    yield* Effect.sleep(`${CLOSE_GRACE_MS} millis`).pipe(Effect.race(Effect.async<void>((resume) => {
+      nodeServer.close(() => resume(Effect.void))
+    })))
+    nodeServer.closeAllConnections()
+  })
+  /**
+   * The platform makes its WebSocket server at the first upgrade, and its close (which waits for
+   * every WebSocket to end) then runs before our finalizer: the streams are ended again from a
+   * finalizer added after it.
+   */
+  let stopAfterWebSockets = false
+  const onFirstWebSocket = Effect.suspend(() => {
+    if (stopAfterWebSockets) return Effect.void
+    stopAfterWebSockets = true
+    return Scope.addFinalizer(layerScope, Effect.suspend(() => {
+      stopping = false
+      return stopStreams
+    }))
+  })
 
   /** Reads a request body up to the line limit (413 past it), as text. */
   const readBody = (request: HttpServerRequest.HttpServerRequest) =>
@@ -400,7 +427,7 @@ export const make = Effect.gen(function*() {
         Effect.sync(() => {
           unix.write(typeof data === "string" ? data : Buffer.from(data))
           unix.write("\n")
-        })
+        }), { onOpen: onFirstWebSocket }
       ).pipe(Effect.ignore, Effect.zipRight(Effect.sync(() => unix.end())))
       yield* Effect.raceFirst(Effect.zipRight(frames, unixClosed), unixClosed).pipe(Effect.ensuring(close))
       return HttpServerResponse.empty()
@@ -557,19 +584,7 @@ export const make = Effect.gen(function*() {
 
   // Runs before the server's own close (finalizers run in reverse): the event streams and
   // sockets end first, so that closing the server does not wait for them forever.
-  yield* Effect.addFinalizer(() =>
-    Effect.gen(function*() {
-      stopping = true
-      for (const scope of [...openScopes]) yield* Effect.ignore(Scope.close(scope, Exit.void))
-      nodeServer.closeIdleConnections()
-      yield* Effect.sleep(`${CLOSE_GRACE_MS} millis`).pipe(Effect.race(Effect.promise(() => new Promise<void>((resolve) => {
-        const check = () => (nodeServer.listening ? setTimeout(check, 20).unref() : resolve())
-        nodeServer.close(() => resolve())
-        check()
-      }))))
-      nodeServer.closeAllConnections()
-    })
-  )
+  yield* Effect.addFinalizer(() => stopStreams)
 
   return HttpFront.of({ host: listen.host, port, url })
 })

@@ -61,7 +61,7 @@ export interface HttpResult {
 
 export interface RequestOptions {
   readonly headers?: Record<string, string>
-  readonly body?: string | Buffer
+  readonly body?: string | Buffer | undefined
   /** No `Authorization` header (default: the daemon's bearer token). */
   readonly noAuth?: boolean
   /** Send the body chunked (no Content-Length). */
