@@ -139,9 +139,11 @@ export const make = Effect.gen(function*() {
     stopping = true
     for (const scope of [...openScopes]) yield* Effect.ignore(Scope.close(scope, Exit.void))
     nodeServer.closeIdleConnections()
-    yield* Effect.sleep(`${CLOSE_GRACE_MS} millis`).pipe(Effect.race(Effect.async<void>((resume) => {
+    // Interruptible: in a finalizer the timeout could not cut the wait otherwise (close waits for
+    // every connection, and a client that reconnects at once keeps one open).
+    yield* Effect.interruptible(Effect.async<void>((resume) => {
       nodeServer.close(() => resume(Effect.void))
-    })))
+    })).pipe(Effect.timeout(CLOSE_GRACE_MS), Effect.ignore)
     nodeServer.closeAllConnections()
   })
   /**
