@@ -87,6 +87,13 @@ const requestIdOf = (headers: Readonly<Record<string, string | undefined>>) => {
   return given !== undefined && /^[\w.:-]{1,128}$/.test(given) ? given : `h-${++requestCounter}-${randomUUID().slice(0, 8)}`
 }
 
+/**
+ * The session core's connection id of one HTTP read: unique even when clients reuse a request
+ * id (an attach replaces the same connection's earlier one, and a detach ends all of them).
+ */
+let readCounter = 0
+const connectionIdOf = (ctx: { readonly requestId: string }) => `http-${++readCounter}-${ctx.requestId}`
+
 /** Durable Streams' `Stream-Cursor`: 20 s intervals since 2024-10-09, for CDN collapsing. */
 const streamCursor = () => String(Math.floor((Date.now() - Date.UTC(2024, 9, 9)) / 20_000))
 
@@ -267,7 +274,7 @@ export const make = Effect.gen(function*() {
         return Scope.close(scope, Exit.void)
       })
       NodeHttpServerRequest.toServerResponse(ctx.request).once("close", () => runFork(close))
-      const reader = yield* openReader(manager, log, `h-${ctx.requestId}`, sessionId(ctx), requested).pipe(
+      const reader = yield* openReader(manager, log, connectionIdOf(ctx), sessionId(ctx), requested).pipe(
         Scope.extend(scope),
         Effect.mapError(fromCommandError),
         Effect.onExit((exit) => (Exit.isSuccess(exit) ? Effect.void : close))
@@ -344,7 +351,7 @@ export const make = Effect.gen(function*() {
       })
       NodeHttpServerRequest.toServerResponse(ctx.request).once("close", () => runFork(close))
       const port = new StreamPort()
-      const connectionId = `h-${ctx.requestId}`
+      const connectionId = connectionIdOf(ctx)
       yield* Scope.addFinalizer(scope, Effect.zipRight(Effect.sync(() => port.close()), manager.detachAll(connectionId)))
       const outcome = yield* run(manager.attach(connectionId, port, attach)).pipe(Effect.onError(() => close))
       yield* Effect.forkIn(Effect.interruptible(outcome.deliver), scope)

@@ -143,7 +143,8 @@ export class SseFollower {
   constructor(
     private readonly target: () => { readonly port: number; readonly token: string },
     private readonly path: string,
-    private readonly retryMs = 100
+    private readonly retryMs = 100,
+    private readonly extraHeaders: Record<string, string> = {}
   ) {
     void this.loop()
   }
@@ -155,7 +156,8 @@ export class SseFollower {
         const headers: Record<string, string> = {
           host: `127.0.0.1:${t.port}`,
           authorization: `Bearer ${t.token}`,
-          accept: "text/event-stream"
+          accept: "text/event-stream",
+          ...this.extraHeaders
         }
         if (this.lastEventId !== undefined) headers["last-event-id"] = this.lastEventId
         const req = http.request({ host: "127.0.0.1", port: t.port, path: this.path, headers, setHost: false, agent: false })

@@ -3,6 +3,7 @@
  * slow SSE reader is paused and caught up from the log (every event once), the WebSocket speaks
  * the socket protocol unchanged, and a graceful stop ends every open stream and exits 0.
  */
+import { spawn } from "node:child_process"
 import * as http from "node:http"
 import { describe, expect, it } from "vitest"
 import { cleanUpAfterTests, cursorGap, type Msg, sleep } from "./harness.js"
@@ -89,6 +90,56 @@ describe("HTTP streams (e2e)", () => {
     res.destroy()
     expect(cursorGap(messages)).toBeUndefined()
     expect(cursorsOf(messages)).toEqual(cursorsOf(truth))
+  })
+
+  it("two readers of one session sending the same X-Request-Id each get every event (each read is its own connection)", async () => {
+    const h = await useHttpDaemon()
+    const id = (await request(h, "POST", "/v1/sessions")).json.activeSessionId as string
+    await waitIdle(h, id)
+    const a = new SseFollower(() => h, `/v1/sessions/${id}/events?offset=-1&live=sse`, 100, { "x-request-id": "same" })
+    const b = new SseFollower(() => h, `/v1/sessions/${id}/events?offset=-1&live=sse`, 100, { "x-request-id": "same" })
+    try {
+      await a.waitFor((f) => f.events.length > 0, 10_000, "a open")
+      await b.waitFor((f) => f.events.length > 0, 10_000, "b open")
+      await request(h, "POST", `/v1/sessions/${id}/prompt`, { body: JSON.stringify({ message: "both" }) })
+      await waitIdle(h, id)
+      const truth = await readAll(h, id)
+      for (const f of [a, b]) {
+        await f.waitFor((x) => x.messages.length >= truth.length, 10_000, "all events")
+        expect(cursorsOf(f.messages)).toEqual(cursorsOf(truth))
+        expect(f.connections).toBe(1)
+      }
+    } finally {
+      a.stop()
+      b.stop()
+    }
+  })
+
+  it("curl -N reads the SSE stream", async () => {
+    const h = await useHttpDaemon()
+    const id = (await request(h, "POST", "/v1/sessions")).json.activeSessionId as string
+    await waitIdle(h, id)
+    const curl = spawn("curl", ["-N", "-s", "-H", `Authorization: Bearer ${h.token}`, `${h.url}/v1/sessions/${id}/events?offset=now&live=sse`], {
+      stdio: ["ignore", "pipe", "pipe"]
+    })
+    let out = ""
+    curl.stdout.setEncoding("utf8")
+    curl.stdout.on("data", (t: string) => (out += t))
+    const spawned = await new Promise<boolean>((resolve) => {
+      curl.once("error", () => resolve(false))
+      curl.once("spawn", () => resolve(true))
+    })
+    if (!spawned) return void console.warn("curl is not installed: skipped")
+    try {
+      const deadline = Date.now() + 10_000
+      while (!out.includes("upToDate") && Date.now() < deadline) await sleep(50)
+      await request(h, "POST", `/v1/sessions/${id}/prompt`, { body: JSON.stringify({ message: "curl me" }) })
+      while (!out.includes("echo: curl me") && Date.now() < deadline + 10_000) await sleep(50)
+      expect(out).toMatch(/event: data\nid: \d{16}_\d{16}\ndata: \[/)
+      expect(out).toContain("\"content\":\"echo: curl me\"")
+    } finally {
+      curl.kill("SIGKILL")
+    }
   })
 
   it("GET /v1/socket speaks the socket protocol over a WebSocket: hello, commands, attach, events; refused without the token", async () => {
