@@ -221,6 +221,30 @@ describe("HTTP events (e2e)", () => {
     expect(transcript).toContain("echo: fourth")
   })
 
+  it("a snapshot read resumes from a chunk (?id&fromChunk) while its snapshot is retained", async () => {
+    const h = await useHttpDaemon({ env: { AGENTD_TARGET_CHUNK_BYTES: "256" } })
+    const id = (await request(h, "POST", "/v1/sessions")).json.activeSessionId as string
+    await waitIdle(h, id)
+    for (let i = 0; i < 4; i++) {
+      await request(h, "POST", `/v1/sessions/${id}/prompt`, { body: JSON.stringify({ message: `message ${i} ${"z".repeat(200)}` }) })
+      await waitIdle(h, id)
+    }
+    expect((await request(h, "POST", `/v1/sessions/${id}/checkpoint`)).status).toBe(200)
+    const whole = (await request(h, "GET", `/v1/sessions/${id}/snapshot`)).text.trimEnd().split("\n").map((l) => JSON.parse(l) as Msg)
+    const begin = whole[0]!
+    const chunks = whole.filter((l) => l["type"] === "session_snapshot_chunk")
+    expect(chunks.length).toBeGreaterThan(2)
+    const rest = await request(h, "GET", `/v1/sessions/${id}/snapshot?id=${encodeURIComponent(begin["snapshotId"])}&fromChunk=2`)
+    expect(rest.status).toBe(200)
+    const restLines = rest.text.trimEnd().split("\n").map((l) => JSON.parse(l) as Msg)
+    const restChunks = restLines.filter((l) => l["type"] === "session_snapshot_chunk")
+    expect(restChunks.map((c) => c["index"])).toEqual(chunks.slice(2).map((c) => c["index"]))
+    expect(restChunks.flatMap((c) => c["messages"])).toEqual(chunks.slice(2).flatMap((c) => c["messages"]))
+    expect(restLines.at(-1)!["type"]).toBe("snapshot_offset")
+    const bad = await request(h, "GET", `/v1/sessions/${id}/snapshot?fromChunk=-1`)
+    expect(bad.status).toBe(400)
+  })
+
   it("a history rewrite is an SSE control event naming the replacement snapshot; an offset from before it answers 410", async () => {
     const h = await useHttpDaemon()
     const id = (await request(h, "POST", "/v1/sessions")).json.activeSessionId as string
