@@ -9,6 +9,7 @@ const benches: Record<string, () => Promise<{ default: () => Promise<void> }>> =
   eventLog: () => import("./eventLog.js"),
   recovery: () => import("./recovery.js"),
   delivery: () => import("./delivery.js"),
+  httpDelivery: () => import("./httpDelivery.js"),
   attach: () => import("./attach.js"),
   checkpoint: () => import("./checkpoint.js"),
   cliStartup: () => import("./cliStartup.js")

@@ -186,6 +186,27 @@ export const readPage = (r: Reader, maxBytes: number, waitMs: number | undefined
 
 const encoder = new TextEncoder()
 
+/** The SSE data event of a piece made only of whole event lines, by piece (null: not such a piece). */
+const dataEvents = new WeakMap<Uint8Array, { readonly bytes: Uint8Array; readonly last: Cursor.Cursor } | null>()
+
+const sharedDataEvent = (piece: Uint8Array) => {
+  let found = dataEvents.get(piece)
+  if (found === undefined) {
+    const items: Array<Item> = []
+    const sorter = new LineSorter()
+    sorter.push(piece, items)
+    const events = items.filter((i): i is Extract<Item, { _tag: "Event" }> => i._tag === "Event")
+    found = events.length === 0 || events.length !== items.length || sorter.pending || sorter.inSnapshot
+      ? null
+      : {
+        bytes: encoder.encode(`event: data\nid: ${Offset.encode(events.at(-1)!.cursor)}\ndata: [\ndata: ${events.map((e) => e.line).join(",\ndata: ")}\ndata: ]\n\n`),
+        last: events.at(-1)!.cursor
+      }
+    dataEvents.set(piece, found)
+  }
+  return found ?? undefined
+}
+
 /** The SSE stream of a read: data events (JSON arrays, `id:` = next offset), control events, keep-alives. */
 export const sseStream = (
   r: Reader,
@@ -205,40 +226,69 @@ export const sseStream = (
       const head = `retry: 1000\n\n${caughtUp() && r.pending.length === 0 ? control({ upToDate: true }) : ""}`
       return encoder.encode(head)
     }
-    const items = yield* Effect.interruptible(nextItems(r, true)).pipe(Effect.timeout(options.keepAliveMs), Effect.option)
-    if (Option.isNone(items)) return encoder.encode(": keep-alive\n\n")
-    if (items.value.length === 0) {
-      // The port closed (the daemon stops, or the session's delivery ended).
-      ended = true
-      return yield* Effect.fail(Option.none())
+    if (r.pending.length === 0) {
+      const ready = yield* Effect.interruptible(r.port.awaitItems).pipe(Effect.timeout(options.keepAliveMs), Effect.option)
+      if (Option.isNone(ready)) return encoder.encode(": keep-alive\n\n")
     }
+    const out: Array<Uint8Array> = []
     let text = ""
     let batch: Array<string> = []
+    const flushText = () => {
+      if (text.length > 0) out.push(encoder.encode(text))
+      text = ""
+    }
     const flush = () => {
       if (batch.length === 0) return
       text += `event: data\nid: ${Offset.encode(next)}\ndata: [\ndata: ${batch.join(",\ndata: ")}\ndata: ]\n\n`
       batch = []
       text += control(caughtUp() && !r.port.hasItems ? { upToDate: true } : {})
     }
-    for (const item of items.value) {
-      if (item._tag === "Event") {
-        batch.push(item.line)
-        next = item.cursor
-        continue
-      }
-      flush()
-      if (item._tag === "Rewrite") {
-        // The events that follow extend the replacement snapshot, not what the reader holds.
-        text += control({ rewrite: { snapshotId: item.snapshotId, snapshot: options.snapshotLink(item.snapshotId), ...(item.cursor === undefined ? {} : { cursor: item.cursor }) } })
-      } else {
-        // Events the reader lacked are gone: it reconnects from its offset and is told so (410).
-        text += control({ lost: item.reason })
-        ended = true
-        break
+    const handle = (items: ReadonlyArray<Item>) => {
+      for (const item of items) {
+        if (ended) return
+        if (item._tag === "Event") {
+          batch.push(item.line)
+          next = item.cursor
+          continue
+        }
+        flush()
+        if (item._tag === "Rewrite") {
+          // The events that follow extend the replacement snapshot, not what the reader holds.
+          text += control({ rewrite: { snapshotId: item.snapshotId, snapshot: options.snapshotLink(item.snapshotId), ...(item.cursor === undefined ? {} : { cursor: item.cursor }) } })
+        } else {
+          // Events the reader lacked are gone: it reconnects from its offset and is told so (410).
+          text += control({ lost: item.reason })
+          ended = true
+        }
       }
     }
+    handle(r.pending.splice(0))
+    const pieces = r.port.takeAll()
+    if (pieces.length === 0 && out.length === 0 && text.length === 0 && batch.length === 0) {
+      // The port closed (the daemon stops, or the session's delivery ended).
+      ended = true
+      return yield* Effect.fail(Option.none())
+    }
+    for (const piece of pieces) {
+      if (ended) break
+      // A batch of live events is one array shared by every reader of the session: its SSE data
+      // event is made once and shared too (per-reader work was the fan-out's cost).
+      const shared = typeof piece === "string" || r.sorter.pending ? undefined : sharedDataEvent(piece)
+      if (shared !== undefined) {
+        flush()
+        flushText()
+        out.push(shared.bytes)
+        next = shared.last
+        text += control(caughtUp() && !r.port.hasItems ? { upToDate: true } : {})
+        continue
+      }
+      const items: Array<Item> = []
+      r.sorter.push(piece, items)
+      handle(items)
+    }
     flush()
-    return encoder.encode(text)
+    flushText()
+    return out.length === 1 ? out[0]! : Buffer.concat(out)
   })
   return Stream.repeatEffectOption(step)
 }

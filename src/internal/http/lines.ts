@@ -74,4 +74,9 @@ export class LineSorter {
   get inSnapshot(): boolean {
     return this.skipping
   }
+
+  /** Part of a line is held, or snapshot frames are being passed over: the next piece is not whole. */
+  get pending(): boolean {
+    return this.carry.length > 0 || this.skipping
+  }
 }
