@@ -17,6 +17,7 @@
 import * as HttpServer from "@effect/platform/HttpServer"
 import * as HttpServerRequest from "@effect/platform/HttpServerRequest"
 import * as HttpServerResponse from "@effect/platform/HttpServerResponse"
+import * as Socket from "@effect/platform/Socket"
 import * as NodeHttpServer from "@effect/platform-node/NodeHttpServer"
 import * as NodeHttpServerRequest from "@effect/platform-node/NodeHttpServerRequest"
 import * as Context from "effect/Context"
@@ -58,6 +59,8 @@ export class HttpFront extends Context.Tag("agentd/HttpFront")<HttpFront, {
 
 /** Most bytes of one catch-up or long-poll page of events. */
 const PAGE_BYTES = 4 * 1024 * 1024
+/** Bytes a WebSocket may have unsent before its bridge stops reading the daemon's socket. */
+const WS_HIGH_BYTES = 1024 * 1024
 /** At a stop, how long open responses may take to end before their connections are closed. */
 const CLOSE_GRACE_MS = 1_000
 
@@ -418,6 +421,13 @@ export const make = Effect.gen(function*() {
       yield* Scope.addFinalizer(scope, Effect.sync(() => unix.destroy()))
       let carry = ""
       unix.setEncoding("utf8")
+      /**
+       * The WebSocket under the platform's socket, once a frame handler has seen it: what it has
+       * not sent yet is what backpressure looks at (the platform's writes never wait).
+       */
+      let raw: { readonly bufferedAmount: number } | undefined
+      let drainTimer: NodeJS.Timeout | undefined
+      yield* Scope.addFinalizer(scope, Effect.sync(() => clearInterval(drainTimer)))
       unix.on("data", (text: string) => {
         const all = carry + text
         let start = 0
@@ -428,12 +438,27 @@ export const make = Effect.gen(function*() {
           start = nl + 1
         }
         carry = all.slice(start)
+        // A client that does not read: stop reading the socket, so that the daemon's own
+        // backpressure (pause, then catch-up from the log) applies, as for a socket client.
+        if (raw !== undefined && raw.bufferedAmount > WS_HIGH_BYTES && drainTimer === undefined) {
+          unix.pause()
+          drainTimer = setInterval(() => {
+            if (raw !== undefined && raw.bufferedAmount > WS_HIGH_BYTES / 2) return
+            clearInterval(drainTimer)
+            drainTimer = undefined
+            unix.resume()
+          }, 10)
+        }
       })
       const unixClosed = Effect.async<void>((resume) => {
         unix.once("close", () => resume(Effect.void))
       })
       const frames = socket.runRaw((data) =>
-        Effect.sync(() => {
+        Effect.gen(function*() {
+          if (raw === undefined) {
+            const ws = yield* Effect.serviceOption(Socket.WebSocket)
+            if (Option.isSome(ws)) raw = ws.value
+          }
           unix.write(typeof data === "string" ? data : Buffer.from(data))
           unix.write("\n")
         }), { onOpen: onFirstWebSocket }

@@ -206,6 +206,45 @@ describe("HTTP streams (e2e)", () => {
     }
   })
 
+  // (This checks that nothing is lost or repeated; it does not tell the bridge's pause from the
+  // daemon's own pauses under load, which happen either way with so small an outbox.)
+  it("a WebSocket client that stops reading through large turns, then reads again: every event once, in order", async () => {
+    const WebSocket = await loadWs()
+    // Every generation kept: the truth is read from the start at the end.
+    const h = await useHttpDaemon({ env: { AGENTD_OUTBOX_BYTES: "65536", AGENTD_RETAIN_GENERATIONS: "1000" } })
+    const id = (await request(h, "POST", "/v1/sessions")).json.activeSessionId as string
+    await waitIdle(h, id)
+    const ws = new WebSocket(`ws://127.0.0.1:${h.port}/v1/socket`, { headers: { authorization: `Bearer ${h.token}` } })
+    const received: Array<Msg> = []
+    ws.on("message", (data: Buffer) => received.push(JSON.parse(data.toString("utf8"))))
+    ws.on("error", () => {})
+    try {
+      await new Promise<void>((resolve, reject) => {
+        ws.on("open", () => resolve())
+        ws.on("error", reject)
+      })
+      ws.send(JSON.stringify({ type: "attach", id: "a1", activeSessionId: id, capabilities: ["event_sequence", "slim_attach"] }))
+      const deadline = Date.now() + 15_000
+      while (!received.some((m) => m["type"] === "session_attached") && Date.now() < deadline) await sleep(20)
+      // Stop reading: the frames pile up in the kernel, then in the server's WebSocket.
+      ws._socket.pause()
+      const words = Array.from({ length: 6000 }, (_, i) => `word-${i}-${"x".repeat(60)}`).join(" ")
+      for (let i = 0; i < 6; i++) {
+        await request(h, "POST", `/v1/sessions/${id}/prompt`, { body: JSON.stringify({ message: words }) })
+        await waitIdle(h, id, 60_000)
+      }
+      const truth = await readAll(h, id)
+      ws._socket.resume()
+      const until = Date.now() + 60_000
+      const events = () => received.filter((m) => m["type"] === "session_event" || m["type"] === "session_status")
+      while (events().length < truth.length && Date.now() < until) await sleep(100)
+      expect(cursorGap(events())).toBeUndefined()
+      expect(cursorsOf(events())).toEqual(cursorsOf(truth))
+    } finally {
+      ws.terminate()
+    }
+  })
+
   it("a graceful stop ends open SSE streams, long-polls and WebSockets, and exits 0", async () => {
     const WebSocket = await loadWs()
     const h = await useHttpDaemon({ env: { AGENTD_HTTP_LONG_POLL_MS: "60000" } })
