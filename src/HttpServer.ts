@@ -74,14 +74,18 @@ interface RequestContext {
 }
 
 /** An error answer on its way out (a code of errors.ts, its message, extra headers). */
-class Refusal {
-  constructor(readonly code: string, readonly message: string, readonly headers: Record<string, string> = {}) {}
-}
+class Refusal extends Data.TaggedError("Refusal")<{
+  readonly code: string
+  readonly message: string
+  readonly headers: Record<string, string>
+}> {}
 
-const refuse = (code: string, message: string, headers: Record<string, string> = {}) => Effect.fail(new Refusal(code, message, headers))
+const refusal = (code: string, message: string, headers: Record<string, string> = {}) => new Refusal({ code, message, headers })
+
+const refuse = (code: string, message: string, headers: Record<string, string> = {}) => Effect.fail(refusal(code, message, headers))
 
 const fromCommandError = (e: CommandError | ReadRefused) =>
-  e instanceof ReadRefused ? new Refusal(e.code, e.message, e.headers) : new Refusal(e.code, e.message)
+  e instanceof ReadRefused ? refusal(e.code, e.message, e.headers) : refusal(e.code, e.message)
 
 /** A request id given by the client, if it is a sane one, else ours. */
 let requestCounter = 0
@@ -178,7 +182,7 @@ export const make = Effect.gen(function*() {
       const limit = config.maxLineBytes
       const declared = Number(source.headers["content-length"] ?? "NaN")
       const tooLong = () =>
-        resume(Effect.fail(new Refusal("line_too_long", `The body is longer than ${limit} bytes; it was not read.`, { connection: "close" })))
+        resume(Effect.fail(refusal("line_too_long", `The body is longer than ${limit} bytes; it was not read.`, { connection: "close" })))
       if (Number.isFinite(declared) && declared > limit) return tooLong()
       const chunks: Array<Buffer> = []
       let size = 0
@@ -203,7 +207,7 @@ export const make = Effect.gen(function*() {
       source.on("error", (err) => {
         if (done) return
         done = true
-        resume(Effect.fail(new Refusal("parse_error", `The body could not be read: ${err.message}`)))
+        resume(Effect.fail(refusal("parse_error", `The body could not be read: ${err.message}`)))
       })
     })
 

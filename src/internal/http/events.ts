@@ -6,6 +6,7 @@
  * the replacement snapshot of a history rewrite are all the socket's (internal/delivery). This
  * module only turns what the port receives into JSON arrays or SSE events.
  */
+import * as Data from "effect/Data"
 import * as Effect from "effect/Effect"
 import * as Option from "effect/Option"
 import * as Stream from "effect/Stream"
@@ -19,9 +20,13 @@ import * as Offset from "./offset.js"
 import { StreamPort } from "./port.js"
 
 /** A read that cannot be served: its error code and message (statuses in errors.ts). */
-export class ReadRefused {
-  constructor(readonly code: string, readonly message: string, readonly headers: Record<string, string> = {}) {}
-}
+export class ReadRefused extends Data.TaggedError("ReadRefused")<{
+  readonly code: string
+  readonly message: string
+  readonly headers: Record<string, string>
+}> {}
+
+const readRefused = (code: string, message: string, headers: Record<string, string> = {}) => new ReadRefused({ code, message, headers })
 
 /** What a read needs of the SessionManager: the socket's attach and detach. */
 export interface Attacher {
@@ -53,7 +58,7 @@ export const snapshotLink = (id: string, snapshotId?: string) =>
   `/v1/sessions/${encodeURIComponent(id)}/snapshot${snapshotId === undefined ? "" : `?id=${encodeURIComponent(snapshotId)}`}`
 
 const gone = (id: string, why: string) =>
-  new ReadRefused("offset_gone", `${why}; read the session's snapshot, then follow on from the offset it ends with.`, {
+  readRefused("offset_gone", `${why}; read the session's snapshot, then follow on from the offset it ends with.`, {
     link: `<${snapshotLink(id)}>; rel="snapshot"`
   })
 
@@ -102,7 +107,7 @@ export const openReader = (
         if (replay.reason === "transcript_replaced") {
           return yield* Effect.fail(gone(id, "The session's history was rewritten after this offset"))
         }
-        return yield* Effect.fail(new ReadRefused("invalid_offset", `The offset names no event of this session (${replay.reason}).`))
+        return yield* Effect.fail(readRefused("invalid_offset", `The offset names no event of this session (${replay.reason}).`))
       }
       if (resume === undefined && outcome.data.snapshot.cursor !== undefined) {
         // Events came (and a checkpoint) between the state read and the attach: the baseline
@@ -110,7 +115,7 @@ export const openReader = (
         yield* manager.detachAll(connectionId)
         port.close()
         if (attempt < 3) continue
-        return yield* Effect.fail(new ReadRefused("internal", "The session changed under the read; try again."))
+        return yield* Effect.fail(readRefused("internal", "The session changed under the read; try again."))
       }
       // Interruptible whatever the caller's region is (a forked fiber inherits it): closing the
       // read's scope must be able to stop it.
