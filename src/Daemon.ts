@@ -1,6 +1,7 @@
 /**
  * `DaemonLive`: every layer composed into the daemon `agentd serve` runs, over a state dir whose
- * paths are all named in StateLayout (the state dir's lock is not a file: see StateDirLock).
+ * paths are all named in StateLayout (the state dir's lock is not a file: see StateDirLock),
+ * the HTTP front's token (`http-token`, 0600) among them.
  * `CoreLive`: the same without the socket server.
  */
 import type * as FileSystem from "@effect/platform/FileSystem"
@@ -18,6 +19,7 @@ import * as DaemonServer from "./DaemonServer.js"
 import { Engine, EngineError } from "./Engine.js"
 import * as BuiltinEngines from "./engines/builtin.js"
 import * as EventLog from "./EventLog.js"
+import * as HttpServer from "./HttpServer.js"
 import * as Fsx from "./internal/fsx.js"
 import * as PostgresStore from "./PostgresStore.js"
 import * as RecoveryJournal from "./RecoveryJournal.js"
@@ -278,9 +280,10 @@ export type DaemonStartError =
   | PostgresStore.PostgresStoreError
   | PostgresStore.PostgresStoreLocked
   | InvalidStore
+  | HttpServer.HttpStartError
 
-/** Why the core ({@link CoreLive}) could not start: {@link DaemonStartError} less the socket's. */
-export type CoreStartError = Exclude<DaemonStartError, DaemonServer.ServerStartError>
+/** Why the core ({@link CoreLive}) could not start: {@link DaemonStartError} less the socket's and the HTTP front's. */
+export type CoreStartError = Exclude<DaemonStartError, DaemonServer.ServerStartError | HttpServer.HttpStartError>
 
 const configLayerOf = (config: Partial<DaemonConfigShape> | Layer.Layer<DaemonConfig, ConfigError.ConfigError>) =>
   Layer.isLayer(config)
@@ -327,7 +330,10 @@ export const DaemonLive = (
   config: Partial<DaemonConfigShape> | Layer.Layer<DaemonConfig, ConfigError.ConfigError> = {},
   layers: DaemonLayers = {}
 ): Layer.Layer<DaemonServer.DaemonServer | SessionManager.SessionManager, DaemonStartError> =>
-  DaemonServer.layer.pipe(Layer.provideMerge(coreOver(configLayerOf(config), servedSupervisorInfoLayer, layers)))
+  // The HTTP front, when asked for, starts after the socket and stops before it.
+  HttpServer.layerIfConfigured.pipe(
+    Layer.provideMerge(DaemonServer.layer.pipe(Layer.provideMerge(coreOver(configLayerOf(config), servedSupervisorInfoLayer, layers))))
+  )
 
 /** Runs the daemon until a client sends `shutdown` (or the fiber is interrupted by a signal). */
 export const serve = (config: Partial<DaemonConfigShape> = {}) =>

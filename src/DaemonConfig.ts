@@ -58,6 +58,14 @@ export interface DaemonConfigShape {
    * that spawns it. The bundled CLI names the worker bundled next to it.
    */
   readonly workerEntry?: string
+  /** `HOST:PORT` of the HTTP front (docs/protocol.md section 10); none when undefined. */
+  readonly http?: string | undefined
+  /** Allow the HTTP front on an address that is not loopback (TLS is expected in front). */
+  readonly httpInsecure: boolean
+  /** How long an idle SSE stream waits before a keep-alive comment. */
+  readonly httpKeepAliveMs: number
+  /** How long a long-poll read at the tail waits for an event before answering 204. */
+  readonly httpLongPollMs: number
 }
 
 /** The configuration of the running daemon. */
@@ -82,7 +90,10 @@ export const defaults = (stateDir: string = defaultStateDir()): DaemonConfigShap
   restartWindowMs: 60_000,
   clientEnvKeys: ["TERM", "LANG", "TZ"],
   warmSpare: true,
-  shutdownGraceMs: 3000
+  shutdownGraceMs: 3000,
+  httpInsecure: false,
+  httpKeepAliveMs: 15_000,
+  httpLongPollMs: 20_000
 })
 
 /** `files` or a PostgreSQL URL: the values of {@link DaemonConfigShape.store}. */
@@ -115,7 +126,11 @@ export const settings: Config.Config<Partial<DaemonConfigShape>> = Config.all({
   store: Config.option(Config.string("AGENTD_STORE").pipe(Config.validate({
     message: "must be `files` or a PostgreSQL URL (postgres://...)",
     validation: isStoreSetting
-  })))
+  }))),
+  http: Config.option(Config.string("AGENTD_HTTP")),
+  httpInsecure: Config.option(Config.map(Config.string("AGENTD_HTTP_INSECURE"), (v) => v !== "0" && v !== "")),
+  httpKeepAliveMs: count("AGENTD_HTTP_KEEPALIVE_MS", 1),
+  httpLongPollMs: count("AGENTD_HTTP_LONG_POLL_MS", 1)
 }).pipe(Config.map((all) => {
   const out: Record<string, unknown> = {}
   for (const [key, value] of Object.entries(all) as Array<[string, Option.Option<unknown>]>) {

@@ -11,6 +11,8 @@ import { type Connection, withConnection } from "./connection.js"
 import { failed, usage } from "./errors.js"
 import { alignedTable, count, EventRenderer, shortDate, shortId, summaryLines } from "./render.js"
 import * as Target from "./target.js"
+import { readOrCreateToken } from "../internal/http/token.js"
+import { stateDirOf } from "./paths.js"
 
 /** What every client command knows. */
 export interface Context {
@@ -184,6 +186,8 @@ export const runOneShot = (p: Parsed, ctx: Context): Promise<void> | undefined =
       return kill(ctx, target)
     case "shutdown":
       return shutdown(ctx)
+    case "http-token":
+      return Promise.resolve().then(() => out(readOrCreateToken(stateDirOf(p))))
     default:
       return undefined
   }

@@ -64,7 +64,9 @@ export const detach = (ctx: Context, options: ServeOptions, self: ReadonlyArray<
       ...(options.maxWorkers === undefined ? [] : ["--max-workers", String(options.maxWorkers)]),
       ...(options.shutdownGraceMs === undefined ? [] : ["--shutdown-grace-ms", String(options.shutdownGraceMs)]),
       ...(options.logLevel === undefined ? [] : ["--log-level", options.logLevel]),
-      ...(options.store === undefined ? [] : ["--store", options.store])
+      ...(options.store === undefined ? [] : ["--store", options.store]),
+      ...(options.http === undefined ? [] : ["--http", options.http]),
+      ...(options.httpInsecure === true ? ["--http-insecure"] : [])
     ]
     const child = spawn(process.execPath, args, { detached: true, stdio: ["ignore", fd, fd] })
     fs.closeSync(fd)

@@ -37,6 +37,9 @@ export interface ServeOptions {
   readonly shutdownGraceMs: number | undefined
   readonly logLevel: string | undefined
   readonly store?: string | undefined
+  /** `HOST:PORT` of the HTTP front, if asked for. */
+  readonly http?: string | undefined
+  readonly httpInsecure?: boolean | undefined
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -108,10 +111,26 @@ export const commands: ReadonlyArray<CommandSpec> = [
         choices: ["debug", "info", "warning", "error", "none"],
         description: "The least severe log messages written (default info)."
       },
+      {
+        name: "http",
+        kind: "string",
+        value: "HOST:PORT",
+        description: "Also serve HTTP, SSE and WebSocket there (e.g. 127.0.0.1:7433; default $AGENTD_HTTP, else off). Every request needs the token `agentd http-token` prints."
+      },
+      {
+        name: "http-insecure",
+        kind: "flag",
+        description: "Allow --http on an address that is not loopback (put TLS in front of it)."
+      },
       { name: "detach", kind: "flag", description: "Start the daemon in the background and return once it listens." },
       { name: "json", kind: "flag", description: "With --detach: print the daemon's pid, socket and log file as JSON." }
     ],
-    examples: ["agentd serve", "agentd serve --detach --state-dir /tmp/agentd", "agentd serve --store postgres://agentd@localhost/agentd"]
+    examples: [
+      "agentd serve",
+      "agentd serve --detach --state-dir /tmp/agentd",
+      "agentd serve --http 127.0.0.1:7433",
+      "agentd serve --store postgres://agentd@localhost/agentd"
+    ]
   },
   {
     name: "status",
@@ -220,6 +239,14 @@ export const commands: ReadonlyArray<CommandSpec> = [
     summary: "Stop the daemon (gracefully: it answers, then exits).",
     args: [],
     options: common
+  },
+  {
+    name: "http-token",
+    summary: "Print the token of the daemon's HTTP front (made now if there is none yet).",
+    details:
+      "Requests to `serve --http` carry it as `Authorization: Bearer <token>`; a browser logs in once through http://HOST:PORT/login?token=<token>, which sets an HttpOnly cookie. The token lives in <state dir>/http-token (0600).",
+    args: [],
+    options: [stateDirOption]
   },
   {
     name: "logs",

@@ -34,7 +34,9 @@ const program = (p: Parsed, ctx: Context, hooks: Hooks): Effect.Effect<void, unk
         maxWorkers: int("max-workers"),
         shutdownGraceMs: int("shutdown-grace-ms"),
         logLevel: p.options.get("log-level") as string | undefined,
-        store: p.options.get("store") as string | undefined
+        store: p.options.get("store") as string | undefined,
+        http: p.options.get("http") as string | undefined,
+        httpInsecure: p.options.get("http-insecure") === true
       }
       if (p.options.get("detach") === true) return Effect.flatMap(load(() => import("./daemon.js")), (m) => m.detach(ctx, options, hooks.self))
       // The daemon's runtime owns the process from here (signals, exit code): this program

@@ -31,7 +31,9 @@ export const serve = (options: ServeOptions & { readonly workerEntry: string }):
     ...(options.engine === undefined ? {} : { engine: options.engine }),
     ...(options.maxWorkers === undefined ? {} : { maxWorkers: options.maxWorkers }),
     ...(options.shutdownGraceMs === undefined ? {} : { shutdownGraceMs: options.shutdownGraceMs }),
-    ...(options.store === undefined ? {} : { store: options.store })
+    ...(options.store === undefined ? {} : { store: options.store }),
+    ...(options.http === undefined ? {} : { http: options.http }),
+    ...(options.httpInsecure === true ? { httpInsecure: true } : {})
   }).pipe(
     // The daemon logs to stderr; stdout stays free.
     Effect.provide(Logger.replace(Logger.defaultLogger, Logger.prettyLogger({ stderr: true, colors: false }))),

@@ -1,0 +1,299 @@
+/**
+ * `GET /v1/sessions/:id/events` (docs/protocol.md section 10): the Durable Streams read protocol
+ * over the socket's own delivery. A read attaches a {@link StreamPort} to the session with the
+ * offset's cursor as its resume cursor: the replay decision, the catch-up from the EventLog, the
+ * turn to live delivery without gap or duplicate, the pause and log re-read of a slow reader and
+ * the replacement snapshot of a history rewrite are all the socket's (internal/delivery). This
+ * module only turns what the port receives into JSON arrays or SSE events.
+ */
+import * as Data from "effect/Data"
+import * as Effect from "effect/Effect"
+import * as Option from "effect/Option"
+import * as Stream from "effect/Stream"
+import * as Cursor from "../../Cursor.js"
+import type { EventLogService } from "../../EventLog.js"
+import type * as Protocol from "../../Protocol.js"
+import type { CommandError } from "../../SessionManager.js"
+import { wireLineOfRecord } from "../delivery/wireLines.js"
+import { type Item, LineSorter } from "./lines.js"
+import * as Offset from "./offset.js"
+import { StreamPort } from "./port.js"
+
+/** A read that cannot be served: its error code and message (statuses in errors.ts). */
+export class ReadRefused extends Data.TaggedError("ReadRefused")<{
+  readonly code: string
+  readonly message: string
+  readonly headers: Record<string, string>
+}> {}
+
+const readRefused = (code: string, message: string, headers: Record<string, string> = {}) => new ReadRefused({ code, message, headers })
+
+/** What a read needs of the SessionManager: the socket's attach and detach. */
+export interface Attacher {
+  readonly getState: (id: string) => Effect.Effect<Protocol.SessionSummary, CommandError>
+  readonly attach: (
+    connectionId: string,
+    port: StreamPort,
+    cmd: Protocol.CommandOf<"attach">
+  ) => Effect.Effect<{ readonly data: Protocol.DaemonAttachResult; readonly deliver: Effect.Effect<void> }, CommandError>
+  readonly detachAll: (connectionId: string) => Effect.Effect<void>
+}
+
+/** An attached read: its port, where it starts and the session's tail when it attached. */
+export interface Reader {
+  readonly port: StreamPort
+  readonly sorter: LineSorter
+  /** Items to hand out before the port's (the very first event, for a read from the start). */
+  readonly pending: Array<Item>
+  /** The offset the read starts after (undefined: before the first event). */
+  readonly from: Cursor.Cursor | undefined
+  /** The session's last event when the read attached. */
+  readonly target: Cursor.Cursor | undefined
+}
+
+const CAPABILITIES = ["attach_snapshot", "event_sequence", "slim_attach", "chunked_snapshot"]
+
+/** The snapshot link of a 410 (and of a rewrite's control event). */
+export const snapshotLink = (id: string, snapshotId?: string) =>
+  `/v1/sessions/${encodeURIComponent(id)}/snapshot${snapshotId === undefined ? "" : `?id=${encodeURIComponent(snapshotId)}`}`
+
+const gone = (id: string, why: string) =>
+  readRefused("offset_gone", `${why}; read the session's snapshot, then follow on from the offset it ends with.`, {
+    link: `<${snapshotLink(id)}>; rel="snapshot"`
+  })
+
+/**
+ * Attaches a read of session `id` after `requested`, in the current scope (closing it detaches).
+ * Fails with the socket's error for the session (not found, damaged) or a ReadRefused.
+ */
+export const openReader = (
+  manager: Attacher,
+  log: EventLogService,
+  connectionId: string,
+  id: string,
+  requested: Offset.Requested
+): Effect.Effect<Reader, CommandError | ReadRefused, import("effect/Scope").Scope> =>
+  Effect.gen(function*() {
+    for (let attempt = 0;; attempt++) {
+      const state = yield* manager.getState(id)
+      const last = state.lastEventCursor
+      let resume: Cursor.Cursor | undefined
+      const pending: Array<Item> = []
+      if (requested._tag === "After") {
+        resume = requested.cursor
+      } else if (requested._tag === "Now") {
+        resume = last
+      } else if (last !== undefined) {
+        // From the start: the first event, then the events after it. The socket's attach has
+        // no cursor for "before the first event", so the first one is read here.
+        const first = yield* log.read(id).pipe(Stream.take(1), Stream.runHead, Effect.orElseSucceed(() => Option.none()))
+        if (Option.isNone(first) || !Cursor.equals(first.value.cursor, Cursor.initial)) {
+          return yield* Effect.fail(gone(id, "The first events of this session were pruned"))
+        }
+        resume = first.value.cursor
+        pending.push({ _tag: "Event", line: wireLineOfRecord(JSON.stringify(id), first.value, true).slice(0, -1), cursor: resume })
+      }
+      const port = new StreamPort()
+      yield* Effect.addFinalizer(() => Effect.zipRight(Effect.sync(() => port.close()), manager.detachAll(connectionId)))
+      const outcome = yield* manager.attach(connectionId, port, {
+        type: "attach",
+        activeSessionId: id,
+        capabilities: CAPABILITIES,
+        ...(resume === undefined ? {} : { resumeCursor: resume })
+      })
+      const replay = outcome.data.replay
+      if (resume !== undefined && replay.status !== "complete") {
+        if (replay.reason === "cursor_expired") return yield* Effect.fail(gone(id, "The events after this offset were pruned"))
+        if (replay.reason === "transcript_replaced") {
+          return yield* Effect.fail(gone(id, "The session's history was rewritten after this offset"))
+        }
+        return yield* Effect.fail(readRefused("invalid_offset", `The offset names no event of this session (${replay.reason}).`))
+      }
+      if (resume === undefined && outcome.data.snapshot.cursor !== undefined) {
+        // Events came (and a checkpoint) between the state read and the attach: the baseline
+        // is not the stream's start any more. Again, now with a first event to start from.
+        yield* manager.detachAll(connectionId)
+        port.close()
+        if (attempt < 3) continue
+        return yield* Effect.fail(readRefused("internal", "The session changed under the read; try again."))
+      }
+      // Interruptible whatever the caller's region is (a forked fiber inherits it): closing the
+      // read's scope must be able to stop it.
+      yield* Effect.forkScoped(Effect.interruptible(outcome.deliver))
+      return {
+        port,
+        sorter: new LineSorter(),
+        pending,
+        from: resume,
+        target: outcome.data.lastEventCursor
+      } satisfies Reader
+    }
+  })
+
+/** Items from the port (after the pending ones), waiting for some only if `wait`. */
+export const nextItems = (r: Reader, wait: boolean): Effect.Effect<Array<Item>> =>
+  Effect.gen(function*() {
+    const out = r.pending.splice(0)
+    while (out.length === 0 || r.port.hasItems) {
+      if (!r.port.hasItems) {
+        if (!wait || r.port.isClosed) break
+        yield* r.port.awaitItems
+        if (!r.port.hasItems) break
+      }
+      for (const data of r.port.takeAll()) r.sorter.push(data, out)
+      // The frames of a replacement snapshot are passed over whole before anything is handed out.
+      if (out.length > 0 && !r.sorter.inSnapshot) break
+    }
+    return out
+  })
+
+/** One page of a catch-up (or long-poll) read. */
+export interface Page {
+  readonly lines: Array<string>
+  readonly next: Cursor.Cursor | undefined
+  readonly upToDate: boolean
+}
+
+/**
+ * Reads from `r.from` up to the tail as it was at attach (`r.target`), at most `maxBytes` of
+ * lines, stopping before a rewrite or a loss (the next read from that offset answers 410).
+ * `waitMs`: a long-poll with nothing to read waits that long for the first event.
+ */
+export const readPage = (r: Reader, maxBytes: number, waitMs: number | undefined): Effect.Effect<Page> =>
+  Effect.gen(function*() {
+    const lines: Array<string> = []
+    let next = r.from
+    let bytes = 0
+    const reached = () => r.target === undefined || (next !== undefined && !Cursor.isBefore(next, r.target))
+    let stop = false
+    if (reached() && waitMs !== undefined) {
+      // Long-poll at the tail: wait for the first new event.
+      const first = yield* Effect.interruptible(nextItems(r, true)).pipe(Effect.timeout(waitMs), Effect.option)
+      if (Option.isSome(first)) r.pending.push(...first.value)
+    }
+    while (!stop && (!reached() || r.pending.length > 0 || r.port.hasItems) && bytes < maxBytes) {
+      const items = yield* nextItems(r, !reached())
+      if (items.length === 0) break
+      for (let i = 0; i < items.length; i++) {
+        const item = items[i]!
+        if (item._tag !== "Event" || bytes >= maxBytes) {
+          // Left for the next read (which starts from `next`).
+          stop = true
+          break
+        }
+        lines.push(item.line)
+        bytes += item.line.length
+        next = item.cursor
+      }
+    }
+    return { lines, next, upToDate: !stop && reached() && r.pending.length === 0 && !r.port.hasItems }
+  })
+
+const encoder = new TextEncoder()
+
+/** The SSE data event of a piece made only of whole event lines, by piece (null: not such a piece). */
+const dataEvents = new WeakMap<Uint8Array, { readonly bytes: Uint8Array; readonly last: Cursor.Cursor } | null>()
+
+const sharedDataEvent = (piece: Uint8Array) => {
+  let found = dataEvents.get(piece)
+  if (found === undefined) {
+    const items: Array<Item> = []
+    const sorter = new LineSorter()
+    sorter.push(piece, items)
+    const events = items.filter((i): i is Extract<Item, { _tag: "Event" }> => i._tag === "Event")
+    found = events.length === 0 || events.length !== items.length || sorter.pending || sorter.inSnapshot
+      ? null
+      : {
+        bytes: encoder.encode(`event: data\nid: ${Offset.encode(events.at(-1)!.cursor)}\ndata: [\ndata: ${events.map((e) => e.line).join(",\ndata: ")}\ndata: ]\n\n`),
+        last: events.at(-1)!.cursor
+      }
+    dataEvents.set(piece, found)
+  }
+  return found ?? undefined
+}
+
+/** The SSE stream of a read: data events (JSON arrays, `id:` = next offset), control events, keep-alives. */
+export const sseStream = (
+  r: Reader,
+  options: { readonly keepAliveMs: number; readonly cursor: () => string; readonly snapshotLink: (snapshotId: string) => string }
+): Stream.Stream<Uint8Array> => {
+  let next = r.from
+  let ended = false
+  let first = true
+  const control = (extra: Record<string, unknown>) =>
+    `event: control\ndata: ${JSON.stringify({ streamNextOffset: Offset.encode(next), streamCursor: options.cursor(), ...extra })}\n\n`
+  const caughtUp = () => r.target === undefined || (next !== undefined && !Cursor.isBefore(next, r.target))
+  const step: Effect.Effect<Uint8Array, Option.Option<never>> = Effect.gen(function*() {
+    if (ended) return yield* Effect.fail(Option.none())
+    if (first) {
+      first = false
+      // Retry hint for EventSource, and the reader told at once where it stands when nothing is owed.
+      const head = `retry: 1000\n\n${caughtUp() && r.pending.length === 0 ? control({ upToDate: true }) : ""}`
+      return encoder.encode(head)
+    }
+    if (r.pending.length === 0) {
+      const ready = yield* Effect.interruptible(r.port.awaitItems).pipe(Effect.timeout(options.keepAliveMs), Effect.option)
+      if (Option.isNone(ready)) return encoder.encode(": keep-alive\n\n")
+    }
+    const out: Array<Uint8Array> = []
+    let text = ""
+    let batch: Array<string> = []
+    const flushText = () => {
+      if (text.length > 0) out.push(encoder.encode(text))
+      text = ""
+    }
+    const flush = () => {
+      if (batch.length === 0) return
+      text += `event: data\nid: ${Offset.encode(next)}\ndata: [\ndata: ${batch.join(",\ndata: ")}\ndata: ]\n\n`
+      batch = []
+      text += control(caughtUp() && !r.port.hasItems ? { upToDate: true } : {})
+    }
+    const handle = (items: ReadonlyArray<Item>) => {
+      for (const item of items) {
+        if (ended) return
+        if (item._tag === "Event") {
+          batch.push(item.line)
+          next = item.cursor
+          continue
+        }
+        flush()
+        if (item._tag === "Rewrite") {
+          // The events that follow extend the replacement snapshot, not what the reader holds.
+          text += control({ rewrite: { snapshotId: item.snapshotId, snapshot: options.snapshotLink(item.snapshotId), ...(item.cursor === undefined ? {} : { cursor: item.cursor }) } })
+        } else {
+          // Events the reader lacked are gone: it reconnects from its offset and is told so (410).
+          text += control({ lost: item.reason })
+          ended = true
+        }
+      }
+    }
+    handle(r.pending.splice(0))
+    const pieces = r.port.takeAll()
+    if (pieces.length === 0 && out.length === 0 && text.length === 0 && batch.length === 0) {
+      // The port closed (the daemon stops, or the session's delivery ended).
+      ended = true
+      return yield* Effect.fail(Option.none())
+    }
+    for (const piece of pieces) {
+      if (ended) break
+      // A batch of live events is one array shared by every reader of the session: its SSE data
+      // event is made once and shared too (per-reader work was the fan-out's cost).
+      const shared = typeof piece === "string" || r.sorter.pending ? undefined : sharedDataEvent(piece)
+      if (shared !== undefined) {
+        flush()
+        flushText()
+        out.push(shared.bytes)
+        next = shared.last
+        text += control(caughtUp() && !r.port.hasItems ? { upToDate: true } : {})
+        continue
+      }
+      const items: Array<Item> = []
+      r.sorter.push(piece, items)
+      handle(items)
+    }
+    flush()
+    flushText()
+    return out.length === 1 ? out[0]! : Buffer.concat(out)
+  })
+  return Stream.repeatEffectOption(step)
+}

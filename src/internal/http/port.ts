@@ -1,0 +1,86 @@
+/**
+ * A ConnectionPort for an HTTP response: the session core offers lines to it exactly as to a
+ * socket's outbox (same attach, catch-up from the EventLog, pause and resume of a slow reader),
+ * and the response's stream takes them. Bytes count as queued until the response takes them,
+ * and the response takes the next batch only once the previous one was written (drained), so
+ * a slow reader holds at most the outbox limit plus what the kernel buffers.
+ */
+import * as Effect from "effect/Effect"
+import type { ConnectionPort } from "../../SessionManager.js"
+
+export class StreamPort implements ConnectionPort {
+  private items: Array<string | Uint8Array> = []
+  private queued = 0
+  private closed = false
+  private waiters: Array<{ readonly below: number; readonly resume: () => void }> = []
+  private reader: (() => void) | undefined
+
+  get queuedBytes(): number {
+    return this.queued
+  }
+
+  get isClosed(): boolean {
+    return this.closed
+  }
+
+  offer(data: string | Uint8Array): void {
+    if (this.closed) return
+    this.items.push(data)
+    this.queued += typeof data === "string" ? Buffer.byteLength(data) : data.byteLength
+    const reader = this.reader
+    this.reader = undefined
+    reader?.()
+  }
+
+  awaitBelow(bytes: number): Effect.Effect<void> {
+    return Effect.async<void>((resume) => {
+      if (this.closed || this.queued < bytes) return resume(Effect.void)
+      const waiter = { below: bytes, resume: () => resume(Effect.void) }
+      this.waiters.push(waiter)
+      return Effect.sync(() => {
+        this.waiters = this.waiters.filter((w) => w !== waiter)
+      })
+    })
+  }
+
+  /** Everything offered so far (possibly nothing); the bytes stop counting as queued. */
+  takeAll(): Array<string | Uint8Array> {
+    const items = this.items
+    this.items = []
+    this.queued = 0
+    this.wake()
+    return items
+  }
+
+  /** Waits until something is offered or the port closes. */
+  readonly awaitItems: Effect.Effect<void> = Effect.async<void>((resume) => {
+    if (this.closed || this.items.length > 0) return resume(Effect.void)
+    this.reader = () => resume(Effect.void)
+    return Effect.sync(() => {
+      this.reader = undefined
+    })
+  })
+
+  get hasItems(): boolean {
+    return this.items.length > 0
+  }
+
+  /** The response is gone: nothing more is taken, every waiter is released. */
+  close(): void {
+    if (this.closed) return
+    this.closed = true
+    this.items = []
+    this.queued = 0
+    this.wake()
+    const reader = this.reader
+    this.reader = undefined
+    reader?.()
+  }
+
+  private wake() {
+    if (this.waiters.length === 0) return
+    const ready = this.waiters.filter((w) => this.closed || this.queued < w.below)
+    this.waiters = this.waiters.filter((w) => !ready.includes(w))
+    for (const w of ready) w.resume()
+  }
+}
