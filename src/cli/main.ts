@@ -264,7 +264,12 @@ const EPILOGUE = `Run \`agentd help COMMAND\` (or \`agentd COMMAND --help\`) for
 
 Sessions are named by their id, a unique prefix of it (the s- may be left out), or their name.
 Exit codes: 0 success, 1 error reported by the daemon or a turn that did not finish, 2 usage
-error, 3 daemon not reachable, 130 interrupted (Ctrl-C).`
+error, 3 daemon not reachable, 130 interrupted (Ctrl-C).
+
+The echo engine (the default) answers "echo: " and the prompt's words, and takes special
+prompts for trying things out: /sleep MS (a tool call that waits MS ms: a turn to abort or to
+crash a worker in), /bulk N (a reply of exactly N bytes), /compact (rewrites the history into
+one message).`
 
 /** Runs the command line; resolves with the exit code. */
 export const main = async (argv: ReadonlyArray<string>, hooks: Hooks): Promise<number> => {

@@ -216,6 +216,8 @@ describe("agentd CLI against a daemon", () => {
     assert.include(helpFlag.stdout, "Usage: agentd serve")
     assert.include(helpFlag.stdout.replace(/\s+/g, " "), "One of: echo, openai, openai-compat, anthropic.")
     for (const out of [help.stdout, helpPrompt.stdout, helpFlag.stdout, noColor.stdout]) assert.notInclude(out, "\x1b[")
+    // The echo engine's special prompts are listed where a new user looks first.
+    for (const prompt of ["/sleep MS", "/bulk N", "/compact"]) assert.include(help.stdout, prompt)
     assert.strictEqual(order.code, 0, order.stderr)
     assert.strictEqual(JSON.parse(order.stdout).pid, daemon().pid)
     assert.strictEqual(unreachable.code, 3)
