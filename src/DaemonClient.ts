@@ -45,7 +45,9 @@ import { defaultSocketPath } from "./StatePaths.js"
 /** Nothing answers at the socket path, or it closed (or stayed silent) before its hello. */
 export class DaemonUnreachable extends Schema.TaggedError<DaemonUnreachable>()("DaemonUnreachable", {
   socketPath: Schema.String,
-  message: Schema.String
+  message: Schema.String,
+  /** The connect's errno (`ENOENT`, `ECONNREFUSED`...), when the connect itself failed. */
+  errno: Schema.optional(Schema.String)
 }) {}
 
 /**
@@ -532,7 +534,8 @@ const open = (socketPath: string, inbox: Queue.Queue<string | null>) =>
       resume(Effect.fail(
         new DaemonUnreachable({
           socketPath,
-          message: `no daemon listens at ${socketPath} (${err.code ?? err.message})`
+          message: `no daemon listens at ${socketPath} (${err.code ?? err.message})`,
+          ...(err.code === undefined ? {} : { errno: err.code })
         })
       ))
     socket.once("error", onError)

@@ -64,9 +64,11 @@ export const noDaemonText = (socketPath: string, code: string | undefined): stri
 const messageOf = (e: unknown): string => {
   if (typeof e !== "object" || e === null || !("message" in e) || typeof e.message !== "string" || e.message.length === 0) return String(e)
   if ("_tag" in e && e._tag === "DaemonError" && "code" in e) return daemonErrorText(e.code, e.message)
-  // The SDK says which errno; the command line also says what to do.
-  const unreachable = "_tag" in e && e._tag === "DaemonUnreachable" ? /^no daemon listens at (.*) \((\w+)\)$/.exec(e.message) : null
-  return unreachable === null ? e.message : noDaemonText(unreachable[1]!, unreachable[2])
+  // A failed connect: the command line also says what to do.
+  if ("_tag" in e && e._tag === "DaemonUnreachable" && "errno" in e && typeof e.errno === "string" && "socketPath" in e) {
+    return noDaemonText(String(e.socketPath), e.errno)
+  }
+  return e.message
 }
 
 /** The exit code of a failure: a CliError's own; the SDK's for a daemon not reachable; else 1. */
