@@ -150,6 +150,8 @@ export type Input =
   // The worker's acquisition.
   | { readonly _tag: "Acquired"; readonly epoch: number; readonly worker: WorkerId }
   | { readonly _tag: "AcquireFailed"; readonly epoch: number }
+  /** The turn `StartTurn` began could not be made durable: its prompt was refused. */
+  | { readonly _tag: "TurnRefused"; readonly turn: number }
   // The worker's frames and exit.
   /** Events that change no lifecycle fact (message_update, tool steps...): passed through. */
   | { readonly _tag: "Events"; readonly worker: WorkerId }
@@ -188,7 +190,11 @@ export type Action =
   /** A journal record (`required`: a failure is a storage failure of the step). */
   | { readonly _tag: "Journal"; readonly busy: boolean; readonly op: string; readonly required: boolean }
   | { readonly _tag: "SendAbort"; readonly worker: WorkerId; readonly turn: number; readonly reason: "aborted" | "daemon_shutdown" }
-  /** Make the prompt's turn durable (journal busy, busy status), send it, settle `req`: accepted, or refused storage_unavailable. */
+  /**
+   * Make the prompt's turn durable (journal busy, busy status), send it to the worker and settle
+   * its request accepted; or, should storage refuse, settle it storage_unavailable and feed
+   * `TurnRefused` back.
+   */
   | { readonly _tag: "StartTurn"; readonly worker: WorkerId; readonly turn: number; readonly prompt: Prompt }
   | {
     readonly _tag: "StartWorker"
@@ -308,50 +314,126 @@ export const awaits = (s: State): ReadonlyArray<InputTag> => {
 // step
 // ---------------------------------------------------------------------------------------------
 
-/** A new session whose first worker is being started (`StartWorker` done by its creator). */
-export const initial: State = {
+// The states are built field by field, never spread: the shapes stay few and fixed (object
+// spread of these records is slow in V8, and the simulation runs step by the million).
+type Running = Extract<State, { _tag: "Running" }>
+type Starting = Extract<State, { _tag: "Starting" }>
+
+const baseWith = (b: Base, epoch: number, turns = b.turns): Base => ({
+  epoch,
+  turns,
+  restarts: b.restarts,
+  crashes: b.crashes,
+  stopping: b.stopping
+})
+
+const starting = (b: Base, worker: WorkerId | undefined, state: "starting" | "recovering", backoff: boolean, w: Waiting): State => ({
   _tag: "Starting",
-  worker: undefined,
-  state: "starting",
-  backoff: false,
-  epoch: 1,
-  turns: 0,
-  restarts: 0,
-  crashes: [],
-  stopping: false,
-  reserved: undefined,
-  cut: undefined,
-  afterCut: undefined,
-  checkpoints: [],
-  retries: []
-}
+  worker,
+  state,
+  backoff,
+  epoch: b.epoch,
+  turns: b.turns,
+  restarts: b.restarts,
+  crashes: b.crashes,
+  stopping: b.stopping,
+  reserved: w.reserved,
+  cut: w.cut,
+  afterCut: w.afterCut,
+  checkpoints: w.checkpoints,
+  retries: w.retries
+})
 
-/** A session loaded at daemon start, without a worker. */
-export const loaded: State = {
-  _tag: "Passivated",
-  epoch: 0,
-  turns: 0,
-  restarts: 0,
-  crashes: [],
-  stopping: false
-}
+const idleOn = (b: Base, worker: WorkerId): State => ({
+  _tag: "Idle",
+  worker,
+  epoch: b.epoch,
+  turns: b.turns,
+  restarts: b.restarts,
+  crashes: b.crashes,
+  stopping: b.stopping
+})
 
-const base = (s: State): Base => ({ epoch: s.epoch, turns: s.turns, restarts: s.restarts, crashes: s.crashes, stopping: s.stopping })
+const running = (
+  b: Base,
+  worker: WorkerId,
+  turn: number,
+  aborts: ReadonlyArray<ReqId>,
+  checkpoints: ReadonlyArray<ReqId>,
+  rewrite: boolean,
+  shutdown: ReadonlyArray<ReqId>
+): Running => ({
+  _tag: "Running",
+  worker,
+  turn,
+  aborts,
+  checkpoints,
+  rewrite,
+  shutdown,
+  epoch: b.epoch,
+  turns: b.turns,
+  restarts: b.restarts,
+  crashes: b.crashes,
+  stopping: b.stopping
+})
 
-const noWaiting: Waiting = { reserved: undefined, cut: undefined, afterCut: undefined, checkpoints: [], retries: [] }
+const without = (tag: "Passivated" | "Failed" | "Closed", b: Base): State => ({
+  _tag: tag,
+  epoch: b.epoch,
+  turns: b.turns,
+  restarts: b.restarts,
+  crashes: b.crashes,
+  stopping: b.stopping
+})
+
+const stalled = (
+  b: Base,
+  shown: { readonly busy: boolean; readonly worker: WorkerState },
+  cut: CutTurn | undefined,
+  checkpoints: ReadonlyArray<ReqId>,
+  retries: ReadonlyArray<ReqId>
+): State => ({
+  _tag: "Stalled",
+  shown,
+  cut,
+  checkpoints,
+  retries,
+  epoch: b.epoch,
+  turns: b.turns,
+  restarts: b.restarts,
+  crashes: b.crashes,
+  stopping: b.stopping
+})
+
+const waiting = (
+  reserved: Prompt | undefined,
+  cut: CutTurn | undefined,
+  afterCut: Prompt | undefined,
+  checkpoints: ReadonlyArray<ReqId>,
+  retries: ReadonlyArray<ReqId>
+): Waiting => ({ reserved, cut, afterCut, checkpoints, retries })
+
+const NONE: ReadonlyArray<ReqId> = []
+const noWaiting: Waiting = waiting(undefined, undefined, undefined, NONE, NONE)
 
 const waitingOf = (s: State): Waiting => {
   switch (s._tag) {
     case "Starting":
-      return { reserved: s.reserved, cut: s.cut, afterCut: s.afterCut, checkpoints: s.checkpoints, retries: s.retries }
+      return s
     case "Running":
-      return { ...noWaiting, checkpoints: s.checkpoints }
+      return waiting(undefined, undefined, undefined, s.checkpoints, NONE)
     case "Stalled":
-      return { ...noWaiting, cut: s.cut, checkpoints: s.checkpoints, retries: s.retries }
+      return waiting(undefined, s.cut, undefined, s.checkpoints, s.retries)
     default:
       return noWaiting
   }
 }
+
+/** A new session whose first worker is being started (`StartWorker` done by its creator). */
+export const initial: State = starting({ epoch: 1, turns: 0, restarts: 0, crashes: [], stopping: false }, undefined, "starting", false, noWaiting)
+
+/** A session loaded at daemon start, without a worker. */
+export const loaded: State = without("Passivated", { epoch: 0, turns: 0, restarts: 0, crashes: [], stopping: false })
 
 const ok = (req: ReqId, value: "accepted" | "aborted" | "not_aborted" | "summary"): Action => ({
   _tag: "Settle",
@@ -366,6 +448,7 @@ const err = (req: ReqId, error: RequestError, detail?: "stalled" | "failed"): Ac
 /** The status that says `s`. */
 const status = (s: State): Action => ({ _tag: "PublishStatus", busy: busyOf(s), worker: workerStateOf(s) })
 const NOTHING: ReadonlyArray<Action> = []
+const EVENTS: ReadonlyArray<Action> = [{ _tag: "PublishEvents" }]
 
 /**
  * Takes every request that waits for a worker or a turn's end, answered `error`: the reserved
@@ -384,15 +467,10 @@ const releaseShutdown = (from: State, to: State, out: Array<Action>) => {
 }
 
 /** Starts a worker: the acquisition runs beside the entity and comes back as Acquired/AcquireFailed. */
-const startWorker = (
-  s: State,
-  state: "starting" | "recovering",
-  w: Waiting,
-  out: Array<Action>
-): State => {
+const startWorker = (s: Base & { readonly _tag: Phase }, state: "starting" | "recovering", w: Waiting, out: Array<Action>): State => {
   const epoch = s.epoch + 1
-  const next: State = { ...base(s), _tag: "Starting", worker: undefined, state, backoff: false, epoch, ...w }
-  if (workerStateOf(s) !== state) out.push(status(next))
+  const next = starting(baseWith(s, epoch), undefined, state, false, w)
+  if (workerStateOf(s as State) !== state) out.push(status(next))
   out.push({
     _tag: "StartWorker",
     epoch,
@@ -411,18 +489,18 @@ const startWorker = (
 const endCutTurn = (to: State, afterCut: Prompt | undefined, out: Array<Action>): State => {
   out.push(status(to))
   if (afterCut === undefined || to._tag !== "Starting") return to
-  const reserved: State = { ...to, reserved: afterCut, afterCut: undefined }
+  const reserved = starting(to, to.worker, to.state, to.backoff, waiting(afterCut, undefined, undefined, to.checkpoints, to.retries))
   out.push(status(reserved))
   return reserved
 }
 
 /** The running turn ended (its end event is out): the journal says idle, the idle status follows. */
-const endTurn = (s: Extract<State, { _tag: "Running" }>, how: TurnEnd, env: Env, out: Array<Action>): State => {
+const endTurn = (s: Running, how: TurnEnd, env: Env, out: Array<Action>): State => {
   out.push({ _tag: "Journal", busy: false, op: "turn_end", required: false })
-  const idle: State = { ...base(s), _tag: "Idle", worker: s.worker }
+  const idle = idleOn(s, s.worker)
   out.push(status(idle))
   for (const a of s.aborts) out.push(ok(a, how === "aborted" ? "aborted" : "not_aborted"))
-  // Checkpoints asked during the turn, or due: taken now (the drain after the input).
+  // Checkpoints asked during the turn, or due: taken now, between turns.
   if (s.checkpoints.length > 0 || env.generationFull) out.push({ _tag: "RunCheckpoint", waiters: s.checkpoints })
   return idle
 }
@@ -430,28 +508,23 @@ const endTurn = (s: Extract<State, { _tag: "Running" }>, how: TurnEnd, env: Env,
 /** A worker exited without being asked (or could not be spawned): restored on the schedule, or failed. */
 const crash = (s: State, policy: RestartPolicy, env: Env, out: Array<Action>): State => {
   const recent = [...s.crashes.filter((t) => env.now - t < policy.restartWindowMs), env.now]
-  const counted = { ...s, restarts: s.restarts + 1, crashes: recent } as State
-  if (recent.length > policy.maxRestarts) return failSession(counted, waitingOf(s), out)
+  const counted: Base = { epoch: s.epoch, turns: s.turns, restarts: s.restarts + 1, crashes: recent, stopping: s.stopping }
+  if (recent.length > policy.maxRestarts) return failSession(s, counted, waitingOf(s), out)
   let w = waitingOf(s)
   if (s._tag === "Running") {
-    w = { ...w, cut: { _tag: "InterruptOwed", reason: "worker_crashed" } }
+    w = waiting(w.reserved, { _tag: "InterruptOwed", reason: "worker_crashed" }, w.afterCut, w.checkpoints, w.retries)
     if (s.rewrite) out.push({ _tag: "AbandonRewrite" })
     for (const a of s.aborts) out.push(ok(a, "not_aborted"))
   }
   const epoch = s.epoch + 1
   const delayMs = recent.length <= 1 ? 0 : policy.backoffBaseMs * 2 ** (recent.length - 2)
-  let next: State = {
-    ...base(counted),
-    _tag: "Starting",
-    worker: undefined,
-    state: "recovering",
-    backoff: delayMs > 0,
-    epoch,
-    ...w
-  }
+  let next = starting(baseWith(counted, epoch), undefined, "recovering", delayMs > 0, w)
   // A replacement that crashed after reporting the cut turn: this status ends that turn.
-  if (w.cut?._tag === "StatusOwed") next = endCutTurn({ ...next, cut: undefined, afterCut: undefined }, w.afterCut, out)
-  else out.push(status(next))
+  if (w.cut?._tag === "StatusOwed") {
+    next = endCutTurn(starting(next, undefined, "recovering", delayMs > 0, waiting(w.reserved, undefined, undefined, w.checkpoints, w.retries)), w.afterCut, out)
+  } else {
+    out.push(status(next))
+  }
   releaseShutdown(s, next, out)
   if (delayMs === 0) return startWorker(next, "recovering", waitingOf(next), out)
   out.push({ _tag: "ScheduleRestart", epoch, delayMs })
@@ -462,11 +535,11 @@ const crash = (s: State, policy: RestartPolicy, env: Env, out: Array<Action>): S
  * The session cannot run: every request waiting on a worker is answered, a cut turn not reported
  * yet is reported, the session is `failed` until `retry_worker`.
  */
-const failSession = (s: State, w: Waiting, out: Array<Action>): State => {
+const failSession = (s: State, b: Base, w: Waiting, out: Array<Action>): State => {
   const worker = workerOf(s)
   const cut = s._tag === "Running" ? "worker_crashed" as const : w.cut?._tag === "InterruptOwed" ? w.cut.reason : undefined
   if (s._tag === "Running" && s.rewrite) out.push({ _tag: "AbandonRewrite" })
-  const next: State = { ...base(s), _tag: "Failed", epoch: s.epoch + 1 }
+  const next = without("Failed", baseWith(b, s.epoch + 1))
   answerWaiting(w, "SessionFailed", out)
   if (s._tag === "Running") for (const a of s.aborts) out.push(ok(a, "not_aborted"))
   if (worker !== undefined) out.push({ _tag: "StopWorker", worker })
@@ -489,15 +562,7 @@ const stall = (s: State, out: Array<Action>): State => {
     if (s.rewrite) out.push({ _tag: "AbandonRewrite" })
   }
   const epoch = s.epoch + 1
-  const next: State = {
-    ...base(s),
-    _tag: "Stalled",
-    epoch,
-    shown: { busy: busyOf(s), worker: workerStateOf(s) },
-    cut,
-    checkpoints: w.checkpoints,
-    retries: w.retries
-  }
+  const next = stalled(baseWith(s, epoch), { busy: busyOf(s), worker: workerStateOf(s) }, cut, w.checkpoints, w.retries)
   // A prompt waiting to start cannot be made durable now: refused.
   if (w.afterCut !== undefined) out.push(err(w.afterCut.req, "StorageUnavailable"))
   if (w.reserved !== undefined) out.push(err(w.reserved.req, "StorageUnavailable"))
@@ -509,9 +574,9 @@ const stall = (s: State, out: Array<Action>): State => {
 }
 
 /** The daemon stops with a turn running that the worker did not cut: cut here, the worker stopped. */
-const cutForShutdown = (s: Extract<State, { _tag: "Running" }>, out: Array<Action>): State => {
+const cutForShutdown = (s: Running, out: Array<Action>): State => {
   if (s.rewrite) out.push({ _tag: "AbandonRewrite" })
-  const next: State = { ...base(s), _tag: "Passivated", epoch: s.epoch + 1 }
+  const next = without("Passivated", baseWith(s, s.epoch + 1))
   out.push({ _tag: "PublishInterrupt", reason: "daemon_shutdown" })
   out.push({ _tag: "Journal", busy: false, op: "turn_end", required: false })
   out.push(status(next))
@@ -526,15 +591,15 @@ const passivate = (s: Extract<State, { _tag: "Idle" }>, out: Array<Action>): Sta
   out.push({ _tag: "SlotLeaving", worker: s.worker })
   out.push({ _tag: "CheckpointIfGrown" })
   out.push({ _tag: "StopWorker", worker: s.worker })
-  const next: State = { ...base(s), _tag: "Passivated", epoch: s.epoch + 1 }
+  const next = without("Passivated", baseWith(s, s.epoch + 1))
   out.push(status(next))
   return next
 }
 
 /**
- * Between turns, work waiting runs: a reserved prompt starts its turn, and a session that
- * another one waits a slot for gives its worker up. (Checkpoints run where they are asked:
- * an Idle or Passivated state holds none.)
+ * Between turns, work waiting runs: a session that another one waits a slot for gives its
+ * worker up. (A reserved prompt starts its turn and a checkpoint runs where they are taken:
+ * an Idle or Passivated state holds neither.)
  */
 const drain = (s: State, env: Env, out: Array<Action>): State => {
   if (s.stopping || s._tag !== "Idle") return s
@@ -546,14 +611,14 @@ const drain = (s: State, env: Env, out: Array<Action>): State => {
 const startTurn = (s: Extract<State, { _tag: "Idle" }>, prompt: Prompt, out: Array<Action>): State => {
   const turn = s.turns + 1
   out.push({ _tag: "StartTurn", worker: s.worker, turn, prompt })
-  return { ...base(s), turns: turn, _tag: "Running", worker: s.worker, turn, aborts: [], checkpoints: [], rewrite: false, shutdown: [] }
+  return running(baseWith(s, s.epoch, turn), s.worker, turn, NONE, NONE, false, NONE)
 }
 
 /** `kill`: closed for everyone, the worker stops, what waits is answered, the files are archived. */
 const kill = (s: State, req: ReqId, out: Array<Action>): State => {
   const worker = workerOf(s)
   out.push({ _tag: "PublishClosed" })
-  const next: State = { ...base(s), _tag: "Closed", epoch: s.epoch + 1 }
+  const next = without("Closed", baseWith(s, s.epoch + 1))
   if (worker !== undefined) out.push({ _tag: "StopWorker", worker })
   out.push({ _tag: "CloseScope" })
   if (s._tag === "Running") {
@@ -568,10 +633,11 @@ const kill = (s: State, req: ReqId, out: Array<Action>): State => {
 
 /**
  * One input, taken by the session's entity: the next state and what to do, in order.
- * Pure: the same state, input and env always give the same transition.
+ * Pure: the same state, input, env and policy always give the same transition.
  */
 export const step = (s: State, input: Input, env: Env, policy: RestartPolicy): Transition => {
-  // The hot path: events of the current worker pass through, nothing else changes.
+  // The hot path: events of the current worker pass through, nothing else changes, nothing is
+  // allocated.
   if (input._tag === "Events" && !(s._tag === "Idle" && env.slotsWanted)) {
     return { state: s, actions: workerOf(s) === input.worker ? EVENTS : NOTHING }
   }
@@ -579,8 +645,6 @@ export const step = (s: State, input: Input, env: Env, policy: RestartPolicy): T
   const next = drain(take(s, input, env, policy, out), env, out)
   return { state: next, actions: out }
 }
-
-const EVENTS: ReadonlyArray<Action> = [{ _tag: "PublishEvents" }]
 
 const take = (s: State, input: Input, env: Env, policy: RestartPolicy, out: Array<Action>): State => {
   if (s._tag === "Closed") return takeClosed(input, out) ?? s
@@ -595,19 +659,19 @@ const take = (s: State, input: Input, env: Env, policy: RestartPolicy, out: Arra
       }
       if (s._tag === "Starting") {
         // The worker recovers from a crash that cut a turn: the prompt waits for that turn's end.
-        if (s.cut !== undefined) return { ...s, afterCut: prompt }
-        const reserved: State = { ...s, reserved: prompt }
+        if (s.cut !== undefined) return starting(s, s.worker, s.state, s.backoff, waiting(undefined, s.cut, prompt, s.checkpoints, s.retries))
+        const reserved = starting(s, s.worker, s.state, s.backoff, waiting(prompt, undefined, undefined, s.checkpoints, s.retries))
         out.push(status(reserved))
         return reserved
       }
-      if (s._tag === "Passivated") return startWorker(s, "starting", { ...noWaiting, reserved: prompt }, out)
+      if (s._tag === "Passivated") return startWorker(s, "starting", waiting(prompt, undefined, undefined, NONE, NONE), out)
       return startTurn(s, prompt, out)
     }
     case "Abort": {
       // Only a running turn can be aborted; a prompt that has not started yet is not a turn.
       if (s._tag !== "Running") return out.push(ok(input.req, "not_aborted")), s
       out.push({ _tag: "SendAbort", worker: s.worker, turn: s.turn, reason: "aborted" })
-      return { ...s, aborts: [...s.aborts, input.req] }
+      return running(s, s.worker, s.turn, [...s.aborts, input.req], s.checkpoints, s.rewrite, s.shutdown)
     }
     case "Checkpoint": {
       if (s._tag === "Failed") return out.push(err(input.req, "SessionFailed", "failed")), s
@@ -616,12 +680,17 @@ const take = (s: State, input: Input, env: Env, policy: RestartPolicy, out: Arra
         if (s.stopping) return out.push(err(input.req, "ShuttingDown")), s
         return out.push({ _tag: "RunCheckpoint", waiters: [input.req] }), s
       }
-      return { ...s, checkpoints: [...s.checkpoints, input.req] }
+      const checkpoints = [...s.checkpoints, input.req]
+      if (s._tag === "Running") return running(s, s.worker, s.turn, s.aborts, checkpoints, s.rewrite, s.shutdown)
+      if (s._tag === "Stalled") return stalled(s, s.shown, s.cut, checkpoints, s.retries)
+      return starting(s, s.worker, s.state, s.backoff, waiting(s.reserved, s.cut, s.afterCut, checkpoints, s.retries))
     }
     case "Retry": {
       if (s._tag !== "Failed") return out.push(ok(input.req, "summary")), s
       if (s.stopping) return out.push(err(input.req, "ShuttingDown")), s
-      return startWorker({ ...s, crashes: [] }, "recovering", { ...noWaiting, retries: [input.req] }, out)
+      // A retry starts the restart schedule afresh.
+      const fresh: Base & { readonly _tag: Phase } = { _tag: "Failed", epoch: s.epoch, turns: s.turns, restarts: s.restarts, crashes: NO_CRASHES, stopping: s.stopping }
+      return startWorker(fresh, "recovering", waiting(undefined, undefined, undefined, NONE, [input.req]), out)
     }
     case "Kill":
       return kill(s, input.req, out)
@@ -631,23 +700,31 @@ const take = (s: State, input: Input, env: Env, policy: RestartPolicy, out: Arra
       return shuttingDown(s, input, out)
     case "Restore": {
       if (s._tag !== "Passivated") return s
-      return startWorker(s, "recovering", { ...noWaiting, cut: { _tag: "InterruptOwed", reason: "daemon_restarted" } }, out)
+      return startWorker(s, "recovering", waiting(undefined, { _tag: "InterruptOwed", reason: "daemon_restarted" }, undefined, NONE, NONE), out)
     }
     case "Acquired": {
       if (s._tag !== "Starting" || s.epoch !== input.epoch || s.worker !== undefined || s.backoff) {
         return out.push({ _tag: "StopWorker", worker: input.worker }), s
       }
       out.push({ _tag: "Pump", worker: input.worker })
-      return { ...s, worker: input.worker }
+      return starting(s, input.worker, s.state, false, s)
     }
     case "AcquireFailed": {
       // A spawn refused because the daemon stops is no crash; one that fails otherwise is.
       if (s._tag !== "Starting" || s.epoch !== input.epoch || s.worker !== undefined || s.stopping) return s
       return crash(s, policy, env, out)
     }
+    case "TurnRefused": {
+      if (s._tag !== "Running" || s.turn !== input.turn) return s
+      // Nothing of the turn remains; the stream, which may have shown the prompt waiting, says so.
+      const idle = idleOn(s, s.worker)
+      out.push({ _tag: "Journal", busy: false, op: "prompt_refused", required: false })
+      out.push(status(idle))
+      return idle
+    }
     case "RestartDue": {
       if (s._tag !== "Starting" || s.epoch !== input.epoch || !s.backoff || s.stopping) return s
-      return startWorker(s, "recovering", waitingOf(s), out)
+      return startWorker(s, "recovering", s, out)
     }
     case "StorageRetry": {
       if (s._tag !== "Stalled" || s.epoch !== input.epoch || s.stopping) return s
@@ -656,21 +733,13 @@ const take = (s: State, input: Input, env: Env, policy: RestartPolicy, out: Arra
       // saying busy would have it report the turn cut once more), then its status.
       if (s.cut?._tag === "InterruptOwed") out.push({ _tag: "PublishInterrupt", reason: s.cut.reason })
       out.push({ _tag: "Journal", busy: false, op: "turn_end", required: true })
-      const recovering: State = {
-        ...base(s),
-        _tag: "Starting",
-        worker: undefined,
-        state: "recovering",
-        backoff: false,
-        ...noWaiting,
-        checkpoints: s.checkpoints,
-        retries: s.retries
-      }
+      const w = waiting(undefined, undefined, undefined, s.checkpoints, s.retries)
+      const recovering = starting(s, undefined, "recovering", false, w)
       out.push(status(recovering))
-      return startWorker(recovering, "recovering", waitingOf(recovering), out)
+      return startWorker(recovering, "recovering", w, out)
     }
     case "Events":
-      if (workerOf(s) === input.worker) out.push({ _tag: "PublishEvents" })
+      if (workerOf(s) === input.worker) out.push(EVENTS[0]!)
       return s
     case "TurnEnded": {
       if (workerOf(s) !== input.worker) return s
@@ -685,11 +754,11 @@ const take = (s: State, input: Input, env: Env, policy: RestartPolicy, out: Arra
       if (s._tag === "Starting" && s.cut?._tag === "InterruptOwed") {
         out.push({ _tag: "PublishEvents", end: input.how })
         out.push({ _tag: "Journal", busy: false, op: "turn_end", required: false })
-        return { ...s, cut: { _tag: "StatusOwed" } }
+        return starting(s, s.worker, s.state, s.backoff, waiting(s.reserved, STATUS_OWED, s.afterCut, s.checkpoints, s.retries))
       }
       // An agent_end outside a turn passes as an event; a cut turn reported that no turn is
       // owed (its end is logged already) is not published: a second end would be a lie.
-      if (input.how === "agent_end") out.push({ _tag: "PublishEvents" })
+      if (input.how === "agent_end") out.push(EVENTS[0]!)
       return s
     }
     case "Ready": {
@@ -699,8 +768,7 @@ const take = (s: State, input: Input, env: Env, policy: RestartPolicy, out: Arra
         out.push({ _tag: "PublishInterrupt", reason: s.cut.reason })
         out.push({ _tag: "Journal", busy: false, op: "turn_end", required: false })
       }
-      const idle: State = { ...base(s), _tag: "Idle", worker: s.worker }
-      const next: State = idle
+      const idle = idleOn(s, s.worker)
       // The `ready` status (busy with a reserved prompt, whose turn starts next); with a cut
       // turn it is the status that ends that turn (busy false), and a prompt that waited runs next.
       if (s.cut === undefined) out.push({ _tag: "PublishStatus", busy: s.reserved !== undefined, worker: "ready" })
@@ -713,10 +781,10 @@ const take = (s: State, input: Input, env: Env, policy: RestartPolicy, out: Arra
         else out.push({ _tag: "RunCheckpoint", waiters: s.checkpoints })
       }
       if (prompt !== undefined) {
-        if (s.stopping) return out.push(err(prompt.req, "ShuttingDown")), next
-        return startTurn(idle, prompt, out)
+        if (s.stopping) return out.push(err(prompt.req, "ShuttingDown")), idle
+        return startTurn(idle as Extract<State, { _tag: "Idle" }>, prompt, out)
       }
-      return next
+      return idle
     }
     case "WorkerError": {
       // A worker that cannot load its session is as good as crashed.
@@ -728,11 +796,11 @@ const take = (s: State, input: Input, env: Env, policy: RestartPolicy, out: Arra
       if (input.part === "begin") {
         if (s.rewrite) return rewriteNotKept(s, out)
         out.push({ _tag: "RewriteFrame", part: "begin" })
-        return { ...s, rewrite: true }
+        return running(s, s.worker, s.turn, s.aborts, s.checkpoints, true, s.shutdown)
       }
       if (input.part === "end" && s.rewrite) {
         out.push({ _tag: "RewriteFrame", part: "end" })
-        return { ...s, rewrite: false }
+        return running(s, s.worker, s.turn, s.aborts, s.checkpoints, false, s.shutdown)
       }
       return rewriteNotKept(s, out)
     }
@@ -751,38 +819,52 @@ const take = (s: State, input: Input, env: Env, policy: RestartPolicy, out: Arra
   }
 }
 
+const STATUS_OWED: CutTurn = { _tag: "StatusOwed" }
+const NO_CRASHES: ReadonlyArray<number> = []
+
 /** A rewrite that cannot be kept: its entry goes, the worker is killed (its replacement restores the files). */
-const rewriteNotKept = (s: Extract<State, { _tag: "Running" }>, out: Array<Action>): State => {
+const rewriteNotKept = (s: Running, out: Array<Action>): State => {
   out.push({ _tag: "AbandonRewrite" })
   out.push({ _tag: "KillWorker", worker: s.worker })
-  return { ...s, rewrite: false }
+  return running(s, s.worker, s.turn, s.aborts, s.checkpoints, false, s.shutdown)
 }
 
 /** The daemon stops: what waits is answered `shutting_down`, a running turn is cut. */
 const shuttingDown = (s: State, input: Extract<Input, { _tag: "ShuttingDown" }>, out: Array<Action>): State => {
-  const stopping = { ...s, stopping: true } as State
-  if (stopping._tag === "Running") {
-    for (const a of stopping.aborts) out.push(err(a, "ShuttingDown"))
-    for (const r of stopping.checkpoints) out.push(err(r, "ShuttingDown"))
-    const running = { ...stopping, aborts: [], checkpoints: [], shutdown: [...stopping.shutdown, input.done] }
-    if (input.force) return cutForShutdown(running, out)
-    out.push({ _tag: "SendAbort", worker: running.worker, turn: running.turn, reason: "daemon_shutdown" })
-    return running
+  const b: Base = { epoch: s.epoch, turns: s.turns, restarts: s.restarts, crashes: s.crashes, stopping: true }
+  if (s._tag === "Running") {
+    for (const a of s.aborts) out.push(err(a, "ShuttingDown"))
+    for (const r of s.checkpoints) out.push(err(r, "ShuttingDown"))
+    const cut = running(b, s.worker, s.turn, NONE, NONE, s.rewrite, [...s.shutdown, input.done])
+    if (input.force) return cutForShutdown(cut, out)
+    out.push({ _tag: "SendAbort", worker: s.worker, turn: s.turn, reason: "daemon_shutdown" })
+    return cut
   }
-  const w = waitingOf(stopping)
+  const w = waitingOf(s)
   answerWaiting(w, "ShuttingDown", out)
-  let next: State = stopping
-  if (stopping._tag === "Starting") next = { ...stopping, reserved: undefined, afterCut: undefined, checkpoints: [], retries: [] }
-  if (stopping._tag === "Stalled") next = { ...stopping, checkpoints: [], retries: [] }
+  let next: State
+  switch (s._tag) {
+    case "Starting":
+      next = starting(b, s.worker, s.state, s.backoff, waiting(undefined, s.cut, undefined, NONE, NONE))
+      break
+    case "Stalled":
+      next = stalled(b, s.shown, s.cut, NONE, NONE)
+      break
+    case "Idle":
+      next = idleOn(b, s.worker)
+      break
+    default:
+      next = without(s._tag, b)
+  }
   // A turn cut by a crash still waiting for its end: said now, with its reason, and the status
   // that ends it; the worker being restored is stopped. The journal says idle.
   if (w.cut !== undefined) {
-    const worker = workerOf(stopping)
+    const worker = workerOf(s)
     if (w.cut._tag === "InterruptOwed") {
       out.push({ _tag: "PublishInterrupt", reason: w.cut.reason })
       out.push({ _tag: "Journal", busy: false, op: "turn_end", required: false })
     }
-    next = { ...base(stopping), _tag: "Passivated", epoch: stopping.epoch + 1 }
+    next = without("Passivated", baseWith(b, s.epoch + 1))
     out.push(status(next))
     if (worker !== undefined) out.push({ _tag: "StopWorker", worker })
   }
