@@ -34,7 +34,7 @@ describe("session lifecycle simulation", () => {
       if (result.violation !== undefined) {
         const shrunk = shrink(run1)
         expect.fail(
-          `seed ${seed} (AGENTD_SIM_SEED=${seed}): ${result.violation}\nshortest run found (${shrunk.events.length} events): ${shrunk.violation}\n${show(shrunk.events)}`
+          `seed ${seed} (AGENTD_SIM_SEED=${seed}), after ${steps} steps in all: ${result.violation}\nshortest run found (${shrunk.events.length} events): ${shrunk.violation}\n${show(shrunk.events)}`
         )
       }
     }
