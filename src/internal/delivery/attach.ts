@@ -27,8 +27,20 @@ import { wireLineOfRecord } from "./wireLines.js"
  */
 const ENVELOPE_BYTES = 1024
 
+/** The seam of delivery: a client's attachments to a session. */
+export interface Delivery {
+  /** Attaches a connection to a session: the replay decision, the response, then its delivery. */
+  readonly attach: (
+    connectionId: string,
+    outbox: ConnectionPort,
+    cmd: CommandOf<"attach">
+  ) => Effect.Effect<{ data: Protocol.DaemonAttachResult; deliver: Effect.Effect<void> }, CommandError>
+  /** Ends an attachment (synchronously: nothing more is delivered to it). */
+  readonly detachAttachment: (a: Attachment) => void
+}
+
 /** Attachments: attach (replay decision, baseline), catch-up from the log, resync, detach. */
-export const makeDelivery = (core: Core, checkpoints: Checkpoints) => {
+export const makeDelivery = (core: Core, checkpoints: Checkpoints): Delivery => {
   const { cache, config, connections, log, get, filterEnv, publishedState } = core
   const { currentSnapshotEntry, snapshotLines } = checkpoints
 
@@ -389,5 +401,3 @@ export const makeDelivery = (core: Core, checkpoints: Checkpoints) => {
 
   return { attach, detachAttachment }
 }
-
-export type Delivery = ReturnType<typeof makeDelivery>

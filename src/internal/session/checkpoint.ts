@@ -23,8 +23,24 @@ import type { LoggedBody } from "../delivery/wireLines.js"
 import type { AnyFrame } from "./phase.js"
 import { type Core, CommandError, internal, READ_GATE_PERMITS, type Session, snapshotIdOf, storageAsCommandError } from "./session.js"
 
+/** The seam of generations: checkpoints and rewrites move a session to its next one. */
+export interface Checkpoints {
+  /** Takes a checkpoint between turns and answers every checkpoint waiting with its outcome. */
+  readonly runCheckpoint: (s: Session) => Effect.Effect<void>
+  /** A frame of the history rewrite the worker streams during a turn. */
+  readonly rewriteFrame: (s: Session, worker: WorkerHandle, frame: AnyFrame) => Effect.Effect<void>
+  /** A rewrite being streamed that will not be completed: its entry is gone. */
+  readonly abandonRewrite: (s: Session, why: string) => Effect.Effect<void>
+  /** The messages of the current generation's snapshot, as the transcript file holds them. */
+  readonly snapshotLines: (s: Session) => Stream.Stream<string, CommandError>
+  /** Every message of the transcript: the snapshot, then the messages ended since. */
+  readonly transcript: (s: Session) => Stream.Stream<AgentMessage, CommandError>
+  /** The current generation's snapshot entry in the cache (made when first needed). */
+  readonly currentSnapshotEntry: (s: Session) => Effect.Effect<string, CommandError>
+}
+
 /** Checkpoints: the transcript of the next generation, the log's new generation, pruning. */
-export const makeCheckpoints = (core: Core) => {
+export const makeCheckpoints = (core: Core): Checkpoints => {
   const { cache, config, log, store, record, recordBestEffort, fork } = core
 
   /**
@@ -311,5 +327,3 @@ export const makeCheckpoints = (core: Core) => {
 
   return { runCheckpoint, rewriteFrame, abandonRewrite, snapshotLines, transcript, currentSnapshotEntry }
 }
-
-export type Checkpoints = ReturnType<typeof makeCheckpoints>

@@ -180,8 +180,53 @@ export interface CoreDeps {
   readonly sessionScope: Effect.Effect<{ readonly scope: Scope.CloseableScope; readonly fibers: FiberSet.FiberSet }>
 }
 
+/**
+ * The seam between the session core and its clients' stream: every sequenced message of a
+ * session is appended to the event log, then handed to its live attachments.
+ */
+export interface Publisher {
+  /** The session's summary now (what the stream shows, while a storage stall freezes it). */
+  readonly summary: (s: Session) => SessionSummary
+  /** Appends messages to the log (one group commit) and hands them to live attachments. */
+  readonly publishAll: (s: Session, messages: ReadonlyArray<Outgoing>) => Effect.Effect<void, StorageFailed>
+  readonly publish: (s: Session, body: LoggedBody) => Effect.Effect<void, StorageFailed>
+  /**
+   * Publishes the session's status; `change` (a change of phase) is made under the publish lock
+   * first, and undone should the status not be logged.
+   */
+  readonly publishStatus: (s: Session, change?: () => void) => Effect.Effect<void, StorageFailed>
+  /** The session's summary and last cursor at one moment, consistent with what is logged. */
+  readonly publishedState: (s: Session) => Effect.Effect<{ state: SessionSummary; lastCursor: Cursor.Cursor | undefined }>
+}
+
+/** The seam between the session core and the recovery journal. */
+export interface JournalWriter {
+  /** Whether the journal takes writes (`status` shows it). */
+  readonly storage: { ok: boolean; error: string | undefined }
+  /** A record a step depends on: its failure is the step's. */
+  readonly record: (s: Session, busy: boolean, operation: string) => Effect.Effect<boolean, StorageFailed>
+  /** A record nothing waits on: a failure is logged and shown in `status`. */
+  readonly recordBestEffort: (s: Session, busy: boolean, operation: string) => Effect.Effect<void>
+}
+
+/** What every part of the core works with: its dependencies, the registry, publishing, the journal. */
+export interface Core extends CoreDeps, Publisher, JournalWriter {
+  /** Forks work that must finish even if its session is killed (stopping a worker). */
+  readonly fork: <A, E>(effect: Effect.Effect<A, E>) => Effect.Effect<void>
+  /** Forks work of one session, in its scope. */
+  readonly forkIn: <A, E>(s: Session, effect: Effect.Effect<A, E>) => Effect.Effect<void>
+  /** A live session, or `session_not_found`. */
+  readonly get: (id: string) => Effect.Effect<Session, CommandError>
+  /** The environment a new worker of the session gets. */
+  readonly workerEnv: (s: Session) => Record<string, string> | undefined
+  /** Posts an input that needs no answer (from the session's own fibers). */
+  readonly post: (s: Session, input: Input) => Effect.Effect<void>
+  /** Only the variables of a client's `env` that the configuration lets through. */
+  readonly filterEnv: (env: Record<string, string> | undefined) => Record<string, string> | undefined
+}
+
 /** The dependencies and the helpers every part of the core shares: lookup, publishing, journal. */
-export const makeCore = (deps: CoreDeps) => {
+export const makeCore = (deps: CoreDeps): Core => {
   const { config, journal, log, sessions } = deps
 
   /**
@@ -334,5 +379,3 @@ export const makeCore = (deps: CoreDeps) => {
     filterEnv
   }
 }
-
-export type Core = ReturnType<typeof makeCore>
