@@ -15,7 +15,8 @@ import type { EventRecord } from "../../EventLog.js"
 import * as Protocol from "../../Protocol.js"
 import type { AgentMessage, CommandOf } from "../../Protocol.js"
 import type { ConnectionPort } from "../../SessionManager.js"
-import { type Core, CommandError, internal, type Session, snapshotIdOf } from "../session/session.js"
+import { type CoreError, internal, TelemetryPolicyViolation } from "../session/errors.js"
+import { type Core, type Session, snapshotIdOf } from "../session/session.js"
 import type { Checkpoints } from "../session/checkpoint.js"
 import { Attachment } from "./attachment.js"
 import { type Decision, decideReplay, needsLastSequence } from "./replay.js"
@@ -34,7 +35,7 @@ export interface Delivery {
     connectionId: string,
     outbox: ConnectionPort,
     cmd: CommandOf<"attach">
-  ) => Effect.Effect<{ data: Protocol.DaemonAttachResult; deliver: Effect.Effect<void> }, CommandError>
+  ) => Effect.Effect<{ data: Protocol.DaemonAttachResult; deliver: Effect.Effect<void> }, CoreError>
   /** Ends an attachment (synchronously: nothing more is delivered to it). */
   readonly detachAttachment: (a: Attachment) => void
 }
@@ -52,7 +53,7 @@ export const makeDelivery = (core: Core, checkpoints: Checkpoints): Delivery => 
     )
 
   const decide = (s: Session, resume: Cursor.Cursor | undefined) =>
-    Effect.gen(function*(): Effect.fn.Return<Decision, CommandError> {
+    Effect.gen(function*(): Effect.fn.Return<Decision, CoreError> {
       const last = s.lastCursor
       const view = { resume, last, generation: s.generation, rewriteGeneration: s.rewriteGeneration }
       if (resume === undefined || last === undefined) {
@@ -174,8 +175,7 @@ export const makeDelivery = (core: Core, checkpoints: Checkpoints): Delivery => 
   const attach = (connectionId: string, outbox: ConnectionPort, cmd: CommandOf<"attach">) =>
     Effect.flatMap(get(cmd.activeSessionId), (s) => s.readGate.withPermits(1)(Effect.gen(function*() {
       if (cmd.telemetryDisabled === true && s.meta.telemetry) {
-        return yield* new CommandError({
-          code: "telemetry_policy_violation",
+        return yield* new TelemetryPolicyViolation({
           message: `Session \`${s.meta.activeSessionId}\` was created with telemetry on; it cannot be attached with telemetryDisabled.`
         })
       }

@@ -21,7 +21,8 @@ import type { WorkerHandle } from "../../WorkerPool.js"
 import type { SnapshotHeaderInput, SnapshotInfo } from "../../SessionStore.js"
 import type { LoggedBody } from "../delivery/wireLines.js"
 import type { AnyFrame } from "./phase.js"
-import { type Core, CommandError, internal, READ_GATE_PERMITS, type Session, snapshotIdOf, storageAsCommandError } from "./session.js"
+import { type CoreError, CoreInternal, internal } from "./errors.js"
+import { type Core, READ_GATE_PERMITS, type Session, snapshotIdOf, storageAsUnavailable } from "./session.js"
 
 /** The seam of generations: checkpoints and rewrites move a session to its next one. */
 export interface Checkpoints {
@@ -32,11 +33,11 @@ export interface Checkpoints {
   /** A rewrite being streamed that will not be completed: its entry is gone. */
   readonly abandonRewrite: (s: Session, why: string) => Effect.Effect<void>
   /** The messages of the current generation's snapshot, as the transcript file holds them. */
-  readonly snapshotLines: (s: Session) => Stream.Stream<string, CommandError>
+  readonly snapshotLines: (s: Session) => Stream.Stream<string, CoreError>
   /** Every message of the transcript: the snapshot, then the messages ended since. */
-  readonly transcript: (s: Session) => Stream.Stream<AgentMessage, CommandError>
+  readonly transcript: (s: Session) => Stream.Stream<AgentMessage, CoreError>
   /** The current generation's snapshot entry in the cache (made when first needed). */
-  readonly currentSnapshotEntry: (s: Session) => Effect.Effect<string, CommandError>
+  readonly currentSnapshotEntry: (s: Session) => Effect.Effect<string, CoreError>
 }
 
 /** Checkpoints: the transcript of the next generation, the log's new generation, pruning. */
@@ -92,7 +93,7 @@ export const makeCheckpoints = (core: Core): Checkpoints => {
       const snapshotCursor = s.lastCursor
       const { messageCount, rewrittenAt } = next
       // No journal, no checkpoint: it is refused before anything moves.
-      yield* storageAsCommandError(record(s, next.busy, "snapshot_begin"))
+      yield* storageAsUnavailable(record(s, next.busy, "snapshot_begin"))
       const written = yield* next.write({
         snapshotId,
         generation,
@@ -149,10 +150,10 @@ export const makeCheckpoints = (core: Core): Checkpoints => {
     Effect.gen(function*() {
       const id = s.meta.activeSessionId
       const rewrite = s.rewrite
-      const outcome = yield* Effect.either(Effect.gen(function*(): Effect.fn.Return<void, CommandError> {
+      const outcome = yield* Effect.either(Effect.gen(function*(): Effect.fn.Return<void, CoreError> {
         if (frame.type === "session_snapshot_begin") {
           if (rewrite !== undefined || frame["purpose"] !== "replacement") {
-            return yield* new CommandError({ code: "internal", message: `unexpected ${frame.type} (purpose ${String(frame["purpose"])})` })
+            return yield* new CoreInternal({ message: `unexpected ${frame.type} (purpose ${String(frame["purpose"])})` })
           }
           const generation = s.generation + 1
           const snapshotId = snapshotIdOf(s, generation)
@@ -168,7 +169,7 @@ export const makeCheckpoints = (core: Core): Checkpoints => {
           return
         }
         if (rewrite === undefined || frame["snapshotId"] !== rewrite.workerSnapshotId) {
-          return yield* new CommandError({ code: "internal", message: `unexpected ${frame.type}` })
+          return yield* new CoreInternal({ message: `unexpected ${frame.type}` })
         }
         switch (frame.type) {
           case "session_snapshot_chunk":
@@ -187,7 +188,7 @@ export const makeCheckpoints = (core: Core): Checkpoints => {
             s.rewrite = undefined
             return yield* completeRewrite(s, rewrite)
           default:
-            return yield* new CommandError({ code: "internal", message: `the worker could not stream its rewrite: ${JSON.stringify(frame["error"])}` })
+            return yield* new CoreInternal({ message: `the worker could not stream its rewrite: ${JSON.stringify(frame["error"])}` })
         }
       }))
       if (Either.isRight(outcome)) return
@@ -220,7 +221,7 @@ export const makeCheckpoints = (core: Core): Checkpoints => {
     })
 
   /** The messages the current generation added: its `message_end` events, from the log. */
-  const generationMessages = (s: Session): Stream.Stream<AgentMessage, CommandError> =>
+  const generationMessages = (s: Session): Stream.Stream<AgentMessage, CoreError> =>
     log.readGeneration(s.meta.activeSessionId, s.generation).pipe(
       Stream.filterMap((r) => {
         const body = r.event as unknown as LoggedBody
@@ -238,13 +239,13 @@ export const makeCheckpoints = (core: Core): Checkpoints => {
     )
 
   /** The messages of the current generation's snapshot, read from its transcript file. */
-  const snapshotLines = (s: Session): Stream.Stream<string, CommandError> =>
+  const snapshotLines = (s: Session): Stream.Stream<string, CoreError> =>
     s.generation === 1
       ? Stream.empty
       : store.readSnapshotLines(s.meta.activeSessionId, s.generation).pipe(Stream.mapError(internal("transcript")))
 
   /** Every message of the transcript: the snapshot, then the messages ended since. */
-  const transcript = (s: Session): Stream.Stream<AgentMessage, CommandError> =>
+  const transcript = (s: Session): Stream.Stream<AgentMessage, CoreError> =>
     Stream.concat(Stream.map(snapshotLines(s), (line) => JSON.parse(line) as AgentMessage), generationMessages(s))
 
   /**

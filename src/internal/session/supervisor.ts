@@ -20,7 +20,8 @@ import { journalSaysBusy, sendRestore } from "./restore.js"
 import type { Checkpoints } from "./checkpoint.js"
 import type { AnyFrame, PendingPrompt, Phase, TurnEnd } from "./phase.js"
 import { workerOf } from "./phase.js"
-import { type CommandError, type Core, failed, PUBLISH_BATCH_BYTES, type Session, type StorageFailed, storageUnavailable } from "./session.js"
+import { type CoreError, failed } from "./errors.js"
+import { type Core, PUBLISH_BATCH_BYTES, type Session, type StorageFailed, storageUnavailable } from "./session.js"
 
 /**
  * How often a session whose turn storage cut tries again to log that turn's end (a full disk
@@ -43,7 +44,7 @@ export interface Supervisor {
   /** The session cannot run: `failed` until `retry_worker`. */
   readonly failSession: (s: Session, why: string) => Effect.Effect<void>
   /** Takes every request that waits for a worker; the effect answers them with `error`. */
-  readonly answerWaiting: (s: Session, error: CommandError) => Effect.Effect<void>
+  readonly answerWaiting: (s: Session, error: CoreError) => Effect.Effect<void>
   /** The daemon stops and the worker did not cut its turn: cut here. */
   readonly cutForShutdown: (s: Session, phase: Extract<Phase, { _tag: "Running" }>) => Effect.Effect<void, StorageFailed>
   /** The daemon stops while a cut turn waits for its end: said now. */
@@ -471,7 +472,7 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints): Supervisor
    * Takes, synchronously, every request that waits for a worker (the session is no longer busy
    * with a reserved prompt from here); the effect returned answers them with `error`.
    */
-  const answerWaiting = (s: Session, error: CommandError): Effect.Effect<void> => {
+  const answerWaiting = (s: Session, error: CoreError): Effect.Effect<void> => {
     const prompts = [s.pendingPrompt, s.promptAfterCut].filter((p) => p !== undefined)
     s.pendingPrompt = undefined
     s.promptAfterCut = undefined
