@@ -42,7 +42,7 @@ export interface Delivery {
 
 /** Attachments: attach (replay decision, baseline), catch-up from the log, resync, detach. */
 export const makeDelivery = (core: Core, checkpoints: Checkpoints): Delivery => {
-  const { cache, config, connections, log, get, filterEnv, publishedState } = core
+  const { cache, config, connections, log, get, filterEnv, post, publishedState } = core
   const { currentSnapshotEntry, snapshotLines } = checkpoints
 
   /** The last sequence of a generation, read from the log (only for cursor_unknown checks). */
@@ -179,8 +179,15 @@ export const makeDelivery = (core: Core, checkpoints: Checkpoints): Delivery => 
           message: `Session \`${s.meta.activeSessionId}\` was created with telemetry on; it cannot be attached with telemetryDisabled.`
         })
       }
-      if (cmd.launchEnv !== undefined) s.launchEnv = { ...cmd.launchEnv }
-      if (cmd.env !== undefined) s.clientEnv = filterEnv(cmd.env)
+      // The environment of the session's next worker: the entity's to change (posted now, so
+      // that it comes before any command this client sends after the attach).
+      if (cmd.launchEnv !== undefined || cmd.env !== undefined) {
+        yield* post(s, {
+          _tag: "SetEnv",
+          ...(cmd.launchEnv === undefined ? {} : { launchEnv: { ...cmd.launchEnv } }),
+          ...(cmd.env === undefined ? {} : { clientEnv: filterEnv(cmd.env) ?? {} })
+        })
+      }
       const capabilities = cmd.capabilities ?? Protocol.DEFAULT_CLIENT_CAPABILITIES
       const chunked = capabilities.includes("chunked_snapshot")
       const slim = capabilities.includes("slim_attach")

@@ -158,6 +158,11 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
       }
       case "Kill":
         return killSession(s, input.reply)
+      case "SetEnv":
+        return Effect.sync(() => {
+          if (input.launchEnv !== undefined) s.launchEnv = input.launchEnv
+          if (input.clientEnv !== undefined) s.clientEnv = input.clientEnv
+        })
       case "ShuttingDown": {
         // What would wait for a turn's end or a worker is answered now: the daemon will not wait.
         const error = shuttingDown()

@@ -71,6 +71,8 @@ export type Input =
   | { readonly _tag: "Retry" } & CommandInput<SessionSummary>
   | { readonly _tag: "Kill" } & CommandInput<{}>
   | { readonly _tag: "Passivate" }
+  /** An attach set the environment of the session's next worker. */
+  | { readonly _tag: "SetEnv"; readonly launchEnv?: Record<string, string>; readonly clientEnv?: Record<string, string> }
   /**
    * The daemon stops gracefully: every command waiting in the session is answered
    * `shutting_down`, and a running turn is cut (`turn_interrupted {daemon_shutdown}`), by its
