@@ -181,7 +181,6 @@ export const make = Effect.gen(function*() {
         lastUsed: Date.now(),
         launchEnv: undefined,
         clientEnv: undefined,
-        snapshotId: undefined,
         closed: false,
         phase,
         epoch: 0,

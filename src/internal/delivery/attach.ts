@@ -93,7 +93,7 @@ export const makeDelivery = (core: Core, checkpoints: Checkpoints): Delivery => 
         a.outbox.offer(Protocol.encode({
           type: "session_snapshot_failed",
           activeSessionId: s.meta.activeSessionId,
-          snapshotId: s.snapshotId ?? snapshotIdOf(s, s.generation),
+          snapshotId: checkpoints.snapshotEntryOf(s) ?? snapshotIdOf(s, s.generation),
           error: { code: "internal", message: chosen.left.message }
         }))
         return false

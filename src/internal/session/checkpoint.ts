@@ -38,11 +38,25 @@ export interface Checkpoints {
   readonly transcript: (s: Session) => Stream.Stream<AgentMessage, CoreError>
   /** The current generation's snapshot entry in the cache (made when first needed). */
   readonly currentSnapshotEntry: (s: Session) => Effect.Effect<string, CoreError>
+  /** The current generation's snapshot entry, if one was made. */
+  readonly snapshotEntryOf: (s: Session) => string | undefined
+  /** The session is gone: its snapshot entry goes too. */
+  readonly disposeSnapshotEntry: (s: Session) => Effect.Effect<void>
 }
 
 /** Checkpoints: the transcript of the next generation, the log's new generation, pruning. */
 export const makeCheckpoints = (core: Core): Checkpoints => {
   const { cache, config, log, store, record, recordBestEffort, fork } = core
+
+  /**
+   * Each session's current snapshot entry in the cache, if made: owned here (the entity moves
+   * it to a new generation; readers, attaches and resyncs, make it when they first need it).
+   */
+  const entries = new WeakMap<Session, string>()
+  const setEntry = (s: Session, snapshotId: string | undefined) => {
+    if (snapshotId === undefined) entries.delete(s)
+    else entries.set(s, snapshotId)
+  }
 
   /**
    * Takes a checkpoint in one step of the entity, between turns: the messages the current
@@ -119,7 +133,7 @@ export const makeCheckpoints = (core: Core): Checkpoints => {
     next: { readonly generation: number; readonly snapshotCursor: Cursor | undefined; readonly messageCount: number; readonly snapshotId?: string }
   ) =>
     Effect.gen(function*() {
-      const previous = s.snapshotId
+      const previous = entries.get(s)
       s.generation = next.generation
       s.snapshotCursor = next.snapshotCursor
       s.baseMessageCount = next.messageCount
@@ -127,7 +141,7 @@ export const makeCheckpoints = (core: Core): Checkpoints => {
       s.generationEvents = 0
       s.generationBytes = 0
       // The snapshot's cache entry is made when a reader first needs it.
-      s.snapshotId = next.snapshotId
+      setEntry(s, next.snapshotId)
       if (previous !== undefined) yield* Effect.ignore(cache.dispose(previous))
     })
 
@@ -254,7 +268,7 @@ export const makeCheckpoints = (core: Core): Checkpoints => {
    */
   const currentSnapshotEntry = (s: Session) =>
     Effect.gen(function*() {
-      const existing = s.snapshotId
+      const existing = entries.get(s)
       if (existing !== undefined) {
         const ok = yield* Effect.either(cache.info(existing))
         if (Either.isRight(ok) && !ok.right.disposed && ok.right.status !== "failed") return existing
@@ -301,7 +315,7 @@ export const makeCheckpoints = (core: Core): Checkpoints => {
         yield* fillFromLines(s, snapshotId, end)
       }
       if (existing !== undefined) yield* Effect.ignore(cache.dispose(existing))
-      s.snapshotId = snapshotId
+      setEntry(s, snapshotId)
       return snapshotId
     })
 
@@ -326,5 +340,21 @@ export const makeCheckpoints = (core: Core): Checkpoints => {
       }
     })
 
-  return { runCheckpoint, rewriteFrame, abandonRewrite, snapshotLines, transcript, currentSnapshotEntry }
+  const disposeSnapshotEntry = (s: Session) =>
+    Effect.suspend(() => {
+      const entry = entries.get(s)
+      entries.delete(s)
+      return entry === undefined ? Effect.void : Effect.ignore(cache.dispose(entry))
+    })
+
+  return {
+    runCheckpoint,
+    rewriteFrame,
+    abandonRewrite,
+    snapshotLines,
+    transcript,
+    currentSnapshotEntry,
+    snapshotEntryOf: (s) => entries.get(s),
+    disposeSnapshotEntry
+  }
 }

@@ -260,7 +260,7 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
         const dir = yield* store.archive(id).pipe(Effect.mapError(internal("session store")))
         yield* log.remove(id, { archiveTo: StateLayout.archivedEventsDir(dir) }).pipe(Effect.mapError(internal("event log")))
       }))
-      if (s.snapshotId !== undefined) yield* Effect.ignore(cache.dispose(s.snapshotId))
+      yield* checkpoints.disposeSnapshotEntry(s)
       sessions.delete(id)
       if (Either.isLeft(archived)) yield* Deferred.fail(reply, archived.left)
       else yield* Deferred.succeed(reply, {})

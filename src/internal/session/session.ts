@@ -96,8 +96,6 @@ export interface Session {
   lastUsed: number
   launchEnv: Record<string, string> | undefined
   clientEnv: Record<string, string> | undefined
-  /** The snapshot cache entry of the current generation, if built. */
-  snapshotId: string | undefined
   /** The latest generation whose snapshot rewrote history (PROTOCOL: replay never crosses it). */
   rewriteGeneration: number | undefined
   /** A history rewrite the worker is streaming (during a turn). */
