@@ -6,11 +6,11 @@
  * (internal/session/session.ts: dependencies, registry, publishing):
  *
  * ```
- * internal/session/phase.ts       the lifecycle as a union (Phase) and the mailbox's inputs
  * internal/session/transition.ts  the lifecycle as one value and a pure step (docs/session-core.md)
+ * internal/session/entity.ts      the interpreter of step: one input at a time, its actions in order
+ * internal/session/mailbox.ts     the mailbox's inputs (commands, worker frames and exit, timers)
  * internal/session/errors.ts      the core's typed errors and their one mapping to wire codes
- * internal/session/entity.ts      the state machine: one input at a time, then idle work
- * internal/session/supervisor.ts  worker start, frame pump, turns, WorkerCrashed -> restore
+ * internal/session/supervisor.ts  a worker's acquisition (slot, spawn, load, restore) and frame pump
  * internal/session/checkpoint.ts  snapshot intake, transcript write, new generation, prune
  * internal/delivery/attach.ts     attach, baseline, catch-up from the log, resync, detach
  * internal/delivery/replay.ts     the replay decision of an attach (pure)
@@ -44,9 +44,10 @@ import { makeDelivery } from "./internal/delivery/attach.js"
 import { bodyMessage, type LoggedBody, logged } from "./internal/delivery/wireLines.js"
 import { makeCheckpoints } from "./internal/session/checkpoint.js"
 import { makeEntity } from "./internal/session/entity.js"
-import type { Input, Phase } from "./internal/session/phase.js"
+import type { Input } from "./internal/session/mailbox.js"
+import * as Transition from "./internal/session/transition.js"
 import { type CoreError, toCommandError } from "./internal/session/errors.js"
-import { CommandError, internal, makeCore, notFound, READ_GATE_PERMITS, type Session, storageAsUnavailable } from "./internal/session/session.js"
+import { CommandError, internal, isClosed, makeCore, newHandles, notFound, READ_GATE_PERMITS, type Session } from "./internal/session/session.js"
 import * as WorkerSlots from "./internal/session/workerSlots.js"
 import { makeSupervisor } from "./internal/session/supervisor.js"
 import type * as Protocol from "./Protocol.js"
@@ -55,10 +56,10 @@ import { RecoveryJournal } from "./RecoveryJournal.js"
 import { type SessionMeta, SessionStore } from "./SessionStore.js"
 import { SnapshotCache } from "./SnapshotCache.js"
 import * as StateLayout from "./StateLayout.js"
-import { defaultRestartPolicy, restartSchedule, WorkerPool } from "./WorkerPool.js"
+import { defaultRestartPolicy, WorkerPool } from "./WorkerPool.js"
 
 export { CommandError } from "./internal/session/session.js"
-export { CommandTakesEffect } from "./internal/session/phase.js"
+export { CommandTakesEffect } from "./internal/session/mailbox.js"
 
 /**
  * What the core needs of a client's connection: a queue of outgoing bytes it can fill without
@@ -136,7 +137,6 @@ export const make = Effect.gen(function*() {
     maxRestarts: config.maxRestarts,
     restartWindowMs: config.restartWindowMs
   }
-  const restarts = restartSchedule(restartPolicy)
   const fibers = yield* FiberSet.make()
   const core = makeCore({
     config,
@@ -151,19 +151,17 @@ export const make = Effect.gen(function*() {
     sessions: new Map(),
     connections: new Map(),
     restartPolicy,
-    restarts,
     sessionScope
   })
   const { connections, sessions, filterEnv, get, post, publishStatus, publishedState, recordBestEffort, summary } = core
   const checkpoints = makeCheckpoints(core)
   const delivery = makeDelivery(core, checkpoints)
-  const supervisor = makeSupervisor(core, checkpoints)
-  const { runEntity, send, settleForShutdown } = makeEntity(core, checkpoints, supervisor, delivery)
+  const supervisor = makeSupervisor(core)
+  const { runEntity, send, settleForShutdown, startFirstWorker } = makeEntity(core, checkpoints, supervisor, delivery)
   const { attach, detachAttachment } = delivery
-  const { startWorker } = supervisor
   const { transcript } = checkpoints
 
-  const newSession = (meta: SessionMeta, phase: Phase): Effect.Effect<Session> =>
+  const newSession = (meta: SessionMeta, state: Transition.State): Effect.Effect<Session> =>
     Effect.gen(function*() {
       return {
         ...yield* sessionScope,
@@ -181,24 +179,12 @@ export const make = Effect.gen(function*() {
         lastUsed: Date.now(),
         launchEnv: undefined,
         clientEnv: undefined,
-        closed: false,
-        phase,
-        epoch: 0,
+        state,
+        handles: newHandles(),
         mailbox: yield* Queue.unbounded<Input>(),
-        pendingPrompt: undefined,
-        promptAfterCut: undefined,
         sessionFile: undefined,
-        cutTurn: undefined,
         rewriteGeneration: undefined,
-        rewrite: undefined,
-        checkpointWaiters: [],
-        checkpointDue: false,
-        passivationWanted: false,
-        retryWaiters: [],
-        restarts: 0,
-        restartState: restarts.initial,
-        publishedBusy: false,
-        stalled: undefined
+        shown: { busy: Transition.busyOf(state), worker: Transition.workerStateOf(state) }
       }
     })
 
@@ -238,13 +224,13 @@ export const make = Effect.gen(function*() {
           new CommandError({ code: "invalid_command", message: "Invalid `create` command: `config` is nested too deeply to be stored." })
       })
       yield* store.create(meta).pipe(Effect.mapError(internal("session store")))
-      const s = yield* newSession(meta, { _tag: "Starting", worker: undefined, state: "starting", epoch: 0 })
+      const s = yield* newSession(meta, Transition.initial)
       s.launchEnv = cmd.launchEnv === undefined ? undefined : { ...cmd.launchEnv }
       s.clientEnv = filterEnv(cmd.env)
       // An idle record: a session the journal does not name is idle all the same.
       yield* recordBestEffort(s, false, "created")
       // The first worker starts before the entity takes any input (nothing can race it yet).
-      yield* storageAsUnavailable(startWorker(s, "starting", false))
+      yield* startFirstWorker(s)
       yield* register(s)
       return { activeSessionId, state: summary(s) }
     }).pipe(Effect.mapError(toCommandError))
@@ -256,7 +242,7 @@ export const make = Effect.gen(function*() {
   const loadSession = (meta: SessionMeta) =>
     Effect.gen(function*() {
       const id = meta.activeSessionId
-      const s = yield* newSession(meta, { _tag: "Passivated" })
+      const s = yield* newSession(meta, Transition.loaded)
       return yield* loadInto(s).pipe(
         // A session that does not load (damaged) never runs: its scope goes now.
         Effect.tapErrorCause(() => Scope.close(s.scope, Exit.void))
@@ -426,7 +412,6 @@ export const make = Effect.gen(function*() {
       const { session: s, lastStatusBusy, endsWithTurnEnd } = loaded.right
       if (journalBusy && !endsWithTurnEnd) {
         // It was running a turn when the daemon died: restored now, and the cut turn reported.
-        s.cutTurn = { _tag: "InterruptOwed", reason: "daemon_restarted" }
         yield* post(s, { _tag: "Restore" })
       } else if (lastStatusBusy || endsWithTurnEnd) {
         // The daemon died between a turn's end and its idle status: the status is owed (and the
@@ -493,7 +478,7 @@ export const make = Effect.gen(function*() {
   return SessionManager.of({
     create,
     list: Effect.suspend(() =>
-      Effect.forEach([...sessions.values()].filter((s) => !s.closed), (s) => Effect.map(publishedState(s), ({ state }) => state))
+      Effect.forEach([...sessions.values()].filter((s) => !isClosed(s)), (s) => Effect.map(publishedState(s), ({ state }) => state))
     ).pipe(Effect.map((summaries) => ({ sessions: [...summaries, ...Array.from(damaged.values(), damagedSummary)] }))),
     status: Effect.gen(function*() {
       const live = yield* pool.live
@@ -504,7 +489,7 @@ export const make = Effect.gen(function*() {
         sessions: sessions.size + damaged.size,
         workers: live.filter((w) => w.activeSessionId !== undefined).map((w) => {
           const s = sessions.get(w.activeSessionId!)
-          return { pid: w.pid, activeSessionId: w.activeSessionId!, state: s === undefined ? "closed" : summary(s).worker, restarts: s?.restarts ?? 0 }
+          return { pid: w.pid, activeSessionId: w.activeSessionId!, state: s === undefined ? "closed" : summary(s).worker, restarts: s?.state.restarts ?? 0 }
         }),
         storage: core.storage.ok ? { ok: true } : { ok: false, error: core.storage.error ?? "unknown" }
       }

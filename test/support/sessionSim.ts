@@ -310,7 +310,7 @@ class World {
       case "StartTurn": {
         if (this.full) {
           this.settle(a.prompt.req)
-          this.stepWith(i, { _tag: "TurnRefused", turn: a.turn })
+          this.stepWith(i, { _tag: "TurnRefused", turn: a.turn, shownBusy: true })
           return
         }
         if (s.endPending) this.fail(`session ${i}: a turn's busy status right after a turn's end`)

@@ -75,7 +75,7 @@ export const inputsFor = (s: State): ReadonlyArray<Input> => {
     Restore: { _tag: "Restore" },
     Acquired: { _tag: "Acquired", epoch: s.epoch, worker: 7 },
     AcquireFailed: { _tag: "AcquireFailed", epoch: s.epoch },
-    TurnRefused: { _tag: "TurnRefused", turn },
+    TurnRefused: { _tag: "TurnRefused", turn, shownBusy: true },
     Events: { _tag: "Events", worker: W },
     TurnEnded: { _tag: "TurnEnded", worker: W, how: "agent_end" },
     Ready: { _tag: "Ready", worker: W },

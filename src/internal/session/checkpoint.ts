@@ -20,14 +20,14 @@ import { ChunkBuilder, chunkRanges } from "../../SnapshotCache.js"
 import type { WorkerHandle } from "../../WorkerPool.js"
 import type { SnapshotHeaderInput, SnapshotInfo } from "../../SessionStore.js"
 import type { LoggedBody } from "../delivery/wireLines.js"
-import type { AnyFrame } from "./phase.js"
+import type { AnyFrame, CheckpointReply } from "./mailbox.js"
 import { type CoreError, CoreInternal, internal } from "./errors.js"
 import { type Core, READ_GATE_PERMITS, type Session, snapshotIdOf, storageAsUnavailable } from "./session.js"
 
 /** The seam of generations: checkpoints and rewrites move a session to its next one. */
 export interface Checkpoints {
-  /** Takes a checkpoint between turns and answers every checkpoint waiting with its outcome. */
-  readonly runCheckpoint: (s: Session) => Effect.Effect<void>
+  /** Takes a checkpoint between turns and answers `waiters` with its outcome. */
+  readonly runCheckpoint: (s: Session, waiters: ReadonlyArray<CheckpointReply>) => Effect.Effect<void>
   /** A frame of the history rewrite the worker streams during a turn. */
   readonly rewriteFrame: (s: Session, worker: WorkerHandle, frame: AnyFrame) => Effect.Effect<void>
   /** A rewrite being streamed that will not be completed: its entry is gone. */
@@ -53,6 +53,11 @@ export const makeCheckpoints = (core: Core): Checkpoints => {
    * it to a new generation; readers, attaches and resyncs, make it when they first need it).
    */
   const entries = new WeakMap<Session, string>()
+  /**
+   * The history rewrite each session's worker is streaming, if any (the session's state says
+   * only that one runs): where its snapshot goes in the cache and which generation it makes.
+   */
+  const rewrites = new WeakMap<Session, { readonly workerSnapshotId: string; readonly snapshotId: string; readonly generation: number }>()
   const setEntry = (s: Session, snapshotId: string | undefined) => {
     if (snapshotId === undefined) entries.delete(s)
     else entries.set(s, snapshotId)
@@ -65,10 +70,8 @@ export const makeCheckpoints = (core: Core): Checkpoints => {
    * added, whatever the transcript's size; no worker is involved (the log is what a worker
    * restores from, so it holds the same transcript). Answers every checkpoint waiting.
    */
-  const runCheckpoint = (s: Session) =>
+  const runCheckpoint = (s: Session, waiters: ReadonlyArray<CheckpointReply>) =>
     Effect.gen(function*() {
-      const waiters = s.checkpointWaiters.splice(0)
-      s.checkpointDue = false
       const outcome = yield* Effect.either(takeCheckpoint(s))
       if (Either.isLeft(outcome)) yield* Effect.logError(`checkpoint of ${s.meta.activeSessionId} failed: ${outcome.left.message}`)
       for (const w of waiters) yield* Deferred.complete(w, outcome)
@@ -163,7 +166,7 @@ export const makeCheckpoints = (core: Core): Checkpoints => {
   const rewriteFrame = (s: Session, worker: WorkerHandle, frame: AnyFrame) =>
     Effect.gen(function*() {
       const id = s.meta.activeSessionId
-      const rewrite = s.rewrite
+      const rewrite = rewrites.get(s)
       const outcome = yield* Effect.either(Effect.gen(function*(): Effect.fn.Return<void, CoreError> {
         if (frame.type === "session_snapshot_begin") {
           if (rewrite !== undefined || frame["purpose"] !== "replacement") {
@@ -179,7 +182,7 @@ export const makeCheckpoints = (core: Core): Checkpoints => {
             targetChunkBytes: frame["targetChunkBytes"] as number,
             cursor: s.lastCursor
           }).pipe(Effect.mapError(internal("snapshot cache")))
-          s.rewrite = { workerSnapshotId: String(frame["snapshotId"]), snapshotId, generation }
+          rewrites.set(s, { workerSnapshotId: String(frame["snapshotId"]), snapshotId, generation })
           return
         }
         if (rewrite === undefined || frame["snapshotId"] !== rewrite.workerSnapshotId) {
@@ -199,7 +202,7 @@ export const makeCheckpoints = (core: Core): Checkpoints => {
               lastEventSequence: s.lastCursor?.sequence ?? -1,
               lastEventCursor: s.lastCursor
             }).pipe(Effect.mapError(internal("snapshot cache")))
-            s.rewrite = undefined
+            rewrites.delete(s)
             return yield* completeRewrite(s, rewrite)
           default:
             return yield* new CoreInternal({ message: `the worker could not stream its rewrite: ${JSON.stringify(frame["error"])}` })
@@ -214,8 +217,8 @@ export const makeCheckpoints = (core: Core): Checkpoints => {
   /** A rewrite being streamed that will not be completed: its entry is gone. */
   const abandonRewrite = (s: Session, why: string) =>
     Effect.gen(function*() {
-      const rewrite = s.rewrite
-      s.rewrite = undefined
+      const rewrite = rewrites.get(s)
+      rewrites.delete(s)
       if (rewrite === undefined) return
       yield* Effect.ignore(cache.markFailed(rewrite.snapshotId, why))
       yield* Effect.ignore(cache.dispose(rewrite.snapshotId))

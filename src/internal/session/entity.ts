@@ -1,56 +1,57 @@
 /**
- * One session's state machine (DESIGN: "the session core"). A single fiber owns the session's
- * phase and takes every input from one mailbox: commands (each with its own Deferred), the
- * worker's frames and exit, timers. Every transition settles the requests that can no longer
- * complete where it leads; after each input, work waiting for an idle session runs (a
- * checkpoint first, then a reserved prompt, then a passivation).
+ * One session's entity (DESIGN: "the session core"): the interpreter of `step` (transition.ts).
+ * A single fiber per session takes every input from one mailbox (commands with their Deferreds,
+ * the worker's frames and exit, timers), names its requests and workers by id, calls `step`
+ * with the world as it stands (`Env`), keeps the state it returns and performs its actions in
+ * order; what an action comes back with (a worker acquired, a turn refused, storage failing)
+ * returns to `step` as an input.
+ *
+ * Owns: the session's `state` (its only writer), the tables of handles behind its ids, and
+ * the effect of each action. The lifecycle's rules are `step`'s alone.
  */
-import * as Cause from "effect/Cause"
+import * as Clock from "effect/Clock"
 import * as Deferred from "effect/Deferred"
-import * as FiberId from "effect/FiberId"
-import * as FiberRef from "effect/FiberRef"
+import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
 import * as Either from "effect/Either"
 import * as Exit from "effect/Exit"
+import * as FiberId from "effect/FiberId"
+import * as FiberRef from "effect/FiberRef"
 import * as Queue from "effect/Queue"
 import * as Scope from "effect/Scope"
+import { randomUUID } from "node:crypto"
+import type * as Protocol from "../../Protocol.js"
 import * as StateLayout from "../../StateLayout.js"
-import { WorkerCrashed } from "../../WorkerPool.js"
+import type { WorkerHandle } from "../../WorkerPool.js"
+import type * as WorkerProtocol from "../../WorkerProtocol.js"
 import type { Delivery } from "../delivery/attach.js"
+import { eventMessage, type Outgoing } from "../delivery/wireLines.js"
 import type { Checkpoints } from "./checkpoint.js"
-import type { Input } from "./phase.js"
-import { CommandTakesEffect, workerOf } from "./phase.js"
+import type { AnyFrame, CheckpointReply, Input } from "./mailbox.js"
+import { CommandTakesEffect } from "./mailbox.js"
 import { type CoreError, failed, internal, notFound, SessionBusy, shuttingDown, StorageUnavailable } from "./errors.js"
-import { type Core, type Session, type StorageFailed } from "./session.js"
-import type { Supervisor } from "./supervisor.js"
+import { type Core, isClosed, PUBLISH_BATCH_BYTES, type Session, StorageFailed, storageUnavailable } from "./session.js"
+import { STORAGE_RETRY_INTERVAL, type Supervisor } from "./supervisor.js"
+import * as T from "./transition.js"
 
 /** How long the workers have to cut their running turns at a graceful stop, before the supervisor does. */
 const SHUTDOWN_CUT_GRACE = "2 seconds"
 
 /** The session entity: one fiber per session takes every input from its mailbox, one at a time. */
 export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Supervisor, delivery: Delivery) => {
-  const { cache, journal, log, restarts, sessions, store, publish, publishStatus, record, summary, fork, forkIn } = core
-  const { abandonRewrite, runCheckpoint } = checkpoints
-  const { answerWaiting, cutForShutdown, endCutTurnForShutdown, failSession, onCrash, onFrames, onStorageFailed, pump, retryStorage, startTurn, startWorker } = supervisor
+  const { config, journal, log, restartPolicy, sessions, slots, store, publish, publishAll, publishStatus, record, recordBestEffort, summary, fork, forkIn, post } = core
+  const { abandonRewrite, rewriteFrame, runCheckpoint } = checkpoints
   const { detachAttachment } = delivery
 
-  /**
-   * Hands an input to the session's entity. Checked and offered in one synchronous step: once
-   * the entity has closed the session nothing more is offered, so nothing waits forever.
-   */
   /** Set once the daemon stops: commands are refused from then on (see {@link settleForShutdown}). */
   let stopping = false
-  /** Who waits for a session's running turn to be cut before the daemon closes its sockets. */
-  const turnCutWaiters = new Map<Session, Array<Deferred.Deferred<void>>>()
-  /** Completes the waits for a cut once no turn runs (or the session is gone). */
-  const releaseCutWaiters = (s: Session) =>
-    Effect.suspend(() => {
-      const waiting = turnCutWaiters.get(s)
-      if (waiting === undefined || (s.phase._tag === "Running" && !s.closed)) return Effect.void
-      turnCutWaiters.delete(s)
-      return Effect.forEach(waiting, (d) => Deferred.succeed(d, undefined), { discard: true })
-    })
+  /** The last storage failure each session met (the message a prompt refused for it gets). */
+  const storageErrors = new WeakMap<Session, string>()
 
+  /**
+   * Hands a command to the session's entity. Checked and offered in one synchronous step: once
+   * the entity has closed the session nothing more is offered, so nothing waits forever.
+   */
   const send = <A>(
     s: Session,
     make: (command: { readonly reply: Deferred.Deferred<A, CoreError>; readonly taken: Deferred.Deferred<void> | undefined }) => Input
@@ -59,231 +60,433 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
       const reply = yield* Deferred.make<A, CoreError>()
       const taken = yield* FiberRef.get(CommandTakesEffect)
       if (stopping) return yield* Effect.fail(shuttingDown())
-      if (s.closed) return yield* Effect.fail(notFound(s.meta.activeSessionId))
+      if (isClosed(s)) return yield* Effect.fail(notFound(s.meta.activeSessionId))
       s.mailbox.unsafeOffer(make({ reply, taken }))
       return yield* Deferred.await(reply)
     })
 
+  // ---------------------------------------------------------------------------------------------
+  // The tables behind the ids
+  // ---------------------------------------------------------------------------------------------
+
+  const request = <A, E>(s: Session, reply: Deferred.Deferred<A, E>): T.ReqId => {
+    const id = ++s.handles.nextId
+    s.handles.requests.set(id, reply as Deferred.Deferred<any, any>)
+    return id
+  }
+
+  const takeRequest = (s: Session, id: T.ReqId) => {
+    const reply = s.handles.requests.get(id)
+    s.handles.requests.delete(id)
+    return reply
+  }
+
+  const registerWorker = (s: Session, worker: WorkerHandle): T.WorkerId => {
+    const known = s.handles.workerIds.get(worker)
+    if (known !== undefined) return known
+    const id = ++s.handles.nextId
+    s.handles.workers.set(id, worker)
+    s.handles.workerIds.set(worker, id)
+    return id
+  }
+
+  const forgetWorker = (s: Session, id: T.WorkerId) => {
+    const worker = s.handles.workers.get(id)
+    s.handles.workers.delete(id)
+    if (worker !== undefined) s.handles.workerIds.delete(worker)
+  }
+
+  /** An id no worker has: inputs of a worker the session no longer knows are stale. */
+  const UNKNOWN: T.WorkerId = -1
+
+  const envOf = (s: Session) =>
+    Effect.map(Clock.currentTimeMillis, (now): T.Env => ({
+      now,
+      slotsWanted: !stopping && slots.wanted() > 0,
+      generationFull: s.generationEvents >= config.checkpointEvents || s.generationBytes >= config.checkpointBytes,
+      // A stalled session tries its owed end at every retry: a write that fails is the answer.
+      storageOk: true
+    }))
+
+  // ---------------------------------------------------------------------------------------------
+  // The interpreter
+  // ---------------------------------------------------------------------------------------------
+
   /**
-   * Between turns, work waiting runs: a checkpoint first (asked during the turn, or due; it
-   * needs no worker, so a passivated session takes it too), then a reserved prompt, then a
-   * passivation.
+   * One input through `step`: the new state, then its actions. A transition that begins by
+   * publishing a turn's end depends on it: should storage refuse it, the transition did not
+   * happen (the end is still owed) and `StorageFailed` is taken instead.
    */
-  const drain = (s: Session) =>
+  const run = (s: Session, input: T.Input, frame?: FrameContext): Effect.Effect<void> =>
     Effect.gen(function*() {
-      // The daemon stops: nothing new starts (what waited was answered `shutting_down`).
-      if (stopping) return
-      const betweenTurns = (s.phase._tag === "Idle" || s.phase._tag === "Passivated") && s.cutTurn === undefined
-      if (betweenTurns && (s.checkpointWaiters.length > 0 || s.checkpointDue)) yield* runCheckpoint(s)
-      const phase = s.phase
-      if (phase._tag !== "Idle") return
-      if (s.pendingPrompt !== undefined) return yield* startTurn(s, phase.worker, s.pendingPrompt)
-      // Between turns while another session waits for a worker slot: this one gives up its own.
-      if (s.checkpointWaiters.length === 0 && core.slots.wanted() > 0) s.passivationWanted = true
-      if (s.passivationWanted) {
-        core.slots.leaving(phase.worker)
-        s.passivationWanted = false
-        // What the generation added is written first: a restore then reads it from the transcript.
-        if (s.generationEvents > 0) yield* runCheckpoint(s)
-        s.epoch++
-        // The session's fibers end with its worker; whatever it does next runs in a new scope.
-        const previous = s.scope
-        Object.assign(s, yield* core.sessionScope)
-        yield* fork(Effect.zipRight(phase.worker.stop(), Scope.close(previous, Exit.void)))
-        yield* publishStatus(s, () => (s.phase = { _tag: "Passivated" }))
+      const t = T.step(s.state, input, yield* envOf(s), restartPolicy)
+      const first = t.actions[0]
+      if (first !== undefined && (first._tag === "PublishInterrupt" || (first._tag === "PublishEvents" && first.end !== undefined))) {
+        const end = yield* Effect.either(act(s, first, frame))
+        if (Either.isLeft(end)) return yield* storageFailed(s, end.left)
+        s.state = t.state
+        return yield* perform(s, t.actions.slice(1), frame)
       }
+      s.state = t.state
+      return yield* perform(s, t.actions, frame)
     })
 
-  /** Wakes a passivated session (or retries a failed one): a worker that restores it. */
-  const wake = (s: Session) => startWorker(s, s.phase._tag === "Failed" ? "recovering" : "starting", true)
+  const storageFailed = (s: Session, e: StorageFailed) =>
+    Effect.gen(function*() {
+      storageErrors.set(s, e.message)
+      yield* Effect.logError(`session ${s.meta.activeSessionId}: storage failed: ${e.message}`)
+      if (!isClosed(s)) yield* run(s, { _tag: "StorageFailed" })
+    })
 
-  const onInput = (s: Session, input: Input): Effect.Effect<void, StorageFailed> => {
-    const phase = s.phase
-    switch (input._tag) {
-      case "Prompt": {
-        s.lastUsed = Date.now()
-        if (phase._tag === "Failed") {
-          return Deferred.fail(input.reply, failed(`Session \`${s.meta.activeSessionId}\` has failed; use retry_worker.`))
-        }
-        if (s.stalled !== undefined) {
-          return Deferred.fail(
-            input.reply,
-            new StorageUnavailable({
-              message: `Session \`${s.meta.activeSessionId}\` cannot take a prompt: storage failed and the end of its last turn is not logged yet.`
-            })
-          )
-        }
-        if (phase._tag === "Running" || s.pendingPrompt !== undefined || s.promptAfterCut !== undefined) {
-          return Deferred.fail(
-            input.reply,
-            new SessionBusy({ activeSessionId: s.meta.activeSessionId, message: `Session \`${s.meta.activeSessionId}\` is running a turn.` })
-          )
-        }
-        if (s.cutTurn !== undefined) {
-          // The worker recovers from a crash that cut a turn: the prompt waits for it, and is
-          // taken once that turn has ended (its turn_interrupted, then the idle status).
-          s.promptAfterCut = { message: input.message, reply: input.reply }
-          return Effect.void
-        }
-        // Reserved now (busy); runs once the session is idle with a worker.
-        s.pendingPrompt = { message: input.message, reply: input.reply }
-        if (phase._tag === "Passivated") return wake(s)
-        // Said to attached clients at once, as a prompt that runs at once does (when idle, the
-        // turn starts right after this input, with its status).
-        return phase._tag === "Idle" ? Effect.void : publishStatus(s)
+  /**
+   * Performs actions in order. A write that storage refuses fails what depended on it; the
+   * publishes after it are skipped (the stream would have a hole), the rest is done (requests
+   * are answered, workers stopped), and `StorageFailed` is the next input.
+   */
+  const perform = (s: Session, actions: ReadonlyArray<T.Action>, frame?: FrameContext): Effect.Effect<void> =>
+    Effect.gen(function*() {
+      let failure: StorageFailed | undefined
+      for (const action of actions) {
+        if (failure !== undefined && writes(action)) continue
+        const outcome = yield* Effect.either(act(s, action, frame))
+        if (Either.isLeft(outcome)) failure = outcome.left
       }
-      case "Abort": {
-        // Only a running turn can be aborted; a prompt that has not started yet is not a turn.
-        if (phase._tag !== "Running") return Deferred.succeed(input.reply, { aborted: false })
-        phase.aborts.push(input.reply)
-        return phase.worker.send({ type: "abort", turnId: phase.turnId })
-      }
-      case "Checkpoint": {
-        if (phase._tag === "Failed") {
-          return Deferred.fail(input.reply, failed(`Session \`${s.meta.activeSessionId}\` has failed; use retry_worker.`))
-        }
-        // Taken once the session is between turns (at once when it is).
-        s.checkpointWaiters.push(input.reply)
-        return Effect.void
-      }
-      case "Retry": {
-        if (phase._tag !== "Failed") return Deferred.succeed(input.reply, summary(s))
-        s.restartState = restarts.initial
-        s.retryWaiters.push(input.reply)
-        return wake(s)
-      }
-      case "Passivate": {
-        if (phase._tag === "Idle" && s.pendingPrompt === undefined && s.checkpointWaiters.length === 0) s.passivationWanted = true
-        return Effect.void
-      }
-      case "Kill":
-        return killSession(s, input.reply)
-      case "SetEnv":
-        return Effect.sync(() => {
-          if (input.launchEnv !== undefined) s.launchEnv = input.launchEnv
-          if (input.clientEnv !== undefined) s.clientEnv = input.clientEnv
-        })
-      case "ShuttingDown": {
-        // What would wait for a turn's end or a worker is answered now: the daemon will not wait.
-        const error = shuttingDown()
-        const aborts = phase._tag === "Running" ? phase.aborts.splice(0) : []
+      if (failure !== undefined) yield* storageFailed(s, failure)
+    })
+
+  const writes = (a: T.Action) =>
+    a._tag === "PublishStatus" || a._tag === "PublishEvents" || a._tag === "PublishInterrupt" || a._tag === "Journal"
+
+  const interrupted = (reason: Protocol.InterruptReason): Protocol.AgentEvent =>
+    ({ type: "turn_interrupted", reason }) as Protocol.AgentEvent
+
+  const act = (s: Session, a: T.Action, frame: FrameContext | undefined): Effect.Effect<void, StorageFailed> => {
+    const id = s.meta.activeSessionId
+    switch (a._tag) {
+      case "PublishStatus":
+        return publishStatus(s, { busy: a.busy, worker: a.worker })
+      case "PublishEvents":
+        return frame === undefined ? Effect.void : frame.add(a.end !== undefined)
+      case "PublishInterrupt":
+        return publish(s, { type: "session_event", event: interrupted(a.reason) })
+      case "PublishClosed":
         return Effect.gen(function*() {
-          for (const a of aborts) yield* Deferred.fail(a, error)
-          yield* answerWaiting(s, error)
-          if (phase._tag !== "Running") {
-            // An owed end that storage still refuses stays owed: the journal says busy, and the
-            // next start ends that turn `daemon_restarted`.
-            return yield* endCutTurnForShutdown(s).pipe(
-              Effect.catchAll((e) => Effect.logError(`session ${s.meta.activeSessionId}: ${e.message}`)),
-              Effect.ensuring(Deferred.succeed(input.done, undefined))
-            )
-          }
-          // A running turn is cut before the sockets close, so that its end reaches the clients
-          // attached and the journal says idle (the next start restores nothing, reports no
-          // crash). The worker cuts it as it does an abort (the message it was streaming ends
-          // as such); its `turn_interrupted {daemon_shutdown}` ends the turn as any turn ends.
-          turnCutWaiters.set(s, [...(turnCutWaiters.get(s) ?? []), input.done])
-          if (input.force === true) return yield* cutForShutdown(s, phase)
-          yield* phase.worker.send({ type: "abort", turnId: phase.turnId, reason: "daemon_shutdown" })
+          yield* Effect.catchTag(publish(s, { type: "session_closed", reason: "killed" }), "StorageFailed", () => Effect.void)
+          for (const attachment of [...s.attachments]) detachAttachment(attachment)
+        })
+      case "Journal":
+        return a.required ? Effect.asVoid(record(s, a.busy, a.op)) : recordBestEffort(s, a.busy, a.op)
+      case "SendAbort": {
+        const worker = s.handles.workers.get(a.worker)
+        if (worker === undefined) return Effect.void
+        const turnId = s.handles.turnId
+        return worker.send(a.reason === "aborted" ? { type: "abort", turnId } : { type: "abort", turnId, reason: a.reason })
+      }
+      case "StartTurn":
+        return startTurn(s, a)
+      case "StartWorker":
+        return supervisor.startWorker(s, a.epoch, a.restore, a.interruptedReason)
+      case "Pump": {
+        const worker = s.handles.workers.get(a.worker)
+        return worker === undefined ? Effect.void : forkIn(s, supervisor.pump(s, worker))
+      }
+      case "StopWorker": {
+        const worker = s.handles.workers.get(a.worker)
+        // Its exit, if pumped, is no input of this session's any more.
+        forgetWorker(s, a.worker)
+        if (worker === undefined) return Effect.void
+        // A killed session's worker is gone before `kill` is answered.
+        return isClosed(s) ? Effect.asVoid(worker.stop()) : fork(worker.stop())
+      }
+      case "KillWorker":
+        return Effect.sync(() => s.handles.workers.get(a.worker)?.kill())
+      case "SlotLeaving": {
+        const worker = s.handles.workers.get(a.worker)
+        return Effect.sync(() => {
+          if (worker !== undefined) slots.leaving(worker)
         })
       }
-      case "Acquired": {
-        if (phase._tag !== "Starting" || phase.epoch !== input.epoch) return Effect.asVoid(input.worker.stop())
-        s.phase = { ...phase, worker: input.worker }
-        return forkIn(s, pump(s, input.worker))
+      case "Settle":
+        return settle(s, a.req, a.result)
+      case "RunCheckpoint": {
+        const waiters: Array<CheckpointReply> = []
+        for (const r of a.waiters) {
+          const reply = takeRequest(s, r)
+          if (reply !== undefined) waiters.push(reply)
+        }
+        return runCheckpoint(s, waiters)
       }
-      case "AcquireFailed": {
-        // A spawn refused because the daemon stops is no crash.
-        if (phase._tag !== "Starting" || phase.epoch !== input.epoch || stopping) return Effect.void
-        // A spawn that fails counts as a crash: retried with backoff, then `failed`.
-        return Effect.zipRight(
-          Effect.logError(`no worker for ${s.meta.activeSessionId}: ${input.message}`),
-          onCrash(s, new WorkerCrashed({ activeSessionId: s.meta.activeSessionId, pid: 0, exitCode: null, signal: null }))
-        )
+      case "CheckpointIfGrown":
+        // What the generation added is written first: a restore then reads it from the transcript.
+        return s.generationEvents > 0 ? runCheckpoint(s, []) : Effect.void
+      case "RewriteFrame": {
+        const worker = workerHandleOfState(s)
+        return frame === undefined || worker === undefined ? Effect.void : rewriteFrame(s, worker, frame.raw)
       }
-      case "Restore":
-        return phase._tag === "Passivated" ? startWorker(s, "recovering", true) : Effect.void
-      case "StorageRetry": {
-        if (phase._tag !== "Starting" || phase.epoch !== input.epoch || s.stalled === undefined || stopping) return Effect.void
-        return retryStorage(s)
-      }
-      case "RestartDue": {
-        if (phase._tag !== "Starting" || phase.epoch !== input.epoch || phase.worker !== undefined || stopping) return Effect.void
-        return startWorker(s, "recovering", true)
-      }
-      case "Frames": {
-        if (workerOf(phase) !== input.worker) return Deferred.succeed(input.handled, undefined)
-        return Effect.ensuring(onFrames(s, input.frames), Deferred.succeed(input.handled, undefined))
-      }
-      case "Exited": {
-        if (workerOf(phase) !== input.worker || input.worker.stopping) return Effect.void
-        // The daemon stops (its workers are on their way out): no crash, no restore; a turn still
-        // running ends `daemon_shutdown`.
-        if (stopping) return phase._tag === "Running" ? cutForShutdown(s, phase) : Effect.void
-        return onCrash(s, new WorkerCrashed({
-          activeSessionId: s.meta.activeSessionId,
-          pid: input.worker.pid,
-          exitCode: input.exit.code,
-          signal: input.exit.signal
-        }))
+      case "AbandonRewrite":
+        return abandonRewrite(s, "the turn that streamed it ended without it")
+      case "ScheduleRestart":
+        return forkIn(s, Effect.zipRight(Effect.sleep(Duration.millis(a.delayMs)), post(s, { _tag: "RestartDue", epoch: a.epoch })))
+      case "ScheduleStorageRetry":
+        return forkIn(s, Effect.zipRight(Effect.sleep(STORAGE_RETRY_INTERVAL), post(s, { _tag: "StorageRetry", epoch: a.epoch })))
+      case "CloseScope":
+        // Its pump and timers end; a worker still being acquired is waited for and stopped.
+        return Scope.close(s.scope, Exit.void)
+      case "Archive":
+        return archive(s, a.req)
+      case "ShutdownDone": {
+        const done = takeRequest(s, a.done)
+        return done === undefined ? Effect.void : Effect.asVoid(Deferred.succeed(done, undefined))
       }
     }
   }
 
-  /** `kill`: closed for everyone, the worker stops, the files move to the archive. */
-  const killSession = (s: Session, reply: Deferred.Deferred<{}, CoreError>) =>
+  const workerHandleOfState = (s: Session) => {
+    const w = T.workerOf(s.state)
+    return w === undefined ? undefined : s.handles.workers.get(w)
+  }
+
+  /** A request's answer, in the wire's terms (the error's code is chosen at the server edge). */
+  const settle = (s: Session, req: T.ReqId, result: T.Settlement): Effect.Effect<void> => {
+    const reply = takeRequest(s, req)
+    if (reply === undefined) return Effect.void
+    const id = s.meta.activeSessionId
+    if (result._tag === "Ok") {
+      switch (result.value) {
+        case "accepted":
+          return Effect.asVoid(Deferred.succeed(reply, { accepted: true }))
+        case "aborted":
+        case "not_aborted":
+          return Effect.asVoid(Deferred.succeed(reply, { aborted: result.value === "aborted" }))
+        case "summary":
+          return Effect.asVoid(Deferred.succeed(reply, summary(s)))
+      }
+    }
+    let error: CoreError
+    switch (result.error) {
+      case "SessionNotFound":
+        error = notFound(id)
+        break
+      case "SessionBusy":
+        error = new SessionBusy({ activeSessionId: id, message: `Session \`${id}\` is running a turn.` })
+        break
+      case "SessionFailed":
+        error = failed(`Session \`${id}\` has failed; use retry_worker.`)
+        break
+      case "StorageUnavailable":
+        error = new StorageUnavailable({
+          message: result.detail === "stalled"
+            ? `Session \`${id}\` cannot take a prompt: storage failed and the end of its last turn is not logged yet.`
+            : `Session \`${id}\` cannot take a prompt: ${storageErrors.get(s) ?? "storage failed"}`
+        })
+        break
+      case "ShuttingDown":
+        error = shuttingDown()
+        break
+    }
+    return Effect.asVoid(Deferred.fail(reply, error))
+  }
+
+  /**
+   * Starts the turn of a reserved prompt: accepted only once durable (the journal says busy, so a
+   * crash from here is a cut turn it finds, and the log holds the busy status); else refused,
+   * nothing of it remains, and `TurnRefused` goes back to `step`.
+   */
+  const startTurn = (s: Session, a: Extract<T.Action, { _tag: "StartTurn" }>) =>
+    Effect.gen(function*() {
+      const reply = takeRequest(s, a.prompt.req)
+      const worker = s.handles.workers.get(a.worker)
+      const turnId = `t-${randomUUID()}`
+      s.handles.turnId = turnId
+      s.lastUsed = Date.now()
+      const durable = yield* Effect.either(Effect.zipRight(record(s, true, "prompt"), publishStatus(s, { busy: true, worker: "ready" })))
+      if (Either.isLeft(durable)) {
+        yield* Effect.logError(`session ${s.meta.activeSessionId}: prompt refused: ${durable.left.message}`)
+        if (reply !== undefined) yield* Deferred.fail(reply, storageUnavailable(s.meta.activeSessionId, durable.left))
+        return yield* run(s, { _tag: "TurnRefused", turn: a.turn, shownBusy: s.shown.busy })
+      }
+      if (worker !== undefined) yield* worker.send({ type: "prompt", turnId, message: a.prompt.message })
+      if (reply !== undefined) yield* Deferred.succeed(reply, { accepted: true as const })
+    })
+
+  /** `kill`'s last step: what was queued is answered, the files move to the archive, then the answer. */
+  const archive = (s: Session, req: T.ReqId) =>
     Effect.gen(function*() {
       const id = s.meta.activeSessionId
-      const phase = s.phase
-      const worker = workerOf(phase)
-      yield* Effect.catchAllCause(publish(s, { type: "session_closed", reason: "killed" }), () => Effect.void)
-      s.epoch++
-      s.phase = { _tag: "Closed" }
-      s.closed = true
-      s.cutTurn = undefined
-      for (const a of [...s.attachments]) detachAttachment(a)
-      // Stopped before the answer: once `kill` is answered the worker is gone.
-      if (worker !== undefined) yield* Effect.asVoid(worker.stop())
-      // Its pump and timers end; a worker still being acquired is waited for and stopped.
-      yield* Scope.close(s.scope, Exit.void)
-      const gone = notFound(id)
-      if (phase._tag === "Running") for (const a of phase.aborts) yield* Deferred.fail(a, gone)
-      yield* abandonRewrite(s, "the session was killed")
-      yield* answerWaiting(s, gone)
       // Inputs queued before the kill are answered now, before the kill's own answer: a worker
       // handed over just before it (an `Acquired` not taken in yet) is stopped by then, not
       // after `kill` answered (it ran on beside the next spare, past --max-workers).
-      for (const input of yield* Queue.takeAll(s.mailbox)) yield* answerGone(s, input)
+      for (const input of yield* Queue.takeAll(s.mailbox)) yield* take(s, input)
       const archived = yield* Effect.either(Effect.gen(function*() {
-        yield* core.recordBestEffort(s, false, "closed")
+        yield* recordBestEffort(s, false, "closed")
         yield* Effect.ignoreLogged(journal.forget(id))
         const dir = yield* store.archive(id).pipe(Effect.mapError(internal("session store")))
         yield* log.remove(id, { archiveTo: StateLayout.archivedEventsDir(dir) }).pipe(Effect.mapError(internal("event log")))
       }))
       yield* checkpoints.disposeSnapshotEntry(s)
       sessions.delete(id)
+      const reply = takeRequest(s, req)
+      if (reply === undefined) return
       if (Either.isLeft(archived)) yield* Deferred.fail(reply, archived.left)
       else yield* Deferred.succeed(reply, {})
     })
 
-  /** The reply of an input, if it has one (to answer it when the session is gone). */
-  const answerGone = (s: Session, input: Input): Effect.Effect<void> => {
-    const gone = notFound(s.meta.activeSessionId)
+  // ---------------------------------------------------------------------------------------------
+  // The worker's frames
+  // ---------------------------------------------------------------------------------------------
+
+  /** The frame being taken, for the actions that publish or store it. */
+  interface FrameContext {
+    readonly raw: AnyFrame
+    /** Publishes the frame's event (with those before it; `flush`: now). */
+    readonly add: (flush: boolean) => Effect.Effect<void, StorageFailed>
+  }
+
+  /**
+   * The worker's frames, in order, each an input of `step`. Consecutive events are logged
+   * together, in batches of about PUBLISH_BATCH_BYTES (a slow client is checked against its
+   * limit between batches). The hot path, an event that changes nothing, allocates no state.
+   */
+  const onFrames = (s: Session, handle: WorkerHandle, frames: ReadonlyArray<WorkerProtocol.ReceivedFrame>) =>
+    Effect.gen(function*() {
+      const worker = s.handles.workerIds.get(handle) ?? UNKNOWN
+      let events: Array<Outgoing> = []
+      let eventBytes = 0
+      const flush = Effect.suspend(() => {
+        if (events.length === 0) return Effect.void
+        const batch = events
+        events = []
+        eventBytes = 0
+        return publishAll(s, batch)
+      })
+      /** Flushes the batch; storage refusing it is the next input. */
+      const flushed = Effect.catchTag(flush, "StorageFailed", (e) => storageFailed(s, e))
+      const eventsInput: T.Input = { _tag: "Events", worker }
+      const env = yield* envOf(s)
+      for (const raw of frames) {
+        const frame = raw as AnyFrame
+        if (frame.type === "worker_event") {
+          const { eventJson, eventType } = raw as WorkerProtocol.EventFrame
+          const end = eventType === "agent_end" || eventType === "turn_interrupted"
+          const add = (now: boolean) =>
+            Effect.suspend(() => {
+              events.push(eventMessage(eventType, eventJson))
+              eventBytes += eventJson.length
+              return now || eventBytes >= PUBLISH_BATCH_BYTES ? flush : Effect.void
+            })
+          if (!end) {
+            const t = T.step(s.state, eventsInput, env, restartPolicy)
+            if (t.state !== s.state) {
+              s.state = t.state
+              yield* flushed
+            }
+            if (t.actions.length === 1 && t.actions[0]!._tag === "PublishEvents") {
+              yield* Effect.catchTag(add(false), "StorageFailed", (e) => storageFailed(s, e))
+              if (eventType === "tool_execution_start" || eventType === "tool_execution_end") {
+                yield* flushed
+                // The journal said busy when the turn began: a restart cuts it either way.
+                yield* recordBestEffort(s, true, eventType === "tool_execution_start" ? "tool_start" : "tool_end")
+              }
+            } else {
+              yield* perform(s, t.actions, { raw: frame, add })
+            }
+            continue
+          }
+          const how: T.TurnEnd = eventType === "agent_end"
+            ? "agent_end"
+            : (JSON.parse(eventJson) as Extract<Protocol.AgentEvent, { type: "turn_interrupted" }>).reason
+          yield* run(s, { _tag: "TurnEnded", worker, how }, { raw: frame, add })
+          yield* flushed
+          continue
+        }
+        yield* flushed
+        switch (frame.type) {
+          case "worker_ready":
+            yield* run(s, { _tag: "Ready", worker })
+            break
+          case "worker_error":
+            yield* Effect.logWarning(`worker of ${s.meta.activeSessionId}: ${String(frame["message"])}`)
+            yield* run(s, { _tag: "WorkerError", worker })
+            break
+          case "session_snapshot_begin":
+            yield* run(s, { _tag: "Rewrite", worker, part: "begin" }, noEvents(frame))
+            break
+          case "session_snapshot_chunk": {
+            // A chunk changes no lifecycle fact: stored if the rewrite it belongs to is under way.
+            const st = s.state
+            if (st._tag === "Running" && st.rewrite && st.worker === worker) yield* rewriteFrame(s, handle, frame)
+            break
+          }
+          case "session_snapshot_end":
+            yield* run(s, { _tag: "Rewrite", worker, part: "end" }, noEvents(frame))
+            break
+          case "session_snapshot_failed":
+            yield* run(s, { _tag: "Rewrite", worker, part: "failed" }, noEvents(frame))
+            break
+          default:
+            yield* Effect.logWarning(`worker of ${s.meta.activeSessionId}: unknown frame ${frame.type}`)
+        }
+      }
+      yield* flushed
+    })
+
+  const noEvents = (raw: AnyFrame): FrameContext => ({ raw, add: () => Effect.void })
+
+  // ---------------------------------------------------------------------------------------------
+  // The mailbox's inputs
+  // ---------------------------------------------------------------------------------------------
+
+  /** One input of the mailbox, as `step` names it. */
+  const take = (s: Session, input: Input): Effect.Effect<void> => {
     switch (input._tag) {
       case "Prompt":
+        s.lastUsed = Date.now()
+        return run(s, { _tag: "Prompt", req: request(s, input.reply), message: input.message })
       case "Abort":
+        return run(s, { _tag: "Abort", req: request(s, input.reply) })
       case "Checkpoint":
+        return run(s, { _tag: "Checkpoint", req: request(s, input.reply) })
       case "Retry":
+        return run(s, { _tag: "Retry", req: request(s, input.reply) })
       case "Kill":
-        return Deferred.fail(input.reply as Deferred.Deferred<unknown, CoreError>, gone).pipe(Effect.asVoid)
-      case "Acquired":
-        return Effect.asVoid(input.worker.stop())
-      case "Frames":
-        return Deferred.succeed(input.handled, undefined).pipe(Effect.asVoid)
+        return run(s, { _tag: "Kill", req: request(s, input.reply) })
+      case "Passivate":
+        return run(s, { _tag: "Passivate" })
+      case "SetEnv":
+        // The environment of the session's next worker: no lifecycle fact.
+        return Effect.sync(() => {
+          if (input.launchEnv !== undefined) s.launchEnv = input.launchEnv
+          if (input.clientEnv !== undefined) s.clientEnv = input.clientEnv
+        })
       case "ShuttingDown":
-        return Deferred.succeed(input.done, undefined).pipe(Effect.asVoid)
-      default:
-        return Effect.void
+        return run(s, { _tag: "ShuttingDown", done: request(s, input.done), force: input.force === true })
+      case "Restore":
+        return run(s, { _tag: "Restore" })
+      case "Acquired":
+        return run(s, { _tag: "Acquired", epoch: input.epoch, worker: registerWorker(s, input.worker) })
+      case "AcquireFailed":
+        return Effect.zipRight(
+          Effect.logError(`no worker for ${s.meta.activeSessionId}: ${input.message}`),
+          run(s, { _tag: "AcquireFailed", epoch: input.epoch })
+        )
+      case "RestartDue":
+        return run(s, { _tag: "RestartDue", epoch: input.epoch })
+      case "StorageRetry":
+        return run(s, { _tag: "StorageRetry", epoch: input.epoch })
+      case "Frames":
+        return Effect.ensuring(onFrames(s, input.worker, input.frames), Deferred.succeed(input.handled, undefined))
+      case "Exited": {
+        const worker = s.handles.workerIds.get(input.worker)
+        if (worker === undefined) return Effect.void
+        const asked = input.worker.stopping
+        if (!asked && !stopping) {
+          return Effect.zipRight(
+            Effect.logWarning(`worker ${input.worker.pid} of ${s.meta.activeSessionId} exited (code ${input.exit.code}, signal ${input.exit.signal})`),
+            Effect.ensuring(run(s, { _tag: "Exited", worker, asked }), Effect.sync(() => forgetWorker(s, worker)))
+          )
+        }
+        return Effect.ensuring(run(s, { _tag: "Exited", worker, asked }), Effect.sync(() => forgetWorker(s, worker)))
+      }
     }
   }
 
@@ -298,7 +501,7 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
     const dones: Array<Deferred.Deferred<void>> = []
     const ask = (force: boolean) => {
       for (const s of sessions.values()) {
-        if (s.closed || (force && s.phase._tag !== "Running")) continue
+        if (isClosed(s) || (force && s.state._tag !== "Running")) continue
         const done = Deferred.unsafeMake<void>(FiberId.none)
         s.mailbox.unsafeOffer({ _tag: "ShuttingDown", done, force })
         dones.push(done)
@@ -315,34 +518,21 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
     )
   })
 
-  /**
-   * Something broke inside a transition that is no storage failure (those are typed, and cut the
-   * turn: `onStorageFailed`): a broken invariant. The session fails, loudly.
-   */
-  const onDefect = (s: Session, cause: Cause.Cause<unknown>) =>
-    Effect.gen(function*() {
-      yield* Effect.logError(`session ${s.meta.activeSessionId} failed: a transition could not complete`, cause)
-      if (s.closed) return
-      const squashed = Cause.squash(cause)
-      yield* failSession(s, squashed instanceof Error ? squashed.message : "its events could not be logged")
-    }).pipe(Effect.catchAllCause((again) => Effect.logError(`session ${s.meta.activeSessionId}: could not fail cleanly`, again)))
-
-  /** The entity: takes one input at a time; after each, idle work waiting runs. */
+  /** The entity: takes one input at a time until the session is closed. */
   const runEntity = (s: Session): Effect.Effect<void> =>
     Effect.gen(function*() {
-      while (!s.closed) {
+      while (!isClosed(s)) {
         const input = yield* Queue.take(s.mailbox)
-        yield* onInput(s, input).pipe(Effect.catchTag("StorageFailed", (e) => onStorageFailed(s, e)), Effect.catchAllCause((cause) => onDefect(s, cause)))
-        if (!s.closed) {
-          yield* drain(s).pipe(Effect.catchTag("StorageFailed", (e) => onStorageFailed(s, e)), Effect.catchAllCause((cause) => onDefect(s, cause)))
-        }
-        yield* releaseCutWaiters(s)
+        // A defect here is a broken invariant of the interpreter: logged loudly, never control flow.
+        yield* take(s, input).pipe(Effect.catchAllDefect((defect) => Effect.logError(`session ${s.meta.activeSessionId}: an input could not be taken`, defect)))
         if ("taken" in input && input.taken !== undefined) yield* Deferred.succeed(input.taken, undefined)
       }
       // Closed: nothing more is offered; what was offered before is answered.
-      for (const input of yield* Queue.takeAll(s.mailbox)) yield* answerGone(s, input)
-      yield* releaseCutWaiters(s)
+      for (const input of yield* Queue.takeAll(s.mailbox)) yield* take(s, input)
     })
 
-  return { send, runEntity, settleForShutdown }
+  /** Starts the first worker of a new session (its state is `initial`: that start is owed). */
+  const startFirstWorker = (s: Session) => supervisor.startWorker(s, s.state.epoch, false, undefined)
+
+  return { send, runEntity, settleForShutdown, startFirstWorker }
 }

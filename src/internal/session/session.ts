@@ -5,26 +5,24 @@
  */
 import type * as Context from "effect/Context"
 import * as Data from "effect/Data"
-import * as Deferred from "effect/Deferred"
+import type * as Deferred from "effect/Deferred"
 import * as Effect from "effect/Effect"
 import * as FiberSet from "effect/FiberSet"
 import * as Queue from "effect/Queue"
 import type * as Scope from "effect/Scope"
-import type * as Schedule from "effect/Schedule"
 import type * as Cursor from "../../Cursor.js"
 import type { DaemonConfigShape } from "../../DaemonConfig.js"
 import type { EventLogService } from "../../EventLog.js"
-import type * as Protocol from "../../Protocol.js"
-import type { SessionSummary } from "../../Protocol.js"
+import type { SessionSummary, WorkerState } from "../../Protocol.js"
 import type { RecoveryJournalService } from "../../RecoveryJournal.js"
 import type { SupervisorInfo } from "../../SessionManager.js"
 import type { SessionMeta, SessionStoreService } from "../../SessionStore.js"
 import type { SnapshotCacheService } from "../../SnapshotCache.js"
-import type { RestartPolicy, WorkerPool } from "../../WorkerPool.js"
+import type { RestartPolicy, WorkerHandle, WorkerPool } from "../../WorkerPool.js"
 import type { Attachment } from "../delivery/attachment.js"
 import { bodyMessage, logged, type LoggedBody, type Outgoing, wireLine } from "../delivery/wireLines.js"
-import type { CheckpointReply, Input, PendingPrompt, Phase } from "./phase.js"
-import { workerOf, workerStateOf } from "./phase.js"
+import type { Input } from "./mailbox.js"
+import { busyOf, type ReqId, type State, type WorkerId, workerOf, workerStateOf } from "./transition.js"
 import { type CoreError, notFound, type SessionNotFound, StorageUnavailable } from "./errors.js"
 import type { WorkerSlots } from "./workerSlots.js"
 
@@ -63,15 +61,6 @@ export const storageAsUnavailable = <A, E, R>(effect: Effect.Effect<A, E | Stora
     (e) => Effect.fail(new StorageUnavailable({ message: e.message }))
   ) as Effect.Effect<A, Exclude<E, StorageFailed> | StorageUnavailable, R>
 
-/**
- * Where a cut turn's end stands: its `turn_interrupted` is owed (`InterruptOwed`: the supervisor,
- * or the restored worker, says it), or it is out and the `busy: false` status that must come
- * next is owed (`StatusOwed`: a restored worker reported the cut turn and is not ready yet).
- */
-export type CutTurn =
-  | { readonly _tag: "InterruptOwed"; readonly reason: Protocol.InterruptReason }
-  | { readonly _tag: "StatusOwed" }
-
 /** A session's state in the supervisor. */
 export interface Session {
   meta: SessionMeta
@@ -98,50 +87,49 @@ export interface Session {
   clientEnv: Record<string, string> | undefined
   /** The latest generation whose snapshot rewrote history (PROTOCOL: replay never crosses it). */
   rewriteGeneration: number | undefined
-  /** A history rewrite the worker is streaming (during a turn). */
-  rewrite: { readonly workerSnapshotId: string; readonly snapshotId: string; readonly generation: number } | undefined
-  closed: boolean
   /**
    * The session's own scope: its fibers (the worker's frame pump, a restart waiting for its
-   * backoff, a worker being acquired) end with it. `kill` closes it; passivation closes it and
-   * the session gets a new one.
+   * backoff, a worker being acquired) end with it. `kill` closes it.
    */
   scope: Scope.CloseableScope
   fibers: FiberSet.FiberSet
-  // The lifecycle: read by anyone, changed only by the session's entity.
-  phase: Phase
-  /** Bumped at every worker start and stop: inputs of an older attempt are ignored. */
-  epoch: number
+  /**
+   * The lifecycle, one value: written only by the session's entity, with what `step` returns
+   * (transition.ts). Read by anyone.
+   */
+  state: State
+  /** The worker and request handles the state names by id (the entity's tables). */
+  handles: Handles
   mailbox: Queue.Queue<Input>
-  pendingPrompt: PendingPrompt | undefined
   /** The latest checkpoint's snapshot file: every journal record names it (once there is one). */
   sessionFile: string | undefined
   /**
-   * A turn cut by a crash (of the worker or the daemon), until the status that ends it is out:
-   * the session is busy till then, and a prompt waits (`promptAfterCut`).
+   * What the stream last said of the session's busy and worker state (its last status logged):
+   * what the summary shows, so that nobody reading under the publish lock sees a state the log
+   * does not say yet, nor one a status that could not be logged was to say.
    */
-  cutTurn: CutTurn | undefined
-  /**
-   * A prompt that came while a cut turn waited for its end (the worker recovering): it becomes
-   * the reserved prompt right after that turn's `turn_interrupted` and idle status.
-   */
-  promptAfterCut: PendingPrompt | undefined
-  /** Checkpoints asked for, run when the session is next idle (during a turn: at its end). */
-  checkpointWaiters: Array<CheckpointReply>
-  /** An automatic checkpoint is due (one mark, however many turns asked). */
-  checkpointDue: boolean
-  passivationWanted: boolean
-  retryWaiters: Array<Deferred.Deferred<SessionSummary, CoreError>>
-  restarts: number
-  /** The state of the restart schedule (the crashes in its window). */
-  restartState: unknown
-  /** Whether the last `session_status` logged said busy. */
-  publishedBusy: boolean
-  /**
-   * A turn cut because storage failed, whose end could not be logged yet: the summary the stream
-   * last showed (busy), which `get_state` shows until that end is out; the entity retries it.
-   */
-  stalled: SessionSummary | undefined
+  shown: { busy: boolean; worker: WorkerState }
+}
+
+/** The entity's tables: the handles behind the ids in the session's state. */
+export interface Handles {
+  nextId: number
+  readonly requests: Map<ReqId, Deferred.Deferred<any, any>>
+  readonly workers: Map<WorkerId, WorkerHandle>
+  readonly workerIds: Map<WorkerHandle, WorkerId>
+  /** The wire id of the turn running (`prompt` and `abort` frames name it). */
+  turnId: string
+}
+
+export const newHandles = (): Handles => ({ nextId: 0, requests: new Map(), workers: new Map(), workerIds: new Map(), turnId: "" })
+
+/** Whether the session is closed (killed). */
+export const isClosed = (s: Session): boolean => s.state._tag === "Closed"
+
+/** The session's worker process, if its state has one. */
+export const workerHandleOf = (s: Session): WorkerHandle | undefined => {
+  const id = workerOf(s.state)
+  return id === undefined ? undefined : s.handles.workers.get(id)
 }
 
 export const snapshotIdOf = (s: Session, generation: number) => `${s.meta.activeSessionId}~g${generation}`
@@ -162,7 +150,6 @@ export interface CoreDeps {
   /** connectionId -> its attachments. */
   readonly connections: Map<string, Map<string, Attachment>>
   readonly restartPolicy: RestartPolicy
-  readonly restarts: Schedule.Schedule<number, unknown>
   /** A new scope for a session (a child of the manager's) and its fibers. */
   readonly sessionScope: Effect.Effect<{ readonly scope: Scope.CloseableScope; readonly fibers: FiberSet.FiberSet }>
 }
@@ -177,11 +164,8 @@ export interface Publisher {
   /** Appends messages to the log (one group commit) and hands them to live attachments. */
   readonly publishAll: (s: Session, messages: ReadonlyArray<Outgoing>) => Effect.Effect<void, StorageFailed>
   readonly publish: (s: Session, body: LoggedBody) => Effect.Effect<void, StorageFailed>
-  /**
-   * Publishes the session's status; `change` (a change of phase) is made under the publish lock
-   * first, and undone should the status not be logged.
-   */
-  readonly publishStatus: (s: Session, change?: () => void) => Effect.Effect<void, StorageFailed>
+  /** Publishes the session's status (`view`, or what its state says); the summary shows it once logged. */
+  readonly publishStatus: (s: Session, view?: { readonly busy: boolean; readonly worker: WorkerState }) => Effect.Effect<void, StorageFailed>
   /** The session's summary and last cursor at one moment, consistent with what is logged. */
   readonly publishedState: (s: Session) => Effect.Effect<{ state: SessionSummary; lastCursor: Cursor.Cursor | undefined }>
 }
@@ -229,8 +213,6 @@ export const makeCore = (deps: CoreDeps): Core => {
   const forkIn = <A, E>(s: Session, effect: Effect.Effect<A, E>) => FiberSet.run(s.fibers, effect).pipe(Effect.asVoid)
 
   const summary = (s: Session): SessionSummary => {
-    // Nothing is logged while an owed end waits: the stream still shows the cut turn running.
-    if (s.stalled !== undefined && !s.closed) return s.stalled
     const out: {
       -readonly [K in keyof SessionSummary]: SessionSummary[K]
     } = {
@@ -238,13 +220,14 @@ export const makeCore = (deps: CoreDeps): Core => {
       engine: s.meta.engine,
       createdAt: s.meta.createdAt,
       messageCount: s.messageCount,
-      busy: s.phase._tag === "Running" || s.pendingPrompt !== undefined || s.cutTurn !== undefined,
-      worker: workerStateOf(s.phase),
-      restarts: s.restarts,
+      // What the stream said last (a storage stall freezes it): see Session.shown.
+      busy: s.state._tag === "Closed" ? false : s.shown.busy,
+      worker: s.state._tag === "Closed" ? "closed" : s.shown.worker,
+      restarts: s.state.restarts,
       telemetry: s.meta.telemetry
     }
     if (s.meta.name !== undefined) out.name = s.meta.name
-    const worker = workerOf(s.phase)
+    const worker = workerHandleOf(s)
     if (worker !== undefined) out.workerPid = worker.pid
     if (s.lastCursor !== undefined) out.lastEventCursor = s.lastCursor
     return out
@@ -253,7 +236,7 @@ export const makeCore = (deps: CoreDeps): Core => {
   const get = (id: string) =>
     Effect.suspend(() => {
       const s = sessions.get(id)
-      return s === undefined || s.closed ? Effect.fail(notFound(id)) : Effect.succeed(s)
+      return s === undefined || isClosed(s) ? Effect.fail(notFound(id)) : Effect.succeed(s)
     })
 
   /** Appends messages to the log (one group commit) and hands them to live attachments. */
@@ -289,19 +272,15 @@ export const makeCore = (deps: CoreDeps): Core => {
   const publish = (s: Session, body: LoggedBody) => publishAll(s, [bodyMessage(body)])
 
   /**
-   * Publishes the session's status; `change` (a change of phase) is made under the publish lock
-   * first, so that whoever reads a summary under that lock (`get_state`, an attach) sees the
-   * new phase only together with the status event that says it, never ahead of the log.
+   * Publishes the session's status, saying `view` (by default what its state says); once logged,
+   * the summary shows it (see Session.shown). A status that cannot be logged did not happen.
    */
-  const publishStatus = (s: Session, change?: () => void) =>
+  const publishStatus = (s: Session, view?: { readonly busy: boolean; readonly worker: WorkerState }) =>
     s.publishLock.withPermits(1)(Effect.suspend(() => {
-      // A status that cannot be logged did not happen: the change is undone with it.
-      const before = { phase: s.phase, cutTurn: s.cutTurn, pendingPrompt: s.pendingPrompt, stalled: s.stalled }
-      change?.()
-      const state = summary(s)
+      const shown = view === undefined ? { busy: busyOf(s.state), worker: workerStateOf(s.state) } : { busy: view.busy, worker: view.worker }
+      const state = { ...summary(s), busy: shown.busy, worker: shown.worker }
       return appendAndDeliver(s, [bodyMessage({ type: "session_status", state })]).pipe(
-        Effect.tap(() => Effect.sync(() => (s.publishedBusy = state.busy))),
-        Effect.tapError(() => Effect.sync(() => Object.assign(s, before)))
+        Effect.tap(() => Effect.sync(() => (s.shown = shown)))
       )
     }))
 
@@ -337,7 +316,7 @@ export const makeCore = (deps: CoreDeps): Core => {
   /** Posts an input that needs no answer (from the session's own fibers). */
   const post = (s: Session, input: Input) =>
     Effect.sync(() => {
-      if (!s.closed) s.mailbox.unsafeOffer(input)
+      if (!isClosed(s)) s.mailbox.unsafeOffer(input)
     })
 
   /** Only the variables of a client's `env` that the configuration lets through. */

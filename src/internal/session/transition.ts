@@ -150,8 +150,11 @@ export type Input =
   // The worker's acquisition.
   | { readonly _tag: "Acquired"; readonly epoch: number; readonly worker: WorkerId }
   | { readonly _tag: "AcquireFailed"; readonly epoch: number }
-  /** The turn `StartTurn` began could not be made durable: its prompt was refused. */
-  | { readonly _tag: "TurnRefused"; readonly turn: number }
+  /**
+   * The turn `StartTurn` began could not be made durable: its prompt was refused. `shownBusy`:
+   * the stream shows the session busy (the prompt was reserved before the worker was ready).
+   */
+  | { readonly _tag: "TurnRefused"; readonly turn: number; readonly shownBusy: boolean }
   // The worker's frames and exit.
   /** Events that change no lifecycle fact (message_update, tool steps...): passed through. */
   | { readonly _tag: "Events"; readonly worker: WorkerId }
@@ -719,7 +722,8 @@ const take = (s: State, input: Input, env: Env, policy: RestartPolicy, out: Arra
       // Nothing of the turn remains; the stream, which may have shown the prompt waiting, says so.
       const idle = idleOn(s, s.worker)
       out.push({ _tag: "Journal", busy: false, op: "prompt_refused", required: false })
-      out.push(status(idle))
+      // Nothing of a refused prompt is published, unless the stream showed it waiting.
+      if (input.shownBusy) out.push(status(idle))
       return idle
     }
     case "RestartDue": {

@@ -1,51 +1,17 @@
 /**
- * The session entity's vocabulary: where a session's lifecycle stands (`Phase`) and what its
- * entity takes from its mailbox (`Input`). One fiber per session owns the phase; see
- * SessionManager.ts for the transitions.
+ * What a session's entity takes from its mailbox (`Input`): commands with their Deferreds, the
+ * worker's frames and exit with its handle, timers. The entity names the requests and workers
+ * of these inputs by plain ids and hands them to `step` (transition.ts), which owns the
+ * lifecycle; nothing here is state.
  */
 import type * as Deferred from "effect/Deferred"
 import * as FiberRef from "effect/FiberRef"
-import type * as Protocol from "../../Protocol.js"
-import type { SessionSummary, WorkerState } from "../../Protocol.js"
+import type { SessionSummary } from "../../Protocol.js"
 import type { CoreError } from "./errors.js"
 import type { WorkerExit, WorkerHandle } from "../../WorkerPool.js"
 import type * as WorkerProtocol from "../../WorkerProtocol.js"
 
-/** How a turn ended. */
-export type TurnEnd = "agent_end" | Protocol.InterruptReason
-
-/** A prompt that reserved the session (it is busy) and waits to start its turn. */
-export interface PendingPrompt {
-  readonly message: string
-  readonly reply: Deferred.Deferred<{ accepted: true }, CoreError>
-}
-
 export type CheckpointReply = Deferred.Deferred<{ generation: number; snapshotId: string }, CoreError>
-
-/**
- * Where a session's lifecycle stands. One fiber (the session's entity) owns it; every change
- * settles the requests that can no longer complete where it leads.
- */
-export type Phase =
-  /** A worker is being acquired and loaded (`epoch` names the attempt), or a restart waits for its backoff. */
-  | {
-    readonly _tag: "Starting"
-    readonly worker: WorkerHandle | undefined
-    readonly state: "starting" | "recovering"
-    readonly epoch: number
-  }
-  | { readonly _tag: "Idle"; readonly worker: WorkerHandle }
-  | {
-    readonly _tag: "Running"
-    readonly worker: WorkerHandle
-    readonly turnId: string
-    /** Aborts answered at the turn's end, with how it ended. */
-    readonly aborts: Array<Deferred.Deferred<{ aborted: boolean }, CoreError>>
-  }
-  | { readonly _tag: "Passivated" }
-  | { readonly _tag: "Failed" }
-  | { readonly _tag: "Closed" }
-
 
 /**
  * Completed once a command has taken effect in its session: its input handled by the entity (a
@@ -97,26 +63,3 @@ export type Input =
   | { readonly _tag: "Exited"; readonly worker: WorkerHandle; readonly exit: WorkerExit }
 
 export type AnyFrame = { readonly type: string; readonly [k: string]: unknown }
-
-/** The worker process of a phase, if it has one. */
-export const workerOf = (phase: Phase): WorkerHandle | undefined =>
-  phase._tag === "Idle" || phase._tag === "Running" || phase._tag === "Starting"
-    ? phase.worker
-    : undefined
-
-/** The worker state a phase shows to clients. */
-export const workerStateOf = (phase: Phase): WorkerState => {
-  switch (phase._tag) {
-    case "Starting":
-      return phase.state
-    case "Idle":
-    case "Running":
-      return "ready"
-    case "Passivated":
-      return "passivated"
-    case "Failed":
-      return "failed"
-    case "Closed":
-      return "closed"
-  }
-}
