@@ -338,7 +338,7 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
   /** The frame being taken, for the actions that publish or store it. */
   interface FrameContext {
     readonly raw: AnyFrame
-    /** Publishes the frame's event (with those before it; `flush`: now). */
+    /** Publishes the frame's event now (with the batch before it). */
     readonly add: (flush: boolean) => Effect.Effect<void, StorageFailed>
   }
 
@@ -361,6 +361,15 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
       })
       /** Flushes the batch; storage refusing it is the next input. */
       const flushed = Effect.catchTag(flush, "StorageFailed", (e) => storageFailed(s, e))
+      /** A frame's event published now, with the batch before it. */
+      const eventNow = (raw: AnyFrame, eventType: string, eventJson: string): FrameContext => ({
+        raw,
+        add: () =>
+          Effect.suspend(() => {
+            events.push(eventMessage(eventType, eventJson))
+            return flush
+          })
+      })
       const eventsInput: T.Input = { _tag: "Events", worker }
       const env = yield* envOf(s)
       for (const raw of frames) {
@@ -368,34 +377,30 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
         if (frame.type === "worker_event") {
           const { eventJson, eventType } = raw as WorkerProtocol.EventFrame
           const end = eventType === "agent_end" || eventType === "turn_interrupted"
-          const add = (now: boolean) =>
-            Effect.suspend(() => {
-              events.push(eventMessage(eventType, eventJson))
-              eventBytes += eventJson.length
-              return now || eventBytes >= PUBLISH_BATCH_BYTES ? flush : Effect.void
-            })
           if (!end) {
             const t = T.step(s.state, eventsInput, env, restartPolicy)
-            if (t.state !== s.state) {
-              s.state = t.state
-              yield* flushed
-            }
-            if (t.actions.length === 1 && t.actions[0]!._tag === "PublishEvents") {
-              yield* Effect.catchTag(add(false), "StorageFailed", (e) => storageFailed(s, e))
+            if (t.actions === HOT) {
+              // The hot path: the event joins the batch, nothing else is made.
+              events.push(eventMessage(eventType, eventJson))
+              eventBytes += eventJson.length
+              if (eventBytes >= PUBLISH_BATCH_BYTES) yield* flushed
               if (eventType === "tool_execution_start" || eventType === "tool_execution_end") {
                 yield* flushed
                 // The journal said busy when the turn began: a restart cuts it either way.
                 yield* recordBestEffort(s, true, eventType === "tool_execution_start" ? "tool_start" : "tool_end")
               }
             } else {
-              yield* perform(s, t.actions, { raw: frame, add })
+              // A stale worker's event (no actions), or one that changes the state (a passivation
+              // waits for it): it is logged before what follows.
+              s.state = t.state
+              yield* perform(s, t.actions, eventNow(frame, eventType, eventJson))
             }
             continue
           }
           const how: T.TurnEnd = eventType === "agent_end"
             ? "agent_end"
             : (JSON.parse(eventJson) as Extract<Protocol.AgentEvent, { type: "turn_interrupted" }>).reason
-          yield* run(s, { _tag: "TurnEnded", worker, how }, { raw: frame, add })
+          yield* run(s, { _tag: "TurnEnded", worker, how }, eventNow(frame, eventType, eventJson))
           yield* flushed
           continue
         }
@@ -431,6 +436,9 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
     })
 
   const noEvents = (raw: AnyFrame): FrameContext => ({ raw, add: () => Effect.void })
+
+  /** What `step` returns for an event of the current worker that changes nothing. */
+  const HOT = T.EVENTS
 
   // ---------------------------------------------------------------------------------------------
   // The mailbox's inputs

@@ -1,7 +1,8 @@
 /**
  * A session's state in the supervisor, the errors commands fail with, and the helpers every part
  * of the core shares (lookup, publishing to the log and to attached clients, the journal).
- * The lifecycle itself is in entity.ts; see SessionManager.ts for the whole picture.
+ * The lifecycle itself is transition.ts's `step`, run by entity.ts; see SessionManager.ts for
+ * the whole picture.
  */
 import type * as Context from "effect/Context"
 import * as Data from "effect/Data"

@@ -451,7 +451,8 @@ const err = (req: ReqId, error: RequestError, detail?: "stalled" | "failed"): Ac
 /** The status that says `s`. */
 const status = (s: State): Action => ({ _tag: "PublishStatus", busy: busyOf(s), worker: workerStateOf(s) })
 const NOTHING: ReadonlyArray<Action> = []
-const EVENTS: ReadonlyArray<Action> = [{ _tag: "PublishEvents" }]
+/** The actions of an event of the current worker that changes nothing (the hot path: always this array). */
+export const EVENTS: ReadonlyArray<Action> = [{ _tag: "PublishEvents" }]
 
 /**
  * Takes every request that waits for a worker or a turn's end, answered `error`: the reserved
