@@ -11,6 +11,7 @@ const benches: Record<string, () => Promise<{ default: () => Promise<void> }>> =
   storeDelivery: () => import("./storeDelivery.js"),
   recovery: () => import("./recovery.js"),
   delivery: () => import("./delivery.js"),
+  hotPath: () => import("./hotPath.js"),
   httpDelivery: () => import("./httpDelivery.js"),
   attach: () => import("./attach.js"),
   checkpoint: () => import("./checkpoint.js"),
