@@ -7,6 +7,8 @@
  *
  * ```
  * internal/session/phase.ts       the lifecycle as a union (Phase) and the mailbox's inputs
+ * internal/session/transition.ts  the lifecycle as one value and a pure step (docs/session-core.md)
+ * internal/session/errors.ts      the core's typed errors and their one mapping to wire codes
  * internal/session/entity.ts      the state machine: one input at a time, then idle work
  * internal/session/supervisor.ts  worker start, frame pump, turns, WorkerCrashed -> restore
  * internal/session/checkpoint.ts  snapshot intake, transcript write, new generation, prune
@@ -43,7 +45,8 @@ import { bodyMessage, type LoggedBody, logged } from "./internal/delivery/wireLi
 import { makeCheckpoints } from "./internal/session/checkpoint.js"
 import { makeEntity } from "./internal/session/entity.js"
 import type { Input, Phase } from "./internal/session/phase.js"
-import { CommandError, internal, makeCore, notFound, READ_GATE_PERMITS, type Session, storageAsCommandError } from "./internal/session/session.js"
+import { type CoreError, toCommandError } from "./internal/session/errors.js"
+import { CommandError, internal, makeCore, notFound, READ_GATE_PERMITS, type Session, storageAsUnavailable } from "./internal/session/session.js"
 import * as WorkerSlots from "./internal/session/workerSlots.js"
 import { makeSupervisor } from "./internal/session/supervisor.js"
 import type * as Protocol from "./Protocol.js"
@@ -178,7 +181,6 @@ export const make = Effect.gen(function*() {
         lastUsed: Date.now(),
         launchEnv: undefined,
         clientEnv: undefined,
-        snapshotId: undefined,
         closed: false,
         phase,
         epoch: 0,
@@ -242,10 +244,10 @@ export const make = Effect.gen(function*() {
       // An idle record: a session the journal does not name is idle all the same.
       yield* recordBestEffort(s, false, "created")
       // The first worker starts before the entity takes any input (nothing can race it yet).
-      yield* storageAsCommandError(startWorker(s, "starting", false))
+      yield* storageAsUnavailable(startWorker(s, "starting", false))
       yield* register(s)
       return { activeSessionId, state: summary(s) }
-    })
+    }).pipe(Effect.mapError(toCommandError))
 
   // ------------------------------------------------------------------------------------------
   // Start-up: load every session; restore those that were busy when the last daemon died.
@@ -464,16 +466,19 @@ export const make = Effect.gen(function*() {
       return {}
     }))
 
-  /** A command on a session: `live` for a loaded one, `onDamaged` for a damaged one. */
+  /**
+   * A command on a session: `live` for a loaded one, `onDamaged` for a damaged one. The core's
+   * typed errors become the wire's here, where the core answers its callers.
+   */
   const route = <A>(
     id: string,
-    live: (s: Session) => Effect.Effect<A, CommandError>,
-    onDamaged: (d: Damaged) => Effect.Effect<A, CommandError> = (d) => Effect.fail(damagedError(d))
+    live: (s: Session) => Effect.Effect<A, CoreError | CommandError>,
+    onDamaged: (d: Damaged) => Effect.Effect<A, CoreError | CommandError> = (d) => Effect.fail(damagedError(d))
   ): Effect.Effect<A, CommandError> =>
     Effect.suspend(() => {
       const d = damaged.get(id)
       return d === undefined ? Effect.flatMap(get(id), live) : onDamaged(d)
-    })
+    }).pipe(Effect.mapError(toCommandError))
 
   const listings = yield* store.list().pipe(Effect.orDie)
   const latest = yield* journal.latest()

@@ -192,4 +192,22 @@ describe("server (e2e)", () => {
     const grep = spawnSync("grep", ["-rl", "launch-value", daemon.stateDir], { encoding: "utf8" })
     expect(grep.stdout).toBe("")
   }, 30_000)
+
+  it("an attach's launchEnv and env reach the session's next worker, started by the prompt right after it", async () => {
+    // One worker slot: the second session's start passivates the first, whose next worker
+    // starts with the environment its attach set.
+    const daemon = await useDaemon({ env: { AGENTD_MAX_WORKERS: "1" } })
+    const client = await daemon.connect()
+    const { id } = await createSession(client)
+    await waitIdle(client, id)
+    const other = await createSession(client)
+    await waitIdle(client, other.id)
+    expect((await client.ok({ type: "get_state", activeSessionId: id }))["worker"]).toBe("passivated")
+    await client.ok({ type: "attach", activeSessionId: id, env: { TERM: "xterm-attach" }, launchEnv: { AGENTD_TEST_LAUNCH: "attach-value" } })
+    await client.ok({ type: "prompt", activeSessionId: id, message: "hello" })
+    const state = await waitIdle(client, id)
+    const env = environOf(state["workerPid"] as number)
+    expect(env["AGENTD_TEST_LAUNCH"]).toBe("attach-value")
+    expect(env["TERM"]).toBe("xterm-attach")
+  }, 30_000)
 })

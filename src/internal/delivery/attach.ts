@@ -15,7 +15,8 @@ import type { EventRecord } from "../../EventLog.js"
 import * as Protocol from "../../Protocol.js"
 import type { AgentMessage, CommandOf } from "../../Protocol.js"
 import type { ConnectionPort } from "../../SessionManager.js"
-import { type Core, CommandError, internal, type Session, snapshotIdOf } from "../session/session.js"
+import { type CoreError, internal, TelemetryPolicyViolation } from "../session/errors.js"
+import { type Core, type Session, snapshotIdOf } from "../session/session.js"
 import type { Checkpoints } from "../session/checkpoint.js"
 import { Attachment } from "./attachment.js"
 import { type Decision, decideReplay, needsLastSequence } from "./replay.js"
@@ -27,9 +28,21 @@ import { wireLineOfRecord } from "./wireLines.js"
  */
 const ENVELOPE_BYTES = 1024
 
+/** The seam of delivery: a client's attachments to a session. */
+export interface Delivery {
+  /** Attaches a connection to a session: the replay decision, the response, then its delivery. */
+  readonly attach: (
+    connectionId: string,
+    outbox: ConnectionPort,
+    cmd: CommandOf<"attach">
+  ) => Effect.Effect<{ data: Protocol.DaemonAttachResult; deliver: Effect.Effect<void> }, CoreError>
+  /** Ends an attachment (synchronously: nothing more is delivered to it). */
+  readonly detachAttachment: (a: Attachment) => void
+}
+
 /** Attachments: attach (replay decision, baseline), catch-up from the log, resync, detach. */
-export const makeDelivery = (core: Core, checkpoints: Checkpoints) => {
-  const { cache, config, connections, log, get, filterEnv, publishedState } = core
+export const makeDelivery = (core: Core, checkpoints: Checkpoints): Delivery => {
+  const { cache, config, connections, log, get, filterEnv, post, publishedState } = core
   const { currentSnapshotEntry, snapshotLines } = checkpoints
 
   /** The last sequence of a generation, read from the log (only for cursor_unknown checks). */
@@ -40,7 +53,7 @@ export const makeDelivery = (core: Core, checkpoints: Checkpoints) => {
     )
 
   const decide = (s: Session, resume: Cursor.Cursor | undefined) =>
-    Effect.gen(function*(): Effect.fn.Return<Decision, CommandError> {
+    Effect.gen(function*(): Effect.fn.Return<Decision, CoreError> {
       const last = s.lastCursor
       const view = { resume, last, generation: s.generation, rewriteGeneration: s.rewriteGeneration }
       if (resume === undefined || last === undefined) {
@@ -80,7 +93,7 @@ export const makeDelivery = (core: Core, checkpoints: Checkpoints) => {
         a.outbox.offer(Protocol.encode({
           type: "session_snapshot_failed",
           activeSessionId: s.meta.activeSessionId,
-          snapshotId: s.snapshotId ?? snapshotIdOf(s, s.generation),
+          snapshotId: checkpoints.snapshotEntryOf(s) ?? snapshotIdOf(s, s.generation),
           error: { code: "internal", message: chosen.left.message }
         }))
         return false
@@ -162,13 +175,19 @@ export const makeDelivery = (core: Core, checkpoints: Checkpoints) => {
   const attach = (connectionId: string, outbox: ConnectionPort, cmd: CommandOf<"attach">) =>
     Effect.flatMap(get(cmd.activeSessionId), (s) => s.readGate.withPermits(1)(Effect.gen(function*() {
       if (cmd.telemetryDisabled === true && s.meta.telemetry) {
-        return yield* new CommandError({
-          code: "telemetry_policy_violation",
+        return yield* new TelemetryPolicyViolation({
           message: `Session \`${s.meta.activeSessionId}\` was created with telemetry on; it cannot be attached with telemetryDisabled.`
         })
       }
-      if (cmd.launchEnv !== undefined) s.launchEnv = { ...cmd.launchEnv }
-      if (cmd.env !== undefined) s.clientEnv = filterEnv(cmd.env)
+      // The environment of the session's next worker: the entity's to change (posted now, so
+      // that it comes before any command this client sends after the attach).
+      if (cmd.launchEnv !== undefined || cmd.env !== undefined) {
+        yield* post(s, {
+          _tag: "SetEnv",
+          ...(cmd.launchEnv === undefined ? {} : { launchEnv: { ...cmd.launchEnv } }),
+          ...(cmd.env === undefined ? {} : { clientEnv: filterEnv(cmd.env) ?? {} })
+        })
+      }
       const capabilities = cmd.capabilities ?? Protocol.DEFAULT_CLIENT_CAPABILITIES
       const chunked = capabilities.includes("chunked_snapshot")
       const slim = capabilities.includes("slim_attach")
@@ -389,5 +408,3 @@ export const makeDelivery = (core: Core, checkpoints: Checkpoints) => {
 
   return { attach, detachAttachment }
 }
-
-export type Delivery = ReturnType<typeof makeDelivery>

@@ -21,11 +21,42 @@ import type { WorkerHandle } from "../../WorkerPool.js"
 import type { SnapshotHeaderInput, SnapshotInfo } from "../../SessionStore.js"
 import type { LoggedBody } from "../delivery/wireLines.js"
 import type { AnyFrame } from "./phase.js"
-import { type Core, CommandError, internal, READ_GATE_PERMITS, type Session, snapshotIdOf, storageAsCommandError } from "./session.js"
+import { type CoreError, CoreInternal, internal } from "./errors.js"
+import { type Core, READ_GATE_PERMITS, type Session, snapshotIdOf, storageAsUnavailable } from "./session.js"
+
+/** The seam of generations: checkpoints and rewrites move a session to its next one. */
+export interface Checkpoints {
+  /** Takes a checkpoint between turns and answers every checkpoint waiting with its outcome. */
+  readonly runCheckpoint: (s: Session) => Effect.Effect<void>
+  /** A frame of the history rewrite the worker streams during a turn. */
+  readonly rewriteFrame: (s: Session, worker: WorkerHandle, frame: AnyFrame) => Effect.Effect<void>
+  /** A rewrite being streamed that will not be completed: its entry is gone. */
+  readonly abandonRewrite: (s: Session, why: string) => Effect.Effect<void>
+  /** The messages of the current generation's snapshot, as the transcript file holds them. */
+  readonly snapshotLines: (s: Session) => Stream.Stream<string, CoreError>
+  /** Every message of the transcript: the snapshot, then the messages ended since. */
+  readonly transcript: (s: Session) => Stream.Stream<AgentMessage, CoreError>
+  /** The current generation's snapshot entry in the cache (made when first needed). */
+  readonly currentSnapshotEntry: (s: Session) => Effect.Effect<string, CoreError>
+  /** The current generation's snapshot entry, if one was made. */
+  readonly snapshotEntryOf: (s: Session) => string | undefined
+  /** The session is gone: its snapshot entry goes too. */
+  readonly disposeSnapshotEntry: (s: Session) => Effect.Effect<void>
+}
 
 /** Checkpoints: the transcript of the next generation, the log's new generation, pruning. */
-export const makeCheckpoints = (core: Core) => {
+export const makeCheckpoints = (core: Core): Checkpoints => {
   const { cache, config, log, store, record, recordBestEffort, fork } = core
+
+  /**
+   * Each session's current snapshot entry in the cache, if made: owned here (the entity moves
+   * it to a new generation; readers, attaches and resyncs, make it when they first need it).
+   */
+  const entries = new WeakMap<Session, string>()
+  const setEntry = (s: Session, snapshotId: string | undefined) => {
+    if (snapshotId === undefined) entries.delete(s)
+    else entries.set(s, snapshotId)
+  }
 
   /**
    * Takes a checkpoint in one step of the entity, between turns: the messages the current
@@ -76,7 +107,7 @@ export const makeCheckpoints = (core: Core) => {
       const snapshotCursor = s.lastCursor
       const { messageCount, rewrittenAt } = next
       // No journal, no checkpoint: it is refused before anything moves.
-      yield* storageAsCommandError(record(s, next.busy, "snapshot_begin"))
+      yield* storageAsUnavailable(record(s, next.busy, "snapshot_begin"))
       const written = yield* next.write({
         snapshotId,
         generation,
@@ -102,7 +133,7 @@ export const makeCheckpoints = (core: Core) => {
     next: { readonly generation: number; readonly snapshotCursor: Cursor | undefined; readonly messageCount: number; readonly snapshotId?: string }
   ) =>
     Effect.gen(function*() {
-      const previous = s.snapshotId
+      const previous = entries.get(s)
       s.generation = next.generation
       s.snapshotCursor = next.snapshotCursor
       s.baseMessageCount = next.messageCount
@@ -110,7 +141,7 @@ export const makeCheckpoints = (core: Core) => {
       s.generationEvents = 0
       s.generationBytes = 0
       // The snapshot's cache entry is made when a reader first needs it.
-      s.snapshotId = next.snapshotId
+      setEntry(s, next.snapshotId)
       if (previous !== undefined) yield* Effect.ignore(cache.dispose(previous))
     })
 
@@ -133,10 +164,10 @@ export const makeCheckpoints = (core: Core) => {
     Effect.gen(function*() {
       const id = s.meta.activeSessionId
       const rewrite = s.rewrite
-      const outcome = yield* Effect.either(Effect.gen(function*(): Effect.fn.Return<void, CommandError> {
+      const outcome = yield* Effect.either(Effect.gen(function*(): Effect.fn.Return<void, CoreError> {
         if (frame.type === "session_snapshot_begin") {
           if (rewrite !== undefined || frame["purpose"] !== "replacement") {
-            return yield* new CommandError({ code: "internal", message: `unexpected ${frame.type} (purpose ${String(frame["purpose"])})` })
+            return yield* new CoreInternal({ message: `unexpected ${frame.type} (purpose ${String(frame["purpose"])})` })
           }
           const generation = s.generation + 1
           const snapshotId = snapshotIdOf(s, generation)
@@ -152,7 +183,7 @@ export const makeCheckpoints = (core: Core) => {
           return
         }
         if (rewrite === undefined || frame["snapshotId"] !== rewrite.workerSnapshotId) {
-          return yield* new CommandError({ code: "internal", message: `unexpected ${frame.type}` })
+          return yield* new CoreInternal({ message: `unexpected ${frame.type}` })
         }
         switch (frame.type) {
           case "session_snapshot_chunk":
@@ -171,7 +202,7 @@ export const makeCheckpoints = (core: Core) => {
             s.rewrite = undefined
             return yield* completeRewrite(s, rewrite)
           default:
-            return yield* new CommandError({ code: "internal", message: `the worker could not stream its rewrite: ${JSON.stringify(frame["error"])}` })
+            return yield* new CoreInternal({ message: `the worker could not stream its rewrite: ${JSON.stringify(frame["error"])}` })
         }
       }))
       if (Either.isRight(outcome)) return
@@ -204,7 +235,7 @@ export const makeCheckpoints = (core: Core) => {
     })
 
   /** The messages the current generation added: its `message_end` events, from the log. */
-  const generationMessages = (s: Session): Stream.Stream<AgentMessage, CommandError> =>
+  const generationMessages = (s: Session): Stream.Stream<AgentMessage, CoreError> =>
     log.readGeneration(s.meta.activeSessionId, s.generation).pipe(
       Stream.filterMap((r) => {
         const body = r.event as unknown as LoggedBody
@@ -222,13 +253,13 @@ export const makeCheckpoints = (core: Core) => {
     )
 
   /** The messages of the current generation's snapshot, read from its transcript file. */
-  const snapshotLines = (s: Session): Stream.Stream<string, CommandError> =>
+  const snapshotLines = (s: Session): Stream.Stream<string, CoreError> =>
     s.generation === 1
       ? Stream.empty
       : store.readSnapshotLines(s.meta.activeSessionId, s.generation).pipe(Stream.mapError(internal("transcript")))
 
   /** Every message of the transcript: the snapshot, then the messages ended since. */
-  const transcript = (s: Session): Stream.Stream<AgentMessage, CommandError> =>
+  const transcript = (s: Session): Stream.Stream<AgentMessage, CoreError> =>
     Stream.concat(Stream.map(snapshotLines(s), (line) => JSON.parse(line) as AgentMessage), generationMessages(s))
 
   /**
@@ -237,7 +268,7 @@ export const makeCheckpoints = (core: Core) => {
    */
   const currentSnapshotEntry = (s: Session) =>
     Effect.gen(function*() {
-      const existing = s.snapshotId
+      const existing = entries.get(s)
       if (existing !== undefined) {
         const ok = yield* Effect.either(cache.info(existing))
         if (Either.isRight(ok) && !ok.right.disposed && ok.right.status !== "failed") return existing
@@ -284,7 +315,7 @@ export const makeCheckpoints = (core: Core) => {
         yield* fillFromLines(s, snapshotId, end)
       }
       if (existing !== undefined) yield* Effect.ignore(cache.dispose(existing))
-      s.snapshotId = snapshotId
+      setEntry(s, snapshotId)
       return snapshotId
     })
 
@@ -309,7 +340,21 @@ export const makeCheckpoints = (core: Core) => {
       }
     })
 
-  return { runCheckpoint, rewriteFrame, abandonRewrite, snapshotLines, transcript, currentSnapshotEntry }
-}
+  const disposeSnapshotEntry = (s: Session) =>
+    Effect.suspend(() => {
+      const entry = entries.get(s)
+      entries.delete(s)
+      return entry === undefined ? Effect.void : Effect.ignore(cache.dispose(entry))
+    })
 
-export type Checkpoints = ReturnType<typeof makeCheckpoints>
+  return {
+    runCheckpoint,
+    rewriteFrame,
+    abandonRewrite,
+    snapshotLines,
+    transcript,
+    currentSnapshotEntry,
+    snapshotEntryOf: (s) => entries.get(s),
+    disposeSnapshotEntry
+  }
+}

@@ -20,7 +20,8 @@ import type { Delivery } from "../delivery/attach.js"
 import type { Checkpoints } from "./checkpoint.js"
 import type { Input } from "./phase.js"
 import { CommandTakesEffect, workerOf } from "./phase.js"
-import { CommandError, type Core, failed, internal, notFound, type Session, type StorageFailed } from "./session.js"
+import { type CoreError, failed, internal, notFound, SessionBusy, shuttingDown, StorageUnavailable } from "./errors.js"
+import { type Core, type Session, type StorageFailed } from "./session.js"
 import type { Supervisor } from "./supervisor.js"
 
 /** How long the workers have to cut their running turns at a graceful stop, before the supervisor does. */
@@ -39,7 +40,6 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
    */
   /** Set once the daemon stops: commands are refused from then on (see {@link settleForShutdown}). */
   let stopping = false
-  const shuttingDown = () => new CommandError({ code: "shutting_down", message: "The daemon is shutting down." })
   /** Who waits for a session's running turn to be cut before the daemon closes its sockets. */
   const turnCutWaiters = new Map<Session, Array<Deferred.Deferred<void>>>()
   /** Completes the waits for a cut once no turn runs (or the session is gone). */
@@ -53,10 +53,10 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
 
   const send = <A>(
     s: Session,
-    make: (command: { readonly reply: Deferred.Deferred<A, CommandError>; readonly taken: Deferred.Deferred<void> | undefined }) => Input
+    make: (command: { readonly reply: Deferred.Deferred<A, CoreError>; readonly taken: Deferred.Deferred<void> | undefined }) => Input
   ) =>
     Effect.gen(function*() {
-      const reply = yield* Deferred.make<A, CommandError>()
+      const reply = yield* Deferred.make<A, CoreError>()
       const taken = yield* FiberRef.get(CommandTakesEffect)
       if (stopping) return yield* Effect.fail(shuttingDown())
       if (s.closed) return yield* Effect.fail(notFound(s.meta.activeSessionId))
@@ -108,14 +108,16 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
         if (s.stalled !== undefined) {
           return Deferred.fail(
             input.reply,
-            new CommandError({
-              code: "storage_unavailable",
+            new StorageUnavailable({
               message: `Session \`${s.meta.activeSessionId}\` cannot take a prompt: storage failed and the end of its last turn is not logged yet.`
             })
           )
         }
         if (phase._tag === "Running" || s.pendingPrompt !== undefined || s.promptAfterCut !== undefined) {
-          return Deferred.fail(input.reply, new CommandError({ code: "session_busy", message: `Session \`${s.meta.activeSessionId}\` is running a turn.` }))
+          return Deferred.fail(
+            input.reply,
+            new SessionBusy({ activeSessionId: s.meta.activeSessionId, message: `Session \`${s.meta.activeSessionId}\` is running a turn.` })
+          )
         }
         if (s.cutTurn !== undefined) {
           // The worker recovers from a crash that cut a turn: the prompt waits for it, and is
@@ -156,6 +158,11 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
       }
       case "Kill":
         return killSession(s, input.reply)
+      case "SetEnv":
+        return Effect.sync(() => {
+          if (input.launchEnv !== undefined) s.launchEnv = input.launchEnv
+          if (input.clientEnv !== undefined) s.clientEnv = input.clientEnv
+        })
       case "ShuttingDown": {
         // What would wait for a turn's end or a worker is answered now: the daemon will not wait.
         const error = shuttingDown()
@@ -224,7 +231,7 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
   }
 
   /** `kill`: closed for everyone, the worker stops, the files move to the archive. */
-  const killSession = (s: Session, reply: Deferred.Deferred<{}, CommandError>) =>
+  const killSession = (s: Session, reply: Deferred.Deferred<{}, CoreError>) =>
     Effect.gen(function*() {
       const id = s.meta.activeSessionId
       const phase = s.phase
@@ -253,7 +260,7 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
         const dir = yield* store.archive(id).pipe(Effect.mapError(internal("session store")))
         yield* log.remove(id, { archiveTo: StateLayout.archivedEventsDir(dir) }).pipe(Effect.mapError(internal("event log")))
       }))
-      if (s.snapshotId !== undefined) yield* Effect.ignore(cache.dispose(s.snapshotId))
+      yield* checkpoints.disposeSnapshotEntry(s)
       sessions.delete(id)
       if (Either.isLeft(archived)) yield* Deferred.fail(reply, archived.left)
       else yield* Deferred.succeed(reply, {})
@@ -268,7 +275,7 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
       case "Checkpoint":
       case "Retry":
       case "Kill":
-        return Deferred.fail(input.reply as Deferred.Deferred<unknown, CommandError>, gone).pipe(Effect.asVoid)
+        return Deferred.fail(input.reply as Deferred.Deferred<unknown, CoreError>, gone).pipe(Effect.asVoid)
       case "Acquired":
         return Effect.asVoid(input.worker.stop())
       case "Frames":

@@ -7,7 +7,7 @@ import type * as Deferred from "effect/Deferred"
 import * as FiberRef from "effect/FiberRef"
 import type * as Protocol from "../../Protocol.js"
 import type { SessionSummary, WorkerState } from "../../Protocol.js"
-import type { CommandError } from "./session.js"
+import type { CoreError } from "./errors.js"
 import type { WorkerExit, WorkerHandle } from "../../WorkerPool.js"
 import type * as WorkerProtocol from "../../WorkerProtocol.js"
 
@@ -17,10 +17,10 @@ export type TurnEnd = "agent_end" | Protocol.InterruptReason
 /** A prompt that reserved the session (it is busy) and waits to start its turn. */
 export interface PendingPrompt {
   readonly message: string
-  readonly reply: Deferred.Deferred<{ accepted: true }, CommandError>
+  readonly reply: Deferred.Deferred<{ accepted: true }, CoreError>
 }
 
-export type CheckpointReply = Deferred.Deferred<{ generation: number; snapshotId: string }, CommandError>
+export type CheckpointReply = Deferred.Deferred<{ generation: number; snapshotId: string }, CoreError>
 
 /**
  * Where a session's lifecycle stands. One fiber (the session's entity) owns it; every change
@@ -40,7 +40,7 @@ export type Phase =
     readonly worker: WorkerHandle
     readonly turnId: string
     /** Aborts answered at the turn's end, with how it ended. */
-    readonly aborts: Array<Deferred.Deferred<{ aborted: boolean }, CommandError>>
+    readonly aborts: Array<Deferred.Deferred<{ aborted: boolean }, CoreError>>
   }
   | { readonly _tag: "Passivated" }
   | { readonly _tag: "Failed" }
@@ -58,7 +58,7 @@ export const CommandTakesEffect = FiberRef.unsafeMake<Deferred.Deferred<void> | 
 
 /** What every command's input carries. */
 interface CommandInput<A> {
-  readonly reply: Deferred.Deferred<A, CommandError>
+  readonly reply: Deferred.Deferred<A, CoreError>
   /** The caller's {@link CommandTakesEffect}, if any. */
   readonly taken: Deferred.Deferred<void> | undefined
 }
@@ -71,6 +71,8 @@ export type Input =
   | { readonly _tag: "Retry" } & CommandInput<SessionSummary>
   | { readonly _tag: "Kill" } & CommandInput<{}>
   | { readonly _tag: "Passivate" }
+  /** An attach set the environment of the session's next worker. */
+  | { readonly _tag: "SetEnv"; readonly launchEnv?: Record<string, string>; readonly clientEnv?: Record<string, string> }
   /**
    * The daemon stops gracefully: every command waiting in the session is answered
    * `shutting_down`, and a running turn is cut (`turn_interrupted {daemon_shutdown}`), by its

@@ -15,7 +15,7 @@ import type * as Cursor from "../../Cursor.js"
 import type { DaemonConfigShape } from "../../DaemonConfig.js"
 import type { EventLogService } from "../../EventLog.js"
 import type * as Protocol from "../../Protocol.js"
-import type { ErrorCode, SessionSummary } from "../../Protocol.js"
+import type { SessionSummary } from "../../Protocol.js"
 import type { RecoveryJournalService } from "../../RecoveryJournal.js"
 import type { SupervisorInfo } from "../../SessionManager.js"
 import type { SessionMeta, SessionStoreService } from "../../SessionStore.js"
@@ -25,6 +25,7 @@ import type { Attachment } from "../delivery/attachment.js"
 import { bodyMessage, logged, type LoggedBody, type Outgoing, wireLine } from "../delivery/wireLines.js"
 import type { CheckpointReply, Input, PendingPrompt, Phase } from "./phase.js"
 import { workerOf, workerStateOf } from "./phase.js"
+import { type CoreError, notFound, type SessionNotFound, StorageUnavailable } from "./errors.js"
 import type { WorkerSlots } from "./workerSlots.js"
 
 /**
@@ -37,15 +38,7 @@ export const PUBLISH_BATCH_BYTES = 256 * 1024
 /** More than the readers of one session's baseline at any one time. */
 export const READ_GATE_PERMITS = 1_000_000
 
-/** A command failed with one of the documented error codes. */
-export class CommandError extends Data.TaggedError("CommandError")<{
-  readonly code: ErrorCode
-  readonly message: string
-}> {}
-
-export const notFound = (id: string) => new CommandError({ code: "session_not_found", message: `No session \`${id}\`.` })
-
-export const failed = (message: string) => new CommandError({ code: "session_failed", message })
+export { CommandError, failed, internal, notFound } from "./errors.js"
 
 /**
  * The event log or the recovery journal could not be written (ENOSPC, EFBIG, EMFILE, EIO,
@@ -60,19 +53,15 @@ export class StorageFailed extends Data.TaggedError("StorageFailed")<{
 
 /** A prompt that cannot be made durable: refused, never accepted then dropped. */
 export const storageUnavailable = (id: string, e: StorageFailed) =>
-  new CommandError({ code: "storage_unavailable", message: `Session \`${id}\` cannot take a prompt: ${e.message}` })
+  new StorageUnavailable({ message: `Session \`${id}\` cannot take a prompt: ${e.message}` })
 
 /** A storage failure outside a turn, as the answer to the command that met it. */
-export const storageAsCommandError = <A, E, R>(effect: Effect.Effect<A, E | StorageFailed, R>) =>
+export const storageAsUnavailable = <A, E, R>(effect: Effect.Effect<A, E | StorageFailed, R>) =>
   Effect.catchIf(
     effect,
     (e): e is StorageFailed => e instanceof StorageFailed,
-    (e) => Effect.fail(new CommandError({ code: "storage_unavailable", message: e.message }))
-  ) as Effect.Effect<A, Exclude<E, StorageFailed> | CommandError, R>
-
-/** An unexpected failure of a part below the core, as the `internal` error code. */
-export const internal = (what: string) => (e: { readonly message: string }) =>
-  new CommandError({ code: "internal", message: `${what}: ${e.message}` })
+    (e) => Effect.fail(new StorageUnavailable({ message: e.message }))
+  ) as Effect.Effect<A, Exclude<E, StorageFailed> | StorageUnavailable, R>
 
 /**
  * Where a cut turn's end stands: its `turn_interrupted` is owed (`InterruptOwed`: the supervisor,
@@ -107,8 +96,6 @@ export interface Session {
   lastUsed: number
   launchEnv: Record<string, string> | undefined
   clientEnv: Record<string, string> | undefined
-  /** The snapshot cache entry of the current generation, if built. */
-  snapshotId: string | undefined
   /** The latest generation whose snapshot rewrote history (PROTOCOL: replay never crosses it). */
   rewriteGeneration: number | undefined
   /** A history rewrite the worker is streaming (during a turn). */
@@ -144,7 +131,7 @@ export interface Session {
   /** An automatic checkpoint is due (one mark, however many turns asked). */
   checkpointDue: boolean
   passivationWanted: boolean
-  retryWaiters: Array<Deferred.Deferred<SessionSummary, CommandError>>
+  retryWaiters: Array<Deferred.Deferred<SessionSummary, CoreError>>
   restarts: number
   /** The state of the restart schedule (the crashes in its window). */
   restartState: unknown
@@ -180,8 +167,53 @@ export interface CoreDeps {
   readonly sessionScope: Effect.Effect<{ readonly scope: Scope.CloseableScope; readonly fibers: FiberSet.FiberSet }>
 }
 
+/**
+ * The seam between the session core and its clients' stream: every sequenced message of a
+ * session is appended to the event log, then handed to its live attachments.
+ */
+export interface Publisher {
+  /** The session's summary now (what the stream shows, while a storage stall freezes it). */
+  readonly summary: (s: Session) => SessionSummary
+  /** Appends messages to the log (one group commit) and hands them to live attachments. */
+  readonly publishAll: (s: Session, messages: ReadonlyArray<Outgoing>) => Effect.Effect<void, StorageFailed>
+  readonly publish: (s: Session, body: LoggedBody) => Effect.Effect<void, StorageFailed>
+  /**
+   * Publishes the session's status; `change` (a change of phase) is made under the publish lock
+   * first, and undone should the status not be logged.
+   */
+  readonly publishStatus: (s: Session, change?: () => void) => Effect.Effect<void, StorageFailed>
+  /** The session's summary and last cursor at one moment, consistent with what is logged. */
+  readonly publishedState: (s: Session) => Effect.Effect<{ state: SessionSummary; lastCursor: Cursor.Cursor | undefined }>
+}
+
+/** The seam between the session core and the recovery journal. */
+export interface JournalWriter {
+  /** Whether the journal takes writes (`status` shows it). */
+  readonly storage: { ok: boolean; error: string | undefined }
+  /** A record a step depends on: its failure is the step's. */
+  readonly record: (s: Session, busy: boolean, operation: string) => Effect.Effect<boolean, StorageFailed>
+  /** A record nothing waits on: a failure is logged and shown in `status`. */
+  readonly recordBestEffort: (s: Session, busy: boolean, operation: string) => Effect.Effect<void>
+}
+
+/** What every part of the core works with: its dependencies, the registry, publishing, the journal. */
+export interface Core extends CoreDeps, Publisher, JournalWriter {
+  /** Forks work that must finish even if its session is killed (stopping a worker). */
+  readonly fork: <A, E>(effect: Effect.Effect<A, E>) => Effect.Effect<void>
+  /** Forks work of one session, in its scope. */
+  readonly forkIn: <A, E>(s: Session, effect: Effect.Effect<A, E>) => Effect.Effect<void>
+  /** A live session, or `session_not_found`. */
+  readonly get: (id: string) => Effect.Effect<Session, SessionNotFound>
+  /** The environment a new worker of the session gets. */
+  readonly workerEnv: (s: Session) => Record<string, string> | undefined
+  /** Posts an input that needs no answer (from the session's own fibers). */
+  readonly post: (s: Session, input: Input) => Effect.Effect<void>
+  /** Only the variables of a client's `env` that the configuration lets through. */
+  readonly filterEnv: (env: Record<string, string> | undefined) => Record<string, string> | undefined
+}
+
 /** The dependencies and the helpers every part of the core shares: lookup, publishing, journal. */
-export const makeCore = (deps: CoreDeps) => {
+export const makeCore = (deps: CoreDeps): Core => {
   const { config, journal, log, sessions } = deps
 
   /**
@@ -334,5 +366,3 @@ export const makeCore = (deps: CoreDeps) => {
     filterEnv
   }
 }
-
-export type Core = ReturnType<typeof makeCore>

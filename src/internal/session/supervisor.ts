@@ -20,7 +20,8 @@ import { journalSaysBusy, sendRestore } from "./restore.js"
 import type { Checkpoints } from "./checkpoint.js"
 import type { AnyFrame, PendingPrompt, Phase, TurnEnd } from "./phase.js"
 import { workerOf } from "./phase.js"
-import { type CommandError, type Core, failed, PUBLISH_BATCH_BYTES, type Session, type StorageFailed, storageUnavailable } from "./session.js"
+import { type CoreError, failed } from "./errors.js"
+import { type Core, PUBLISH_BATCH_BYTES, type Session, type StorageFailed, storageUnavailable } from "./session.js"
 
 /**
  * How often a session whose turn storage cut tries again to log that turn's end (a full disk
@@ -28,8 +29,34 @@ import { type CommandError, type Core, failed, PUBLISH_BATCH_BYTES, type Session
  */
 export const STORAGE_RETRY_INTERVAL = "1500 millis"
 
+/** The seam of the worker supervisor, as the session's entity drives it. */
+export interface Supervisor {
+  /** Starts a worker (acquired beside the entity; its outcome comes back through the mailbox). */
+  readonly startWorker: (s: Session, worker: WorkerState & ("starting" | "recovering"), restoring: boolean) => Effect.Effect<void, StorageFailed>
+  /** Pumps a worker's frames to the entity until the pipe closes, then reports the exit. */
+  readonly pump: (s: Session, worker: WorkerHandle) => Effect.Effect<void>
+  /** Starts the turn of the reserved prompt (the session is Idle). */
+  readonly startTurn: (s: Session, worker: WorkerHandle, prompt: PendingPrompt) => Effect.Effect<void, StorageFailed>
+  /** The worker exited without being asked to: restored on the schedule, or the session fails. */
+  readonly onCrash: (s: Session, crash: WorkerCrashed) => Effect.Effect<void, StorageFailed>
+  /** The worker's frames, in order. */
+  readonly onFrames: (s: Session, frames: ReadonlyArray<WorkerProtocol.ReceivedFrame>) => Effect.Effect<void, StorageFailed>
+  /** The session cannot run: `failed` until `retry_worker`. */
+  readonly failSession: (s: Session, why: string) => Effect.Effect<void>
+  /** Takes every request that waits for a worker; the effect answers them with `error`. */
+  readonly answerWaiting: (s: Session, error: CoreError) => Effect.Effect<void>
+  /** The daemon stops and the worker did not cut its turn: cut here. */
+  readonly cutForShutdown: (s: Session, phase: Extract<Phase, { _tag: "Running" }>) => Effect.Effect<void, StorageFailed>
+  /** The daemon stops while a cut turn waits for its end: said now. */
+  readonly endCutTurnForShutdown: (s: Session) => Effect.Effect<void, StorageFailed>
+  /** Storage failed under the session: it stalls, and retries. */
+  readonly onStorageFailed: (s: Session, error: StorageFailed) => Effect.Effect<void>
+  /** Tries again to end the turn that storage cut. */
+  readonly retryStorage: (s: Session) => Effect.Effect<void, StorageFailed>
+}
+
 /** Worker supervision: start, frame pump, turns, crash -> restore on the restart schedule, failure. */
-export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
+export const makeSupervisor = (core: Core, checkpoints: Checkpoints): Supervisor => {
   const { config, info, pool, restartPolicy, restarts, sessions, slots, fork, post, publish, publishAll, publishStatus, record, recordBestEffort, summary, workerEnv, forkIn } = core
   const { abandonRewrite, rewriteFrame } = checkpoints
 
@@ -445,7 +472,7 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
    * Takes, synchronously, every request that waits for a worker (the session is no longer busy
    * with a reserved prompt from here); the effect returned answers them with `error`.
    */
-  const answerWaiting = (s: Session, error: CommandError): Effect.Effect<void> => {
+  const answerWaiting = (s: Session, error: CoreError): Effect.Effect<void> => {
     const prompts = [s.pendingPrompt, s.promptAfterCut].filter((p) => p !== undefined)
     s.pendingPrompt = undefined
     s.promptAfterCut = undefined
@@ -486,5 +513,3 @@ export const makeSupervisor = (core: Core, checkpoints: Checkpoints) => {
     retryStorage
   }
 }
-
-export type Supervisor = ReturnType<typeof makeSupervisor>

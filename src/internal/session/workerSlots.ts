@@ -29,46 +29,78 @@ export interface WorkerSlots {
   readonly waiting: () => number
 }
 
+/**
+ * The slots' accounting, without the waiting itself (a plain value the simulation in
+ * test/transition.sim.test.ts drives too): how many are held, how many spawns wait, which
+ * workers hold one and which of those are on their way out.
+ */
+export class SlotBook<W> {
+  held = 0
+  waiting = 0
+  /** The workers holding a slot (until their exit). */
+  readonly holders = new Set<W>()
+  readonly onTheirWayOut = new Set<W>()
+  constructor(readonly max: number) {}
+  /** Whether a spawn takes a slot at once: takes are served in order, behind those waiting. */
+  free(): boolean {
+    return this.held + this.waiting < this.max
+  }
+  /** A spawned worker holds the slot its spawn took. */
+  hold(worker: W): void {
+    this.holders.add(worker)
+  }
+  /** A slot is given back (its worker exited, or its spawn failed: `worker` undefined). */
+  release(worker: W | undefined): void {
+    this.held--
+    if (worker !== undefined) {
+      this.holders.delete(worker)
+      this.onTheirWayOut.delete(worker)
+    }
+  }
+  wanted(): number {
+    return Math.max(0, this.waiting - this.onTheirWayOut.size)
+  }
+  /**
+   * A worker that has exited already (killed while its session was idle, say) frees nothing
+   * more: counted, it would hide a waiting spawn for good.
+   */
+  leaving(worker: W): void {
+    if (this.holders.has(worker)) this.onTheirWayOut.add(worker)
+  }
+}
+
 /** `fork` runs the wait for a worker's exit (it must outlive the session that spawned it). */
 export const make = (max: number, fork: (effect: Effect.Effect<void>) => Effect.Effect<void>): Effect.Effect<WorkerSlots> =>
   Effect.gen(function*() {
     const semaphore = yield* Effect.makeSemaphore(max)
-    let held = 0
-    let waiting = 0
-    /** The workers holding a slot (until their exit). */
-    const holders = new Set<WorkerHandle>()
-    const onTheirWayOut = new Set<WorkerHandle>()
+    const book = new SlotBook<WorkerHandle>(max)
     const release = (worker: WorkerHandle | undefined) =>
       Effect.suspend(() => {
-        held--
-        if (worker !== undefined) {
-          holders.delete(worker)
-          onTheirWayOut.delete(worker)
-        }
+        book.release(worker)
         return semaphore.release(1)
       })
     const take = (onWait: Effect.Effect<void>) =>
       Effect.suspend(() => {
         // Takes are served in order: behind those already waiting, a new one waits too.
-        if (held + waiting < max) return semaphore.take(1)
-        waiting++
+        if (book.free()) return semaphore.take(1)
+        book.waiting++
         return Effect.ensuring(
           Effect.zipRight(onWait, semaphore.take(1)),
-          Effect.sync(() => waiting--)
+          Effect.sync(() => book.waiting--)
         )
       })
     const withSlot = <E>(spawn: Effect.Effect<WorkerHandle, E>, onWait: Effect.Effect<void>) =>
       Effect.uninterruptibleMask((restore) =>
         Effect.gen(function*() {
           yield* restore(take(onWait))
-          held++
+          book.held++
           const spawned = yield* Effect.exit(restore(spawn))
           if (Exit.isFailure(spawned)) {
             yield* release(undefined)
             return yield* spawned
           }
           const worker = spawned.value
-          holders.add(worker)
+          book.hold(worker)
           // Interruptible (a fiber forked here would inherit this region's mask): the daemon's
           // close interrupts it, whether or not its worker has exited by then.
           yield* fork(Effect.interruptible(Effect.zipRight(Deferred.await(worker.exited), release(worker))))
@@ -77,12 +109,8 @@ export const make = (max: number, fork: (effect: Effect.Effect<void>) => Effect.
       )
     return {
       withSlot,
-      wanted: () => Math.max(0, waiting - onTheirWayOut.size),
-      // A worker that has exited already (killed while its session was idle, say) frees nothing
-      // more: counted, it would hide a waiting spawn for good.
-      leaving: (worker) => {
-        if (holders.has(worker)) onTheirWayOut.add(worker)
-      },
-      waiting: () => waiting
+      wanted: () => book.wanted(),
+      leaving: (worker) => book.leaving(worker),
+      waiting: () => book.waiting
     }
   })

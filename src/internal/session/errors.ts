@@ -1,0 +1,60 @@
+/**
+ * The session core's errors, typed (a command's answer, when it is no success), and the one
+ * mapping of them to the wire's `{code, message}` (`toCommandError`), applied where the core
+ * answers its callers (SessionManager's service; the socket server and the HTTP front both
+ * reach the core through it). Storage failures under a step are `StorageFailed`
+ * (session.ts): the core turns those into a stall or into `StorageUnavailable` itself.
+ */
+import * as Data from "effect/Data"
+import type { ErrorCode } from "../../Protocol.js"
+
+/** A command failed with one of the documented error codes: the wire's error. */
+export class CommandError extends Data.TaggedError("CommandError")<{
+  readonly code: ErrorCode
+  readonly message: string
+}> {}
+
+export class SessionNotFound extends Data.TaggedError("SessionNotFound")<{ readonly activeSessionId: string; readonly message: string }> {}
+/** A prompt while another holds the session (reserved, or its turn running). */
+export class SessionBusy extends Data.TaggedError("SessionBusy")<{ readonly activeSessionId: string; readonly message: string }> {}
+/** The session has failed (its worker kept crashing): `retry_worker` first. */
+export class SessionFailed extends Data.TaggedError("SessionFailed")<{ readonly message: string }> {}
+/** What the command needed could not be made durable (the event log or the journal refused). */
+export class StorageUnavailable extends Data.TaggedError("StorageUnavailable")<{ readonly message: string }> {}
+export class ShuttingDown extends Data.TaggedError("ShuttingDown")<{ readonly message: string }> {}
+/** The session was created with telemetry on; the attach asked for it off. */
+export class TelemetryPolicyViolation extends Data.TaggedError("TelemetryPolicyViolation")<{ readonly message: string }> {}
+/** A part below the core failed unexpectedly (a store, the cache, the log outside a step). */
+export class CoreInternal extends Data.TaggedError("CoreInternal")<{ readonly message: string }> {}
+
+export type CoreError =
+  | SessionNotFound
+  | SessionBusy
+  | SessionFailed
+  | StorageUnavailable
+  | ShuttingDown
+  | TelemetryPolicyViolation
+  | CoreInternal
+
+export const notFound = (id: string) => new SessionNotFound({ activeSessionId: id, message: `No session \`${id}\`.` })
+
+export const failed = (message: string) => new SessionFailed({ message })
+
+export const shuttingDown = () => new ShuttingDown({ message: "The daemon is shutting down." })
+
+/** An unexpected failure of a part below the core, as the `internal` error code. */
+export const internal = (what: string) => (e: { readonly message: string }) => new CoreInternal({ message: `${what}: ${e.message}` })
+
+const CODES: { readonly [K in CoreError["_tag"]]: ErrorCode } = {
+  SessionNotFound: "session_not_found",
+  SessionBusy: "session_busy",
+  SessionFailed: "session_failed",
+  StorageUnavailable: "storage_unavailable",
+  ShuttingDown: "shutting_down",
+  TelemetryPolicyViolation: "telemetry_policy_violation",
+  CoreInternal: "internal"
+}
+
+/** The one mapping of the core's errors to the wire's (a wire error passes as it is). */
+export const toCommandError = (e: CoreError | CommandError): CommandError =>
+  e._tag === "CommandError" ? e : new CommandError({ code: CODES[e._tag], message: e.message })
