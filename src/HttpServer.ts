@@ -39,6 +39,7 @@ import { EventLog } from "./EventLog.js"
 import { errorResponse, REQUEST_ID_HEADER } from "./internal/http/errors.js"
 import { openReader, type Reader, readPage, ReadRefused, snapshotLink, sseStream } from "./internal/http/events.js"
 import * as Metrics from "./internal/http/metrics.js"
+import * as DaemonMetrics from "./Metrics.js"
 import * as Offset from "./internal/http/offset.js"
 import { StreamPort } from "./internal/http/port.js"
 import * as Security from "./internal/http/security.js"
@@ -308,12 +309,12 @@ export const make = Effect.gen(function*() {
       return yield* withReader(ctx, requested, (reader, close) =>
         Effect.gen(function*() {
           if (live === "sse") {
-            Metric.increment(Metrics.sseClients).pipe(Effect.runSync)
+            DaemonMetrics.gaugeBy(DaemonMetrics.clients.sse, 1)
             const body = sseStream(reader, {
               keepAliveMs: config.httpKeepAliveMs,
               cursor: streamCursor,
               snapshotLink: (snapshotId) => snapshotLink(sessionId(ctx), snapshotId)
-            }).pipe(Stream.ensuring(Effect.zipRight(close, Metric.incrementBy(Metrics.sseClients, -1))))
+            }).pipe(Stream.ensuring(Effect.zipRight(close, Effect.sync(() => DaemonMetrics.gaugeBy(DaemonMetrics.clients.sse, -1)))))
             return HttpServerResponse.stream(body, {
               contentType: "text/event-stream",
               headers: { ...streamHeaders(ctx, Offset.encode(reader.from), false, true), connection: "keep-alive" }
@@ -321,7 +322,7 @@ export const make = Effect.gen(function*() {
           }
           const page = yield* readPage(reader, PAGE_BYTES, live === "long-poll" ? config.httpLongPollMs : undefined)
           yield* close
-          yield* Metric.incrementBy(Metrics.eventsDelivered, page.lines.length)
+          DaemonMetrics.delivered("http", page.lines.length, page.lines.reduce((n, l) => n + l.length, 0))
           const next = Offset.encode(page.next)
           if (live === "long-poll" && page.lines.length === 0) {
             return HttpServerResponse.empty({ status: 204, headers: streamHeaders(ctx, next, true, true) })
@@ -421,6 +422,8 @@ export const make = Effect.gen(function*() {
         return Scope.close(scope, Exit.void)
       })
       const write = yield* socket.writer.pipe(Scope.extend(scope))
+      DaemonMetrics.gaugeBy(DaemonMetrics.clients.ws, 1)
+      yield* Scope.addFinalizer(scope, Effect.sync(() => DaemonMetrics.gaugeBy(DaemonMetrics.clients.ws, -1)))
       const unix = net.connect(config.socketPath)
       yield* Scope.addFinalizer(scope, Effect.sync(() => unix.destroy()))
       let carry = ""

@@ -9,6 +9,8 @@ import * as Effect from "effect/Effect"
 import type { ConnectionPort } from "../../SessionManager.js"
 
 export class StreamPort implements ConnectionPort {
+  /** What the delivery's metrics read: an HTTP read counts the events it sends itself. */
+  readonly transport = "http"
   private items: Array<string | Uint8Array> = []
   private queued = 0
   private closed = false
