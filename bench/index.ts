@@ -12,6 +12,7 @@ const benches: Record<string, () => Promise<{ default: () => Promise<void> }>> =
   recovery: () => import("./recovery.js"),
   delivery: () => import("./delivery.js"),
   httpDelivery: () => import("./httpDelivery.js"),
+  httpCatchUp: () => import("./httpCatchUp.js"),
   attach: () => import("./attach.js"),
   checkpoint: () => import("./checkpoint.js"),
   cliStartup: () => import("./cliStartup.js")
