@@ -58,8 +58,14 @@ export class HttpFront extends Context.Tag("agentd/HttpFront")<HttpFront, {
   readonly url: string
 }>() {}
 
-/** Most bytes of one catch-up or long-poll page of events. */
-const PAGE_BYTES = 4 * 1024 * 1024
+/**
+ * The least of the most bytes of one catch-up or long-poll page of events; the most is the
+ * outbox limit when it is higher (8 MiB by default: the bound a socket client is held to). Each
+ * page is a new attach whose catch-up finds its offset in the log: fewer, larger pages read a
+ * long history faster (`npm run bench -- httpCatchUp`, 100k events: 0.56x of the socket's
+ * replay with 4 MiB pages, 0.77x with 16 MiB).
+ */
+const MIN_PAGE_BYTES = 4 * 1024 * 1024
 /** Bytes a WebSocket may have unsent before its bridge stops reading the daemon's socket. */
 const WS_HIGH_BYTES = 1024 * 1024
 /** At a stop, how long open responses may take to end before their connections are closed. */
@@ -140,6 +146,8 @@ export const make = Effect.gen(function*() {
   const port = address._tag === "TcpAddress" ? address.port : listen.port
   const hostForUrl = net.isIPv6(listen.host) ? `[${listen.host}]` : listen.host
   const url = `http://${hostForUrl}:${port}`
+
+  const pageBytes = Math.max(MIN_PAGE_BYTES, config.outboxBytes)
 
   /** Open event reads and sockets, closed at a stop so that no response holds the daemon. */
   const openScopes = new Set<Scope.CloseableScope>()
@@ -271,7 +279,9 @@ export const make = Effect.gen(function*() {
   const withReader = (
     ctx: RequestContext,
     requested: Offset.Requested,
-    use: (reader: Reader, close: Effect.Effect<void>) => Effect.Effect<HttpServerResponse.HttpServerResponse, Refusal>
+    use: (reader: Reader, close: Effect.Effect<void>) => Effect.Effect<HttpServerResponse.HttpServerResponse, Refusal>,
+    /** A one-page read's budget (see StreamPort); none for a stream. */
+    budget?: number
   ) =>
     Effect.gen(function*() {
       if (stopping) return yield* refuse("shutting_down", "The daemon is shutting down.")
@@ -282,7 +292,7 @@ export const make = Effect.gen(function*() {
         return Scope.close(scope, Exit.void)
       })
       NodeHttpServerRequest.toServerResponse(ctx.request).once("close", () => runFork(close))
-      const reader = yield* openReader(manager, log, connectionIdOf(ctx), sessionId(ctx), requested).pipe(
+      const reader = yield* openReader(manager, log, connectionIdOf(ctx), sessionId(ctx), requested, budget).pipe(
         Scope.extend(scope),
         Effect.mapError(fromCommandError),
         Effect.onExit((exit) => (Exit.isSuccess(exit) ? Effect.void : close))
@@ -320,18 +330,19 @@ export const make = Effect.gen(function*() {
               headers: { ...streamHeaders(ctx, Offset.encode(reader.from), false, true), connection: "keep-alive" }
             })
           }
-          const page = yield* readPage(reader, PAGE_BYTES, live === "long-poll" ? config.httpLongPollMs : undefined)
+          const page = yield* readPage(reader, pageBytes, live === "long-poll" ? config.httpLongPollMs : undefined)
           yield* close
           DaemonMetrics.delivered("http", page.lines.length, page.lines.reduce((n, l) => n + l.length, 0))
           const next = Offset.encode(page.next)
           if (live === "long-poll" && page.lines.length === 0) {
             return HttpServerResponse.empty({ status: 204, headers: streamHeaders(ctx, next, true, true) })
           }
-          return HttpServerResponse.text(`[${page.lines.join(",")}]`, {
+          // Encoded by Buffer.from, faster than the TextEncoder `text` uses on a 4 MiB page.
+          return HttpServerResponse.uint8Array(Buffer.from(`[${page.lines.join(",")}]`, "utf8"), {
             contentType: "application/json",
             headers: streamHeaders(ctx, next, page.upToDate, live === "long-poll")
           })
-        }))
+        }), live === "sse" ? undefined : pageBytes)
     })
 
   /**

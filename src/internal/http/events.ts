@@ -72,7 +72,9 @@ export const openReader = (
   log: EventLogService,
   connectionId: string,
   id: string,
-  requested: Offset.Requested
+  requested: Offset.Requested,
+  /** For a one-page read: the most bytes it takes (see StreamPort); none for a stream. */
+  budget?: number
 ): Effect.Effect<Reader, CommandError | ReadRefused, import("effect/Scope").Scope> =>
   Effect.gen(function*() {
     for (let attempt = 0;; attempt++) {
@@ -94,7 +96,7 @@ export const openReader = (
         resume = first.value.cursor
         pending.push({ _tag: "Event", line: wireLineOfRecord(JSON.stringify(id), first.value, true).slice(0, -1), cursor: resume })
       }
-      const port = new StreamPort()
+      const port = new StreamPort(budget)
       yield* Effect.addFinalizer(() => Effect.zipRight(Effect.sync(() => port.close()), manager.detachAll(connectionId)))
       const outcome = yield* manager.attach(connectionId, port, {
         type: "attach",
@@ -137,7 +139,8 @@ export const nextItems = (r: Reader, wait: boolean): Effect.Effect<Array<Item>> 
     const out = r.pending.splice(0)
     while (out.length === 0 || r.port.hasItems) {
       if (!r.port.hasItems) {
-        if (!wait || r.port.isClosed) break
+        // A spent budget: nothing more comes for this read; the page ends where it is.
+        if (!wait || r.port.isClosed || r.port.exhausted) break
         yield* r.port.awaitItems
         if (!r.port.hasItems) break
       }
