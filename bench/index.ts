@@ -13,6 +13,7 @@ const benches: Record<string, () => Promise<{ default: () => Promise<void> }>> =
   delivery: () => import("./delivery.js"),
   hotPath: () => import("./hotPath.js"),
   httpDelivery: () => import("./httpDelivery.js"),
+  httpCatchUp: () => import("./httpCatchUp.js"),
   attach: () => import("./attach.js"),
   checkpoint: () => import("./checkpoint.js"),
   cliStartup: () => import("./cliStartup.js")

@@ -19,6 +19,7 @@ import * as DaemonServer from "./DaemonServer.js"
 import { Engine, EngineError } from "./Engine.js"
 import * as BuiltinEngines from "./engines/builtin.js"
 import * as EventLog from "./EventLog.js"
+import * as Metrics from "./Metrics.js"
 import * as HttpServer from "./HttpServer.js"
 import * as Fsx from "./internal/fsx.js"
 import * as PostgresStore from "./PostgresStore.js"
@@ -299,7 +300,8 @@ const coreOver = <E>(
   const enginesLayer = Layer.merge(checkEngines, checkStore).pipe(Layer.provideMerge(layers.engines ?? BuiltinEngines.layer))
   const info = infoLayer.pipe(Layer.provideMerge(enginesLayer), Layer.provideMerge(configLayer))
   const storage = Layer.mergeAll(
-    storageLayers(layers),
+    // Wrapped for the daemon's metrics (appends, turn and checkpoint durations), whatever the store.
+    Layer.map(storageLayers(layers), Metrics.instrumentStorage),
     (layers.snapshotCache ?? snapshotCacheLayer).pipe(Layer.provide(layers.fileSystem ?? NodeFileSystem.layer))
   ).pipe(Layer.provideMerge(info))
   const workers = (layers.workerPool ?? workerPoolLayer).pipe(Layer.provideMerge(storage))

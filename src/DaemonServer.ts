@@ -25,6 +25,7 @@ import * as path from "node:path"
 import { DaemonConfig } from "./DaemonConfig.js"
 import { type CommandHead, scanCommandHead } from "./internal/commandHead.js"
 import { Outbox } from "./internal/outbox.js"
+import * as Metrics from "./Metrics.js"
 import { LineDecoder, type LineItem } from "./JsonLines.js"
 import * as Protocol from "./Protocol.js"
 import { CommandError, CommandTakesEffect, SessionManager, SupervisorInfo } from "./SessionManager.js"
@@ -181,8 +182,10 @@ export const make = Effect.gen(function*() {
       let owed = 0
       const outbox = new Outbox(socket)
       outboxes.add(outbox)
+      Metrics.gaugeBy(Metrics.clients.socket, 1)
       yield* Effect.addFinalizer(() =>
         Effect.gen(function*() {
+          Metrics.gaugeBy(Metrics.clients.socket, -1)
           outboxes.delete(outbox)
           // Answers this connection will not write any more (it closed or was interrupted).
           unanswered -= owed

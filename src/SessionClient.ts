@@ -144,7 +144,9 @@ export type SessionClientError = ConnectError | RequestError | SnapshotFailed | 
  * failed snapshot stream, a daemon shutting down or failing internally.
  */
 export const isRetriable = (e: SessionClientError): boolean =>
-  e._tag === "DaemonUnreachable" || e._tag === "DaemonDisconnected" || e._tag === "SnapshotFailed" ||
+  // A daemon that refused the connection with a 4xx (a wrong token: 401) refuses it again.
+  (e._tag === "DaemonUnreachable" && !(e.status !== undefined && e.status >= 400 && e.status < 500)) ||
+  e._tag === "DaemonDisconnected" || e._tag === "SnapshotFailed" ||
   (e._tag === "DaemonError" && (e.code === "shutting_down" || e.code === "internal"))
 
 // ---------------------------------------------------------------------------------------------
@@ -472,8 +474,11 @@ export const writeCursorFileSync = (file: string, activeSessionId: string, curso
 /** Options of {@link make}. */
 export interface SessionClientOptions {
   readonly activeSessionId: string
-  /** The daemon's socket (default as for `DaemonClient`). */
+  /** The daemon's socket, or its URL (default as for `DaemonClient`). */
   readonly socketPath?: string | undefined
+  /** The daemon's URL and the token for it, as for `DaemonClient`. */
+  readonly url?: string | undefined
+  readonly token?: string | undefined
   /** Emit only the events after this cursor (the consumer saw the rest). */
   readonly cursor?: Cursor.Cursor | undefined
   /**
@@ -544,7 +549,7 @@ export const make = (options: SessionClientOptions): Effect.Effect<SessionClient
     /** One connection: connect, attach (resuming), then the pushed messages folded. */
     const connection: Stream.Stream<FollowEvent, SessionClientError> = Stream.unwrapScoped(
       Effect.gen(function*() {
-        const client = yield* DaemonClient.make({ socketPath: options.socketPath, helloTimeout: options.helloTimeout })
+        const client = yield* DaemonClient.make({ socketPath: options.socketPath, url: options.url, token: options.token, helloTimeout: options.helloTimeout })
         if (options.onConnect !== undefined) yield* options.onConnect(client.hello)
         const pushes = yield* client.subscribe
         const result = yield* client.attach(activeSessionId, {

@@ -1,5 +1,6 @@
 /**
- * `agentd/client`: talk to a running agentd daemon over its socket.
+ * `agentd/client`: talk to a running agentd daemon over its socket, or over the network through
+ * its HTTP front (`connect({ url: "http://127.0.0.1:7433", token })`).
  *
  * Two faces on one core:
  * - Effect: the {@link DaemonClient} service (`DaemonClient.layer({ socketPath })`), typed
@@ -230,11 +231,14 @@ const iterate = <A, E>(
 })
 
 /**
- * Connects to the daemon (default socket: `AGENTD_SOCKET`, else the default state dir's).
- * Rejects with `DaemonUnreachable` when nothing answers, `ProtocolMismatch` when the daemon
- * speaks another protocol.
+ * Connects to the daemon (default: `AGENTD_URL`, else the socket `AGENTD_SOCKET`, else the
+ * default state dir's); over the network with `url` (`http://HOST:PORT` of `agentd serve
+ * --http`, or `ws://`) and `token` (default `AGENTD_TOKEN`). Rejects with `DaemonUnreachable`
+ * when nothing answers or the daemon refuses the connection (its `status`: 401 for a wrong
+ * token), `ProtocolMismatch` when the daemon speaks another protocol.
  */
 export const connect = async (options: ConnectOptions = {}): Promise<Client> => {
+  const connectOptions = options
   const scope = Effect.runSync(Scope.make())
   const exit = await Effect.runPromiseExit(Scope.extend(DaemonClient.make(options), scope))
   if (Exit.isFailure(exit)) {
@@ -279,7 +283,9 @@ export const connect = async (options: ConnectOptions = {}): Promise<Client> => 
             written = persisted
             follower = yield* SessionClient.make({
               activeSessionId,
+              // The same daemon, the same way (a socket path, or a URL with its token).
               socketPath: core.socketPath,
+              token: connectOptions.token,
               cursor: last,
               reconnect: options.reconnect,
               waitForRestart: options.waitForRestart

@@ -515,7 +515,11 @@ console.log(JSON.stringify(report))
       "Protocol.js",
       "SessionClient.js",
       "StatePaths.js",
-      "client.js"
+      "client.js",
+      // The transport over a URL and the pure helpers it shares with the HTTP front (no Effect).
+      "internal/http/security.js",
+      "internal/http/token.js",
+      "internal/remote.js"
     ])
   })
 

@@ -14,7 +14,7 @@ import { type Context, runOneShot } from "./commands.js"
 import { builtinEngines } from "./engines.js"
 import { report } from "./errors.js"
 import { EXIT } from "./exitCodes.js"
-import { socketOf } from "./paths.js"
+import { addressOf } from "./paths.js"
 
 export const VERSION = "0.1.0"
 
@@ -58,11 +58,20 @@ const socketOption: OptionSpec = {
   value: "PATH",
   description: "The daemon's socket (default $AGENTD_SOCKET, else <state dir>/agentd.sock)."
 }
+const urlOption: OptionSpec = {
+  name: "url",
+  kind: "string",
+  value: "URL",
+  description:
+    "Reach the daemon over the network instead: the URL of its `serve --http` (http://HOST:PORT; default $AGENTD_URL). The token comes from $AGENTD_TOKEN, else (a loopback URL) from <state dir>/http-token."
+}
 const jsonOption: OptionSpec = { name: "json", kind: "flag", description: "Print JSON (one value) instead of text." }
 const jsonLinesOption: OptionSpec = { name: "json", kind: "flag", description: "Print JSON lines (one per event) instead of text." }
 const where = [stateDirOption, socketOption]
-const common = [...where, jsonOption]
-const streaming = [...where, jsonLinesOption]
+/** Where a client command finds the daemon: its socket, or its URL. */
+const reach = [...where, urlOption]
+const common = [...reach, jsonOption]
+const streaming = [...reach, jsonLinesOption]
 const targetArg = {
   name: "TARGET",
   description: "The session: its id, a unique prefix of the id (the s- may be left out), or its name."
@@ -295,8 +304,13 @@ export const main = async (argv: ReadonlyArray<string>, hooks: Hooks): Promise<n
         throw e
       })
       const p = result.parsed
+      const address = addressOf(p)
+      if (typeof address !== "string") {
+        process.stderr.write(`agentd: ${address.error}\nUsage: ${usageLine(p.command)}\n`)
+        return EXIT.usage
+      }
       const ctx: Context = {
-        socketPath: socketOf(p),
+        socketPath: address,
         json: p.options.get("json") === true,
         color: useColor(process.stdout),
         stdoutIsTTY: process.stdout.isTTY === true
