@@ -36,7 +36,7 @@ import {
 } from "../../EventLog.js"
 import * as StateLayout from "../../StateLayout.js"
 import * as AppendQueue from "./appendQueue.js"
-import { fail, isCursor, parseRecord, recordLine } from "./records.js"
+import { fail, isCursor, parseRecord, recordLine, statusReads } from "./records.js"
 
 const headerLine = (generation: number, after: Option.Option<Cursor.Cursor>): string =>
   JSON.stringify({ segment: Option.isSome(after) ? { generation, after: after.value } : { generation } }) + "\n"
@@ -472,23 +472,11 @@ export const make = (options: EventLogOptions): Effect.Effect<EventLogService, E
       generationBytes: h.bytes
     })
 
-    const status = Effect.fn("EventLog.status")(function*(sessionId: string) {
-      return statusOf(yield* handleFor(sessionId))
-    })
     const generationStart = Effect.fn("EventLog.generationStart")(function*(sessionId: string, generation: number) {
       const h = yield* handleFor(sessionId)
       if (h.segments.includes(generation)) return yield* segmentStart(sessionId, segmentPath(h, generation), generation)
       if (h.segments.length === 0 && generation === h.generation) return Option.none<Cursor.Cursor>()
       return yield* Effect.fail(fail("GenerationNotFound", sessionId, `generation ${generation} is not retained`))
-    })
-    const currentGeneration = Effect.fn("EventLog.currentGeneration")(function*(sessionId: string) {
-      return (yield* handleFor(sessionId)).generation
-    })
-    const lastCursor = Effect.fn("EventLog.lastCursor")(function*(sessionId: string) {
-      return (yield* handleFor(sessionId)).last
-    })
-    const generations = Effect.fn("EventLog.generations")(function*(sessionId: string) {
-      return statusOf(yield* handleFor(sessionId)).generations
     })
 
     /**
@@ -744,11 +732,8 @@ export const make = (options: EventLogOptions): Effect.Effect<EventLogService, E
       read,
       readGeneration,
       startGeneration,
-      currentGeneration,
-      lastCursor,
-      generations,
+      ...statusReads(handleFor, statusOf),
       generationStart,
-      status,
       prune,
       remove,
       repair

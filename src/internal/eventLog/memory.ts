@@ -16,7 +16,15 @@ import {
   type EventRecord,
   sanitizeSessionId
 } from "../../EventLog.js"
-import { checkReadable, fail, parseRecord, recordLine, serializeChecked } from "./records.js"
+import {
+  checkReadable,
+  fail,
+  generationStartOf,
+  parseRecord,
+  recordLine,
+  serializeChecked,
+  statusReads
+} from "./records.js"
 
 interface MemorySession {
   /** Generation -> record lines (JSON text, so events are copied as the file layer would). */
@@ -55,9 +63,8 @@ export const make: Effect.Effect<EventLogService> = Effect.sync(() => {
   const toRecords = (generation: number, lines: ReadonlyArray<string>, fromSequence: number): Array<EventRecord> =>
     lines.slice(fromSequence).map((text) => parseRecord(text, generation)!)
 
-  const append = Effect.fnUntraced(function*(sessionId: string, event: EventData | EncodedEvent) {
-    const json = yield* serializeChecked(sessionId, event)
-    const s = yield* sessionFor(sessionId)
+  /** Appends one record line to the session's current generation. */
+  const push = (s: MemorySession, json: string): Cursor.Cursor => {
     ensureFirst(s)
     const lines = s.segments.get(s.generation)!
     const cursor = Cursor.make(s.generation, lines.length)
@@ -66,22 +73,18 @@ export const make: Effect.Effect<EventLogService> = Effect.sync(() => {
     s.bytes += Buffer.byteLength(line, "utf8")
     s.last = Option.some(cursor)
     return cursor
+  }
+
+  const append = Effect.fnUntraced(function*(sessionId: string, event: EventData | EncodedEvent) {
+    const json = yield* serializeChecked(sessionId, event)
+    return push(yield* sessionFor(sessionId), json)
   })
   const appendAll = Effect.fn("EventLog.appendAll")(
     function*(sessionId: string, events: ReadonlyArray<EventData | EncodedEvent>) {
       if (events.length === 0) return []
       const jsons = yield* Effect.forEach(events, (event) => serializeChecked(sessionId, event))
       const s = yield* sessionFor(sessionId)
-      ensureFirst(s)
-      const lines = s.segments.get(s.generation)!
-      return jsons.map((json) => {
-        const cursor = Cursor.make(s.generation, lines.length)
-        const line = recordLine(cursor, json)
-        lines.push(line.slice(0, -1))
-        s.bytes += Buffer.byteLength(line, "utf8")
-        s.last = Option.some(cursor)
-        return cursor
-      })
+      return jsons.map((json) => push(s, json))
     }
   )
   const startGeneration = Effect.fn("EventLog.startGeneration")(function*(sessionId: string) {
@@ -129,16 +132,10 @@ export const make: Effect.Effect<EventLogService> = Effect.sync(() => {
     read,
     readGeneration,
     startGeneration,
-    currentGeneration: (sessionId) => Effect.map(sessionFor(sessionId), (s) => s.generation),
-    lastCursor: (sessionId) => Effect.map(sessionFor(sessionId), (s) => s.last),
-    generations: (sessionId) => Effect.map(sessionFor(sessionId), (s) => statusOf(s).generations),
+    ...statusReads(sessionFor, statusOf),
     generationStart: (sessionId, generation) =>
-      Effect.flatMap(sessionFor(sessionId), (s) => {
-        if (s.segments.has(generation)) return Effect.succeed(s.starts.get(generation) ?? Option.none())
-        if (s.segments.size === 0 && generation === s.generation) return Effect.succeed(Option.none())
-        return Effect.fail(fail("GenerationNotFound", sessionId, `generation ${generation} is not retained`))
-      }),
-    status: (sessionId) => Effect.map(sessionFor(sessionId), statusOf),
+      Effect.flatMap(sessionFor(sessionId), (s) =>
+        generationStartOf(sessionId, s.starts, s.segments.has(generation), s.segments.size > 0, s.generation, generation)),
     prune,
     remove,
     // Nothing in memory is ever damaged.

@@ -8,7 +8,15 @@ import * as Effect from "effect/Effect"
 import * as Option from "effect/Option"
 import { isRecord } from "effect/Predicate"
 import * as Cursor from "../../Cursor.js"
-import { EncodedEvent, type EventData, EventLogError, type EventLogErrorReason, type EventRecord } from "../../EventLog.js"
+import {
+  EncodedEvent,
+  type EventData,
+  EventLogError,
+  type EventLogErrorReason,
+  type EventLogService,
+  type EventLogStatus,
+  type EventRecord
+} from "../../EventLog.js"
 
 export const fail = (reason: EventLogErrorReason, sessionId: string, message: string, cause?: unknown) =>
   new EventLogError(cause === undefined ? { reason, sessionId, message } : { reason, sessionId, message, cause })
@@ -101,4 +109,32 @@ export const checkReadable = (
     }
   }
   return undefined
+}
+
+/** The reads every store answers from a session's status alone. */
+export const statusReads = <H>(
+  open: (sessionId: string) => Effect.Effect<H, EventLogError>,
+  statusOf: (h: H) => EventLogStatus
+): Pick<EventLogService, "currentGeneration" | "lastCursor" | "generations" | "status"> => {
+  const status = (sessionId: string) => Effect.map(open(sessionId), statusOf)
+  return {
+    currentGeneration: (sessionId) => Effect.map(status(sessionId), (s) => s.generation),
+    lastCursor: (sessionId) => Effect.map(status(sessionId), (s) => s.lastCursor),
+    generations: (sessionId) => Effect.map(status(sessionId), (s) => s.generations),
+    status: (sessionId) => status(sessionId).pipe(Effect.withSpan("EventLog.status", { captureStackTrace: false }))
+  }
+}
+
+/** The answer of `generationStart` from a session's retained generations and their starts. */
+export const generationStartOf = (
+  sessionId: string,
+  starts: ReadonlyMap<number, Option.Option<Cursor.Cursor>>,
+  retained: boolean,
+  anyWritten: boolean,
+  current: number,
+  generation: number
+): Effect.Effect<Option.Option<Cursor.Cursor>, EventLogError> => {
+  if (retained) return Effect.succeed(starts.get(generation) ?? Option.none())
+  if (!anyWritten && generation === current) return Effect.succeed(Option.none())
+  return Effect.fail(fail("GenerationNotFound", sessionId, `generation ${generation} is not retained`))
 }

@@ -24,7 +24,7 @@ import * as Stream from "effect/Stream"
 import * as Cursor from "../../Cursor.js"
 import { EventLog, EventLogError, type EventLogService, type EventLogStatus, type EventRecord, sanitizeSessionId } from "../../EventLog.js"
 import * as AppendQueue from "../eventLog/appendQueue.js"
-import { checkReadable, fail, recordBytes } from "../eventLog/records.js"
+import { checkReadable, fail, generationStartOf, recordBytes, statusReads } from "../eventLog/records.js"
 
 const sqlFail = (sessionId: string, what: string) => (cause: SqlError) =>
   fail("Io", sessionId, `${what}: ${cause.message}`, cause)
@@ -400,17 +400,10 @@ export const make: Effect.Effect<EventLogService, never, SqlClient.SqlClient | S
     read,
     readGeneration,
     startGeneration,
-    currentGeneration: (sessionId) => Effect.map(handleFor(sessionId), (h) => h.generation),
-    lastCursor: (sessionId) => Effect.map(handleFor(sessionId), (h) => h.last),
-    generations: (sessionId) => Effect.map(handleFor(sessionId), (h) => statusOf(h).generations),
+    ...statusReads(handleFor, statusOf),
     generationStart: (sessionId, generation) =>
-      Effect.flatMap(handleFor(sessionId), (h) => {
-        const start = h.starts.get(generation)
-        if (start !== undefined) return Effect.succeed(start)
-        if (h.starts.size === 0 && generation === h.generation) return Effect.succeed(Option.none())
-        return Effect.fail(notRetained(sessionId, generation))
-      }),
-    status: (sessionId) => Effect.map(handleFor(sessionId), statusOf),
+      Effect.flatMap(handleFor(sessionId), (h) =>
+        generationStartOf(sessionId, h.starts, h.starts.has(generation), h.starts.size > 0, h.generation, generation)),
     prune,
     remove,
     // The database keeps every row whole (a transaction commits all of a batch or none of it).

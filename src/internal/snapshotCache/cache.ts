@@ -20,7 +20,6 @@ import {
   type FileRange,
   SnapshotCache,
   SnapshotCacheError,
-  type SnapshotCacheErrorReason,
   type SnapshotCacheService,
   type SnapshotCacheStats,
   type SnapshotEnd,
@@ -29,6 +28,7 @@ import {
   type SnapshotReader
 } from "../../SnapshotCache.js"
 import * as StateLayout from "../../StateLayout.js"
+import { error, NEWLINE } from "./chunking.js"
 
 type Slot =
   | { readonly _tag: "Memory"; readonly bytes: Uint8Array }
@@ -92,15 +92,6 @@ export interface SpillConfig {
 
 const DIRECTORY_MODE = 0o700
 const FILE_MODE = 0o600
-const NEWLINE = 0x0a
-
-const error = (reason: SnapshotCacheErrorReason, message: string, snapshotId?: string, cause?: unknown) =>
-  new SnapshotCacheError({
-    reason,
-    message,
-    ...(snapshotId !== undefined ? { snapshotId } : {}),
-    ...(cause !== undefined ? { cause } : {})
-  })
 
 const chunkPath = (directory: string, index: number) => NodePath.join(directory, `${index}.jsonl`)
 

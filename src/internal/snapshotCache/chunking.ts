@@ -7,9 +7,10 @@ import * as Effect from "effect/Effect"
 import * as fsp from "node:fs/promises"
 import { type FileRange, SnapshotCacheError, type SnapshotCacheErrorReason } from "../../SnapshotCache.js"
 
-const NEWLINE = 0x0a
+export const NEWLINE = 0x0a
 
-const error = (reason: SnapshotCacheErrorReason, message: string, snapshotId?: string, cause?: unknown) =>
+/** A SnapshotCacheError (the cache's too). */
+export const error = (reason: SnapshotCacheErrorReason, message: string, snapshotId?: string, cause?: unknown) =>
   new SnapshotCacheError({
     reason,
     message,
