@@ -21,7 +21,6 @@ import * as Option from "effect/Option"
 import { isRecord } from "effect/Predicate"
 import type * as Scope from "effect/Scope"
 import * as Stream from "effect/Stream"
-import * as fs from "node:fs"
 import * as path from "node:path"
 import * as Cursor from "../../Cursor.js"
 import {
@@ -35,6 +34,7 @@ import {
   sanitizeSessionId
 } from "../../EventLog.js"
 import * as StateLayout from "../../StateLayout.js"
+import * as FileIo from "../fileIo.js"
 import * as AppendQueue from "./appendQueue.js"
 import { fail, isCursor, parseRecord, recordLine, statusReads } from "./records.js"
 
@@ -55,86 +55,30 @@ const parseHeader = (text: string, generation: number): { readonly after: Option
   return isCursor(after) ? { after: Option.some(Cursor.make(after.generation, after.sequence)) } : undefined
 }
 
+// The file I/O module's operations, their failures as this log's (`Io`, naming the session)
 // ---------------------------------------------------------------------------------------------
-// node:fs wrapped in Effect (the callback API: it runs on libuv's pool, never blocks the loop)
-// ---------------------------------------------------------------------------------------------
 
-type Callback<A> = (err: NodeJS.ErrnoException | null, value: A) => void
+const io = <A>(sid: string, effect: Effect.Effect<A, FileIo.FsError>): Effect.Effect<A, EventLogError> =>
+  Effect.mapError(effect, (e) => fail("Io", sid, e.message, e.cause))
 
-const errnoCode = (cause: unknown): string | undefined =>
-  isRecord(cause) && typeof cause["code"] === "string" ? cause["code"] : undefined
+const isNotFound = (e: EventLogError): boolean => e.reason === "Io" && FileIo.errnoCode(e.cause) === "ENOENT"
 
-const io = <A>(sessionId: string, what: string, run: (cb: Callback<A>) => void): Effect.Effect<A, EventLogError> =>
-  Effect.async<A, EventLogError>((resume) => {
-    run((err, value) =>
-      resume(err === null ? Effect.succeed(value) : Effect.fail(fail("Io", sessionId, `${what}: ${err.message}`, err)))
-    )
-  })
-
-const unit = (cb: Callback<void>) => (err: NodeJS.ErrnoException | null) => cb(err, undefined)
-
-const isNotFound = (e: EventLogError): boolean => e.reason === "Io" && errnoCode(e.cause) === "ENOENT"
-
-const fsOpen = (sid: string, file: string, flags: string, mode?: number) =>
-  io<number>(sid, `open ${file}`, (cb) => fs.open(file, flags, mode ?? 0o600, cb))
-const fsCloseQuiet = (fd: number) => Effect.async<void>((resume) => fs.close(fd, () => resume(Effect.void)))
-const fsSync = (sid: string, fd: number) => io<void>(sid, "fsync", (cb) => fs.fsync(fd, unit(cb)))
-const fsDataSync = (sid: string, fd: number) => io<void>(sid, "fdatasync", (cb) => fs.fdatasync(fd, unit(cb)))
-const fsTruncate = (sid: string, fd: number, size: number) =>
-  io<void>(sid, "ftruncate", (cb) => fs.ftruncate(fd, size, unit(cb)))
-const fsFstatSize = (sid: string, fd: number) =>
-  io<fs.Stats>(sid, "fstat", (cb) => fs.fstat(fd, cb)).pipe(Effect.map((s) => s.size))
+const fsOpen = (sid: string, file: string, flags: string, mode?: number) => io(sid, FileIo.fdOpen(file, flags, mode))
+const fsCloseQuiet = FileIo.fdClose
+const fsDataSync = (sid: string, fd: number) => io(sid, FileIo.fdDataSync(fd))
+const fsTruncate = (sid: string, fd: number, size: number) => io(sid, FileIo.fdTruncate(fd, size))
+const fsFstatSize = (sid: string, fd: number) => io(sid, FileIo.fdSize(fd))
 const fsRead = (sid: string, fd: number, buffer: Buffer, length: number, position: number) =>
-  io<number>(sid, "read", (cb) => fs.read(fd, buffer, 0, length, position, cb))
-const fsReaddir = (sid: string, dir: string) => io<Array<string>>(sid, `readdir ${dir}`, (cb) => fs.readdir(dir, cb))
-const fsRename = (sid: string, from: string, to: string) =>
-  io<void>(sid, `rename ${from} -> ${to}`, (cb) => fs.rename(from, to, unit(cb)))
-const fsUnlink = (sid: string, file: string) => io<void>(sid, `unlink ${file}`, (cb) => fs.unlink(file, unit(cb)))
-const fsChmod = (sid: string, file: string, mode: number) =>
-  io<void>(sid, `chmod ${file}`, (cb) => fs.chmod(file, mode, unit(cb)))
-const fsRm = (sid: string, dir: string) =>
-  io<void>(sid, `rm ${dir}`, (cb) => fs.rm(dir, { recursive: true, force: true }, unit(cb)))
-
-/** Writes the whole buffer at `position` (write(2) may write less than asked). */
-const fsWriteAll = (sid: string, fd: number, buffer: Buffer, position: number): Effect.Effect<void, EventLogError> =>
-  Effect.suspend(() => {
-    const loop = (offset: number): Effect.Effect<void, EventLogError> =>
-      offset >= buffer.length
-        ? Effect.void
-        : io<number>(sid, "write", (cb) =>
-          fs.write(fd, buffer, offset, buffer.length - offset, position + offset, cb)).pipe(
-            Effect.flatMap((n) => loop(offset + n))
-          )
-    return loop(0)
-  })
-
-/**
- * Writes the whole buffer at `position` with write(2) on the calling thread. Used for group
- * commits: copying a batch into the page cache takes microseconds, while a round trip through
- * libuv's thread pool cost ~0.8 ms per batch under load (a third of the cycle); the fdatasync,
- * which does wait for the disk, stays on the pool.
- */
-const fsWriteAllSync = (sid: string, fd: number, buffer: Buffer, position: number): Effect.Effect<void, EventLogError> =>
-  Effect.try({
-    try: () => {
-      let offset = 0
-      while (offset < buffer.length) {
-        offset += fs.writeSync(fd, buffer, offset, buffer.length - offset, position + offset)
-      }
-    },
-    catch: (err) => fail("Io", sid, `write: ${err instanceof Error ? err.message : String(err)}`, err)
-  })
-
-/** Creates `dir` (and missing parents) as 0700; a directory that already exists is left as it is. */
-const mkdirPrivate = (sid: string, dir: string): Effect.Effect<void, EventLogError> =>
-  io<string | undefined>(sid, `mkdir ${dir}`, (cb) => fs.mkdir(dir, { recursive: true, mode: 0o700 }, cb)).pipe(
-    // The umask may have removed bits we rely on (or an odd one kept too few): set 0700 exactly.
-    Effect.flatMap((created) => (created === undefined ? Effect.void : fsChmod(sid, dir, 0o700)))
-  )
-
-/** Makes a directory's entries (created, renamed, unlinked files) durable. */
-const fsyncDir = (sid: string, dir: string): Effect.Effect<void, EventLogError> =>
-  Effect.acquireUseRelease(fsOpen(sid, dir, "r"), (fd) => fsSync(sid, fd), fsCloseQuiet)
+  io(sid, FileIo.fdRead(fd, buffer, length, position))
+const fsReaddir = (sid: string, dir: string) => io(sid, FileIo.readdir(dir))
+const fsRename = (sid: string, from: string, to: string) => io(sid, FileIo.rename(from, to))
+const fsUnlink = (sid: string, file: string) => io(sid, FileIo.unlink(file))
+const fsChmod = (sid: string, file: string, mode: number) => io(sid, FileIo.chmod(file, mode))
+const fsWriteAll = (sid: string, fd: number, buffer: Buffer, position: number) => io(sid, FileIo.fdWriteAll(fd, buffer, position))
+const fsWriteAllSync = (sid: string, fd: number, buffer: Buffer, position: number) =>
+  io(sid, FileIo.fdWriteAllSync(fd, buffer, position))
+const mkdirPrivate = (sid: string, dir: string) => io(sid, FileIo.mkdirPrivate(dir))
+const fsyncDir = (sid: string, dir: string) => io(sid, FileIo.fdSyncDir(dir))
 
 // ---------------------------------------------------------------------------------------------
 // File layer
@@ -652,7 +596,7 @@ export const make = (options: EventLogOptions): Effect.Effect<EventLogService, E
         const h = yield* handleFor(sessionId)
         yield* h.lock.withPermits(1)(Effect.gen(function*() {
           yield* kill(h, fail("Closed", sessionId, "the session's event log was removed"))
-          const exists = yield* io<boolean>(sessionId, "stat", (cb) => fs.stat(h.dir, (err) => cb(null, err === null)))
+          const exists = yield* FileIo.exists(h.dir).pipe(Effect.orElseSucceed(() => false))
           if (!exists) return
           if (options?.archiveTo !== undefined) {
             const target = path.resolve(options.archiveTo)
@@ -660,7 +604,7 @@ export const make = (options: EventLogOptions): Effect.Effect<EventLogService, E
             yield* fsRename(sessionId, h.dir, target)
             yield* fsyncDir(sessionId, path.dirname(target))
           } else {
-            yield* fsRm(sessionId, h.dir)
+            yield* io(sessionId, FileIo.removeTree(h.dir))
           }
           yield* fsyncDir(sessionId, root)
         }))
@@ -682,7 +626,7 @@ export const make = (options: EventLogOptions): Effect.Effect<EventLogService, E
       }).sort((a, b) => a - b)
       for (const [i, generation] of segments.entries()) {
         const file = StateLayout.eventSegmentFile(eventsDir, generation)
-        const bytes = yield* io<Buffer>(sessionId, `read ${file}`, (cb) => fs.readFile(file, cb))
+        const bytes = yield* io(sessionId, FileIo.readFile(file))
         const damage = firstDamage(bytes, generation, i === segments.length - 1)
         if (damage === undefined) continue
         const suffix = `.damaged-${new Date().toISOString().replace(/[:.]/g, "-")}`
@@ -707,7 +651,7 @@ export const make = (options: EventLogOptions): Effect.Effect<EventLogService, E
         moved += bytes.length - damage.offset
         for (const later of segments.slice(i + 1)) {
           const laterFile = StateLayout.eventSegmentFile(eventsDir, later)
-          moved += yield* io<fs.Stats>(sessionId, `stat ${laterFile}`, (cb) => fs.stat(laterFile, cb)).pipe(Effect.map((st) => st.size))
+          moved += yield* io(sessionId, FileIo.stat(laterFile)).pipe(Effect.map((st) => st.size))
           yield* fsRename(sessionId, laterFile, laterFile + suffix)
           movedTo.push(laterFile + suffix)
         }

@@ -6,8 +6,6 @@
  * session is busy: once every session is idle it is compacted to one line per session through a
  * temp file, fsync and rename, so a reader sees either the old journal or the compacted one.
  */
-import type { FileHandle } from "node:fs/promises"
-import * as fsp from "node:fs/promises"
 import * as nodePath from "node:path"
 import * as Effect from "effect/Effect"
 import * as Either from "effect/Either"
@@ -15,7 +13,7 @@ import * as Option from "effect/Option"
 import * as ParseResult from "effect/ParseResult"
 import type * as Scope from "effect/Scope"
 import { type JournalRecord, type Options, RecoveryJournalError, type RecoveryJournalService } from "../../RecoveryJournal.js"
-import * as Fsx from "../fsx.js"
+import * as Fsx from "../fileIo.js"
 import { type Backend, decodeRecord, makeService } from "./service.js"
 
 
@@ -96,12 +94,12 @@ export const make = (options: Options): Effect.Effect<RecoveryJournalService, Re
     yield* Fsx.ensureDir(dir).pipe(Effect.mapError(fail("mkdir")))
     const parsed = yield* readParsed(path)
     // An existing journal may predate us or have been created under a loose umask.
-    yield* Fsx.attempt("chmod", path, () => fsp.chmod(path, Fsx.FILE_MODE)).pipe(
+    yield* Fsx.chmod(path, Fsx.FILE_MODE).pipe(
       Effect.catchIf(Fsx.isNotFound, () => Effect.void),
       Effect.mapError(fail("chmod"))
     )
 
-    let handle: FileHandle | undefined
+    let handle: Fsx.FileHandle | undefined
     // A torn last line has no `\n`: the next append starts a new line instead of gluing onto it.
     let needsNewline = parsed.torn
 
@@ -161,7 +159,7 @@ export const make = (options: Options): Effect.Effect<RecoveryJournalService, Re
 
     // A writer killed mid-compaction leaves its temp file behind; this process is the only writer.
     const prefix = `.${nodePath.basename(path)}.`
-    const leftovers = yield* Fsx.attempt("readdir", dir, () => fsp.readdir(dir)).pipe(
+    const leftovers = yield* Fsx.readdir(dir).pipe(
       Effect.map((names) => names.filter((name) => name.startsWith(prefix) && Fsx.isTempName(name))),
       Effect.orElseSucceed((): Array<string> => [])
     )

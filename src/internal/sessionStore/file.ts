@@ -29,8 +29,6 @@
  * cannot escape `root`).
  * `env` and `launchEnv` are not part of {@link SessionMeta} and are never written.
  */
-import * as fs from "node:fs"
-import * as fsp from "node:fs/promises"
 import * as nodePath from "node:path"
 import * as Clock from "effect/Clock"
 import * as Effect from "effect/Effect"
@@ -52,7 +50,7 @@ import {
   type TranscriptSource
 } from "../../SessionStore.js"
 import * as StateLayout from "../../StateLayout.js"
-import * as Fsx from "../fsx.js"
+import * as Fsx from "../fileIo.js"
 import {
   byCreation, checkCount, cleanMeta, compactTimestamp, countLines, countMismatch, decodeHeaderJson, decodeMetaJson, encodeMessages, frame, GENERATION_FILE, makeHeader, parseLines, pathsOf, snapshotNotFound, TEMP_GENERATION
 } from "./shared.js"
@@ -77,7 +75,7 @@ export const make = (options: Options): Effect.Effect<SessionStoreService, Sessi
     const metaLock = yield* Effect.makeSemaphore(1)
 
     const exists = (path: string) =>
-      Fsx.attempt("stat", path, () => fsp.stat(path)).pipe(
+      Fsx.stat(path).pipe(
         Effect.as(true),
         Effect.catchIf(Fsx.isNotFound, () => Effect.succeed(false))
       )
@@ -143,7 +141,7 @@ export const make = (options: Options): Effect.Effect<SessionStoreService, Sessi
     })
 
     const list = Effect.fn("SessionStore.list")(function*() {
-      const names = yield* Fsx.attempt("readdir", paths.sessions, () => fsp.readdir(paths.sessions)).pipe(
+      const names = yield* Fsx.readdir(paths.sessions).pipe(
         Effect.catchIf(Fsx.isNotFound, () => Effect.succeed<Array<string>>([])),
         Effect.mapError(ioError(undefined))
       )
@@ -220,7 +218,7 @@ export const make = (options: Options): Effect.Effect<SessionStoreService, Sessi
         // Written after the base's bytes (anything beyond them is the leftover of a write that
         // never got its header), then cut there, synced, and only then published by the header.
         const { bytes, count } = yield* Effect.acquireUseRelease(
-          Fsx.attempt("open", file, () => fsp.open(file, fs.constants.O_RDWR | fs.constants.O_CREAT, Fsx.FILE_MODE)),
+          Fsx.open(file, Fsx.READ_WRITE_CREATE),
           (handle) =>
             Effect.gen(function*() {
               const { size } = yield* Fsx.attempt("stat", file, () => handle.stat())
@@ -261,7 +259,7 @@ export const make = (options: Options): Effect.Effect<SessionStoreService, Sessi
       }).pipe(Effect.withSpan("SessionStore.appendSnapshot", { attributes: { activeSessionId: id } }))
 
     const generationsOf = (id: string) =>
-      Fsx.attempt("readdir", paths.snapshotsDir(id), () => fsp.readdir(paths.snapshotsDir(id))).pipe(
+      Fsx.readdir(paths.snapshotsDir(id)).pipe(
         Effect.catchIf(Fsx.isNotFound, () => Effect.succeed<Array<string>>([])),
         Effect.mapError(ioError(id))
       )
@@ -319,17 +317,17 @@ export const make = (options: Options): Effect.Effect<SessionStoreService, Sessi
       const source = yield* transcriptSource(id, generation)
       if (Option.isNone(source) || source.value.end === source.value.start) return
       const { path, end } = source.value
-      const last = yield* Fsx.attempt("read", path, async () => {
-        const file = await fsp.open(path, "r")
-        try {
-          const size = (await file.stat()).size
-          const byte = Buffer.alloc(1)
-          if (size >= end) await file.read(byte, 0, 1, end - 1)
-          return { size, byte: byte[0] }
-        } finally {
-          await file.close()
-        }
-      }).pipe(Effect.mapError(ioError(id)))
+      const last = yield* Effect.acquireUseRelease(
+        Fsx.open(path, "r"),
+        (file) =>
+          Fsx.attempt("read", path, async () => {
+            const size = (await file.stat()).size
+            const byte = Buffer.alloc(1)
+            if (size >= end) await file.read(byte, 0, 1, end - 1)
+            return { size, byte: byte[0] }
+          }),
+        Fsx.closeQuietly
+      ).pipe(Effect.mapError(ioError(id)))
       const corrupt = (detail: string) => new SessionStoreError({ reason: "Corrupt", detail: `${path}: ${detail}`, activeSessionId: id, path })
       if (last.size < end) return yield* corrupt(`holds ${last.size} bytes, generation ${generation}'s transcript needs ${end}`)
       if (last.byte !== 0x0a) return yield* corrupt(`generation ${generation}'s transcript does not end with a whole line`)
@@ -348,7 +346,7 @@ export const make = (options: Options): Effect.Effect<SessionStoreService, Sessi
       }
       // Written whole: the messages follow the header line, to the end of the file.
       const path = paths.snapshotFile(id, generation)
-      const size = yield* Fsx.attempt("stat", path, () => fsp.stat(path)).pipe(
+      const size = yield* Fsx.stat(path).pipe(
         Effect.map((st) => st.size),
         Effect.mapError(ioError(id))
       )
@@ -367,7 +365,7 @@ export const make = (options: Options): Effect.Effect<SessionStoreService, Sessi
         const temp = TEMP_GENERATION.exec(name)?.[1]
         const generation = Number(final ?? temp ?? Number.NaN)
         if (!(generation < keepFromGeneration)) continue
-        yield* Fsx.attempt("unlink", nodePath.join(dir, name), () => fsp.unlink(nodePath.join(dir, name))).pipe(
+        yield* Fsx.unlink(nodePath.join(dir, name)).pipe(
           Effect.catchIf(Fsx.isNotFound, () => Effect.void),
           Effect.mapError(ioError(id))
         )
@@ -383,7 +381,7 @@ export const make = (options: Options): Effect.Effect<SessionStoreService, Sessi
         if (Option.isSome(header) && header.value.transcript !== undefined) referenced.add(header.value.transcript.epoch)
       }
       const transcripts = paths.transcriptsDir(id)
-      const names = yield* Fsx.attempt("readdir", transcripts, () => fsp.readdir(transcripts)).pipe(
+      const names = yield* Fsx.readdir(transcripts).pipe(
         Effect.catchIf(Fsx.isNotFound, () => Effect.succeed<Array<string>>([])),
         Effect.mapError(ioError(id))
       )
@@ -409,7 +407,7 @@ export const make = (options: Options): Effect.Effect<SessionStoreService, Sessi
           target = `${base}-${n}`
         }
         const destination = target
-        yield* Fsx.attempt("rename", source, () => fsp.rename(source, destination)).pipe(
+        yield* Fsx.rename(source, destination).pipe(
           Effect.zipRight(Fsx.fsyncDir(paths.sessions)),
           Effect.zipRight(Fsx.fsyncDir(paths.archive)),
           Effect.mapError(ioError(id))

@@ -13,7 +13,6 @@ import * as Option from "effect/Option"
 import * as Ref from "effect/Ref"
 import type * as Scope from "effect/Scope"
 import * as Stream from "effect/Stream"
-import * as fsp from "node:fs/promises"
 import * as NodePath from "node:path"
 import {
   type ChunkResult,
@@ -28,6 +27,7 @@ import {
   type SnapshotReader
 } from "../../SnapshotCache.js"
 import * as StateLayout from "../../StateLayout.js"
+import * as FileIo from "../fileIo.js"
 import { error, NEWLINE } from "./chunking.js"
 
 type Slot =
@@ -73,7 +73,7 @@ interface Entry {
    * it was, so a newer snapshot never disturbs a reader of an older one. Before, each read
    * opens the file (no descriptor held per cached session).
    */
-  readonly files: Map<string, fsp.FileHandle>
+  readonly files: Map<string, FileIo.FileHandle>
   spilled: boolean
   /** Set before the first file operation, so that a half-done spill is cleaned up too. */
   touchedDisk: boolean
@@ -360,7 +360,7 @@ export const makeWith = (
           const line = Buffer.allocUnsafe(prefix.length + length + 2)
           prefix.copy(line, 0)
           const kept = entry.files.get(range.path)
-          const handle = kept ?? await fsp.open(range.path, "r")
+          const handle = kept ?? await FileIo.openAsync(range.path)
           try {
             let done = 0
             while (done < length) {
@@ -494,9 +494,9 @@ export const makeWith = (
         // Its readers may outlive the files it reads (see `files`); cleanup closes them.
         const paths = new Set(entry.slots.flatMap((slot) => slot._tag === "Range" && !entry.files.has(slot.range.path) ? [slot.range.path] : []))
         for (const file of paths) {
-          const handle = yield* Effect.promise(() => fsp.open(file, "r").catch(() => undefined))
+          const handle = yield* Effect.option(FileIo.open(file, "r"))
           // A file already gone: its reads fail as they would have (with its name).
-          if (handle !== undefined) entry.files.set(file, handle)
+          if (Option.isSome(handle)) entry.files.set(file, handle.value)
         }
         const drop = yield* Ref.modify(entry.state, (s) => {
           const drop = s.readers === 0 && !s.removed

@@ -4,8 +4,8 @@
  * module, ../../SnapshotCache.ts, re-exports it.
  */
 import * as Effect from "effect/Effect"
-import * as fsp from "node:fs/promises"
 import { type FileRange, SnapshotCacheError, type SnapshotCacheErrorReason } from "../../SnapshotCache.js"
+import * as FileIo from "../fileIo.js"
 
 export const NEWLINE = 0x0a
 
@@ -149,7 +149,9 @@ export const chunkRanges = (
 ): Effect.Effect<{ readonly chunks: number; readonly messages: number }, SnapshotCacheError> =>
   Effect.gen(function*() {
     const handle = yield* Effect.acquireRelease(
-      Effect.tryPromise({ try: () => fsp.open(path, "r"), catch: (cause) => error("Io", `could not open ${path}: ${String(cause)}`, undefined, cause) }),
+      FileIo.open(path, "r").pipe(
+        Effect.mapError((e) => error("Io", `could not open ${path}: ${String(e.cause)}`, undefined, e.cause))
+      ),
       (h) => Effect.promise(() => h.close().catch(() => undefined))
     )
     const block = Buffer.allocUnsafe(1024 * 1024)
