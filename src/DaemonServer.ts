@@ -19,8 +19,7 @@ import * as FiberSet from "effect/FiberSet"
 import * as Layer from "effect/Layer"
 import * as Queue from "effect/Queue"
 import { randomUUID } from "node:crypto"
-import * as FileIo from "./internal/fileIo.js"
-import { chmodSync } from "./internal/fileIoSync.js"
+import * as fs from "./internal/fileIoSync.js"
 import * as net from "node:net"
 import * as path from "node:path"
 import { DaemonConfig } from "./DaemonConfig.js"
@@ -66,18 +65,16 @@ const probe = (socketPath: string): Promise<boolean> =>
 export const claimSocketPath = (socketPath: string): Effect.Effect<void, ServerStartError> =>
   Effect.gen(function*() {
     const socketDir = path.dirname(socketPath)
-    const refused = (e: FileIo.FsError) => new ServerStartError(`cannot claim ${socketPath}: ${e.message}`)
-    yield* Effect.mapError(FileIo.ensureDir(socketDir), refused)
-    const found = yield* Effect.mapError(FileIo.lstat(socketPath), refused)
-    if (found._tag === "None") return
-    const existing = found.value
+    if (!fs.existsSync(socketDir)) fs.mkdirSync(socketDir, { recursive: true, mode: 0o700 })
+    const existing = fs.lstatSync(socketPath, { throwIfNoEntry: false })
+    if (existing === undefined) return
     if (!existing.isSocket()) {
       return yield* Effect.fail(new ServerStartError(`${socketPath} exists and is not a socket; not removing it`))
     }
     if (yield* Effect.promise(() => probe(socketPath))) {
       return yield* Effect.fail(new ServerStartError(`another daemon is listening at ${socketPath}`))
     }
-    yield* Effect.mapError(FileIo.unlink(socketPath), refused)
+    fs.unlinkSync(socketPath)
   })
 
 /** Listens with umask 077 so the socket is never world-accessible, then pins it to 0600. */
@@ -92,7 +89,7 @@ const listen = (server: net.Server, socketPath: string) =>
     server.listen(socketPath, () => {
       process.umask(previous)
       server.off("error", onError)
-      chmodSync(socketPath, 0o600)
+      fs.chmodSync(socketPath, 0o600)
       resume(Effect.void)
     })
   })
@@ -401,8 +398,11 @@ export const make = Effect.gen(function*() {
       for (const socket of sockets) socket.destroy()
       // Their fibers end with their sockets (bounded all the same: nothing here may hang the stop).
       yield* bounded(FiberSet.clear(connectionFibers), ANSWER_MS)
-      // Already gone is fine.
-      yield* Effect.ignore(FileIo.unlink(socketPath))
+      try {
+        fs.unlinkSync(socketPath)
+      } catch {
+        // Already gone.
+      }
     })
   )
 
