@@ -25,7 +25,7 @@ import * as ScheduleIntervals from "effect/ScheduleIntervals"
 import * as Schema from "effect/Schema"
 import type * as Scope from "effect/Scope"
 import { type ChildProcess, spawn } from "node:child_process"
-import * as fs from "node:fs"
+import { existsSync } from "./internal/fileIoSync.js"
 import type * as net from "node:net"
 import { fileURLToPath } from "node:url"
 import * as Metrics from "./Metrics.js"
@@ -282,7 +282,7 @@ const SPARE_HOLD_MS = 2_000
  */
 const defaultEntry = () => {
   const compiled = fileURLToPath(new URL("./bin/worker.js", import.meta.url))
-  return fs.existsSync(compiled) ? compiled : fileURLToPath(new URL("./worker.js", import.meta.url))
+  return existsSync(compiled) ? compiled : fileURLToPath(new URL("./worker.js", import.meta.url))
 }
 
 /** Waits for the first frame of a new worker (`worker_ready`), or its death. */
