@@ -33,15 +33,15 @@ const withTarget = <A>(ctx: Context, target: string, f: (c: Connection, id: stri
 
 export const create = (ctx: Context, name: string | undefined) =>
   withConnection(ctx.socketPath, async (c) => {
-    if (name !== undefined) {
-      // The daemon lets names repeat; the command line keeps them unique so that they can be
-      // targets (a check, then the create: two racing creates can still share a name).
-      const { sessions } = await c.request<Protocol.ListResult>({ type: "list" })
-      const taken = sessions.find((s) => s.name === name)
-      if (taken !== undefined) throw failed(`the name ${JSON.stringify(name)} is in use by ${taken.activeSessionId}`)
-    }
+    // The daemon keeps names unique (name_taken), atomically: no check here.
     const data = await c.request<Protocol.CreateResult>(name === undefined ? { type: "create" } : { type: "create", name })
     print(ctx, data, () => data.activeSessionId)
+  })
+
+export const rename = (ctx: Context, target: string, name: string) =>
+  withTarget(ctx, target, async (c, id) => {
+    const s = await c.request<Protocol.SessionSummary>({ type: "rename", activeSessionId: id, name })
+    print(ctx, s, () => `renamed ${id} to ${name}`)
   })
 
 export const sessions = (ctx: Context) =>
@@ -184,6 +184,8 @@ export const runOneShot = (p: Parsed, ctx: Context): Promise<void> | undefined =
       return checkpoint(ctx, target)
     case "kill":
       return kill(ctx, target)
+    case "rename":
+      return rename(ctx, target, p.args[1]!)
     case "shutdown":
       return shutdown(ctx)
     case "http-token":

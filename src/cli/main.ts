@@ -229,6 +229,13 @@ export const commands: ReadonlyArray<CommandSpec> = [
     options: common
   },
   {
+    name: "rename",
+    summary: "Give a session a new name (unique among the daemon's sessions).",
+    args: [targetArg, { name: "NAME", description: "The new name." }],
+    options: common,
+    examples: ["agentd rename demo notes"]
+  },
+  {
     name: "kill",
     summary: "Kill a session and print its id (its files move to the state dir's archive).",
     args: [targetArg],

@@ -60,7 +60,7 @@ describe("agentd CLI against a daemon", () => {
     assert.match(id, /^s-[0-9a-f-]{36}$/)
     const again = await runCli([...s, "create", "--name", name])
     assert.strictEqual(again.code, 1)
-    assert.include(again.stderr, `"${name}" is in use by ${id}`)
+    assert.include(again.stderr, `"${name}" is in use by session ${id}`)
 
     const prefix = id.slice(2, 10) // no s-
     const prompted = await runCli(["prompt", prefix, "hello there", ...s])
@@ -157,24 +157,25 @@ describe("agentd CLI against a daemon", () => {
     assert.match(plain.output, /^NAME +ID +WORKER/)
   })
 
-  it("targets: a prefix that fits several sessions, or a name two sessions share, lists the candidates (exit 1)", async () => {
+  it("targets: a prefix that fits several sessions lists the candidates (exit 1); a name is unique (name_taken)", async () => {
     const s = sock()
     const c = await daemon().connect()
     const name = `twin-${randomUUID().slice(0, 6)}`
-    // The daemon lets names repeat (only the CLI refuses them): make two over the protocol.
     const a = await createSession(c, { name })
-    const b = await createSession(c, { name })
-    const [byName, byPrefix, none] = await Promise.all([
-      runCli(["state", name, ...s]),
+    const b = await createSession(c)
+    // Names shared by sessions of an older state dir: test/e2e/names.test.ts.
+    const [twin, byPrefix, none] = await Promise.all([
+      runCli(["create", "--name", name, ...s]),
       runCli(["state", "s-", ...s]),
       runCli(["state", "zzzz", ...s])
     ])
-    assert.strictEqual(byName.code, 1)
-    assert.include(byName.stderr, `"${name}" matches 2 sessions`)
-    assert.include(byName.stderr, a.id)
-    assert.include(byName.stderr, b.id)
+    assert.strictEqual(twin.code, 1)
+    assert.include(twin.stderr, `"${name}" is in use by session ${a.id}`)
+    assert.include(twin.stderr, `agentd rename ${a.id} NEW-NAME`)
     assert.strictEqual(byPrefix.code, 1)
-    assert.include(byPrefix.stderr, "sessions")
+    assert.include(byPrefix.stderr, `"s-" matches`)
+    assert.include(byPrefix.stderr, a.id)
+    assert.include(byPrefix.stderr, b.id)
     assert.strictEqual(none.code, 1)
     assert.include(none.stderr, `no session matches "zzzz"`)
     // A unique prefix still works.
