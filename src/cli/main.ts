@@ -141,10 +141,27 @@ export const commands: ReadonlyArray<CommandSpec> = [
   {
     name: "create",
     summary: "Create a session and print its id.",
-    details: "A name makes the session a target for the other commands; a name already in use is refused.",
+    details:
+      "A name makes the session a target for the other commands; a name already in use is refused (the daemon keeps names unique). --engine chooses the session's engine (default: the daemon's, `serve --engine`); --config gives its options as a JSON object and --set one option at a time (repeatable, after --config), its value read by the option's type (a number, true/false, or text). The daemon checks them with the engine's own validation and names the option it refuses.",
     args: [],
-    options: [{ name: "name", kind: "string", value: "NAME", description: "A name for the session (unique)." }, ...common],
-    examples: ["agentd create --name demo"]
+    options: [
+      { name: "name", kind: "string", value: "NAME", description: "A name for the session (unique)." },
+      { name: "engine", kind: "string", value: "NAME", description: `The session's engine (built in: ${builtinEngines.join(", ")}; default: the daemon's).` },
+      { name: "config", kind: "string", value: "JSON", description: "The engine's options, a JSON object (e.g. '{\"tokenDelayMs\":20}')." },
+      {
+        name: "set",
+        kind: "string",
+        value: "KEY=VALUE",
+        repeatable: true,
+        description: "One engine option (repeatable; over --config): tokenDelayMs=20, model=gpt-4o-mini, temperature=0.2."
+      },
+      ...common
+    ],
+    examples: [
+      "agentd create --name demo",
+      "agentd create --name slow --set tokenDelayMs=50",
+      "agentd create --engine openai-compat --set baseUrl=http://127.0.0.1:8080/v1 --set model=llama3"
+    ]
   },
   {
     name: "sessions",

@@ -185,6 +185,37 @@ describe("agentd CLI against a daemon", () => {
     await c.ok({ type: "kill", activeSessionId: b.id })
   })
 
+  it("create --engine/--config/--set: values typed by the engine's options, checked by the daemon, which names the option it refuses", async () => {
+    const s = sock()
+    const [echo, model, typo, wrongType, badEngine, badJson] = await Promise.all([
+      runCli(["create", "--engine", "echo", "--config", "{\"tokenDelayMs\":1}", "--set", "tokenDelayMs=2", "--json", ...s]),
+      // `model` is a string option: 1234 stays "1234" (as a number the daemon would refuse it).
+      runCli(["create", "--engine", "openai-compat", "--set", "baseUrl=http://127.0.0.1:9/v1", "--set", "model=1234", "--set", "temperature=0.5", "--json", ...s]),
+      runCli(["create", "--set", "tokenDelay=5", ...s]),
+      runCli(["create", "--engine", "echo", "--set", "tokenDelayMs=fast", ...s]),
+      runCli(["create", "--engine", "nope", ...s]),
+      runCli(["create", "--config", "[1]", ...s])
+    ])
+    assert.strictEqual(echo.code, 0, echo.stderr)
+    const created = JSON.parse(echo.stdout)
+    assert.strictEqual(created.state.engine, "echo")
+    assert.strictEqual(model.code, 0, model.stderr)
+    assert.strictEqual(JSON.parse(model.stdout).state.engine, "openai-compat")
+    assert.strictEqual(typo.code, 1)
+    assert.include(typo.stderr, "config.tokenDelay ")
+    assert.strictEqual(wrongType.code, 1)
+    assert.include(wrongType.stderr, "config.tokenDelayMs must be a number")
+    assert.strictEqual(badEngine.code, 1)
+    assert.include(badEngine.stderr, "`engine`")
+    assert.strictEqual(badJson.code, 2)
+    assert.include(badJson.stderr, "--config takes a JSON object")
+    const prompted = await runCli(["prompt", created.activeSessionId, "typed options", ...s])
+    assert.deepStrictEqual([prompted.code, prompted.stdout], [0, "echo: typed options\n"], prompted.stderr)
+    const c = await daemon().connect()
+    await c.ok({ type: "kill", activeSessionId: created.activeSessionId })
+    await c.ok({ type: "kill", activeSessionId: JSON.parse(model.stdout).activeSessionId })
+  })
+
   it("usage: exit 2, help without colour when piped, `agentd help`, options in any order; exit 3 when unreachable", async () => {
     const s = sock()
     const [unknown, missing, both, tailOffset, help, helpPrompt, helpFlag, noColor, order, unreachable, badEngine] = await Promise.all([
