@@ -191,7 +191,7 @@ export const commands: ReadonlyArray<CommandSpec> = [
     name: "attach",
     summary: "Follow a session live: history, a separator, then its turns as they happen.",
     details:
-      "stdout shows user messages (> ...), the assistant's text as it streams, tool calls and results on one line each, and the end of each turn; stderr gets one-line notices: the worker recovering and ready, the connection lost and back, a daemon restart, a resync, a rewritten history. A killed session ends the command with exit 1. When the daemon goes away, attach reconnects and resumes by cursor for --reconnect-timeout, then gives up with exit 3. With --json each event is printed as a JSON line (history lines first, with --history).",
+      "stdout shows user messages (> ...), the assistant's text as it streams, tool calls and results on one line each, and the end of each turn; stderr gets one-line notices: the worker recovering and ready, the connection lost and back, a daemon restart, a resync, a rewritten history. A killed session ends the command with exit 1. When the daemon goes away, attach reconnects and resumes by cursor for --reconnect-timeout, then gives up with exit 3. With --json each event is printed as a JSON line (history lines first, with --history). On a terminal (stdin and stdout), without --read-only or --json, attach also takes input on a line below the session: Enter sends the line as a prompt (during a turn it is refused: the session is busy; what is typed meanwhile is kept for later), Ctrl-C aborts a running turn, Ctrl-C when idle or Ctrl-D detaches (exit 0); commands: /abort, /checkpoint, /retry, /log [N] (the last N messages, default 20), /detach, /help; any other line, the echo engine's /sleep and /bulk included, is a prompt (//x sends /x).",
     args: [targetArg],
     options: [
       {
@@ -212,6 +212,7 @@ export const commands: ReadonlyArray<CommandSpec> = [
         value: "SECONDS",
         description: "How long to keep reconnecting to a daemon that went away (default 30)."
       },
+      { name: "read-only", kind: "flag", description: "Only show the session, take no input (as when stdin or stdout is not a terminal)." },
       ...streaming
     ]
   },
