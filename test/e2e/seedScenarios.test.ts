@@ -132,6 +132,11 @@ describe("seed scenarios (e2e)", () => {
     // replacement snapshot; either way the replacement came, then the events after it, once.
     const begins = slow.received((m) => m["type"] === "session_snapshot_begin")
     expect(begins.at(-1)!["purpose"]).toBe("replacement")
+    // The older baseline, a separate cache entry, was delivered whole first.
+    expect(begins[0]!["purpose"]).toBe("attach")
+    const ends = slow.received((m) => m["type"] === "session_snapshot_end")
+    expect(ends.map((m) => m["snapshotId"])).toEqual(begins.map((m) => m["snapshotId"]))
+    expect(slow.received((m) => m["type"] === "session_snapshot_failed")).toEqual([])
     const afterReplacement = slow.all.slice(slow.all.indexOf(begins.at(-1)!)).filter((m) => m["type"] === "session_event" || m["type"] === "session_status")
     expect(cursorGap(afterReplacement, begins.at(-1)!["cursor"])).toBeUndefined()
     // ctl (attached all along, not chunked) folds to the same transcript.
