@@ -514,6 +514,7 @@ console.log(JSON.stringify(report))
       "JsonLines.js",
       "Protocol.js",
       "SessionClient.js",
+      "SessionTarget.js",
       "StatePaths.js",
       "client.js"
     ])
