@@ -41,6 +41,7 @@ import * as Cursor from "./Cursor.js"
 import * as Remote from "./internal/remote.js"
 import { DEFAULT_MAX_LINE_BYTES, LineDecoder } from "./JsonLines.js"
 import * as Protocol from "./Protocol.js"
+import * as SessionTarget from "./SessionTarget.js"
 import { defaultSocketPath } from "./StatePaths.js"
 
 // ---------------------------------------------------------------------------------------------
@@ -149,6 +150,20 @@ export class PromptTooLarge extends Schema.TaggedError<PromptTooLarge>()("Prompt
   message: Schema.String
 }) {}
 
+/**
+ * A session target (docs: `SessionTarget`) that fits several sessions: a prefix shared by
+ * several ids, or a name shared by sessions created before names were unique. `candidates`
+ * are their ids.
+ */
+export class AmbiguousSession extends Schema.TaggedError<AmbiguousSession>()("AmbiguousSession", {
+  target: Schema.String,
+  candidates: Schema.Array(Schema.String),
+  message: Schema.String
+}) {}
+
+/** Why a session target could not be resolved to one session. */
+export type ResolveError = RequestError | AmbiguousSession
+
 /** Why `make`/`layer` could not connect. */
 export type ConnectError = DaemonUnreachable | ProtocolMismatch
 
@@ -227,6 +242,15 @@ export interface DaemonClientService {
   /** Creates a session (without attaching to it). */
   readonly create: (options?: CreateOptions) => Effect.Effect<Protocol.CreateResult, RequestError>
   readonly list: () => Effect.Effect<Protocol.ListResult, RequestError>
+  /**
+   * The id of the session `target` names: its id, a unique prefix of its id (the `s-` may be
+   * left out) or its name, by the same rules as the command line (`SessionTarget`). A whole
+   * id is returned as it is; otherwise the daemon's `list` is read. No match fails with a
+   * `DaemonError` of code `session_not_found`; several with {@link AmbiguousSession}.
+   */
+  readonly resolve: (target: string) => Effect.Effect<string, ResolveError>
+  /** Gives a session a new name (`DaemonError` `name_taken` when another session has it). */
+  readonly rename: (activeSessionId: string, name: string) => Effect.Effect<Protocol.SessionSummary, RequestError>
   readonly status: () => Effect.Effect<Protocol.StatusResult, RequestError>
   /**
    * Attaches this connection to a session. The snapshot frames, `session_attached` and the
@@ -500,6 +524,21 @@ export const make = (options: DaemonClientOptions = {}): Effect.Effect<DaemonCli
       ping: () => request({ type: "ping" }),
       create: (options = {}) => request({ ...options, type: "create" }),
       list: () => request({ type: "list" }),
+      resolve: (target) =>
+        SessionTarget.isFullId(target) ? Effect.succeed(target) : Effect.flatMap(request({ type: "list" }), ({ sessions }): Effect.Effect<string, ResolveError> => {
+          const r = SessionTarget.resolve(sessions, target)
+          switch (r._tag) {
+            case "Found":
+              return Effect.succeed(r.activeSessionId)
+            case "NoMatch":
+              return Effect.fail(new DaemonError({ code: "session_not_found", command: "list", message: r.message }))
+            case "Ambiguous":
+              return Effect.fail(
+                new AmbiguousSession({ target, candidates: r.candidates.map((c) => c.activeSessionId), message: r.message })
+              )
+          }
+        }),
+      rename: (activeSessionId, name) => request({ type: "rename", activeSessionId, name }),
       status: () => request({ type: "status" }),
       attach: (activeSessionId, options = {}) => request({ ...options, type: "attach", activeSessionId }),
       detach: (activeSessionId) => Effect.asVoid(request({ type: "detach", activeSessionId })),

@@ -165,6 +165,8 @@ export const make = Effect.gen(function*() {
           return yield* manager.retryWorker(command.activeSessionId)
         case "kill":
           return yield* manager.kill(command.activeSessionId)
+        case "rename":
+          return yield* manager.rename(command)
         case "shutdown":
           stopping = true
           // Whatever waits in a session is answered now (so this response is not held behind

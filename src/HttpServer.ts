@@ -543,6 +543,10 @@ export const make = Effect.gen(function*() {
         Effect.flatMap(command("retry_worker", ctx, { activeSessionId: sessionId(ctx) }, true), (cmd) =>
           Effect.map(run(manager.retryWorker(cmd.activeSessionId)), ok(ctx)))
     }],
+    [/^\/v1\/sessions\/([^/]+)\/rename$/, {
+      POST: (ctx) =>
+        Effect.flatMap(command("rename", ctx, { activeSessionId: sessionId(ctx) }, true), (cmd) => Effect.map(run(manager.rename(cmd)), ok(ctx)))
+    }],
     [/^\/v1\/sessions\/([^/]+)\/messages$/, {
       GET: (ctx) => {
         // Numbers when they are numbers; otherwise the text, for the schema to refuse by name.

@@ -514,6 +514,7 @@ console.log(JSON.stringify(report))
       "JsonLines.js",
       "Protocol.js",
       "SessionClient.js",
+      "SessionTarget.js",
       "StatePaths.js",
       "client.js",
       // The transport over a URL and the pure helpers it shares with the HTTP front (no Effect).

@@ -39,6 +39,8 @@ export const daemonErrorText = (code: unknown, message: string): string => {
         `\`agentd retry ${id}\` loads it again, \`agentd kill ${id}\` archives it.`
     case "session_failed":
       return `${message.replace(/;? ?use retry_worker\.?$/, ".")} \`agentd retry ${id}\` starts its worker again.`
+    case "name_taken":
+      return `${message.replace(/`([^`]+)`/, "$1")} \`agentd rename ${id} NEW-NAME\` renames that session.`
     case "session_busy":
       return `${message} \`agentd abort ${id}\` stops the turn; \`agentd attach ${id}\` watches it.`
     default:

@@ -596,8 +596,11 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
     }
   }
 
+  // Names are unique in the daemon (name_taken): one per attempt, since a create whose answer
+  // was lost to a crash may still have made its session.
+  let createAttempts = 0
   const addSession = async (via: ChaosClient): Promise<void> => {
-    const r = await send(via, { type: "create", name: `chaos-${sessions.size}` })
+    const r = await send(via, { type: "create", name: `chaos-${++createAttempts}` })
     if (r === undefined) return
     if (r["success"] !== true) return expectCodes(r, "create", [])
     const id = r["data"]["activeSessionId"] as string
