@@ -40,6 +40,7 @@ import { errorResponse, REQUEST_ID_HEADER } from "./internal/http/errors.js"
 import { openReader, type Reader, readPage, ReadRefused, snapshotLink, sseStream } from "./internal/http/events.js"
 import * as Metrics from "./internal/http/metrics.js"
 import * as Offset from "./internal/http/offset.js"
+import { loadPage, PAGE_HEADERS } from "./internal/http/page.js"
 import { StreamPort } from "./internal/http/port.js"
 import * as Security from "./internal/http/security.js"
 import { readOrCreateToken, tokenMatches } from "./internal/http/token.js"
@@ -481,21 +482,20 @@ export const make = Effect.gen(function*() {
       })
     })
 
-  const page: Handler = (ctx) =>
-    Effect.succeed(HttpServerResponse.text(PAGE, {
-      contentType: "text/html; charset=utf-8",
-      headers: {
-        [REQUEST_ID_HEADER]: ctx.requestId,
-        "cache-control": "no-store",
-        "x-content-type-options": "nosniff",
-        "x-frame-options": "DENY",
-        "content-security-policy": "default-src 'self'; script-src 'unsafe-inline'; connect-src 'self'; frame-ancestors 'none'"
-      }
+  /** The web page (web/, built into dist/src/web/), behind the same gate as everything else. */
+  const pageFiles = loadPage()
+  const page: Handler = (ctx) => {
+    if (typeof pageFiles === "string") return refuse("not_found", pageFiles)
+    const file = pageFiles.get(ctx.url.pathname)!
+    return Effect.succeed(HttpServerResponse.uint8Array(file.body, {
+      contentType: file.contentType,
+      headers: { ...PAGE_HEADERS, [REQUEST_ID_HEADER]: ctx.requestId }
     }))
+  }
 
   /** Path pattern (one capture: the session id), then a handler per method. */
   const routes: ReadonlyArray<readonly [RegExp, Readonly<Record<string, Handler>>]> = [
-    [/^\/$/, { GET: page }],
+    [/^\/(?:app\.js|app\.css)?$/, { GET: page }],
     [/^\/healthz$/, { GET: (ctx) => Effect.succeed(jsonResponse({ ok: true }, ctx.requestId)) }],
     [/^\/metrics$/, { GET: metrics }],
     [/^\/v1\/status$/, { GET: (ctx) => Effect.map(run(manager.status), ok(ctx)) }],
@@ -636,14 +636,3 @@ export const layer: Layer.Layer<HttpFront, HttpStartError, DaemonConfig | Sessio
 /** The HTTP front when the configuration asks for one (`http`), nothing otherwise. */
 export const layerIfConfigured: Layer.Layer<never, HttpStartError, DaemonConfig | SessionManager | EventLog | SupervisorInfo> = Layer
   .unwrapEffect(Effect.map(DaemonConfig, (config) => (config.http === undefined ? Layer.empty : Layer.discard(layer))))
-
-/** The page `/` serves once logged in: the daemon's status and sessions, read through the API. */
-const PAGE = `<!doctype html>
-<html><head><meta charset="utf-8"><title>agentd</title></head>
-<body><h1>agentd</h1><pre id="out">loading...</pre>
-<script>
-Promise.all([fetch("/v1/status").then(r => r.json()), fetch("/v1/sessions").then(r => r.json())])
-  .then(([status, list]) => { document.getElementById("out").textContent = JSON.stringify({ status, sessions: list.sessions }, null, 2) })
-  .catch(e => { document.getElementById("out").textContent = String(e) })
-</script></body></html>
-`
