@@ -271,6 +271,7 @@ export const make = Effect.gen(function*() {
   const withReader = (
     ctx: RequestContext,
     requested: Offset.Requested,
+    rewriteAsControl: boolean,
     use: (reader: Reader, close: Effect.Effect<void>) => Effect.Effect<HttpServerResponse.HttpServerResponse, Refusal>
   ) =>
     Effect.gen(function*() {
@@ -282,7 +283,7 @@ export const make = Effect.gen(function*() {
         return Scope.close(scope, Exit.void)
       })
       NodeHttpServerRequest.toServerResponse(ctx.request).once("close", () => runFork(close))
-      const reader = yield* openReader(manager, log, connectionIdOf(ctx), sessionId(ctx), requested).pipe(
+      const reader = yield* openReader(manager, log, connectionIdOf(ctx), sessionId(ctx), requested, rewriteAsControl).pipe(
         Scope.extend(scope),
         Effect.mapError(fromCommandError),
         Effect.onExit((exit) => (Exit.isSuccess(exit) ? Effect.void : close))
@@ -306,7 +307,7 @@ export const make = Effect.gen(function*() {
         return yield* refuse("invalid_offset", `Invalid live mode ${JSON.stringify(live.slice(0, 32))}: sse or long-poll.`)
       }
       const requested = yield* requestedOffset(ctx)
-      return yield* withReader(ctx, requested, (reader, close) =>
+      return yield* withReader(ctx, requested, live === "sse", (reader, close) =>
         Effect.gen(function*() {
           if (live === "sse") {
             Metric.increment(Metrics.sseClients).pipe(Effect.runSync)

@@ -44,6 +44,8 @@ export class Follower {
   private starting = false
   private retryTimer: ReturnType<typeof setTimeout> | undefined
   private lastWorker: Protocol.WorkerState | undefined
+  /** The snapshot the transcript was last built from. */
+  private snapshotId: string | undefined
 
   constructor(readonly id: string, private readonly changed: () => void) {
     this.fold = new SessionFold(id)
@@ -61,9 +63,8 @@ export class Follower {
     this.source = undefined
     clearTimeout(this.retryTimer)
     try {
-      if (reason !== undefined) this.notice("warn", reason)
       const summary = await api<Protocol.SessionSummary>("GET", `/v1/sessions/${encodeURIComponent(this.id)}`)
-      const offset = await this.loadSnapshot(summary)
+      const offset = await this.loadSnapshot(summary, reason)
       if (this.stopped) return
       this.follow(offset)
     } catch (e) {
@@ -89,7 +90,7 @@ export class Follower {
   }
 
   /** Reads the snapshot (JSON lines of the socket's snapshot frames) into the fold. */
-  private async loadSnapshot(summary: Protocol.SessionSummary): Promise<string> {
+  private async loadSnapshot(summary: Protocol.SessionSummary, reason: string | undefined): Promise<string> {
     const res = await fetch(`/v1/sessions/${encodeURIComponent(this.id)}/snapshot`, { credentials: "same-origin" })
     if (!res.ok) throw await ApiError.of(res)
     const text = await res.text()
@@ -97,6 +98,7 @@ export class Follower {
     const fold = new SessionFold(this.id)
     fold.attaching()
     let offset: string | undefined
+    let snapshotId: string | undefined
     for (const line of text.split("\n")) {
       if (line === "") continue
       const m = JSON.parse(line) as Protocol.PushMessage | { readonly type: "snapshot_offset"; readonly offset: string }
@@ -104,6 +106,7 @@ export class Follower {
         offset = m.offset
         continue
       }
+      if (m.type === "session_snapshot_begin") snapshotId = m.snapshotId
       const out = fold.receive(m)
       if (Either.isLeft(out)) throw new Error(out.left.message)
     }
@@ -112,6 +115,10 @@ export class Follower {
     const attached = fold.receive({ type: "session_attached", activeSessionId: this.id, state: summary, replay: { status: "unavailable" } })
     if (Either.isLeft(attached)) throw new Error(attached.left.message)
     this.fold = fold
+    this.snapshotId = snapshotId
+    // The notices were about the transcript just replaced; the reason for replacing it stays.
+    this.notices.length = 0
+    if (reason !== undefined) this.notice("warn", reason)
     this.lastWorker = summary.worker
     this.epoch++
     this.changed()
@@ -141,8 +148,12 @@ export class Follower {
     })
     source.addEventListener("control", (ev) => {
       if (source !== this.source) return
-      const c = JSON.parse((ev as MessageEvent<string>).data) as { readonly rewrite?: unknown; readonly lost?: string }
-      if (c.rewrite !== undefined) void this.start("The history was rewritten: the transcript was replaced.")
+      const c = JSON.parse((ev as MessageEvent<string>).data) as { readonly rewrite?: { readonly snapshotId: string }; readonly lost?: string }
+      // A rewrite whose snapshot the transcript was built from: an offset after a rewrite is
+      // also one of the history before it, so the stream names the snapshot, and this one is had.
+      if (c.rewrite !== undefined && c.rewrite.snapshotId !== this.snapshotId) {
+        void this.start("The history was rewritten: the transcript was replaced.")
+      }
       else if (c.lost !== undefined) void this.start("This page fell behind and resynchronised from a snapshot.")
     })
     source.onerror = () => {
