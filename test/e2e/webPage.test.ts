@@ -9,6 +9,7 @@
  * `AGENTD_UPDATE_SCREENSHOTS=1` writes the two views' screenshots to docs/ (the README shows
  * them); otherwise they go to the temp dir.
  */
+import { spawnSync } from "node:child_process"
 import * as fs from "node:fs"
 import * as os from "node:os"
 import * as path from "node:path"
@@ -117,7 +118,11 @@ describeBrowser("the web page (e2e, chromium)", () => {
   it("after the login the table lists the sessions, filters by name, and creates one from the form", async () => {
     await idle(first)
     await create({ name: "second" })
-    expect((await page.goto(`${h.url}/login?token=${h.token}`))?.status()).toBe(200)
+    // The login link as `agentd web` prints it (no browser to open here: --print).
+    const cli = spawnSync(process.execPath, [path.join(PROJECT_ROOT, "dist", "src", "bin", "agentd.cjs"), "web", "--print", "--http", `127.0.0.1:${port}`, "--state-dir", stateDir], { encoding: "utf8" })
+    expect(cli.status, cli.stderr).toBe(0)
+    expect(cli.stdout.trim()).toBe(`${h.url}/login?token=${h.token}`)
+    expect((await page.goto(cli.stdout.trim()))?.status()).toBe(200)
     await page.setViewportSize({ width: 1100, height: 700 })
     await page.waitForSelector(`#sessions tr[data-id="${first}"]`)
     await waitUntil("two rows", async () => (await page.$$("#sessions tbody tr")).length === 2)
