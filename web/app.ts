@@ -389,7 +389,7 @@ const sessionView = (id: string): void => {
     const worker = s?.worker ?? "unknown"
     state.replaceChildren(
       h("span", { class: `worker worker-${worker}` }, worker),
-      ` · ${fold.busy ? "busy" : "idle"} · ${msgs.length} messages · ${s?.engine ?? ""} · `,
+      ` · ${fold.busy ? "busy" : "idle"} · ${msgs.length} message${msgs.length === 1 ? "" : "s"} · ${s?.engine ?? ""} · `,
       h("code", { title: id }, shortId(id)),
       ` · ${follower.connection}`
     )
