@@ -10,11 +10,11 @@ import { usage } from "./errors.js"
 export const webBaseUrl = (address: string): string | undefined => {
   const text = address.trim().replace(/\/+$/, "")
   if (/^https?:\/\//.test(text)) return text
-  const m = /^(?:(\[[0-9a-fA-F:.]+\]|[^:[\]]+))?:?(\d{1,5})$/.exec(text)
+  const m = /^(\d{1,5})$/.exec(text) ?? /^(\[[0-9a-fA-F:.]+\]|[^:[\]]*):(\d{1,5})$/.exec(text)
   if (m === null) return undefined
-  const port = Number(m[2])
+  const port = Number(m.length === 2 ? m[1] : m[2])
   if (port < 1 || port > 65535) return undefined
-  let host = m[1] ?? "127.0.0.1"
+  let host = m.length === 2 || m[1] === "" ? "127.0.0.1" : m[1]!
   // A wildcard bind is reached on loopback from here.
   if (host === "0.0.0.0") host = "127.0.0.1"
   if (host === "[::]") host = "[::1]"

@@ -266,6 +266,63 @@ describeBrowser("the web page (e2e, chromium)", () => {
     expect(new Set(log.map((m) => m.id)).size).toBe(log.length)
   })
 
+  it("1,000 sessions in the table: all listed, filtered at once, and a refresh redraws only the rows that changed", async () => {
+    // The list is the daemon's own answer with a thousand synthetic sessions added (a thousand
+    // real workers would cost minutes here); what is checked is the page's work, not the daemon's.
+    const n = Number(process.env["AGENTD_WEB_TABLE_SESSIONS"] ?? "1000")
+    let tick = 0
+    await page.route("**/v1/sessions", async (route) => {
+      if (route.request().method() !== "GET") return route.continue()
+      const real = await route.fetch()
+      const body = (await real.json()) as { sessions: Array<Msg> }
+      tick++
+      for (let i = 0; i < n; i++) {
+        body.sessions.push({
+          activeSessionId: `s-${String(i).padStart(8, "0")}-0000-0000-0000-000000000000`,
+          name: `bulk-${i}`,
+          engine: "echo",
+          createdAt: new Date(Date.UTC(2026, 0, 1, 0, 0, i)).toISOString(),
+          // One session's count moves with every refresh: only its row is to be redrawn.
+          messageCount: i === 7 ? tick : 0,
+          busy: false,
+          worker: i % 100 === 0 ? "damaged" : "ready",
+          restarts: 0,
+          telemetry: false
+        })
+      }
+      await route.fulfill({ response: real, json: body })
+    })
+    try {
+      await page.goto(`${h.url}/#/`)
+      await waitUntil("a thousand rows", async () => (await page.$$eval("#sessions tbody tr", (rows) => rows.length)) >= n)
+      expect(await page.$$eval("#sessions .worker-damaged", (els) => els.length)).toBe(n / 100)
+      // Rows rebuilt by the next refresh, counted by a MutationObserver on the table body.
+      await page.evaluate(() => {
+        // eslint-disable-next-line @typescript-eslint/no-explicit-any
+        const g = globalThis as any
+        g.rebuilt = new Set()
+        new g.MutationObserver((records: Array<{ target: { closest(s: string): { getAttribute(a: string): string } | null } }>) => {
+          for (const r of records) {
+            const tr = r.target.closest("tr")
+            if (tr !== null) g.rebuilt.add(tr.getAttribute("data-id"))
+          }
+        }).observe(g.document.querySelector("#sessions tbody"), { childList: true, subtree: true })
+      })
+      const before = tick
+      await waitUntil("two more refreshes", async () => tick >= before + 2)
+      await sleep(200)
+      const rebuilt = await page.evaluate(() => [...(globalThis as unknown as { rebuilt: Set<string> }).rebuilt])
+      expect(rebuilt).toContain("s-00000007-0000-0000-0000-000000000000")
+      // Only the moving row (and real sessions whose activity text changed), never the thousand.
+      expect(rebuilt.length).toBeLessThan(10)
+      await page.fill("#filter", "bulk-99")
+      await waitUntil("the filter", async () => (await page.$$("#sessions tbody tr:not([hidden])")).length === (n > 990 ? 11 : 1))
+      expect(await page.textContent("#sessions-status")).toMatch(new RegExp(`shown`))
+    } finally {
+      await page.unroute("**/v1/sessions")
+    }
+  })
+
   it("the page's script stays within its size budget (100 KB gzipped)", async () => {
     const { gzipSync } = await import("node:zlib")
     const script = fs.readFileSync(path.join(PROJECT_ROOT, "dist", "src", "web", "app.js"))
