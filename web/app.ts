@@ -377,6 +377,13 @@ const sessionView = (id: string): void => {
     } else if (msgs.length > end || notices < follower.notices.length) {
       notices = appendUpTo(list, end, msgs.length, notices, follower.notices.length)
       end = msgs.length
+      // A reader at the bottom keeps one page in the DOM, however many events come (a catch-up
+      // from the last checkpoint can be the whole session); one who scrolled up keeps all.
+      while (stick && end - start > PAGE && list.firstElementChild !== null) {
+        const first = list.firstElementChild
+        if (first.hasAttribute("data-id")) start++
+        first.remove()
+      }
     }
     more.hidden = start === 0
     live.replaceChildren(...(fold.streaming === undefined ? [] : [messageView(fold.streaming, true)]))

@@ -266,6 +266,28 @@ describeBrowser("the web page (e2e, chromium)", () => {
     expect(new Set(log.map((m) => m.id)).size).toBe(log.length)
   })
 
+  it("a long transcript: only its last 100 messages are in the DOM; earlier ones page in as the reader scrolls up", async () => {
+    const id = await create()
+    await idle(id)
+    // Just over one page of messages (each prompt adds two).
+    const prompts = Number(process.env["AGENTD_WEB_PAGING_PROMPTS"] ?? "51")
+    for (let i = 0; i < prompts; i++) {
+      const res = await request(h, "POST", `/v1/sessions/${id}/prompt`, { body: JSON.stringify({ message: `m${i}` }) })
+      expect(res.status, res.text).toBe(200)
+      await idle(id)
+    }
+    await openSession(page, id)
+    await waitUntil("the last page", async () => (await shown(page)).at(-1)?.text === `echo: m${prompts - 1}`)
+    expect((await shown(page)).length).toBe(100)
+    await page.evaluate(() => {
+      const t = (globalThis as unknown as { document: { querySelector(s: string): { scrollTop: number } } }).document.querySelector("#transcript")
+      t.scrollTop = 0
+    })
+    await waitUntil("the earlier messages", async () => (await shown(page)).length === prompts * 2)
+    expect(JSON.stringify(await shown(page))).toBe(JSON.stringify(await truth(id)))
+    expect(await page.isHidden("#earlier")).toBe(true)
+  })
+
   it("1,000 sessions in the table: all listed, filtered at once, and a refresh redraws only the rows that changed", async () => {
     // The list is the daemon's own answer with a thousand synthetic sessions added (a thousand
     // real workers would cost minutes here); what is checked is the page's work, not the daemon's.
