@@ -14,7 +14,8 @@ const benches: Record<string, () => Promise<{ default: () => Promise<void> }>> =
   httpDelivery: () => import("./httpDelivery.js"),
   attach: () => import("./attach.js"),
   checkpoint: () => import("./checkpoint.js"),
-  cliStartup: () => import("./cliStartup.js")
+  cliStartup: () => import("./cliStartup.js"),
+  webOpen: () => import("./webOpen.js")
 }
 
 const wanted = process.argv.slice(2)
