@@ -270,8 +270,23 @@ const messageView = (m: Protocol.AgentMessage, streaming = false): HTMLElement =
     "article",
     { class: cls, "data-id": m.id },
     h("div", { class: "who" }, m.role === "user" ? "You" : "Assistant", ...badges),
-    h("div", { class: "body" }, m.content)
+    ...longText(m.content)
   )
+}
+
+/** Characters of a message shown before "Show all": laying out megabytes of text takes seconds. */
+const SHOWN_CHARS = 20_000
+
+/** A message's body, cut at SHOWN_CHARS with a button that shows the rest. */
+const longText = (content: string): Array<HTMLElement> => {
+  const body = h("div", { class: "body" }, content.length > SHOWN_CHARS ? content.slice(0, SHOWN_CHARS) : content)
+  if (content.length <= SHOWN_CHARS) return [body]
+  const all = h("button", { type: "button", class: "show-all" }, `Show all (${Math.round(content.length / 1024)} KB)`)
+  all.addEventListener("click", () => {
+    body.textContent = content
+    all.remove()
+  })
+  return [body, all]
 }
 
 const noticeView = (n: Notice): HTMLElement => h("p", { class: `notice ${n.kind}`, role: n.kind === "error" ? "alert" : undefined }, n.text)
