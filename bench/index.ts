@@ -16,7 +16,8 @@ const benches: Record<string, () => Promise<{ default: () => Promise<void> }>> =
   httpCatchUp: () => import("./httpCatchUp.js"),
   attach: () => import("./attach.js"),
   checkpoint: () => import("./checkpoint.js"),
-  cliStartup: () => import("./cliStartup.js")
+  cliStartup: () => import("./cliStartup.js"),
+  webOpen: () => import("./webOpen.js")
 }
 
 const wanted = process.argv.slice(2)

@@ -14,6 +14,7 @@
 import * as esbuild from "esbuild"
 import { spawnSync } from "node:child_process"
 import * as fs from "node:fs"
+import * as zlib from "node:zlib"
 
 const common = {
   bundle: true,
@@ -46,6 +47,29 @@ await esbuild.build({
   // Some dependencies call require(); an ES module bundle has to provide it.
   banner: { js: `import { createRequire as __agentdCreateRequire } from "node:module"; const require = __agentdCreateRequire(import.meta.url);` }
 })
+
+// The web page the HTTP front serves at `/` (web/): its script bundled for browsers (with the
+// SDK's session fold, src/SessionFold.ts), its HTML and CSS copied, into dist/src/web/, which
+// the package ships. The gzipped size of the script is printed: its budget is 100 KB.
+fs.mkdirSync("dist/src/web", { recursive: true })
+await esbuild.build({
+  entryPoints: { app: "web/app.ts" },
+  outdir: "dist/src/web",
+  bundle: true,
+  platform: "browser",
+  format: "esm",
+  target: ["chrome109", "firefox115", "safari16"],
+  minify: true,
+  sourcemap: false,
+  allowOverwrite: true,
+  logLevel: "warning",
+  legalComments: "none"
+})
+for (const file of ["index.html", "app.css"]) fs.copyFileSync(`web/${file}`, `dist/src/web/${file}`)
+{
+  const script = fs.readFileSync("dist/src/web/app.js")
+  console.log(`web page: app.js ${(script.length / 1024).toFixed(1)} KB, ${(zlib.gzipSync(script).length / 1024).toFixed(1)} KB gzipped`)
+}
 
 for (const bin of ["dist/src/bin/agentd.cjs", "dist/src/bin/agentd.js"]) fs.chmodSync(bin, 0o755)
 

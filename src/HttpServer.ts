@@ -37,10 +37,11 @@ import * as net from "node:net"
 import { DaemonConfig } from "./DaemonConfig.js"
 import { EventLog } from "./EventLog.js"
 import { errorResponse, REQUEST_ID_HEADER } from "./internal/http/errors.js"
-import { openReader, type Reader, readPage, ReadRefused, snapshotLink, sseStream } from "./internal/http/events.js"
+import { openReader, type Reader, type ReaderOptions, readPage, ReadRefused, snapshotLink, sseStream } from "./internal/http/events.js"
 import * as Metrics from "./internal/http/metrics.js"
 import * as DaemonMetrics from "./Metrics.js"
 import * as Offset from "./internal/http/offset.js"
+import { loadPage, PAGE_HEADERS } from "./internal/http/page.js"
 import { StreamPort } from "./internal/http/port.js"
 import * as Security from "./internal/http/security.js"
 import { readOrCreateToken, tokenMatches } from "./internal/http/token.js"
@@ -280,8 +281,7 @@ export const make = Effect.gen(function*() {
     ctx: RequestContext,
     requested: Offset.Requested,
     use: (reader: Reader, close: Effect.Effect<void>) => Effect.Effect<HttpServerResponse.HttpServerResponse, Refusal>,
-    /** A one-page read's budget (see StreamPort); none for a stream. */
-    budget?: number
+    options: ReaderOptions = {}
   ) =>
     Effect.gen(function*() {
       if (stopping) return yield* refuse("shutting_down", "The daemon is shutting down.")
@@ -292,7 +292,7 @@ export const make = Effect.gen(function*() {
         return Scope.close(scope, Exit.void)
       })
       NodeHttpServerRequest.toServerResponse(ctx.request).once("close", () => runFork(close))
-      const reader = yield* openReader(manager, log, connectionIdOf(ctx), sessionId(ctx), requested, budget).pipe(
+      const reader = yield* openReader(manager, log, connectionIdOf(ctx), sessionId(ctx), requested, options).pipe(
         Scope.extend(scope),
         Effect.mapError(fromCommandError),
         Effect.onExit((exit) => (Exit.isSuccess(exit) ? Effect.void : close))
@@ -342,7 +342,7 @@ export const make = Effect.gen(function*() {
             contentType: "application/json",
             headers: streamHeaders(ctx, next, page.upToDate, live === "long-poll")
           })
-        }), live === "sse" ? undefined : pageBytes)
+        }), live === "sse" ? { rewriteAsControl: true } : { budget: pageBytes })
     })
 
   /**
@@ -495,21 +495,20 @@ export const make = Effect.gen(function*() {
       })
     })
 
-  const page: Handler = (ctx) =>
-    Effect.succeed(HttpServerResponse.text(PAGE, {
-      contentType: "text/html; charset=utf-8",
-      headers: {
-        [REQUEST_ID_HEADER]: ctx.requestId,
-        "cache-control": "no-store",
-        "x-content-type-options": "nosniff",
-        "x-frame-options": "DENY",
-        "content-security-policy": "default-src 'self'; script-src 'unsafe-inline'; connect-src 'self'; frame-ancestors 'none'"
-      }
+  /** The web page (web/, built into dist/src/web/), behind the same gate as everything else. */
+  const pageFiles = loadPage()
+  const page: Handler = (ctx) => {
+    if (typeof pageFiles === "string") return refuse("not_found", pageFiles)
+    const file = pageFiles.get(ctx.url.pathname)!
+    return Effect.succeed(HttpServerResponse.uint8Array(file.body, {
+      contentType: file.contentType,
+      headers: { ...PAGE_HEADERS, [REQUEST_ID_HEADER]: ctx.requestId }
     }))
+  }
 
   /** Path pattern (one capture: the session id), then a handler per method. */
   const routes: ReadonlyArray<readonly [RegExp, Readonly<Record<string, Handler>>]> = [
-    [/^\/$/, { GET: page }],
+    [/^\/(?:app\.js|app\.css)?$/, { GET: page }],
     [/^\/healthz$/, { GET: (ctx) => Effect.succeed(jsonResponse({ ok: true }, ctx.requestId)) }],
     [/^\/metrics$/, { GET: metrics }],
     [/^\/v1\/status$/, { GET: (ctx) => Effect.map(run(manager.status), ok(ctx)) }],
@@ -654,14 +653,3 @@ export const layer: Layer.Layer<HttpFront, HttpStartError, DaemonConfig | Sessio
 /** The HTTP front when the configuration asks for one (`http`), nothing otherwise. */
 export const layerIfConfigured: Layer.Layer<never, HttpStartError, DaemonConfig | SessionManager | EventLog | SupervisorInfo> = Layer
   .unwrapEffect(Effect.map(DaemonConfig, (config) => (config.http === undefined ? Layer.empty : Layer.discard(layer))))
-
-/** The page `/` serves once logged in: the daemon's status and sessions, read through the API. */
-const PAGE = `<!doctype html>
-<html><head><meta charset="utf-8"><title>agentd</title></head>
-<body><h1>agentd</h1><pre id="out">loading...</pre>
-<script>
-Promise.all([fetch("/v1/status").then(r => r.json()), fetch("/v1/sessions").then(r => r.json())])
-  .then(([status, list]) => { document.getElementById("out").textContent = JSON.stringify({ status, sessions: list.sessions }, null, 2) })
-  .catch(e => { document.getElementById("out").textContent = String(e) })
-</script></body></html>
-`

@@ -14,6 +14,7 @@ import { optionValue } from "./engines.js"
 import * as Target from "./target.js"
 import { readOrCreateToken } from "../internal/http/token.js"
 import { stateDirOf } from "./paths.js"
+import { web } from "./web.js"
 
 /** What every client command knows. */
 export interface Context {
@@ -243,6 +244,10 @@ export const runOneShot = (p: Parsed, ctx: Context): Promise<void> | undefined =
       return shutdown(ctx)
     case "http-token":
       return Promise.resolve().then(() => out(readOrCreateToken(stateDirOf(p))))
+    case "web":
+      return Promise.resolve().then(() =>
+        out(web(p.options.get("http") as string | undefined, readOrCreateToken(stateDirOf(p)), p.options.get("print") === true))
+      )
     default:
       return undefined
   }

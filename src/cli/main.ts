@@ -283,6 +283,18 @@ export const commands: ReadonlyArray<CommandSpec> = [
     options: [stateDirOption]
   },
   {
+    name: "web",
+    summary: "Open the daemon's web page in a browser (prints its login link where none can be opened).",
+    details:
+      "The page is served by `serve --http HOST:PORT` at /; the link logs the browser in once (it holds the token, so keep it to yourself).",
+    args: [],
+    options: [
+      stateDirOption,
+      { name: "http", kind: "string", value: "HOST:PORT", description: "Where the daemon serves HTTP (what `serve --http` was given; default $AGENTD_HTTP)." },
+      { name: "print", kind: "flag", description: "Only print the login link; do not open a browser." }
+    ]
+  },
+  {
     name: "logs",
     summary: "Print the log of a daemon started with `serve --detach` (-f: keep following it).",
     args: [],

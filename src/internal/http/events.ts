@@ -63,6 +63,17 @@ const gone = (id: string, why: string) =>
     link: `<${snapshotLink(id)}>; rel="snapshot"`
   })
 
+/** How a read is to go on (both optional). */
+export interface ReaderOptions {
+  /** For a one-page read: the most bytes it takes (see StreamPort); none for a stream. */
+  readonly budget?: number
+  /**
+   * (SSE) An offset from before a history rewrite is not refused; the read starts with the
+   * rewrite (a control event naming the replacement snapshot), then its events.
+   */
+  readonly rewriteAsControl?: boolean
+}
+
 /**
  * Attaches a read of session `id` after `requested`, in the current scope (closing it detaches).
  * Fails with the socket's error for the session (not found, damaged) or a ReadRefused.
@@ -73,8 +84,7 @@ export const openReader = (
   connectionId: string,
   id: string,
   requested: Offset.Requested,
-  /** For a one-page read: the most bytes it takes (see StreamPort); none for a stream. */
-  budget?: number
+  { budget, rewriteAsControl = false }: ReaderOptions = {}
 ): Effect.Effect<Reader, CommandError | ReadRefused, import("effect/Scope").Scope> =>
   Effect.gen(function*() {
     for (let attempt = 0;; attempt++) {
@@ -107,10 +117,17 @@ export const openReader = (
       const replay = outcome.data.replay
       if (resume !== undefined && replay.status !== "complete") {
         if (replay.reason === "cursor_expired") return yield* Effect.fail(gone(id, "The events after this offset were pruned"))
-        if (replay.reason === "transcript_replaced") {
+        if (replay.reason === "transcript_replaced" && !rewriteAsControl) {
           return yield* Effect.fail(gone(id, "The session's history was rewritten after this offset"))
         }
-        return yield* Effect.fail(readRefused("invalid_offset", `The offset names no event of this session (${replay.reason}).`))
+        if (replay.reason !== "transcript_replaced") {
+          return yield* Effect.fail(readRefused("invalid_offset", `The offset names no event of this session (${replay.reason}).`))
+        }
+        // The offset a rewrite's snapshot ends with is its cursor, which is also an offset of
+        // the history before the rewrite: only the snapshot's id tells a reader that already
+        // holds it (from the snapshot route) from one that does not. An EventSource cannot
+        // recover from a 410, so SSE says which snapshot (the replacement's frames, sorted into
+        // a rewrite control event), and the reader decides.
       }
       if (resume === undefined && outcome.data.snapshot.cursor !== undefined) {
         // Events came (and a checkpoint) between the state read and the attach: the baseline
