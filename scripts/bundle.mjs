@@ -31,6 +31,11 @@ await esbuild.build({
   outdir: "dist/src/bin",
   outExtension: { ".js": ".cjs" },
   format: "cjs",
+  // Loaded from node_modules on the first connection to a URL only (src/internal/remote.ts):
+  // bundled, it would be read at every start of every command.
+  external: ["ws"],
+  // ...through require(): the bundle runs in vm.Script, which has no import() of its own.
+  supported: { "dynamic-import": false },
   // Smaller source: less to read and hash at each start (the code cache holds the bytecode).
   minify: true,
   keepNames: false,
@@ -44,6 +49,10 @@ await esbuild.build({
   entryPoints: { serve: "src/bin/serve.ts", worker: "src/bin/worker.ts" },
   outdir: "dist/src/bin",
   format: "esm",
+  // Less to read at every daemon and worker start, and half the package's size; names are kept
+  // (identifiers are not minified), so a stack trace still names its functions.
+  minifyWhitespace: true,
+  minifySyntax: true,
   // Some dependencies call require(); an ES module bundle has to provide it.
   banner: { js: `import { createRequire as __agentdCreateRequire } from "node:module"; const require = __agentdCreateRequire(import.meta.url);` }
 })
@@ -68,7 +77,7 @@ await esbuild.build({
 for (const file of ["index.html", "app.css"]) fs.copyFileSync(`web/${file}`, `dist/src/web/${file}`)
 {
   const script = fs.readFileSync("dist/src/web/app.js")
-  console.log(`web page: app.js ${(script.length / 1024).toFixed(1)} KB, ${(zlib.gzipSync(script).length / 1024).toFixed(1)} KB gzipped`)
+  console.error(`web page: app.js ${(script.length / 1024).toFixed(1)} KB, ${(zlib.gzipSync(script).length / 1024).toFixed(1)} KB gzipped`)
 }
 
 for (const bin of ["dist/src/bin/agentd.cjs", "dist/src/bin/agentd.js"]) fs.chmodSync(bin, 0o755)
