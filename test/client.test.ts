@@ -514,9 +514,13 @@ console.log(JSON.stringify(report))
       "JsonLines.js",
       "Protocol.js",
       "SessionClient.js",
+      // The session fold, shared with the web page (no Node, no Effect).
+      "SessionFold.js",
       "SessionTarget.js",
       "StatePaths.js",
       "client.js",
+      // The named synchronous fs calls (the cursor file, the token file).
+      "internal/fileIoSync.js",
       // The transport over a URL and the pure helpers it shares with the HTTP front (no Effect).
       "internal/http/security.js",
       "internal/http/token.js",

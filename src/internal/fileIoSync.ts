@@ -2,7 +2,8 @@
  * The synchronous part of the file I/O module (./fileIo.ts): the blocking `node:fs` calls that
  * code outside Effect makes, named here so that `node:fs` is imported in one place. Its users
  * are the command line (one-shot commands, bundled without Effect for start-up time: this module
- * loads nothing but `node:fs`), the HTTP token file (read by `agentd http-token` too), a
+ * loads nothing but `node:fs`), the HTTP token file (read by `agentd http-token` too), the SDK's
+ * cursor file and its URL transport's token lookup, the web page's files (read once at start),
  * the socket server's claim and removal of its socket path (run once at start and stop: kept
  * synchronous, as the socket's life around a graceful stop is timed by them), and the worker
  * entry's lookup. Effect code uses ./fileIo.ts instead:
@@ -24,6 +25,7 @@ export {
   readFileSync,
   readlinkSync,
   readSync,
+  renameSync,
   rmSync,
   statSync,
   unlinkSync,

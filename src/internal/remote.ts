@@ -7,7 +7,7 @@
  * No Effect here: the command line's one-shot commands load none. `ws` (Node 20 has no
  * WebSocket of its own) is loaded on the first connection over a URL only.
  */
-import * as fs from "node:fs"
+import * as fs from "./fileIoSync.js"
 import * as path from "node:path"
 import { defaultStateDir } from "../StatePaths.js"
 import { isLoopback } from "./http/security.js"

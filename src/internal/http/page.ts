@@ -4,7 +4,7 @@
  * directory is found beside the module that loads this one: dist/src/ for the compiled modules,
  * dist/src/bin/ for the daemon's bundle, hence both `web/` and `../web/`. No CDN, no network.
  */
-import * as fs from "node:fs"
+import * as fs from "../fileIoSync.js"
 import { fileURLToPath } from "node:url"
 
 export interface PageFile {
