@@ -1284,9 +1284,19 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
     await waitUntil(() => commanders.every((x) => x.pendingCount === 0), 60_000)
     // Each driver ends its loop once its turn has ended: bounded, so that a wedged session is
     // reported (with its state) rather than waited for forever.
+    // A session whose create was answered after the load stopped (a kill_session's new session
+    // made across a daemon restart) joins the wait when it appears, not never.
     const ended = new Set<SessionCtl>()
-    for (const ctl of liveSessions()) void ctl.done.then(() => ended.add(ctl))
-    if (!(await waitUntil(() => liveSessions().every((ctl) => ended.has(ctl)), SETTLE_BOUND_MS)) && !stopped()) {
+    const followed = new Set<SessionCtl>()
+    const allEnded = () => {
+      for (const ctl of liveSessions()) {
+        if (followed.has(ctl)) continue
+        followed.add(ctl)
+        void ctl.done.then(() => ended.add(ctl))
+      }
+      return liveSessions().every((ctl) => ended.has(ctl))
+    }
+    if (!(await waitUntil(allEnded, SETTLE_BOUND_MS)) && !stopped()) {
       const wedged = liveSessions().filter((ctl) => !ended.has(ctl))
       const states = await Promise.all(wedged.map((ctl) => send(c, { type: "get_state", activeSessionId: ctl.id })))
       check("every driver's turn ends", false, () => `after ${SETTLE_BOUND_MS} ms: ${states.map((r) => JSON.stringify(r?.["data"] ?? r)).join("; ")}`)
