@@ -117,7 +117,8 @@ describe("interactive attach on a terminal (e2e, pty)", () => {
 
     // Ctrl-D detaches too; --read-only takes no input (Enter sends nothing, Ctrl-C ends it: 130).
     const t2 = new Terminal(["attach", name, ...s])
-    await t2.see("----- live -----")
+    // The input line is drawn once the terminal is in raw mode: a key before it may be lost.
+    await t2.see("\x1b[0J> ", await t2.see("----- live -----"))
     t2.keys("\x04")
     assert.strictEqual(await t2.exit(), 0, t2.output)
     const t3 = new Terminal(["attach", name, "--read-only", ...s])
