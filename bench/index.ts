@@ -11,10 +11,13 @@ const benches: Record<string, () => Promise<{ default: () => Promise<void> }>> =
   storeDelivery: () => import("./storeDelivery.js"),
   recovery: () => import("./recovery.js"),
   delivery: () => import("./delivery.js"),
+  hotPath: () => import("./hotPath.js"),
   httpDelivery: () => import("./httpDelivery.js"),
+  httpCatchUp: () => import("./httpCatchUp.js"),
   attach: () => import("./attach.js"),
   checkpoint: () => import("./checkpoint.js"),
-  cliStartup: () => import("./cliStartup.js")
+  cliStartup: () => import("./cliStartup.js"),
+  webOpen: () => import("./webOpen.js")
 }
 
 const wanted = process.argv.slice(2)

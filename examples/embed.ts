@@ -12,7 +12,7 @@
  *   node dist/examples/embed.js [state-dir]
  */
 import { DaemonLive, RecoveryJournal, SessionManager } from "agentd"
-import { DaemonClient } from "agentd/client"
+import { DaemonClient, isDaemonError } from "agentd/client"
 import * as Console from "effect/Console"
 import * as Effect from "effect/Effect"
 import * as Layer from "effect/Layer"
@@ -62,7 +62,11 @@ const turn = (activeSessionId: string, text: string) =>
 const program = Effect.gen(function*() {
   const client = yield* DaemonClient
   const sessions = yield* SessionManager.SessionManager
-  const { activeSessionId } = yield* client.create({ name: "embedded" })
+  // The session named "embedded": the one of an earlier run on the same state dir, or a new one.
+  const activeSessionId = yield* client.resolve("embedded").pipe(
+    Effect.catchIf(isDaemonError("session_not_found"), () =>
+      Effect.map(client.create({ name: "embedded" }), (created) => created.activeSessionId))
+  )
   yield* turn(activeSessionId, "one two three")
 
   // The daemon supervises the worker: kill it, and the session is restored from its files.

@@ -14,6 +14,7 @@
 import * as esbuild from "esbuild"
 import { spawnSync } from "node:child_process"
 import * as fs from "node:fs"
+import * as zlib from "node:zlib"
 
 const common = {
   bundle: true,
@@ -30,6 +31,11 @@ await esbuild.build({
   outdir: "dist/src/bin",
   outExtension: { ".js": ".cjs" },
   format: "cjs",
+  // Loaded from node_modules on the first connection to a URL only (src/internal/remote.ts):
+  // bundled, it would be read at every start of every command.
+  external: ["ws"],
+  // ...through require(): the bundle runs in vm.Script, which has no import() of its own.
+  supported: { "dynamic-import": false },
   // Smaller source: less to read and hash at each start (the code cache holds the bytecode).
   minify: true,
   keepNames: false,
@@ -43,9 +49,36 @@ await esbuild.build({
   entryPoints: { serve: "src/bin/serve.ts", worker: "src/bin/worker.ts" },
   outdir: "dist/src/bin",
   format: "esm",
+  // Less to read at every daemon and worker start, and half the package's size; names are kept
+  // (identifiers are not minified), so a stack trace still names its functions.
+  minifyWhitespace: true,
+  minifySyntax: true,
   // Some dependencies call require(); an ES module bundle has to provide it.
   banner: { js: `import { createRequire as __agentdCreateRequire } from "node:module"; const require = __agentdCreateRequire(import.meta.url);` }
 })
+
+// The web page the HTTP front serves at `/` (web/): its script bundled for browsers (with the
+// SDK's session fold, src/SessionFold.ts), its HTML and CSS copied, into dist/src/web/, which
+// the package ships. The gzipped size of the script is printed: its budget is 100 KB.
+fs.mkdirSync("dist/src/web", { recursive: true })
+await esbuild.build({
+  entryPoints: { app: "web/app.ts" },
+  outdir: "dist/src/web",
+  bundle: true,
+  platform: "browser",
+  format: "esm",
+  target: ["chrome109", "firefox115", "safari16"],
+  minify: true,
+  sourcemap: false,
+  allowOverwrite: true,
+  logLevel: "warning",
+  legalComments: "none"
+})
+for (const file of ["index.html", "app.css"]) fs.copyFileSync(`web/${file}`, `dist/src/web/${file}`)
+{
+  const script = fs.readFileSync("dist/src/web/app.js")
+  console.error(`web page: app.js ${(script.length / 1024).toFixed(1)} KB, ${(zlib.gzipSync(script).length / 1024).toFixed(1)} KB gzipped`)
+}
 
 for (const bin of ["dist/src/bin/agentd.cjs", "dist/src/bin/agentd.js"]) fs.chmodSync(bin, 0o755)
 

@@ -11,7 +11,6 @@ import * as Data from "effect/Data"
 import * as Deferred from "effect/Deferred"
 import * as Effect from "effect/Effect"
 import * as Layer from "effect/Layer"
-import * as fs from "node:fs"
 import * as path from "node:path"
 import { DaemonConfig, type DaemonConfigShape } from "./DaemonConfig.js"
 import * as DaemonConfigModule from "./DaemonConfig.js"
@@ -19,8 +18,9 @@ import * as DaemonServer from "./DaemonServer.js"
 import { Engine, EngineError } from "./Engine.js"
 import * as BuiltinEngines from "./engines/builtin.js"
 import * as EventLog from "./EventLog.js"
+import * as Metrics from "./Metrics.js"
 import * as HttpServer from "./HttpServer.js"
-import * as Fsx from "./internal/fsx.js"
+import * as Fsx from "./internal/fileIo.js"
 import * as PostgresStore from "./PostgresStore.js"
 import * as RecoveryJournal from "./RecoveryJournal.js"
 import * as SessionManager from "./SessionManager.js"
@@ -76,9 +76,7 @@ const makeSupervisorInfoLayer = <E>(beforeStateDir: Effect.Effect<void, E, Daemo
       const layout = StateLayout.make(config.stateDir)
       // Spilled chunks of earlier supervisors are of no use to anyone now.
       const cacheDir = layout.snapshotCacheRoot
-      if (fs.existsSync(cacheDir)) {
-        for (const entry of fs.readdirSync(cacheDir)) fs.rmSync(path.join(cacheDir, entry), { recursive: true, force: true })
-      }
+      for (const entry of yield* Fsx.readdirOrEmpty(cacheDir)) yield* Fsx.removeTree(path.join(cacheDir, entry))
       return {
         generation,
         startedAt: Date.now(),
@@ -299,7 +297,8 @@ const coreOver = <E>(
   const enginesLayer = Layer.merge(checkEngines, checkStore).pipe(Layer.provideMerge(layers.engines ?? BuiltinEngines.layer))
   const info = infoLayer.pipe(Layer.provideMerge(enginesLayer), Layer.provideMerge(configLayer))
   const storage = Layer.mergeAll(
-    storageLayers(layers),
+    // Wrapped for the daemon's metrics (appends, turn and checkpoint durations), whatever the store.
+    Layer.map(storageLayers(layers), Metrics.instrumentStorage),
     (layers.snapshotCache ?? snapshotCacheLayer).pipe(Layer.provide(layers.fileSystem ?? NodeFileSystem.layer))
   ).pipe(Layer.provideMerge(info))
   const workers = (layers.workerPool ?? workerPoolLayer).pipe(Layer.provideMerge(storage))

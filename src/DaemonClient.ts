@@ -14,8 +14,12 @@
  * }).pipe(Effect.provide(DaemonClient.layer({ socketPath })))
  * ```
  *
+ * Over a socket path, or over the network: `DaemonClient.layer({ url: "http://127.0.0.1:7433" })`
+ * speaks the same protocol through the HTTP front's `/v1/socket` WebSocket (with the token of
+ * `agentd http-token`), the same code above a transport of lines either way.
+ *
  * This module loads only the protocol's own modules (Protocol, Cursor, JsonLines) and
- * `node:net`, never the daemon's, so that a client starts fast. It does not reconnect: a
+ * `node:net` (and `ws` for a URL, when one is used), never the daemon's, so that a client starts fast. It does not reconnect: a
  * connection that drops fails what waits on it with {@link DaemonDisconnected}.
  */
 import * as Context from "effect/Context"
@@ -34,20 +38,29 @@ import * as Stream from "effect/Stream"
 import * as Take from "effect/Take"
 import * as net from "node:net"
 import * as Cursor from "./Cursor.js"
+import * as Remote from "./internal/remote.js"
 import { DEFAULT_MAX_LINE_BYTES, LineDecoder } from "./JsonLines.js"
 import * as Protocol from "./Protocol.js"
+import * as SessionTarget from "./SessionTarget.js"
 import { defaultSocketPath } from "./StatePaths.js"
 
 // ---------------------------------------------------------------------------------------------
 // Errors
 // ---------------------------------------------------------------------------------------------
 
-/** Nothing answers at the socket path, or it closed (or stayed silent) before its hello. */
+/**
+ * Nothing answers at the socket path or URL, or it closed (or stayed silent) before its hello;
+ * over a URL also: the URL is not one, or the daemon refused the connection (`status`: 401 for a
+ * wrong or missing token, 421 for a Host it does not answer to, 403).
+ */
 export class DaemonUnreachable extends Schema.TaggedError<DaemonUnreachable>()("DaemonUnreachable", {
+  /** Where: the socket path, or the daemon's URL. */
   socketPath: Schema.String,
   message: Schema.String,
   /** The connect's errno (`ENOENT`, `ECONNREFUSED`...), when the connect itself failed. */
-  errno: Schema.optional(Schema.String)
+  errno: Schema.optional(Schema.String),
+  /** Over a URL: the HTTP status the daemon refused the WebSocket with. */
+  status: Schema.optional(Schema.Int)
 }) {}
 
 /**
@@ -137,6 +150,20 @@ export class PromptTooLarge extends Schema.TaggedError<PromptTooLarge>()("Prompt
   message: Schema.String
 }) {}
 
+/**
+ * A session target (docs: `SessionTarget`) that fits several sessions: a prefix shared by
+ * several ids, or a name shared by sessions created before names were unique. `candidates`
+ * are their ids.
+ */
+export class AmbiguousSession extends Schema.TaggedError<AmbiguousSession>()("AmbiguousSession", {
+  target: Schema.String,
+  candidates: Schema.Array(Schema.String),
+  message: Schema.String
+}) {}
+
+/** Why a session target could not be resolved to one session. */
+export type ResolveError = RequestError | AmbiguousSession
+
 /** Why `make`/`layer` could not connect. */
 export type ConnectError = DaemonUnreachable | ProtocolMismatch
 
@@ -168,8 +195,22 @@ export const isDaemonError = <const C extends Protocol.ErrorCode>(...codes: Read
 
 /** Options of a connection. */
 export interface DaemonClientOptions {
-  /** The daemon's socket; default `AGENTD_SOCKET`, else `<default state dir>/agentd.sock`. */
+  /**
+   * The daemon's socket; default `AGENTD_URL` (see `url`), else `AGENTD_SOCKET`, else
+   * `<default state dir>/agentd.sock`. A URL here (`http://`, `ws://`...) counts as `url`.
+   */
   readonly socketPath?: string | undefined
+  /**
+   * The daemon over the network: the URL of its HTTP front (`agentd serve --http`),
+   * `http://HOST:PORT`, `https://...`, `ws://...` or `wss://...`; the client speaks the same
+   * protocol through its `/v1/socket` WebSocket. Wins over `socketPath`.
+   */
+  readonly url?: string | undefined
+  /**
+   * The HTTP front's bearer token, for `url`: default `AGENTD_TOKEN`, else (a loopback URL) the
+   * `http-token` file of the default state dir. `agentd http-token` prints it.
+   */
+  readonly token?: string | undefined
   /** How long to wait for `daemon_hello` once connected (default 10 seconds). */
   readonly helloTimeout?: Duration.DurationInput | undefined
   /**
@@ -201,6 +242,15 @@ export interface DaemonClientService {
   /** Creates a session (without attaching to it). */
   readonly create: (options?: CreateOptions) => Effect.Effect<Protocol.CreateResult, RequestError>
   readonly list: () => Effect.Effect<Protocol.ListResult, RequestError>
+  /**
+   * The id of the session `target` names: its id, a unique prefix of its id (the `s-` may be
+   * left out) or its name, by the same rules as the command line (`SessionTarget`). A whole
+   * id is returned as it is; otherwise the daemon's `list` is read. No match fails with a
+   * `DaemonError` of code `session_not_found`; several with {@link AmbiguousSession}.
+   */
+  readonly resolve: (target: string) => Effect.Effect<string, ResolveError>
+  /** Gives a session a new name (`DaemonError` `name_taken` when another session has it). */
+  readonly rename: (activeSessionId: string, name: string) => Effect.Effect<Protocol.SessionSummary, RequestError>
   readonly status: () => Effect.Effect<Protocol.StatusResult, RequestError>
   /**
    * Attaches this connection to a session. The snapshot frames, `session_attached` and the
@@ -264,9 +314,17 @@ export interface DaemonClientService {
  */
 export const make = (options: DaemonClientOptions = {}): Effect.Effect<DaemonClientService, ConnectError, Scope.Scope> =>
   Effect.gen(function*() {
-    const socketPath = options.socketPath ?? defaultSocketPath()
+    const url = options.url ?? (options.socketPath !== undefined && Remote.isUrl(options.socketPath)
+      ? options.socketPath
+      : options.socketPath === undefined
+      ? process.env["AGENTD_URL"] || undefined
+      : undefined)
+    const socketPath = url ?? options.socketPath ?? defaultSocketPath()
     const inbox = yield* Queue.unbounded<string | null>()
-    const socket = yield* Effect.acquireRelease(open(socketPath, inbox), (s) => Effect.sync(() => s.destroy()))
+    const socket = yield* Effect.acquireRelease(
+      url === undefined ? open(socketPath, inbox) : openUrl(url, options.token, inbox),
+      (s) => Effect.sync(() => s.close())
+    )
 
     const hello = yield* Deferred.make<Protocol.DaemonHello, ConnectError>()
     let helloSeen = false
@@ -466,6 +524,21 @@ export const make = (options: DaemonClientOptions = {}): Effect.Effect<DaemonCli
       ping: () => request({ type: "ping" }),
       create: (options = {}) => request({ ...options, type: "create" }),
       list: () => request({ type: "list" }),
+      resolve: (target) =>
+        SessionTarget.isFullId(target) ? Effect.succeed(target) : Effect.flatMap(request({ type: "list" }), ({ sessions }): Effect.Effect<string, ResolveError> => {
+          const r = SessionTarget.resolve(sessions, target)
+          switch (r._tag) {
+            case "Found":
+              return Effect.succeed(r.activeSessionId)
+            case "NoMatch":
+              return Effect.fail(new DaemonError({ code: "session_not_found", command: "list", message: r.message }))
+            case "Ambiguous":
+              return Effect.fail(
+                new AmbiguousSession({ target, candidates: r.candidates.map((c) => c.activeSessionId), message: r.message })
+              )
+          }
+        }),
+      rename: (activeSessionId, name) => request({ type: "rename", activeSessionId, name }),
       status: () => request({ type: "status" }),
       attach: (activeSessionId, options = {}) => request({ ...options, type: "attach", activeSessionId }),
       detach: (activeSessionId) => Effect.asVoid(request({ type: "detach", activeSessionId })),
@@ -528,7 +601,7 @@ export const layer = (options: DaemonClientOptions = {}): Layer.Layer<DaemonClie
  * connection has closed.
  */
 const open = (socketPath: string, inbox: Queue.Queue<string | null>) =>
-  Effect.async<net.Socket, DaemonUnreachable>((resume) => {
+  Effect.async<Remote.LineTransport, DaemonUnreachable>((resume) => {
     const socket = net.connect(socketPath)
     const onError = (err: NodeJS.ErrnoException) =>
       resume(Effect.fail(
@@ -550,9 +623,36 @@ const open = (socketPath: string, inbox: Queue.Queue<string | null>) =>
       // Every error is followed by `close`, which is what ends the connection.
       socket.on("error", () => {})
       socket.on("close", () => Queue.unsafeOffer(inbox, null))
-      resume(Effect.succeed(socket))
+      resume(Effect.succeed({ write: (line) => void socket.write(line), close: () => socket.destroy() }))
     })
     return Effect.sync(() => socket.destroy())
+  })
+
+/**
+ * Connects over the network: the same lines through the HTTP front's `/v1/socket` WebSocket
+ * (internal/remote.ts), into the same `inbox`, so nothing above the transport differs.
+ */
+const openUrl = (text: string, token: string | undefined, inbox: Queue.Queue<string | null>) =>
+  Effect.suspend(() => {
+    const url = Remote.socketUrl(text)
+    if (typeof url === "string") return Effect.fail(new DaemonUnreachable({ socketPath: text, message: url }))
+    return Effect.async<Remote.LineTransport, DaemonUnreachable>((resume) => {
+      const abort = Remote.openLines(url, Remote.tokenFor(url, token), {
+        onOpen: (transport) => resume(Effect.succeed(transport)),
+        onFail: (f) =>
+          resume(Effect.fail(
+            new DaemonUnreachable({
+              socketPath: text,
+              message: f.message,
+              ...(f.errno === undefined ? {} : { errno: f.errno }),
+              ...(f.status === undefined ? {} : { status: f.status })
+            })
+          )),
+        onLine: (line) => Queue.unsafeOffer(inbox, line),
+        onClose: () => Queue.unsafeOffer(inbox, null)
+      })
+      return Effect.sync(abort)
+    })
   })
 
 /** A size in bytes for a person: `16 MiB`, `64 KiB`, `1.5 MiB`, `900 bytes`. */

@@ -19,12 +19,13 @@ import * as FiberSet from "effect/FiberSet"
 import * as Layer from "effect/Layer"
 import * as Queue from "effect/Queue"
 import { randomUUID } from "node:crypto"
-import * as fs from "node:fs"
+import * as fs from "./internal/fileIoSync.js"
 import * as net from "node:net"
 import * as path from "node:path"
 import { DaemonConfig } from "./DaemonConfig.js"
 import { type CommandHead, scanCommandHead } from "./internal/commandHead.js"
 import { Outbox } from "./internal/outbox.js"
+import * as Metrics from "./Metrics.js"
 import { LineDecoder, type LineItem } from "./JsonLines.js"
 import * as Protocol from "./Protocol.js"
 import { CommandError, CommandTakesEffect, SessionManager, SupervisorInfo } from "./SessionManager.js"
@@ -164,6 +165,8 @@ export const make = Effect.gen(function*() {
           return yield* manager.retryWorker(command.activeSessionId)
         case "kill":
           return yield* manager.kill(command.activeSessionId)
+        case "rename":
+          return yield* manager.rename(command)
         case "shutdown":
           stopping = true
           // Whatever waits in a session is answered now (so this response is not held behind
@@ -181,8 +184,10 @@ export const make = Effect.gen(function*() {
       let owed = 0
       const outbox = new Outbox(socket)
       outboxes.add(outbox)
+      Metrics.gaugeBy(Metrics.clients.socket, 1)
       yield* Effect.addFinalizer(() =>
         Effect.gen(function*() {
+          Metrics.gaugeBy(Metrics.clients.socket, -1)
           outboxes.delete(outbox)
           // Answers this connection will not write any more (it closed or was interrupted).
           unanswered -= owed

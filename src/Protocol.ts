@@ -211,6 +211,8 @@ export const GetMessages = Tagged("get_messages", {
 export const Checkpoint = Tagged("checkpoint", SessionRef)
 export const RetryWorker = Tagged("retry_worker", SessionRef)
 export const Kill = Tagged("kill", SessionRef)
+/** Extension (docs/protocol.md section 3): gives a session a new name, unique as at `create`. */
+export const Rename = Tagged("rename", { ...SessionRef, name: Schema.String })
 export const Shutdown = Tagged("shutdown", {})
 
 /** Every command, by its `type`. */
@@ -228,6 +230,7 @@ export const Commands = {
   checkpoint: Checkpoint,
   retry_worker: RetryWorker,
   kill: Kill,
+  rename: Rename,
   shutdown: Shutdown
 } as const
 
@@ -268,6 +271,7 @@ export const ErrorCode = Schema.Literal(
   "session_busy",
   "session_failed",
   "session_damaged",
+  "name_taken",
   "storage_unavailable",
   "telemetry_policy_violation",
   "shutting_down",
@@ -538,6 +542,7 @@ export const ResponseData = {
   checkpoint: CheckpointResult,
   retry_worker: SessionSummary,
   kill: EmptyResult,
+  rename: SessionSummary,
   shutdown: EmptyResult
 } as const satisfies { readonly [T in CommandType]: Schema.Schema<any, any, never> }
 

@@ -108,6 +108,8 @@ export class SessionManager extends Context.Tag("agentd/SessionManager")<Session
   readonly checkpoint: (activeSessionId: string) => Effect.Effect<{ generation: number; snapshotId: string }, CommandError>
   readonly retryWorker: (activeSessionId: string) => Effect.Effect<SessionSummary, CommandError>
   readonly kill: (activeSessionId: string) => Effect.Effect<{}, CommandError>
+  /** Gives a session a new name (`name_taken` when another live session has it). */
+  readonly rename: (cmd: CommandOf<"rename">) => Effect.Effect<SessionSummary, CommandError>
   /**
    * The daemon stops: later commands are refused with `shutting_down`, and those waiting in a
    * session (for a turn's end, for a worker) are answered the same way, so that each gets its
@@ -195,7 +197,85 @@ export const make = Effect.gen(function*() {
       yield* FiberMap.run(entities, s.meta.activeSessionId, runEntity(s))
     })
 
-  const create = (cmd: CommandOf<"create">) =>
+  // ------------------------------------------------------------------------------------------
+  // Names: unique among live sessions, judged here (a client's check-then-create would race).
+  // Each check and its claim happen in one synchronous step, so two racing commands cannot both
+  // pass it. Sessions loaded from an older state dir may share a name: they load all the same
+  // (addressable by id) and keep it until renamed.
+  // ------------------------------------------------------------------------------------------
+
+  /** Names of the creates under way (checked, not registered yet). */
+  const claimedNames = new Set<string>()
+  /** Renames one at a time: their meta writes land in the order of their claims. */
+  const renameLock = yield* Effect.makeSemaphore(1)
+
+  /** The session holding `name` (live, damaged, or being created), other than `except`. */
+  const holderOf = (name: string, except?: string): string | undefined => {
+    for (const s of sessions.values()) {
+      if (!s.closed && s.meta.name === name && s.meta.activeSessionId !== except) return s.meta.activeSessionId
+    }
+    for (const d of damaged.values()) {
+      if (d.meta?.name === name && d.activeSessionId !== except) return d.activeSessionId
+    }
+    return claimedNames.has(name) ? "a session being created" : undefined
+  }
+
+  /**
+   * Checks `name` and, if it is free, runs `take` in the same synchronous step (the fiber cannot
+   * yield in between, so no other create or rename sees the name free meanwhile).
+   */
+  const claimName = (command: string, name: string, except: string | undefined, take: () => void): Effect.Effect<void, CommandError> =>
+    Effect.suspend(() => {
+      if (name.length === 0 || name.trim() !== name || /[\u0000-\u001f\u007f]/.test(name)) {
+        return Effect.fail(
+          new CommandError({
+            code: "invalid_command",
+            message: `Invalid \`${command}\` command: \`name\`: a name is not empty and has no control characters or surrounding spaces.`
+          })
+        )
+      }
+      const holder = holderOf(name, except)
+      if (holder === undefined) {
+        take()
+        return Effect.void
+      }
+      return Effect.fail(
+        new CommandError({
+          code: "name_taken",
+          message: `The name ${JSON.stringify(name)} is in use by ${holder.startsWith("s-") ? `session \`${holder}\`` : holder}.`
+        })
+      )
+    })
+
+  const create = (cmd: CommandOf<"create">) => {
+    const name = cmd.name
+    return name === undefined ? createSession(cmd) : Effect.acquireUseRelease(
+      // Claimed until the session is registered (or the create failed): then its name is in `sessions`.
+      claimName("create", name, undefined, () => claimedNames.add(name)),
+      () => createSession(cmd),
+      () => Effect.sync(() => claimedNames.delete(name))
+    )
+  }
+
+  const rename = (cmd: CommandOf<"rename">) =>
+    route(cmd.activeSessionId, (s) =>
+      renameLock.withPermits(1)(Effect.gen(function*() {
+        const previous = s.meta
+        if (previous.name === cmd.name) return summary(s)
+        yield* claimName("rename", cmd.name, previous.activeSessionId, () => (s.meta = { ...previous, name: cmd.name }))
+        // Given back if it cannot be made durable (unless renamed again meanwhile).
+        yield* store.saveMeta(s.meta).pipe(
+          Effect.mapError(internal("session store")),
+          Effect.tapError(() =>
+            Effect.sync(() => {
+              if (s.meta.name === cmd.name) s.meta = previous
+            })
+          )
+        )
+        return summary(s)
+      })))
+
+  const createSession = (cmd: CommandOf<"create">) =>
     Effect.gen(function*() {
       const engine = cmd.engine ?? config.engine
       yield* engines.validate(engine, cmd.config ?? {}).pipe(
@@ -528,6 +608,7 @@ export const make = Effect.gen(function*() {
     checkpoint: (id) => route(id, (s) => send<{ generation: number; snapshotId: string }>(s, (c) => ({ _tag: "Checkpoint", ...c }))),
     retryWorker: (id) => route(id, (s) => send<SessionSummary>(s, (c) => ({ _tag: "Retry", ...c })), retryDamaged),
     kill: (id) => route(id, (s) => send<{}>(s, (c) => ({ _tag: "Kill", ...c })), killDamaged),
+    rename,
     settleForShutdown
   })
 })

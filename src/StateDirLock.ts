@@ -20,7 +20,7 @@ import * as Layer from "effect/Layer"
 import * as Option from "effect/Option"
 import type * as Scope from "effect/Scope"
 import { createHash } from "node:crypto"
-import * as fs from "node:fs"
+import * as FileIo from "./internal/fileIo.js"
 import * as net from "node:net"
 import * as path from "node:path"
 
@@ -75,10 +75,7 @@ export const lockName = (realPath: string): string =>
 
 /** The real path of a state dir, which must exist. */
 const realPathOf = (stateDir: string) =>
-  Effect.try({
-    try: () => fs.realpathSync(path.resolve(stateDir)),
-    catch: (cause) => new StateDirLockError({ stateDir, cause })
-  })
+  FileIo.realpath(path.resolve(stateDir)).pipe(Effect.mapError((e) => new StateDirLockError({ stateDir, cause: e.cause })))
 
 /**
  * Asks the holder of `name` who it is (one JSON line). `held`: something is bound to the name
@@ -161,10 +158,7 @@ export const acquire = (options: { readonly stateDir: string; readonly socketPat
 > =>
   Effect.gen(function*() {
     const stateDir = path.resolve(options.stateDir)
-    yield* Effect.try({
-      try: () => fs.mkdirSync(stateDir, { recursive: true, mode: 0o700 }),
-      catch: (cause) => new StateDirLockError({ stateDir, cause })
-    })
+    yield* FileIo.ensureDir(stateDir).pipe(Effect.mapError((e) => new StateDirLockError({ stateDir, cause: e.cause })))
     const realPath = yield* realPathOf(stateDir)
     const name = lockName(realPath)
     const answer = `${JSON.stringify({ pid: process.pid, socketPath: options.socketPath, stateDir })}\n`

@@ -25,9 +25,10 @@ import * as ScheduleIntervals from "effect/ScheduleIntervals"
 import * as Schema from "effect/Schema"
 import type * as Scope from "effect/Scope"
 import { type ChildProcess, spawn } from "node:child_process"
-import * as fs from "node:fs"
+import { existsSync } from "./internal/fileIoSync.js"
 import type * as net from "node:net"
 import { fileURLToPath } from "node:url"
+import * as Metrics from "./Metrics.js"
 import type { Engine } from "./Engine.js"
 import { LineDecoder } from "./JsonLines.js"
 import * as Worker from "./Worker.js"
@@ -281,7 +282,7 @@ const SPARE_HOLD_MS = 2_000
  */
 const defaultEntry = () => {
   const compiled = fileURLToPath(new URL("./bin/worker.js", import.meta.url))
-  return fs.existsSync(compiled) ? compiled : fileURLToPath(new URL("./worker.js", import.meta.url))
+  return existsSync(compiled) ? compiled : fileURLToPath(new URL("./worker.js", import.meta.url))
 }
 
 /** Waits for the first frame of a new worker (`worker_ready`), or its death. */
@@ -317,6 +318,8 @@ export const make = (options: WorkerPoolOptions = {}) =>
     const entry = options.workerEntry ?? defaultEntry()
     const execArgv = options.execArgv ?? []
     const workers = new Set<WorkerProcess>()
+    /** Sessions whose worker crashed: their next worker counts as a restart (metrics). */
+    const crashed = new Set<string>()
     let spare: Effect.Effect<WorkerProcess, WorkerSpawnError> | undefined
     let closing = false
     // Callbacks of node's child processes log and fork in the pool's fibers (the daemon's
@@ -374,6 +377,8 @@ export const make = (options: WorkerPoolOptions = {}) =>
         }
         const worker = new WorkerProcess(child, pipe, exited, warn)
         workers.add(worker)
+        Metrics.count(Metrics.workerStarts)
+        Metrics.gaugeBy(Metrics.liveWorkers, 1)
         // Neither the child nor its pipes keep the daemon's event loop alive: the daemon lives as
         // long as its runtime does, and stops its workers itself; a worker exits when its pipe
         // closes, so it never outlives the daemon, however the daemon ends.
@@ -381,6 +386,12 @@ export const make = (options: WorkerPoolOptions = {}) =>
         for (const stream of [child.stdout, child.stderr, pipe]) (stream as net.Socket | null)?.unref()
         child.on("exit", (code, signal) => {
           workers.delete(worker)
+          Metrics.gaugeBy(Metrics.liveWorkers, -1)
+          // Not asked to stop: a crash. Its session's next worker is a restart.
+          if (!worker.stopping && !closing) {
+            Metrics.count(Metrics.workerCrashes)
+            if (worker.activeSessionId !== undefined) crashed.add(worker.activeSessionId)
+          }
           pipe.destroy()
           Deferred.unsafeDone(exited, Effect.succeed({ code, signal }))
         })
@@ -434,6 +445,7 @@ export const make = (options: WorkerPoolOptions = {}) =>
         }
         if (worker === undefined) worker = yield* startAndAwaitReady(spawnWorker(env))
         worker.activeSessionId = activeSessionId
+        if (crashed.delete(activeSessionId)) Metrics.count(Metrics.workerRestarts)
         return worker
       })
 

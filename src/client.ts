@@ -1,5 +1,6 @@
 /**
- * `agentd/client`: talk to a running agentd daemon over its socket.
+ * `agentd/client`: talk to a running agentd daemon over its socket, or over the network through
+ * its HTTP front (`connect({ url: "http://127.0.0.1:7433", token })`).
  *
  * Two faces on one core:
  * - Effect: the {@link DaemonClient} service (`DaemonClient.layer({ socketPath })`), typed
@@ -28,6 +29,7 @@ import * as Stream from "effect/Stream"
 import {
   type AttachOptions,
   type CreateOptions,
+  type ResolveError,
   DaemonClient,
   type DaemonClientOptions,
   type DaemonClientService,
@@ -37,8 +39,10 @@ import type { Cursor as CursorType } from "./Cursor.js"
 import * as CursorModule from "./Cursor.js"
 import type * as Protocol from "./Protocol.js"
 import * as SessionClient from "./SessionClient.js"
+import * as SessionTarget from "./SessionTarget.js"
 
 export {
+  AmbiguousSession,
   type AttachOptions,
   type ConnectError,
   type CreateOptions,
@@ -54,6 +58,7 @@ export {
   PromptTooLarge,
   ProtocolMismatch,
   type RequestError,
+  type ResolveError,
   SessionClosedError,
   type TurnError,
   TurnFailed,
@@ -74,6 +79,7 @@ export {
 } from "./SessionClient.js"
 export * as SessionClient from "./SessionClient.js"
 export * as Protocol from "./Protocol.js"
+export * as SessionTarget from "./SessionTarget.js"
 export { defaultSocketPath } from "./StatePaths.js"
 
 // ---------------------------------------------------------------------------------------------
@@ -92,8 +98,16 @@ export interface Client {
   readonly core: DaemonClientService
   /** Creates a session (with `name`, `engine`, `config`, ...) and returns its handle. */
   create(options?: CreateOptions): Promise<SessionHandle>
-  /** A handle on an existing session (nothing is sent until it is used). */
-  session(activeSessionId: string): SessionHandle
+  /**
+   * A handle on an existing session, named by its id, a unique prefix of its id or its name
+   * (the command line's rules: `SessionTarget`). Nothing is sent until it is used: its first
+   * use resolves the target (a `list`, unless it is a whole id) and the handle keeps that
+   * session from then on, even if it is renamed. A target that names no session fails that
+   * use with `DaemonError` `session_not_found`, one that names several with `AmbiguousSession`.
+   */
+  session(target: string): SessionHandle
+  /** The id of the session `target` names (see {@link session}). */
+  resolve(target: string): Promise<string>
   list(): Promise<ReadonlyArray<Protocol.SessionSummary>>
   status(): Promise<Protocol.StatusResult>
   ping(): Promise<Protocol.PingResult>
@@ -123,7 +137,10 @@ export interface FollowOptions {
 
 /** One session, through a {@link Client}'s connection. */
 export interface SessionHandle {
+  /** The session's id once the target is resolved (at once for a whole id); before that, the target. */
   readonly activeSessionId: string
+  /** The target the handle was made with (an id, a prefix or a name). */
+  readonly target: string
   /**
    * Follows the session: yields every sequenced event (`session_event`, `session_status`,
    * `session_closed`) once, in cursor order, and a `baseline` whenever a snapshot becomes the
@@ -160,6 +177,8 @@ export interface SessionHandle {
   detach(): Promise<void>
   checkpoint(): Promise<Protocol.CheckpointResult>
   retryWorker(): Promise<Protocol.SessionSummary>
+  /** Gives the session a new name; rejects with `DaemonError` `name_taken` when another session has it. */
+  rename(name: string): Promise<Protocol.SessionSummary>
   kill(): Promise<void>
 }
 
@@ -230,11 +249,14 @@ const iterate = <A, E>(
 })
 
 /**
- * Connects to the daemon (default socket: `AGENTD_SOCKET`, else the default state dir's).
- * Rejects with `DaemonUnreachable` when nothing answers, `ProtocolMismatch` when the daemon
- * speaks another protocol.
+ * Connects to the daemon (default: `AGENTD_URL`, else the socket `AGENTD_SOCKET`, else the
+ * default state dir's); over the network with `url` (`http://HOST:PORT` of `agentd serve
+ * --http`, or `ws://`) and `token` (default `AGENTD_TOKEN`). Rejects with `DaemonUnreachable`
+ * when nothing answers or the daemon refuses the connection (its `status`: 401 for a wrong
+ * token), `ProtocolMismatch` when the daemon speaks another protocol.
  */
 export const connect = async (options: ConnectOptions = {}): Promise<Client> => {
+  const connectOptions = options
   const scope = Effect.runSync(Scope.make())
   const exit = await Effect.runPromiseExit(Scope.extend(DaemonClient.make(options), scope))
   if (Exit.isFailure(exit)) {
@@ -242,15 +264,25 @@ export const connect = async (options: ConnectOptions = {}): Promise<Client> => 
     throw Cause.squash(exit.cause)
   }
   const core = exit.value
-  const session = (activeSessionId: string): SessionHandle => {
+  const session = (target: string): SessionHandle => {
     // The follower of the latest `follow()`, for `messages` and `state`.
     let follower: SessionClient.SessionClientService | undefined
+    let resolved: string | undefined = SessionTarget.isFullId(target) ? target : undefined
+    /** The session's id: resolved once, at the first use. */
+    const id: Effect.Effect<string, ResolveError> = Effect.suspend(() =>
+      resolved !== undefined ? Effect.succeed(resolved) : Effect.tap(core.resolve(target), (found) => Effect.sync(() => (resolved = found)))
+    )
+    const withId = <A, E>(f: (activeSessionId: string) => Effect.Effect<A, E>) => run(Effect.flatMap(id, f))
     return {
-      activeSessionId,
+      get activeSessionId() {
+        return resolved ?? target
+      },
+      target,
       follow: (options = {}) => {
         // The cursor file holds the last event handed to the loop, which the follower's own
         // persistence (the last event it emitted) would run past: the stream runs ahead.
         const persistPath = options.persistPath
+        let activeSessionId = target
         let last: CursorType | undefined
         let written: CursorType | undefined
         let pending = false
@@ -272,6 +304,7 @@ export const connect = async (options: ConnectOptions = {}): Promise<Client> => 
         }
         return iterate(
           Stream.unwrap(Effect.gen(function*() {
+            activeSessionId = yield* id
             const persisted = persistPath === undefined ? undefined : yield* SessionClient.readCursorFile(persistPath, activeSessionId)
             last = persisted === undefined || options.cursor === undefined
               ? persisted ?? options.cursor
@@ -279,7 +312,9 @@ export const connect = async (options: ConnectOptions = {}): Promise<Client> => 
             written = persisted
             follower = yield* SessionClient.make({
               activeSessionId,
+              // The same daemon, the same way (a socket path, or a URL with its token).
               socketPath: core.socketPath,
+              token: connectOptions.token,
               cursor: last,
               reconnect: options.reconnect,
               waitForRestart: options.waitForRestart
@@ -295,15 +330,18 @@ export const connect = async (options: ConnectOptions = {}): Promise<Client> => 
       get state() {
         return follower?.current()
       },
-      prompt: (text) => Stream.toAsyncIterable(Stream.map(core.promptTurn(activeSessionId, text), (m) => m.event)),
-      abort: () => run(Effect.map(core.abort(activeSessionId), (r) => r.aborted)),
-      getState: () => run(core.getState(activeSessionId)),
-      getMessages: (options) => run(core.getMessages(activeSessionId, options)),
-      attach: (options) => run(core.attach(activeSessionId, options)),
-      detach: () => run(core.detach(activeSessionId)),
-      checkpoint: () => run(core.checkpoint(activeSessionId)),
-      retryWorker: () => run(core.retryWorker(activeSessionId)),
-      kill: () => run(core.kill(activeSessionId))
+      prompt: (text) =>
+        Stream.toAsyncIterable(Stream.unwrap(Effect.map(id, (activeSessionId) =>
+          Stream.map(core.promptTurn(activeSessionId, text), (m) => m.event)))),
+      abort: () => withId((activeSessionId) => Effect.map(core.abort(activeSessionId), (r) => r.aborted)),
+      getState: () => withId(core.getState),
+      getMessages: (options) => withId((activeSessionId) => core.getMessages(activeSessionId, options)),
+      attach: (options) => withId((activeSessionId) => core.attach(activeSessionId, options)),
+      detach: () => withId(core.detach),
+      checkpoint: () => withId(core.checkpoint),
+      retryWorker: () => withId(core.retryWorker),
+      rename: (name) => withId((activeSessionId) => core.rename(activeSessionId, name)),
+      kill: () => withId(core.kill)
     }
   }
   return {
@@ -312,6 +350,7 @@ export const connect = async (options: ConnectOptions = {}): Promise<Client> => 
     core,
     create: (options) => run(Effect.map(core.create(options), (r) => session(r.activeSessionId))),
     session,
+    resolve: (target) => run(core.resolve(target)),
     list: () => run(Effect.map(core.list(), (r) => r.sessions)),
     status: () => run(core.status()),
     ping: () => run(core.ping()),

@@ -4,13 +4,18 @@
  * reads, and the token file.
  */
 import { assert, describe, it } from "@effect/vitest"
+import * as Effect from "effect/Effect"
+import * as Fiber from "effect/Fiber"
+import * as Option from "effect/Option"
 import * as fs from "node:fs"
 import * as os from "node:os"
 import * as path from "node:path"
 import * as Cursor from "../src/Cursor.js"
 import { statusOf } from "../src/internal/http/errors.js"
+import { type Reader, readPage } from "../src/internal/http/events.js"
 import { cursorOfLine, type Item, LineSorter } from "../src/internal/http/lines.js"
 import * as Offset from "../src/internal/http/offset.js"
+import { StreamPort } from "../src/internal/http/port.js"
 import * as Security from "../src/internal/http/security.js"
 import { readOrCreateToken, tokenMatches } from "../src/internal/http/token.js"
 
@@ -160,4 +165,42 @@ describe("HTTP token file", () => {
       fs.rmSync(path.dirname(dir), { recursive: true, force: true })
     }
   })
+})
+
+describe("HTTP page budget", () => {
+  const line = (sequence: number) =>
+    `{"type":"session_event","event":{"type":"message_update","delta":"x"},"activeSessionId":"s","meta":{"cursor":{"generation":1,"sequence":${sequence}},"emittedAt":0}}\n`
+
+  it.effect("a spent budget reads as full (the catch-up stops offering) and ends the page where it is, without waiting", () =>
+    Effect.gen(function*() {
+      const budget = line(0).length * 2
+      const port = new StreamPort(budget)
+      port.offer(line(0))
+      assert.isFalse(port.exhausted)
+      assert.isBelow(port.queuedBytes, budget)
+      port.offer(line(1))
+      assert.isTrue(port.exhausted)
+      // What the session's catch-up checks before each offer: it waits, and is released only by a close.
+      assert.strictEqual(port.queuedBytes, Number.MAX_SAFE_INTEGER)
+      const waiter = yield* Effect.fork(port.awaitBelow(1024))
+      // The page takes both lines and ends there, short of the target, instead of waiting for more.
+      const reader: Reader = { port, sorter: new LineSorter(), pending: [], from: Cursor.make(1, 0), target: Cursor.make(1, 99) }
+      const page = yield* readPage(reader, 1024 * 1024, undefined)
+      assert.deepStrictEqual(page.lines, [line(0).slice(0, -1), line(1).slice(0, -1)])
+      assert.deepStrictEqual(page.next, Cursor.make(1, 1))
+      assert.isFalse(page.upToDate)
+      assert.isUndefined(yield* Fiber.poll(waiter).pipe(Effect.map(Option.getOrUndefined)))
+      port.close()
+      yield* Fiber.join(waiter)
+    }))
+
+  it.effect("without a budget (SSE) the port is never full for good", () =>
+    Effect.gen(function*() {
+      const port = new StreamPort()
+      for (let i = 0; i < 1000; i++) port.offer(line(i))
+      assert.isFalse(port.exhausted)
+      port.takeAll()
+      assert.strictEqual(port.queuedBytes, 0)
+      yield* port.awaitBelow(1)
+    }))
 })

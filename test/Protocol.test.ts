@@ -60,6 +60,7 @@ describe("Protocol.decodeCommandLine", () => {
       checkpoint: { activeSessionId: "s" },
       retry_worker: { activeSessionId: "s" },
       kill: { activeSessionId: "s" },
+      rename: { activeSessionId: "s", name: "n" },
       shutdown: {}
     }
     for (const [type, fields] of Object.entries(samples)) {

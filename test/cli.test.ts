@@ -5,6 +5,7 @@
  * scripted peer on a real socket.
  */
 import { assert, describe, it } from "@effect/vitest"
+import * as Effect from "effect/Effect"
 import * as fs from "node:fs"
 import * as net from "node:net"
 import * as os from "node:os"
@@ -12,7 +13,8 @@ import * as path from "node:path"
 import { onTestFinished } from "vitest"
 import { commandHelp, mainHelp, parse, useColor } from "../src/cli/args.js"
 import { connect, withConnection } from "../src/cli/connection.js"
-import { builtinEngines } from "../src/cli/engines.js"
+import { builtinEngines, engineOptions, optionValue } from "../src/cli/engines.js"
+import { createConfig } from "../src/cli/commands.js"
 import { type CliError, daemonErrorText, EXIT, isCliError, noDaemonText } from "../src/cli/errors.js"
 import { commands } from "../src/cli/main.js"
 import { count, EventRenderer, message } from "../src/cli/render.js"
@@ -79,6 +81,58 @@ describe("the grammar", () => {
 
   it("--engine's choices are the daemon's built-in engines", () => {
     assert.deepStrictEqual(builtinEngines, Object.keys(BuiltinEngines.engines))
+  })
+
+  it.effect("--set's table of options and types is each built-in engine's own (known keys, and a value of the wrong type refused by name)", () =>
+    Effect.gen(function*() {
+      assert.deepStrictEqual(Object.keys(engineOptions), builtinEngines)
+      for (const [engine, options] of Object.entries(engineOptions)) {
+        const definition = BuiltinEngines.engines[engine]!
+        const unknown = yield* Effect.flip(definition.validate({ "no-such-option": 1 }))
+        const known = /\(known: ([^)]*)\)/.exec(unknown.message)?.[1]?.split(", ")
+        assert.deepStrictEqual(known?.slice().sort(), Object.keys(options).sort(), `${engine}: ${unknown.message}`)
+        for (const [key, type] of Object.entries(options)) {
+          const wrong = type === "string" ? 5 : type === "number" ? "five" : "yes"
+          const e = yield* Effect.flip(definition.validate({ [key]: wrong }))
+          assert.include(e.message, `config.${key}`, `${engine}.${key}`)
+          assert.notInclude(e.message, "unknown option", `${engine}.${key}`)
+        }
+      }
+    }))
+
+  it("--config and --set make create's config: values typed by the option, --set over --config, bad input a usage error", () => {
+    assert.deepStrictEqual(createConfig({}), undefined)
+    assert.deepStrictEqual(createConfig({ engine: "echo", set: ["tokenDelayMs=20"] }), { tokenDelayMs: 20 })
+    assert.deepStrictEqual(
+      createConfig({ engine: "openai", config: "{\"model\":\"a\",\"temperature\":1}", set: ["model=1234", "temperature=0.5", "maxTokens=1e3"] }),
+      { model: "1234", temperature: 0.5, maxTokens: 1000 }
+    )
+    // Without --engine: the type any built-in engine gives the option; unknown options by their look.
+    assert.deepStrictEqual(createConfig({ set: ["model=42", "tokenDelayMs=3", "flag=true", "other=x=y", "n=null"] }), {
+      model: "42",
+      tokenDelayMs: 3,
+      flag: true,
+      other: "x=y",
+      n: null
+    })
+    // A number option given text stays text: the daemon refuses it, naming the option.
+    assert.strictEqual(optionValue("echo", "tokenDelayMs", "fast"), "fast")
+    const proto = createConfig({ set: ["__proto__=1"] })!
+    assert.strictEqual(Object.getPrototypeOf(proto), Object.prototype)
+    assert.deepStrictEqual(Object.keys(proto), ["__proto__"])
+    for (const bad of [{ config: "{" }, { config: "[1]" }, { config: "null" }, { set: ["novalue"] }, { set: ["=1"] }]) {
+      let thrown: unknown
+      try {
+        createConfig(bad)
+      } catch (e) {
+        thrown = e
+      }
+      assert.isTrue(isCliError(thrown) && thrown.exitCode === EXIT.usage, JSON.stringify(bad))
+    }
+  })
+
+  it("--set is repeatable, in order", () => {
+    assert.deepStrictEqual(run(["create", "--set", "a=1", "--set=b=2", "--engine", "echo"]).options, { set: ["a=1", "b=2"], engine: "echo" })
   })
 })
 

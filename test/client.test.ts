@@ -425,7 +425,7 @@ const report = {
   daemonLive: typeof lib.DaemonLive,
   pkg: (await import("agentd/package.json", { with: { type: "json" } })).default.name
 }
-for (const deep of ["agentd/dist/src/internal/fsx.js", "agentd/src/SessionManager.ts", "agentd/dist/src/Daemon.js"]) {
+for (const deep of ["agentd/dist/src/internal/fileIo.js", "agentd/src/SessionManager.ts", "agentd/dist/src/Daemon.js"]) {
   try { await import(deep); report[deep] = "resolved" } catch (e) { report[deep] = e.code }
 }
 console.log(JSON.stringify(report))
@@ -471,7 +471,7 @@ console.log(JSON.stringify(report))
       assert.strictEqual(report["sessionManagerTag"], "agentd/SessionManager")
       assert.strictEqual(report["daemonLive"], "function")
       assert.strictEqual(report["pkg"], "agentd")
-      assert.strictEqual(report["agentd/dist/src/internal/fsx.js"], "ERR_PACKAGE_PATH_NOT_EXPORTED")
+      assert.strictEqual(report["agentd/dist/src/internal/fileIo.js"], "ERR_PACKAGE_PATH_NOT_EXPORTED")
       assert.strictEqual(report["agentd/src/SessionManager.ts"], "ERR_PACKAGE_PATH_NOT_EXPORTED")
       assert.strictEqual(report["agentd/dist/src/Daemon.js"], "ERR_PACKAGE_PATH_NOT_EXPORTED")
     } finally {
@@ -514,8 +514,17 @@ console.log(JSON.stringify(report))
       "JsonLines.js",
       "Protocol.js",
       "SessionClient.js",
+      // The session fold, shared with the web page (no Node, no Effect).
+      "SessionFold.js",
+      "SessionTarget.js",
       "StatePaths.js",
-      "client.js"
+      "client.js",
+      // The named synchronous fs calls (the cursor file, the token file).
+      "internal/fileIoSync.js",
+      // The transport over a URL and the pure helpers it shares with the HTTP front (no Effect).
+      "internal/http/security.js",
+      "internal/http/token.js",
+      "internal/remote.js"
     ])
   })
 

@@ -18,6 +18,8 @@ export interface OptionSpec {
   readonly kind: "flag" | "string" | "integer"
   /** The value's placeholder in help (`DIR`). */
   readonly value?: string
+  /** A `string` option that may be given several times: its values are kept in order, as an array. */
+  readonly repeatable?: boolean
   /** The accepted values, if the set is closed. */
   readonly choices?: ReadonlyArray<string>
   readonly description: string
@@ -46,7 +48,7 @@ export interface CommandSpec {
 export interface Parsed {
   readonly command: CommandSpec
   readonly args: ReadonlyArray<string>
-  readonly options: ReadonlyMap<string, string | number | boolean>
+  readonly options: ReadonlyMap<string, string | number | boolean | ReadonlyArray<string>>
 }
 
 /** What the parser asks the program to do. */
@@ -123,7 +125,7 @@ export const parse = (commands: ReadonlyArray<CommandSpec>, argv: ReadonlyArray<
   const command = byName.get(name)
   if (command === undefined) return usageError(unknownCommand(name, commands))
 
-  const options = new Map<string, string | number | boolean>()
+  const options = new Map<string, string | number | boolean | ReadonlyArray<string>>()
   const args: Array<string> = []
   const byOption = new Map(command.options.map((o) => [o.name, o]))
   const byShort = new Map(command.options.flatMap((o) => (o.short === undefined ? [] : [[o.short, o] as const])))
@@ -168,6 +170,8 @@ export const parse = (commands: ReadonlyArray<CommandSpec>, argv: ReadonlyArray<
     if (option.kind === "integer") {
       if (!/^\d+$/.test(value)) return usageError(`--${option.name} takes a whole number (got ${JSON.stringify(value)})`, command)
       options.set(option.name, Number(value))
+    } else if (option.repeatable === true) {
+      options.set(option.name, [...((options.get(option.name) as ReadonlyArray<string> | undefined) ?? []), value])
     } else {
       options.set(option.name, value)
     }

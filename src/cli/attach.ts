@@ -6,6 +6,7 @@
  * recovering and ready, connection lost and back, daemon restarted, resync, history
  * rewritten, session closed). With `--json`: the follower's events as JSON lines.
  */
+import * as Deferred from "effect/Deferred"
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
 import * as Schedule from "effect/Schedule"
@@ -16,6 +17,7 @@ import * as SessionClient from "../SessionClient.js"
 import { type Context, eachMessage } from "./commands.js"
 import { withConnection } from "./connection.js"
 import { CliError, daemonErrorText, EXIT, failed } from "./errors.js"
+import { type InputHandlers, Screen } from "./interactive.js"
 import { count, EventRenderer, LIVE_SEPARATOR } from "./render.js"
 import * as Target from "./target.js"
 
@@ -31,7 +33,17 @@ export interface AttachOptions {
    * default a graceful shutdown ends `attach` (exit 0) at once.
    */
   readonly waitForRestart: boolean
+  /**
+   * Take input (a terminal, without --read-only or --json): Enter sends a prompt, Ctrl-C aborts
+   * a running turn, Ctrl-C when idle or Ctrl-D detaches, `/` commands (see {@link COMMANDS_HELP}).
+   */
+  readonly interactive?: boolean
 }
+
+/** The input line's commands (any other line, `/sleep 100` included, is sent as a prompt). */
+export const COMMANDS_HELP =
+  "/abort (or Ctrl-C during a turn), /checkpoint, /retry, /log [N], /detach (or Ctrl-C when idle, Ctrl-D), /help; " +
+  "any other line is sent as a prompt (//x sends /x); during a turn a prompt is refused (the session is busy)"
 
 /** `G:S` -> a cursor, or undefined. */
 export const parseCursor = (s: string): Cursor.Cursor | undefined => {
@@ -41,16 +53,20 @@ export const parseCursor = (s: string): Cursor.Cursor | undefined => {
   return generation >= 1 ? Cursor.make(generation, Number(m[2])) : undefined
 }
 
+/** The input line of an interactive attach, once it exists. */
+let screen: Screen | undefined
+
 const notice = (renderer: EventRenderer | undefined, ctx: Context, s: string) =>
   Effect.sync(() => {
+    if (screen !== undefined) return screen.write(`agentd: ${s}\n`, "err")
     // On a terminal stdout and stderr share the screen: end the session's line first.
     if (renderer !== undefined && ctx.stdoutIsTTY && process.stderr.isTTY === true) renderer.newline()
     process.stderr.write(`agentd: ${s}\n`)
   })
 
 export const attach = (ctx: Context, target: string, options: AttachOptions) =>
-  Effect.gen(function*() {
-    const renderer = ctx.json ? undefined : new EventRenderer((s) => process.stdout.write(s))
+  Effect.scoped(Effect.gen(function*() {
+    const renderer = ctx.json ? undefined : new EventRenderer((s) => screen === undefined ? process.stdout.write(s) : screen.write(s))
     const writeJson = (v: unknown) => Effect.sync(() => process.stdout.write(JSON.stringify(v) + "\n"))
 
     // First connection: find the session and read its history. Fails at once (exit 3) when no
@@ -119,6 +135,19 @@ export const attach = (ctx: Context, target: string, options: AttachOptions) =>
       onConnect,
       waitForRestart: options.waitForRestart
     })
+    const detached = yield* Deferred.make<void>()
+    if (options.interactive === true && renderer !== undefined) {
+      yield* Effect.acquireRelease(
+        Effect.sync(() => {
+          screen = new Screen(process.stdout, process.stderr, process.stdin, inputHandlers(ctx, id, renderer, () => Deferred.unsafeDone(detached, Effect.void)))
+          screen.setBusy(start.state.busy)
+        }),
+        () => Effect.sync(() => {
+          screen?.close()
+          screen = undefined
+        })
+      )
+    }
     let closed: string | undefined
     let previousWorker: Protocol.WorkerState | undefined = start.state.worker
     let firstBaseline = true
@@ -131,8 +160,15 @@ export const attach = (ctx: Context, target: string, options: AttachOptions) =>
         case "baseline":
           return baselineNotice(e)
         case "session_event":
-          return Effect.sync(() => renderer.event(e.event))
+          return Effect.sync(() => {
+            renderer.event(e.event)
+            // The input line comes back at a turn's end (a prompt is taken from then on).
+            if (e.event.type === "agent_start") screen?.setBusy(true)
+            if (e.event.type === "agent_end" || e.event.type === "turn_interrupted") screen?.setBusy(false)
+          })
         case "session_status": {
+          // A turn's status is written before its first event and after its end.
+          if (e.state.busy) screen?.setBusy(true)
           const worker = e.state.worker
           const before = previousWorker
           previousWorker = worker
@@ -172,6 +208,8 @@ export const attach = (ctx: Context, target: string, options: AttachOptions) =>
     const shutDown = yield* follower.events.pipe(
       Stream.runForEach(show),
       Effect.as(false),
+      // Detached from the input line (Ctrl-C when idle, Ctrl-D, /detach): exit 0.
+      Effect.raceFirst(Effect.as(Deferred.await(detached), false)),
       // The daemon stopped gracefully: the view ends there, as it would for Ctrl-C.
       Effect.catchTag("DaemonShutDown", () => Effect.as(notice(renderer, ctx, `the daemon shut down; detached from ${id}`), true)),
       Effect.catchIf(
@@ -186,4 +224,69 @@ export const attach = (ctx: Context, target: string, options: AttachOptions) =>
     if (closed !== undefined) {
       return yield* Effect.fail(failed(`session ${id} was closed (${closed})`))
     }
-  })
+  }))
+
+/** What the input line of an interactive attach does with what is typed. */
+const inputHandlers = (ctx: Context, id: string, renderer: EventRenderer, detach: () => void): InputHandlers => {
+  const say = (s: string) => screen?.write(`agentd: ${s}\n`, "err")
+  const request = <A>(command: { readonly type: string; readonly [field: string]: unknown }) =>
+    withConnection(ctx.socketPath, (c) => c.request<A>({ ...command, activeSessionId: id }))
+  const abort = () =>
+    request<Protocol.AbortResult>({ type: "abort" }).then((r) => say(r.aborted ? "aborted the turn" : "no turn was running"))
+  const busyText = "a turn is running: wait for its end, or stop it with Ctrl-C (/abort)"
+  const line = async (text: string): Promise<void> => {
+    const [command, ...rest] = text.trim().split(/\s+/)
+    try {
+      switch (command) {
+        case "":
+        case undefined:
+          return
+        case "/abort":
+          return await abort()
+        case "/checkpoint": {
+          const r = await request<Protocol.CheckpointResult>({ type: "checkpoint" })
+          return say(`checkpoint: generation ${r.generation} (snapshot ${r.snapshotId})`)
+        }
+        case "/retry": {
+          const r = await request<Protocol.SessionSummary>({ type: "retry_worker" })
+          return say(`worker: ${r.worker}${r.workerPid === undefined ? "" : ` (pid ${r.workerPid})`}`)
+        }
+        case "/log": {
+          const n = rest[0] === undefined ? 20 : Number(rest[0])
+          if (!Number.isInteger(n) || n < 0) return say("/log takes a number of messages (default 20)")
+          const messages: Array<Protocol.AgentMessage> = []
+          await withConnection(ctx.socketPath, async (c) => {
+            const { total } = await c.request<Protocol.GetMessagesResult>({ type: "get_messages", activeSessionId: id, offset: 0, limit: 1 })
+            await eachMessage(c, id, Math.max(0, total - n), total, (m) => void messages.push(m))
+          })
+          const log = new EventRenderer((s) => screen?.write(s))
+          log.line(`--- the last ${count(messages.length, "message")} ---`)
+          for (const m of messages) log.message(m)
+          return log.line(LIVE_SEPARATOR)
+        }
+        case "/detach":
+          return detach()
+        case "/help":
+          return say(COMMANDS_HELP)
+        default: {
+          // The daemon judges (a prompt right after a turn's end is accepted; during it, refused).
+          // `//x` sends `/x`; every other line as it is (the echo engine's /sleep, /bulk...).
+          const message = text.startsWith("//") ? text.slice(1) : text
+          renderer.newline()
+          await request<Protocol.PromptResult>({ type: "prompt", message })
+        }
+      }
+    } catch (e) {
+      const message = e instanceof Error ? e.message : String(e)
+      say(/is running a turn/.test(message) ? busyText : message)
+    }
+  }
+  return {
+    line,
+    interrupt: () => {
+      if (screen?.isBusy === true) void abort().catch((e: unknown) => say(e instanceof Error ? e.message : String(e)))
+      else detach()
+    },
+    end: detach
+  }
+}

@@ -10,9 +10,11 @@ import type { Parsed } from "./args.js"
 import { type Connection, withConnection } from "./connection.js"
 import { failed, usage } from "./errors.js"
 import { alignedTable, count, EventRenderer, shortDate, shortId, summaryLines } from "./render.js"
+import { optionValue } from "./engines.js"
 import * as Target from "./target.js"
 import { readOrCreateToken } from "../internal/http/token.js"
 import { stateDirOf } from "./paths.js"
+import { web } from "./web.js"
 
 /** What every client command knows. */
 export interface Context {
@@ -31,17 +33,65 @@ const print = (ctx: Context, value: unknown, text: () => string) => out(ctx.json
 const withTarget = <A>(ctx: Context, target: string, f: (c: Connection, id: string) => Promise<A>) =>
   withConnection(ctx.socketPath, async (c) => f(c, await Target.resolve(c, target)))
 
-export const create = (ctx: Context, name: string | undefined) =>
-  withConnection(ctx.socketPath, async (c) => {
-    if (name !== undefined) {
-      // The daemon lets names repeat; the command line keeps them unique so that they can be
-      // targets (a check, then the create: two racing creates can still share a name).
-      const { sessions } = await c.request<Protocol.ListResult>({ type: "list" })
-      const taken = sessions.find((s) => s.name === name)
-      if (taken !== undefined) throw failed(`the name ${JSON.stringify(name)} is in use by ${taken.activeSessionId}`)
+/** What `agentd create` asks for besides a name. */
+export interface CreateOptions {
+  readonly engine?: string | undefined
+  /** `--config`: a JSON object, as typed. */
+  readonly config?: string | undefined
+  /** `--set KEY=VALUE`, in order. */
+  readonly set?: ReadonlyArray<string> | undefined
+}
+
+/** The `config` of a create: --config's object, then each --set over it (usage errors: exit 2). */
+export const createConfig = (options: CreateOptions): Record<string, unknown> | undefined => {
+  let config: Record<string, unknown> | undefined
+  if (options.config !== undefined) {
+    let parsed: unknown
+    try {
+      parsed = JSON.parse(options.config)
+    } catch (e) {
+      throw usage(`--config takes a JSON object: ${(e as Error).message}`)
     }
-    const data = await c.request<Protocol.CreateResult>(name === undefined ? { type: "create" } : { type: "create", name })
-    print(ctx, data, () => data.activeSessionId)
+    if (typeof parsed !== "object" || parsed === null || Array.isArray(parsed)) {
+      throw usage(`--config takes a JSON object (got ${Array.isArray(parsed) ? "an array" : parsed === null ? "null" : typeof parsed})`)
+    }
+    config = { ...parsed as Record<string, unknown> }
+  }
+  for (const item of options.set ?? []) {
+    const eq = item.indexOf("=")
+    if (eq <= 0) throw usage(`--set takes KEY=VALUE (got ${JSON.stringify(item)})`)
+    const key = item.slice(0, eq)
+    // Set as an own data property: a key such as __proto__ must not reach the prototype.
+    config ??= {}
+    Object.defineProperty(config, key, {
+      value: optionValue(options.engine, key, item.slice(eq + 1)),
+      enumerable: true,
+      writable: true,
+      configurable: true
+    })
+  }
+  return config
+}
+
+export const create = (ctx: Context, name: string | undefined, options: CreateOptions = {}) =>
+  Promise.resolve().then(() => createConfig(options)).then((config) =>
+    withConnection(ctx.socketPath, async (c) => {
+      // The daemon keeps names unique (name_taken), atomically, and checks the engine and its
+      // config: no check here.
+      const data = await c.request<Protocol.CreateResult>({
+        type: "create",
+        ...(name === undefined ? {} : { name }),
+        ...(options.engine === undefined ? {} : { engine: options.engine }),
+        ...(config === undefined ? {} : { config })
+      })
+      print(ctx, data, () => data.activeSessionId)
+    })
+  )
+
+export const rename = (ctx: Context, target: string, name: string) =>
+  withTarget(ctx, target, async (c, id) => {
+    const s = await c.request<Protocol.SessionSummary>({ type: "rename", activeSessionId: id, name })
+    print(ctx, s, () => `renamed ${id} to ${name}`)
   })
 
 export const sessions = (ctx: Context) =>
@@ -166,7 +216,11 @@ export const runOneShot = (p: Parsed, ctx: Context): Promise<void> | undefined =
     case "status":
       return status(ctx)
     case "create":
-      return create(ctx, p.options.get("name") as string | undefined)
+      return create(ctx, p.options.get("name") as string | undefined, {
+        engine: p.options.get("engine") as string | undefined,
+        config: p.options.get("config") as string | undefined,
+        set: p.options.get("set") as ReadonlyArray<string> | undefined
+      })
     case "sessions":
       return sessions(ctx)
     case "log":
@@ -184,10 +238,16 @@ export const runOneShot = (p: Parsed, ctx: Context): Promise<void> | undefined =
       return checkpoint(ctx, target)
     case "kill":
       return kill(ctx, target)
+    case "rename":
+      return rename(ctx, target, p.args[1]!)
     case "shutdown":
       return shutdown(ctx)
     case "http-token":
       return Promise.resolve().then(() => out(readOrCreateToken(stateDirOf(p))))
+    case "web":
+      return Promise.resolve().then(() =>
+        out(web(p.options.get("http") as string | undefined, readOrCreateToken(stateDirOf(p)), p.options.get("print") === true))
+      )
     default:
       return undefined
   }

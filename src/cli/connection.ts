@@ -11,8 +11,9 @@
  * response is taken as the daemon sent it (the daemon checks its own output against the schemas).
  */
 import * as net from "node:net"
+import * as Remote from "../internal/remote.js"
 import { LineDecoder } from "../JsonLines.js"
-import { type CliError, daemonErrorText, failed, noDaemonText, unreachable } from "./errors.js"
+import { type CliError, daemonErrorText, failed, noDaemonText, unreachable, usage } from "./errors.js"
 
 /** The protocol this command line speaks (the daemon's `daemon_hello.protocol`). */
 const PROTOCOL = { name: "agentd", version: 1 } as const
@@ -35,10 +36,18 @@ export interface Connection {
 
 const isRecord = (u: unknown): u is Record<string, unknown> => typeof u === "object" && u !== null && !Array.isArray(u)
 
-/** Connects to the daemon at `socketPath` and waits for its hello. */
+/**
+ * Connects to the daemon at `socketPath` (a socket path, or the URL of its HTTP front: the
+ * same lines through its `/v1/socket` WebSocket) and waits for its hello.
+ */
 export const connect = (socketPath: string): Promise<Connection> =>
   new Promise((resolveConnection, rejectConnection) => {
-    const socket = net.connect(socketPath)
+    const transport = Remote.isUrl(socketPath) ? undefined : net.connect(socketPath)
+    /** Over a URL: the WebSocket's lines, once open. */
+    let remote: Remote.LineTransport | undefined
+    let abortRemote: (() => void) | undefined
+    const send = (line: string) => (transport === undefined ? remote?.write(line) : void transport.write(line))
+    const destroy = () => (transport === undefined ? (remote?.close() ?? abortRemote?.()) : transport.destroy())
     const decoder = new LineDecoder(Number.MAX_SAFE_INTEGER)
     let hello: Hello | undefined
     let nextId = 1
@@ -50,7 +59,7 @@ export const connect = (socketPath: string): Promise<Connection> =>
       if (ended !== undefined) return
       ended = e
       clearTimeout(helloTimer)
-      socket.destroy()
+      destroy()
       if (hello === undefined) rejectConnection(e)
       const waiting = pending
       pending = undefined
@@ -73,7 +82,7 @@ export const connect = (socketPath: string): Promise<Connection> =>
         }
         clearTimeout(helloTimer)
         hello = { supervisorGeneration: Number(message["supervisorGeneration"]), supervisorPid: Number(message["supervisorPid"]) }
-        return resolveConnection({ hello, request, close: () => socket.destroy() })
+        return resolveConnection({ hello, request, close: destroy })
       }
       // Nothing is attached: the only messages owed are responses (and `daemon_closing`).
       if (!isRecord(message) || message["type"] !== "response" || pending === undefined || message["id"] !== pending.id) return
@@ -105,23 +114,35 @@ export const connect = (socketPath: string): Promise<Connection> =>
         if (ended !== undefined) return reject(ended)
         const id = String(nextId++)
         pending = { id, type: command.type, resolve: resolve as (data: unknown) => void, reject }
-        socket.write(`${JSON.stringify({ type: "command", id, protocol: PROTOCOL, command })}\n`)
+        send(`${JSON.stringify({ type: "command", id, protocol: PROTOCOL, command })}\n`)
       })
 
-    socket.once("error", (e: NodeJS.ErrnoException) =>
+    const closed = () =>
+      fail(
+        hello === undefined
+          ? unreachable(`${socketPath}: the connection closed before the daemon's hello`)
+          : unreachable("the daemon closed the connection")
+      )
+    if (transport === undefined) {
+      const url = Remote.socketUrl(socketPath)
+      if (typeof url === "string") return fail(usage(`--url: ${url}`))
+      abortRemote = Remote.openLines(url, Remote.tokenFor(url, undefined), {
+        onOpen: (t) => (remote = t),
+        onFail: (f) => fail(unreachable(f.message)),
+        onLine: (line) => onLines([line]),
+        onClose: closed
+      })
+      return
+    }
+    transport.once("error", (e: NodeJS.ErrnoException) =>
       fail(
         hello === undefined
           ? unreachable(e.code === undefined ? `no daemon listens at ${socketPath} (${e.message})` : noDaemonText(socketPath, e.code))
           : unreachable(`the connection to the daemon failed (${e.code ?? e.message})`)
       ))
-    socket.on("data", (chunk: Buffer) => onLines(decoder.push(chunk)))
-    socket.on("end", () => onLines(decoder.end()))
-    socket.on("close", () =>
-      fail(
-        hello === undefined
-          ? unreachable(`${socketPath}: the connection closed before the daemon's hello`)
-          : unreachable("the daemon closed the connection")
-      ))
+    transport.on("data", (chunk: Buffer) => onLines(decoder.push(chunk)))
+    transport.on("end", () => onLines(decoder.end()))
+    transport.on("close", closed)
   })
 
 /** Runs `f` on a connection to the daemon, closed afterwards whatever happens. */

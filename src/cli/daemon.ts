@@ -6,7 +6,7 @@
 import * as Effect from "effect/Effect"
 import { spawn } from "node:child_process"
 import * as Schedule from "effect/Schedule"
-import * as fs from "node:fs"
+import * as fs from "../internal/fileIoSync.js"
 import * as path from "node:path"
 import * as DaemonClient from "../DaemonClient.js"
 import type * as Protocol from "../Protocol.js"

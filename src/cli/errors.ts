@@ -39,6 +39,8 @@ export const daemonErrorText = (code: unknown, message: string): string => {
         `\`agentd retry ${id}\` loads it again, \`agentd kill ${id}\` archives it.`
     case "session_failed":
       return `${message.replace(/;? ?use retry_worker\.?$/, ".")} \`agentd retry ${id}\` starts its worker again.`
+    case "name_taken":
+      return `${message.replace(/`([^`]+)`/, "$1")} \`agentd rename ${id} NEW-NAME\` renames that session.`
     case "session_busy":
       return `${message} \`agentd abort ${id}\` stops the turn; \`agentd attach ${id}\` watches it.`
     default:
@@ -65,7 +67,11 @@ const messageOf = (e: unknown): string => {
   if (typeof e !== "object" || e === null || !("message" in e) || typeof e.message !== "string" || e.message.length === 0) return String(e)
   if ("_tag" in e && e._tag === "DaemonError" && "code" in e) return daemonErrorText(e.code, e.message)
   // A failed connect: the command line also says what to do.
-  if ("_tag" in e && e._tag === "DaemonUnreachable" && "errno" in e && typeof e.errno === "string" && "socketPath" in e) {
+  if (
+    "_tag" in e && e._tag === "DaemonUnreachable" && "errno" in e && typeof e.errno === "string" && "socketPath" in e &&
+    // Over a URL the SDK's message already says what to do.
+    !/^[a-z][a-z0-9+.-]*:\/\//i.test(String(e.socketPath))
+  ) {
     return noDaemonText(String(e.socketPath), e.errno)
   }
   return e.message

@@ -14,7 +14,7 @@ import { type Context, runOneShot } from "./commands.js"
 import { builtinEngines } from "./engines.js"
 import { report } from "./errors.js"
 import { EXIT } from "./exitCodes.js"
-import { socketOf } from "./paths.js"
+import { addressOf } from "./paths.js"
 
 export const VERSION = "0.1.0"
 
@@ -58,11 +58,20 @@ const socketOption: OptionSpec = {
   value: "PATH",
   description: "The daemon's socket (default $AGENTD_SOCKET, else <state dir>/agentd.sock)."
 }
+const urlOption: OptionSpec = {
+  name: "url",
+  kind: "string",
+  value: "URL",
+  description:
+    "Reach the daemon over the network instead: the URL of its `serve --http` (http://HOST:PORT; default $AGENTD_URL). The token comes from $AGENTD_TOKEN, else (a loopback URL) from <state dir>/http-token."
+}
 const jsonOption: OptionSpec = { name: "json", kind: "flag", description: "Print JSON (one value) instead of text." }
 const jsonLinesOption: OptionSpec = { name: "json", kind: "flag", description: "Print JSON lines (one per event) instead of text." }
 const where = [stateDirOption, socketOption]
-const common = [...where, jsonOption]
-const streaming = [...where, jsonLinesOption]
+/** Where a client command finds the daemon: its socket, or its URL. */
+const reach = [...where, urlOption]
+const common = [...reach, jsonOption]
+const streaming = [...reach, jsonLinesOption]
 const targetArg = {
   name: "TARGET",
   description: "The session: its id, a unique prefix of the id (the s- may be left out), or its name."
@@ -141,10 +150,27 @@ export const commands: ReadonlyArray<CommandSpec> = [
   {
     name: "create",
     summary: "Create a session and print its id.",
-    details: "A name makes the session a target for the other commands; a name already in use is refused.",
+    details:
+      "A name makes the session a target for the other commands; a name already in use is refused (the daemon keeps names unique). --engine chooses the session's engine (default: the daemon's, `serve --engine`); --config gives its options as a JSON object and --set one option at a time (repeatable, after --config), its value read by the option's type (a number, true/false, or text). The daemon checks them with the engine's own validation and names the option it refuses.",
     args: [],
-    options: [{ name: "name", kind: "string", value: "NAME", description: "A name for the session (unique)." }, ...common],
-    examples: ["agentd create --name demo"]
+    options: [
+      { name: "name", kind: "string", value: "NAME", description: "A name for the session (unique)." },
+      { name: "engine", kind: "string", value: "NAME", description: `The session's engine (built in: ${builtinEngines.join(", ")}; default: the daemon's).` },
+      { name: "config", kind: "string", value: "JSON", description: "The engine's options, a JSON object (e.g. '{\"tokenDelayMs\":20}')." },
+      {
+        name: "set",
+        kind: "string",
+        value: "KEY=VALUE",
+        repeatable: true,
+        description: "One engine option (repeatable; over --config): tokenDelayMs=20, model=gpt-4o-mini, temperature=0.2."
+      },
+      ...common
+    ],
+    examples: [
+      "agentd create --name demo",
+      "agentd create --name slow --set tokenDelayMs=50",
+      "agentd create --engine openai-compat --set baseUrl=http://127.0.0.1:8080/v1 --set model=llama3"
+    ]
   },
   {
     name: "sessions",
@@ -174,7 +200,7 @@ export const commands: ReadonlyArray<CommandSpec> = [
     name: "attach",
     summary: "Follow a session live: history, a separator, then its turns as they happen.",
     details:
-      "stdout shows user messages (> ...), the assistant's text as it streams, tool calls and results on one line each, and the end of each turn; stderr gets one-line notices: the worker recovering and ready, the connection lost and back, a daemon restart, a resync, a rewritten history. A killed session ends the command with exit 1. When the daemon goes away, attach reconnects and resumes by cursor for --reconnect-timeout, then gives up with exit 3. With --json each event is printed as a JSON line (history lines first, with --history).",
+      "stdout shows user messages (> ...), the assistant's text as it streams, tool calls and results on one line each, and the end of each turn; stderr gets one-line notices: the worker recovering and ready, the connection lost and back, a daemon restart, a resync, a rewritten history. A killed session ends the command with exit 1. When the daemon goes away, attach reconnects and resumes by cursor for --reconnect-timeout, then gives up with exit 3. With --json each event is printed as a JSON line (history lines first, with --history). On a terminal (stdin and stdout), without --read-only or --json, attach also takes input on a line below the session: Enter sends the line as a prompt (during a turn it is refused: the session is busy; what is typed meanwhile is kept for later), Ctrl-C aborts a running turn, Ctrl-C when idle or Ctrl-D detaches (exit 0); commands: /abort, /checkpoint, /retry, /log [N] (the last N messages, default 20), /detach, /help; any other line, the echo engine's /sleep and /bulk included, is a prompt (//x sends /x).",
     args: [targetArg],
     options: [
       {
@@ -195,6 +221,7 @@ export const commands: ReadonlyArray<CommandSpec> = [
         value: "SECONDS",
         description: "How long to keep reconnecting to a daemon that went away (default 30)."
       },
+      { name: "read-only", kind: "flag", description: "Only show the session, take no input (as when stdin or stdout is not a terminal)." },
       ...streaming
     ]
   },
@@ -229,6 +256,13 @@ export const commands: ReadonlyArray<CommandSpec> = [
     options: common
   },
   {
+    name: "rename",
+    summary: "Give a session a new name (unique among the daemon's sessions).",
+    args: [targetArg, { name: "NAME", description: "The new name." }],
+    options: common,
+    examples: ["agentd rename demo notes"]
+  },
+  {
     name: "kill",
     summary: "Kill a session and print its id (its files move to the state dir's archive).",
     args: [targetArg],
@@ -247,6 +281,18 @@ export const commands: ReadonlyArray<CommandSpec> = [
       "Requests to `serve --http` carry it as `Authorization: Bearer <token>`; a browser logs in once through http://HOST:PORT/login?token=<token>, which sets an HttpOnly cookie. The token lives in <state dir>/http-token (0600).",
     args: [],
     options: [stateDirOption]
+  },
+  {
+    name: "web",
+    summary: "Open the daemon's web page in a browser (prints its login link where none can be opened).",
+    details:
+      "The page is served by `serve --http HOST:PORT` at /; the link logs the browser in once (it holds the token, so keep it to yourself).",
+    args: [],
+    options: [
+      stateDirOption,
+      { name: "http", kind: "string", value: "HOST:PORT", description: "Where the daemon serves HTTP (what `serve --http` was given; default $AGENTD_HTTP)." },
+      { name: "print", kind: "flag", description: "Only print the login link; do not open a browser." }
+    ]
   },
   {
     name: "logs",
@@ -295,8 +341,13 @@ export const main = async (argv: ReadonlyArray<string>, hooks: Hooks): Promise<n
         throw e
       })
       const p = result.parsed
+      const address = addressOf(p)
+      if (typeof address !== "string") {
+        process.stderr.write(`agentd: ${address.error}\nUsage: ${usageLine(p.command)}\n`)
+        return EXIT.usage
+      }
       const ctx: Context = {
-        socketPath: socketOf(p),
+        socketPath: address,
         json: p.options.get("json") === true,
         color: useColor(process.stdout),
         stdoutIsTTY: process.stdout.isTTY === true

@@ -68,7 +68,8 @@ const program = (p: Parsed, ctx: Context, hooks: Hooks): Effect.Effect<void, unk
           history,
           from,
           reconnectFor: Duration.seconds(int("reconnect-timeout") ?? 30),
-          waitForRestart: int("reconnect-timeout") !== undefined
+          waitForRestart: int("reconnect-timeout") !== undefined,
+          interactive: !ctx.json && p.options.get("read-only") !== true && process.stdin.isTTY === true && ctx.stdoutIsTTY
         })
       })
     case "logs":

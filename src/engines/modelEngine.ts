@@ -40,7 +40,7 @@ import * as Option from "effect/Option"
 import * as Redacted from "effect/Redacted"
 import * as Schedule from "effect/Schedule"
 import * as Stream from "effect/Stream"
-import * as fs from "node:fs"
+import * as FileIo from "../internal/fileIo.js"
 import { agentMessage, EngineError, type EngineSession, TranscriptReplaced, type TurnInput, type TurnOutput } from "../Engine.js"
 import type { AgentMessage, TurnFailure } from "../Protocol.js"
 import { MAX_RETRY_AFTER_MS, type ModelConfig } from "./modelConfig.js"
@@ -783,7 +783,7 @@ export const start = (engine: string, config: ModelConfig, provider: ModelProvid
     const workDir = Option.getOrUndefined(yield* Effect.serviceOption(SessionWorkDir.SessionWorkDir))
     const cwd = config.cwd ?? workDir ?? process.cwd()
     if (config.cwd === undefined && workDir !== undefined) {
-      yield* Effect.try(() => fs.mkdirSync(workDir, { recursive: true, mode: 0o700 })).pipe(
+      yield* FileIo.ensureDir(workDir).pipe(
         Effect.mapError(() => new EngineError({ reason: "invalid_config", message: `${engine}: the session's work dir ${workDir} cannot be made` }))
       )
     }

@@ -16,8 +16,8 @@ import * as Tool from "@effect/ai/Tool"
 import * as Toolkit from "@effect/ai/Toolkit"
 import * as Effect from "effect/Effect"
 import * as Schema from "effect/Schema"
-import * as fs from "node:fs"
-import * as fsp from "node:fs/promises"
+import * as FileIo from "../internal/fileIo.js"
+import { readlinkSync } from "../internal/fileIoSync.js"
 import * as nodePath from "node:path"
 
 /** The most bytes `read_file` returns; the rest is cut with a note saying so. */
@@ -94,7 +94,7 @@ const resolveInside = async (root: string, requested: unknown): Promise<string> 
   if (!within(root, target)) throw new Refused(`${requested}: outside the working directory`)
   let real: string
   try {
-    real = await fsp.realpath(target)
+    real = await FileIo.realpathAsync(target)
   } catch (e) {
     throw new Refused(describeFsError(e, requested))
   }
@@ -105,7 +105,7 @@ const resolveInside = async (root: string, requested: unknown): Promise<string> 
 /** Where a descriptor really points (Linux); undefined where that cannot be known. */
 const fdPath = (fd: number): string | undefined => {
   try {
-    return fs.readlinkSync(`/proc/self/fd/${fd}`)
+    return readlinkSync(`/proc/self/fd/${fd}`)
   } catch {
     return undefined
   }
@@ -114,9 +114,9 @@ const fdPath = (fd: number): string | undefined => {
 const readFile = async (root: string, requested: unknown): Promise<string> => {
   const real = await resolveInside(root, requested)
   const shown = String(requested)
-  let handle: fsp.FileHandle
+  let handle: FileIo.FileHandle
   try {
-    handle = await fsp.open(real, fs.constants.O_RDONLY | fs.constants.O_NOFOLLOW)
+    handle = await FileIo.openAsync(real, FileIo.READ_NO_FOLLOW)
   } catch (e) {
     throw new Refused(describeFsError(e, shown))
   }
@@ -140,9 +140,9 @@ const readFile = async (root: string, requested: unknown): Promise<string> => {
 const listDir = async (root: string, requested: unknown): Promise<string> => {
   const real = await resolveInside(root, requested)
   const shown = String(requested)
-  let entries: Array<fs.Dirent>
+  let entries: Array<{ readonly name: string; isDirectory(): boolean; isSymbolicLink(): boolean }>
   try {
-    entries = await fsp.readdir(real, { withFileTypes: true })
+    entries = await FileIo.readdirEntriesAsync(real)
   } catch (e) {
     throw new Refused(describeFsError(e, shown))
   }
@@ -162,7 +162,7 @@ export const run = (cwd: string, name: string, params: unknown): Effect.Effect<T
   Effect.promise(async (): Promise<ToolOutcome> => {
     const args = (typeof params === "object" && params !== null ? params : {}) as Record<string, unknown>
     try {
-      const root = await fsp.realpath(cwd)
+      const root = await FileIo.realpathAsync(cwd)
       switch (name) {
         case "read_file":
           return { result: await readFile(root, args["path"]), isError: false }

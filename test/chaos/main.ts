@@ -1,5 +1,7 @@
 /**
- * `npm run chaos -- [--seed S] [--seconds N] [--faults K] [--kinds a,b] [--runs R] [--verbose] [--keep]`
+ * `npm run chaos -- [--seed S] [--seconds N] [--faults K] [--kinds a,b] [--store postgres] [--runs R] [--verbose] [--keep]`
+ * (`--store postgres`: the daemon over a private PostgreSQL of the run, scripts/pg-test-server.sh;
+ * its default kinds add `store_restart` and leave out `damage_files`)
  * `npm run chaos -- --regressions` runs every seed of seeds.json.
  *
  * Each run starts the real built daemon, loads it, injects faults and checks the protocol's
@@ -29,7 +31,7 @@ interface RegressionSeed {
 const usage = () => {
   console.error(
     "usage: npm run chaos -- [--seed S] [--seconds N] [--faults K] [--kinds " + FAULT_KINDS.join(",") +
-      "] [--set AGENTD_X=V]... [--prompt-at-end P] [--runs R] [--verbose] [--keep] | --regressions"
+      "] [--store files|postgres] [--set AGENTD_X=V]... [--prompt-at-end P] [--runs R] [--verbose] [--keep] | --regressions"
   )
   process.exit(2)
 }
@@ -99,6 +101,8 @@ const main = async () => {
   const kinds = kindsOf(args["kinds"])
   const promptAtEnd = args["prompt-at-end"] === undefined ? undefined : Number(args["prompt-at-end"])
   if (promptAtEnd !== undefined && !(promptAtEnd >= 0 && promptAtEnd <= 1)) usage()
+  const store = args["store"] ?? "files"
+  if (store !== "files" && store !== "postgres") usage()
   let seed = args["seed"] === undefined ? Math.floor(Math.random() * 2 ** 31) : int(args["seed"], 0)
   let failed = 0
   for (let i = 0; i < runs; i++, seed++) {
@@ -110,6 +114,7 @@ const main = async () => {
       verbose: args["verbose"] === true,
       keep: args["keep"] === true,
       settings,
+      store: store as "files" | "postgres",
       ...(promptAtEnd === undefined ? {} : { promptAtEnd })
     })
     console.log(describeResult(r, { seconds, faults, kinds, settings, promptAtEnd }))

@@ -34,9 +34,12 @@
  * a crash from before it), after which a restart resumes every client and adds no
  * `daemon_restarted`.
  */
+import { execFileSync } from "node:child_process"
 import * as fs from "node:fs"
 import * as net from "node:net"
+import * as os from "node:os"
 import * as path from "node:path"
+import { fileURLToPath } from "node:url"
 import { type Answer, ChaosClient } from "./client.js"
 import { ChaosDaemon, sleep } from "./daemon.js"
 import { Rng } from "./rng.js"
@@ -63,7 +66,8 @@ export const FAULT_KINDS = [
   "sigint_group",
   "stuck_client",
   "disk_full",
-  "fd_pressure"
+  "fd_pressure",
+  "store_restart"
 ] as const
 export type FaultKind = typeof FAULT_KINDS[number]
 
@@ -73,7 +77,18 @@ export type FaultKind = typeof FAULT_KINDS[number]
  * asked for by name. Known limit: a worker spawned while `fd_pressure` holds every fd may take
  * until its 30 s ready timeout to be counted a crash, as long as the watchdog's bound.
  */
-export const DEFAULT_KINDS: ReadonlyArray<FaultKind> = FAULT_KINDS.filter((k) => k !== "disk_full" && k !== "fd_pressure")
+export const DEFAULT_KINDS: ReadonlyArray<FaultKind> = FAULT_KINDS.filter((k) =>
+  k !== "disk_full" && k !== "fd_pressure" && k !== "store_restart"
+)
+
+/**
+ * The kinds of a run over PostgreSQL unless told: the default ones and `store_restart`, without
+ * `damage_files` (the session files it damages are not the store then).
+ */
+export const POSTGRES_KINDS: ReadonlyArray<FaultKind> = [...DEFAULT_KINDS.filter((k) => k !== "damage_files"), "store_restart"]
+
+/** The private PostgreSQL script (start DIR prints the URL; restart DIR; stop DIR). */
+const PG_SCRIPT = path.resolve(path.dirname(fileURLToPath(import.meta.url)), "..", "..", "scripts", "pg-test-server.sh")
 
 const WEIGHTS: Record<FaultKind, number> = {
   worker_kill: 3,
@@ -96,7 +111,8 @@ const WEIGHTS: Record<FaultKind, number> = {
   sigint_group: 1,
   stuck_client: 1,
   disk_full: 2,
-  fd_pressure: 2
+  fd_pressure: 2,
+  store_restart: 2
 }
 
 /** The daemon's fd limit in a run with `fd_pressure` (ample for its sessions and clients). */
@@ -170,6 +186,8 @@ export interface RunOptions {
   readonly promptAtEnd?: number
   /** Daemon settings (`AGENTD_*`) that replace the drawn ones. */
   readonly settings?: Readonly<Record<string, string>>
+  /** The daemon's store: its state dir's files (default), or a private PostgreSQL for the run. */
+  readonly store?: "files" | "postgres"
 }
 
 export interface RunResult {
@@ -263,8 +281,12 @@ interface SessionCtl {
 export const runChaos = async (options: RunOptions): Promise<RunResult> => {
   const rng = new Rng(options.seed)
   const sessionCount = rng.int(3, 4)
-  const settings = { ...drawSettings(rng, sessionCount), ...options.settings }
-  const kinds = options.kinds ?? DEFAULT_KINDS
+  const postgres = options.store === "postgres"
+  // A private server for the run (its socket only), stopped at the end however the run ends.
+  const pgDir = postgres ? fs.mkdtempSync(path.join(os.tmpdir(), "agentd-chaos-pg-")) : undefined
+  const pgUrl = pgDir === undefined ? undefined : execFileSync(PG_SCRIPT, ["start", pgDir], { encoding: "utf8" }).trim()
+  const settings = { ...drawSettings(rng, sessionCount), ...(pgUrl === undefined ? {} : { AGENTD_STORE: pgUrl }), ...options.settings }
+  const kinds = options.kinds ?? (postgres ? POSTGRES_KINDS : DEFAULT_KINDS)
   const weights = Object.fromEntries(kinds.map((k) => [k, WEIGHTS[k]])) as Record<FaultKind, number>
   // While spawns are being made to fail (and poisons overlap a heal), a retry's own worker can
   // fail to spawn again: it is then answered session_failed, as documented. After the run's
@@ -272,7 +294,7 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
   // Spawns fail too while no fd is left.
   const retryCodes = kinds.includes("spawn_fail") || kinds.includes("fd_pressure") ? ["session_not_found", "session_failed"] : ["session_not_found"]
   /** Storage faults in the run: a prompt (or a checkpoint) may be refused `storage_unavailable`. */
-  const storageFaults = kinds.includes("disk_full") || kinds.includes("fd_pressure")
+  const storageFaults = kinds.includes("disk_full") || kinds.includes("fd_pressure") || kinds.includes("store_restart")
   const daemon = new ChaosDaemon(settings, {
     tmpfsMiB: kinds.includes("disk_full") ? 128 : undefined,
     fdLimit: kinds.includes("fd_pressure") ? FD_LIMIT : undefined
@@ -574,8 +596,11 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
     }
   }
 
+  // Names are unique in the daemon (name_taken): one per attempt, since a create whose answer
+  // was lost to a crash may still have made its session.
+  let createAttempts = 0
   const addSession = async (via: ChaosClient): Promise<void> => {
-    const r = await send(via, { type: "create", name: `chaos-${sessions.size}` })
+    const r = await send(via, { type: "create", name: `chaos-${++createAttempts}` })
     if (r === undefined) return
     if (r["success"] !== true) return expectCodes(r, "create", [])
     const id = r["data"]["activeSessionId"] as string
@@ -1092,6 +1117,17 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
         log("  disk freed")
         return
       }
+      case "store_restart": {
+        // PostgreSQL stopped (fast: its sessions are cut) and started again on the same data:
+        // the daemon reconnects; commands in flight fail storage_unavailable or succeed, none
+        // hangs, and nothing acknowledged is lost (the run's checks).
+        if (pgDir === undefined) return log("store_restart: (files store: skipped)")
+        const started = Date.now()
+        execFileSync(PG_SCRIPT, ["restart", pgDir], { stdio: "ignore" })
+        lastStorageFaultAt = Date.now()
+        log(`store_restart: PostgreSQL restarted in ${Date.now() - started} ms`)
+        return
+      }
       case "fd_pressure": {
         const holdMs = frng.int(1000, 3000)
         const hogs = await hogFds(daemon.socketPath)
@@ -1185,6 +1221,13 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
     for (const c of clients) c.drop()
     // A failed run keeps its state dir for inspection.
     await daemon.cleanup(options.keep === true || violation !== undefined)
+    if (pgDir !== undefined) {
+      try {
+        execFileSync(PG_SCRIPT, ["stop", pgDir], { stdio: "ignore" })
+      } catch (e) {
+        notes.push(`stopping the run's PostgreSQL failed: ${String(e)}`)
+      }
+    }
     await Promise.race([Promise.all(background), sleep(2000)])
     for (const c of clients) {
       for (const s of c.streams.values()) {
@@ -1241,9 +1284,19 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
     await waitUntil(() => commanders.every((x) => x.pendingCount === 0), 60_000)
     // Each driver ends its loop once its turn has ended: bounded, so that a wedged session is
     // reported (with its state) rather than waited for forever.
+    // A session whose create was answered after the load stopped (a kill_session's new session
+    // made across a daemon restart) joins the wait when it appears, not never.
     const ended = new Set<SessionCtl>()
-    for (const ctl of liveSessions()) void ctl.done.then(() => ended.add(ctl))
-    if (!(await waitUntil(() => liveSessions().every((ctl) => ended.has(ctl)), SETTLE_BOUND_MS)) && !stopped()) {
+    const followed = new Set<SessionCtl>()
+    const allEnded = () => {
+      for (const ctl of liveSessions()) {
+        if (followed.has(ctl)) continue
+        followed.add(ctl)
+        void ctl.done.then(() => ended.add(ctl))
+      }
+      return liveSessions().every((ctl) => ended.has(ctl))
+    }
+    if (!(await waitUntil(allEnded, SETTLE_BOUND_MS)) && !stopped()) {
       const wedged = liveSessions().filter((ctl) => !ended.has(ctl))
       const states = await Promise.all(wedged.map((ctl) => send(c, { type: "get_state", activeSessionId: ctl.id })))
       check("every driver's turn ends", false, () => `after ${SETTLE_BOUND_MS} ms: ${states.map((r) => JSON.stringify(r?.["data"] ?? r)).join("; ")}`)

@@ -18,8 +18,8 @@ const segmentsDir = (stateDir: string, id: string) => path.join(stateDir, "event
 const sessionDir = (stateDir: string, id: string) => path.join(stateDir, "sessions", id)
 
 /** A session with `turns` echo turns, attached on `client`; returns its id and messages. */
-const sessionWithTurns = async (client: Client, turns: ReadonlyArray<string>, checkpointAfter?: number) => {
-  const { id } = await createSession(client, { name: "hurt" })
+const sessionWithTurns = async (client: Client, turns: ReadonlyArray<string>, checkpointAfter?: number, name = "hurt") => {
+  const { id } = await createSession(client, { name })
   await attachAndReplay(client, { activeSessionId: id })
   for (const [i, text] of turns.entries()) {
     await client.ok({ type: "prompt", activeSessionId: id, message: text })
@@ -159,7 +159,8 @@ describe("damaged sessions", () => {
     const d = await useDaemon()
     const a = await d.connect("a")
     const { id } = await sessionWithTurns(a, ["one", "two three"], 1)
-    const healthy = await sessionWithTurns(a, ["fine"])
+    // Names are unique among live sessions: the healthy one has its own.
+    const healthy = await sessionWithTurns(a, ["fine"], undefined, "fine")
     await d.stop("SIGTERM")
     const transcripts = path.join(sessionDir(d.stateDir, id), "transcripts")
     const file = path.join(transcripts, fs.readdirSync(transcripts)[0]!)

@@ -106,7 +106,7 @@ const cursorOf = (line: string): { generation: number; sequence: number } | unde
 }
 
 describe("examples (e2e)", () => {
-  it("stream.ts: creates a session, prompts it and prints the reply as it streams", async () => {
+  it("stream.ts: creates a session, prompts it and prints the reply as it streams; run again, it reuses that session by name", async () => {
     const daemon = await useDaemon()
     const example = runExample("stream", ["hello from the example test"], { AGENTD_SOCKET: daemon.socketPath })
     expect(await example.exit(), example.output).toBe(0)
@@ -114,6 +114,11 @@ describe("examples (e2e)", () => {
     expect(lines[0], example.output).toMatch(/^session s-/)
     expect(lines).toContain("echo: hello from the example test")
     expect(lines.at(-1)).toBe("2 messages")
+    const again = runExample("stream", ["once more"], { AGENTD_SOCKET: daemon.socketPath })
+    expect(await again.exit(), again.output).toBe(0)
+    expect(again.lines[0], again.output).toBe(lines[0])
+    expect(again.lines).toContain("echo: once more")
+    expect(again.lines.at(-1)).toBe("4 messages")
   })
 
   it("follow.ts: prints every event once, in order, across a worker SIGKILL and a daemon SIGKILL + restart; its transcript is get_messages'", async () => {

@@ -82,6 +82,15 @@ describe("HTTP commands (e2e)", () => {
     expect(retry.status).toBe(200)
     expect(retry.json.activeSessionId).toBe(id)
 
+    // Names are the daemon's: a rename to a name in use is 409 name_taken, as is a create.
+    const renamed = await request(h, "POST", `/v1/sessions/${id}/rename`, { body: JSON.stringify({ name: "web-2" }) })
+    expect(renamed.status, renamed.text).toBe(200)
+    expect(renamed.json.name).toBe("web-2")
+    await request(h, "POST", `/v1/sessions/${bare.json.activeSessionId}/rename`, { body: JSON.stringify({ name: "taken" }) })
+    expectError(await request(h, "POST", `/v1/sessions/${id}/rename`, { body: JSON.stringify({ name: "taken" }) }), 409, "name_taken", "rename to a name in use")
+    expectError(await request(h, "POST", "/v1/sessions", { body: JSON.stringify({ name: "web-2" }) }), 409, "name_taken", "create with a name in use")
+    expect((await request(h, "GET", `/v1/sessions/${id}`)).json.name).toBe("web-2")
+
     const metrics = await request(h, "GET", "/metrics")
     expect(metrics.status).toBe(200)
     expect(metrics.headers["content-type"]).toMatch(/text\/plain/)

@@ -11,6 +11,7 @@ import * as Either from "effect/Either"
 import * as Option from "effect/Option"
 import * as Stream from "effect/Stream"
 import * as Cursor from "../../Cursor.js"
+import * as Metrics from "../../Metrics.js"
 import type { EventRecord } from "../../EventLog.js"
 import * as Protocol from "../../Protocol.js"
 import type { AgentMessage, CommandOf } from "../../Protocol.js"
@@ -147,7 +148,9 @@ export const makeDelivery = (core: Core, checkpoints: Checkpoints): Delivery => 
                 if (a.detached) return yield* Effect.interrupt
               }
               const replayed = a.resumed || (a.attachCursor !== undefined && !Cursor.isAfter(r.cursor, a.attachCursor))
-              a.outbox.offer(wireLineOfRecord(sessionJson, r, replayed))
+              const line = wireLineOfRecord(sessionJson, r, replayed)
+              a.outbox.offer(line)
+              if (a.metered) Metrics.delivered("socket", 1, Buffer.byteLength(line))
               a.delivered = r.cursor
             })
           ),
@@ -157,6 +160,7 @@ export const makeDelivery = (core: Core, checkpoints: Checkpoints): Delivery => 
         )
         // The events after what the client has were pruned while it was paused: it gets the
         // current generation's snapshot (a resync), then that generation's events.
+        if (pruned && !stale()) Metrics.count(Metrics.slowClientResyncs)
         if (pruned && !stale() && !(yield* resync(a, "resync"))) return detachAttachment(a)
       }
     })

@@ -1,5 +1,6 @@
 /** One client's subscription to one session, as publishing and the catch-up fiber share it. */
 import type * as Cursor from "../../Cursor.js"
+import * as Metrics from "../../Metrics.js"
 import type { ConnectionPort } from "../../SessionManager.js"
 import type { Session } from "../session/session.js"
 
@@ -15,6 +16,8 @@ export class Attachment {
   knownRewrite: number | undefined
   wake: (() => void) | undefined
   detached = false
+  /** Counted as delivered here for socket clients; an HTTP read counts what it sends itself. */
+  readonly metered: boolean
 
   constructor(
     readonly session: Session,
@@ -25,6 +28,7 @@ export class Attachment {
     readonly attachCursor: Cursor.Cursor | undefined
   ) {
     this.knownRewrite = session.rewriteGeneration
+    this.metered = (outbox as { readonly transport?: string }).transport !== "http"
   }
 
   /**
@@ -35,10 +39,12 @@ export class Attachment {
     if (this.mode !== "live" || this.detached) return
     if (this.outbox.queuedBytes > this.limit) {
       this.mode = "paused"
+      Metrics.count(Metrics.slowClientPauses)
       this.signal()
       return
     }
     this.outbox.offer(lines)
+    if (this.metered) Metrics.delivered("socket", Metrics.lineCount(lines), lines.byteLength)
     this.delivered = last
   }
 

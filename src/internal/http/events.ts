@@ -11,6 +11,7 @@ import * as Effect from "effect/Effect"
 import * as Option from "effect/Option"
 import * as Stream from "effect/Stream"
 import * as Cursor from "../../Cursor.js"
+import * as Metrics from "../../Metrics.js"
 import type { EventLogService } from "../../EventLog.js"
 import type * as Protocol from "../../Protocol.js"
 import type { CommandError } from "../../SessionManager.js"
@@ -62,6 +63,17 @@ const gone = (id: string, why: string) =>
     link: `<${snapshotLink(id)}>; rel="snapshot"`
   })
 
+/** How a read is to go on (both optional). */
+export interface ReaderOptions {
+  /** For a one-page read: the most bytes it takes (see StreamPort); none for a stream. */
+  readonly budget?: number
+  /**
+   * (SSE) An offset from before a history rewrite is not refused; the read starts with the
+   * rewrite (a control event naming the replacement snapshot), then its events.
+   */
+  readonly rewriteAsControl?: boolean
+}
+
 /**
  * Attaches a read of session `id` after `requested`, in the current scope (closing it detaches).
  * Fails with the socket's error for the session (not found, damaged) or a ReadRefused.
@@ -71,7 +83,8 @@ export const openReader = (
   log: EventLogService,
   connectionId: string,
   id: string,
-  requested: Offset.Requested
+  requested: Offset.Requested,
+  { budget, rewriteAsControl = false }: ReaderOptions = {}
 ): Effect.Effect<Reader, CommandError | ReadRefused, import("effect/Scope").Scope> =>
   Effect.gen(function*() {
     for (let attempt = 0;; attempt++) {
@@ -93,7 +106,7 @@ export const openReader = (
         resume = first.value.cursor
         pending.push({ _tag: "Event", line: wireLineOfRecord(JSON.stringify(id), first.value, true).slice(0, -1), cursor: resume })
       }
-      const port = new StreamPort()
+      const port = new StreamPort(budget)
       yield* Effect.addFinalizer(() => Effect.zipRight(Effect.sync(() => port.close()), manager.detachAll(connectionId)))
       const outcome = yield* manager.attach(connectionId, port, {
         type: "attach",
@@ -104,10 +117,17 @@ export const openReader = (
       const replay = outcome.data.replay
       if (resume !== undefined && replay.status !== "complete") {
         if (replay.reason === "cursor_expired") return yield* Effect.fail(gone(id, "The events after this offset were pruned"))
-        if (replay.reason === "transcript_replaced") {
+        if (replay.reason === "transcript_replaced" && !rewriteAsControl) {
           return yield* Effect.fail(gone(id, "The session's history was rewritten after this offset"))
         }
-        return yield* Effect.fail(readRefused("invalid_offset", `The offset names no event of this session (${replay.reason}).`))
+        if (replay.reason !== "transcript_replaced") {
+          return yield* Effect.fail(readRefused("invalid_offset", `The offset names no event of this session (${replay.reason}).`))
+        }
+        // The offset a rewrite's snapshot ends with is its cursor, which is also an offset of
+        // the history before the rewrite: only the snapshot's id tells a reader that already
+        // holds it (from the snapshot route) from one that does not. An EventSource cannot
+        // recover from a 410, so SSE says which snapshot (the replacement's frames, sorted into
+        // a rewrite control event), and the reader decides.
       }
       if (resume === undefined && outcome.data.snapshot.cursor !== undefined) {
         // Events came (and a checkpoint) between the state read and the attach: the baseline
@@ -136,7 +156,8 @@ export const nextItems = (r: Reader, wait: boolean): Effect.Effect<Array<Item>> 
     const out = r.pending.splice(0)
     while (out.length === 0 || r.port.hasItems) {
       if (!r.port.hasItems) {
-        if (!wait || r.port.isClosed) break
+        // A spent budget: nothing more comes for this read; the page ends where it is.
+        if (!wait || r.port.isClosed || r.port.exhausted) break
         yield* r.port.awaitItems
         if (!r.port.hasItems) break
       }
@@ -192,7 +213,10 @@ export const readPage = (r: Reader, maxBytes: number, waitMs: number | undefined
 const encoder = new TextEncoder()
 
 /** The SSE data event of a piece made only of whole event lines, by piece (null: not such a piece). */
-const dataEvents = new WeakMap<Uint8Array, { readonly bytes: Uint8Array; readonly last: Cursor.Cursor } | null>()
+const dataEvents = new WeakMap<
+  Uint8Array,
+  { readonly bytes: Uint8Array; readonly last: Cursor.Cursor; readonly count: number; readonly lineBytes: number } | null
+>()
 
 const sharedDataEvent = (piece: Uint8Array) => {
   let found = dataEvents.get(piece)
@@ -205,7 +229,9 @@ const sharedDataEvent = (piece: Uint8Array) => {
       ? null
       : {
         bytes: encoder.encode(`event: data\nid: ${Offset.encode(events.at(-1)!.cursor)}\ndata: [\ndata: ${events.map((e) => e.line).join(",\ndata: ")}\ndata: ]\n\n`),
-        last: events.at(-1)!.cursor
+        last: events.at(-1)!.cursor,
+        count: events.length,
+        lineBytes: events.reduce((n, e) => n + e.line.length, 0)
       }
     dataEvents.set(piece, found)
   }
@@ -238,6 +264,9 @@ export const sseStream = (
     const out: Array<Uint8Array> = []
     let text = ""
     let batch: Array<string> = []
+    /** Events (and their bytes) this step sends, for the metrics. */
+    let sent = 0
+    let sentBytes = 0
     const flushText = () => {
       if (text.length > 0) out.push(encoder.encode(text))
       text = ""
@@ -253,6 +282,8 @@ export const sseStream = (
         if (ended) return
         if (item._tag === "Event") {
           batch.push(item.line)
+          sent++
+          sentBytes += item.line.length
           next = item.cursor
           continue
         }
@@ -283,6 +314,8 @@ export const sseStream = (
         flush()
         flushText()
         out.push(shared.bytes)
+        sent += shared.count
+        sentBytes += shared.lineBytes
         next = shared.last
         text += control(caughtUp() && !r.port.hasItems ? { upToDate: true } : {})
         continue
@@ -293,6 +326,7 @@ export const sseStream = (
     }
     flush()
     flushText()
+    if (sent > 0) Metrics.delivered("http", sent, sentBytes)
     return out.length === 1 ? out[0]! : Buffer.concat(out)
   })
   return Stream.repeatEffectOption(step)

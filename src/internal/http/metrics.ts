@@ -6,6 +6,7 @@
 import * as Effect from "effect/Effect"
 import * as Metric from "effect/Metric"
 import * as MetricState from "effect/MetricState"
+import * as DaemonMetrics from "../../Metrics.js"
 import type { SessionSummary } from "../../Protocol.js"
 
 export const httpRequests = (status: number): Metric.Metric.Counter<number> =>
@@ -13,11 +14,6 @@ export const httpRequests = (status: number): Metric.Metric.Counter<number> =>
     Metric.tagged("status", String(status))
   )
 
-export const sseClients: Metric.Metric.Gauge<number> = Metric.gauge("agentd_http_sse_clients", { description: "Open SSE event streams." })
-
-export const eventsDelivered: Metric.Metric.Counter<number> = Metric.counter("agentd_http_events_delivered_total", {
-  description: "Events returned by catch-up and long-poll reads."
-})
 
 const sessionsByState = (state: string) =>
   Metric.gauge("agentd_sessions", { description: "Sessions, by worker state." }).pipe(Metric.tagged("worker", state))
@@ -32,6 +28,7 @@ const escape = (v: string) => v.replace(/\\/g, "\\\\").replace(/"/g, '\\"').repl
 /** Updates the gauges computed from the sessions, then renders every metric of the registry. */
 export const render = (sessions: ReadonlyArray<SessionSummary>, generation: number) =>
   Effect.gen(function*() {
+    DaemonMetrics.registerAll()
     for (const state of STATES) yield* Metric.set(sessionsByState(state), sessions.filter((s) => s.worker === state).length)
     yield* Metric.set(busySessions, sessions.filter((s) => s.busy).length)
     yield* Metric.set(supervisorGeneration, generation)

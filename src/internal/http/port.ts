@@ -9,14 +9,30 @@ import * as Effect from "effect/Effect"
 import type { ConnectionPort } from "../../SessionManager.js"
 
 export class StreamPort implements ConnectionPort {
+  /** What the delivery's metrics read: an HTTP read counts the events it sends itself. */
+  readonly transport = "http"
   private items: Array<string | Uint8Array> = []
   private queued = 0
+  /** Bytes offered in all (for the budget). */
+  private offered = 0
+
+  /**
+   * `budget`: the most bytes a one-page read will take. Once that much was offered the port
+   * counts as full for good, so the session's catch-up stops reading the log for it (it would
+   * otherwise read on up to the outbox limit, twice a page, for lines the page drops).
+   */
+  constructor(private readonly budget: number = Number.POSITIVE_INFINITY) {}
+
+  /** The budget is spent: nothing more will be offered until the port closes. */
+  get exhausted(): boolean {
+    return this.offered >= this.budget
+  }
   private closed = false
   private waiters: Array<{ readonly below: number; readonly resume: () => void }> = []
   private reader: (() => void) | undefined
 
   get queuedBytes(): number {
-    return this.queued
+    return this.exhausted ? Number.MAX_SAFE_INTEGER : this.queued
   }
 
   get isClosed(): boolean {
@@ -26,7 +42,9 @@ export class StreamPort implements ConnectionPort {
   offer(data: string | Uint8Array): void {
     if (this.closed) return
     this.items.push(data)
-    this.queued += typeof data === "string" ? Buffer.byteLength(data) : data.byteLength
+    const bytes = typeof data === "string" ? Buffer.byteLength(data) : data.byteLength
+    this.queued += bytes
+    this.offered += bytes
     const reader = this.reader
     this.reader = undefined
     reader?.()
@@ -34,7 +52,7 @@ export class StreamPort implements ConnectionPort {
 
   awaitBelow(bytes: number): Effect.Effect<void> {
     return Effect.async<void>((resume) => {
-      if (this.closed || this.queued < bytes) return resume(Effect.void)
+      if (this.closed || this.queuedBytes < bytes) return resume(Effect.void)
       const waiter = { below: bytes, resume: () => resume(Effect.void) }
       this.waiters.push(waiter)
       return Effect.sync(() => {
@@ -79,7 +97,7 @@ export class StreamPort implements ConnectionPort {
 
   private wake() {
     if (this.waiters.length === 0) return
-    const ready = this.waiters.filter((w) => this.closed || this.queued < w.below)
+    const ready = this.waiters.filter((w) => this.closed || this.queuedBytes < w.below)
     this.waiters = this.waiters.filter((w) => !ready.includes(w))
     for (const w of ready) w.resume()
   }

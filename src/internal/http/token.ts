@@ -5,7 +5,7 @@
  * is a one-shot command that loads none.
  */
 import { randomBytes, timingSafeEqual } from "node:crypto"
-import * as fs from "node:fs"
+import * as fs from "../fileIoSync.js"
 import * as path from "node:path"
 
 export const TOKEN_FILE = "http-token"

@@ -3,7 +3,7 @@
  * `agentd_generations` row per retained generation saying where the history stood when it
  * began (see ./store.ts).
  *
- * Group commit, as in the file layer, and across sessions: `append` assigns the cursor and
+ * Group commit (../eventLog/appendQueue.ts, grouped per store), across sessions: `append` assigns the cursor and
  * queues the event synchronously, then waits; one flusher fiber takes everything queued, in
  * every session, and writes it as one multi-row INSERT (one statement: one transaction, one WAL
  * flush; a flush that also starts generations is one explicit transaction), and acknowledges
@@ -16,75 +16,25 @@
 import * as SqlClient from "@effect/sql/SqlClient"
 import type { SqlError } from "@effect/sql/SqlError"
 import * as Chunk from "effect/Chunk"
-import * as Deferred from "effect/Deferred"
 import * as Effect from "effect/Effect"
-import * as Exit from "effect/Exit"
-import * as FiberId from "effect/FiberId"
-import * as FiberSet from "effect/FiberSet"
 import * as Option from "effect/Option"
 import { isRecord } from "effect/Predicate"
 import type * as Scope from "effect/Scope"
 import * as Stream from "effect/Stream"
 import * as Cursor from "../../Cursor.js"
-import {
-  EncodedEvent,
-  EventLog,
-  type EventData,
-  EventLogError,
-  type EventLogErrorReason,
-  type EventLogService,
-  type EventLogStatus,
-  type EventRecord,
-  sanitizeSessionId
-} from "../../EventLog.js"
-
-const fail = (reason: EventLogErrorReason, sessionId: string, message: string, cause?: unknown) =>
-  new EventLogError(cause === undefined ? { reason, sessionId, message } : { reason, sessionId, message, cause })
+import { EventLog, EventLogError, type EventLogService, type EventLogStatus, type EventRecord, sanitizeSessionId } from "../../EventLog.js"
+import * as AppendQueue from "../eventLog/appendQueue.js"
+import { checkReadable, fail, generationStartOf, recordBytes, statusReads } from "../eventLog/records.js"
 
 const sqlFail = (sessionId: string, what: string) => (cause: SqlError) =>
   fail("Io", sessionId, `${what}: ${cause.message}`, cause)
-
-/** The event as JSON text, or why it cannot be logged (an EncodedEvent is trusted, as on disk). */
-const serialize = (sessionId: string, event: EventData | EncodedEvent): string | EventLogError => {
-  if (event instanceof EncodedEvent) return event.json
-  if (typeof event !== "object" || event === null || Array.isArray(event)) {
-    return fail("InvalidEvent", sessionId, "an event must be a JSON object")
-  }
-  try {
-    return JSON.stringify(event)
-  } catch (cause) {
-    return fail("InvalidEvent", sessionId, `event is not serializable as JSON: ${String(cause)}`, cause)
-  }
-}
-
-/**
- * The bytes the file layer's record line of this event takes: `generationBytes` counts the same
- * thing on every store, so automatic checkpoints come at the same points.
- */
-const recordBytes = (cursor: Cursor.Cursor, json: string): number =>
-  Buffer.byteLength(json, "utf8") +
-  `{"cursor":{"generation":${cursor.generation},"sequence":${cursor.sequence}},"event":}\n`.length
 
 /** The same sum in SQL, over a generation's rows (for a session opened from the database). */
 const RECORD_BYTES_SQL =
   `coalesce(sum(octet_length(event) + octet_length('{"cursor":{"generation":' || generation || ',"sequence":' || sequence || '},"event":}') + 1), 0)`
 
-type Op =
-  | {
-    readonly _tag: "Append"
-    readonly cursor: Cursor.Cursor
-    readonly json: string
-    readonly resume: (result: Effect.Effect<Cursor.Cursor, EventLogError>) => void
-  }
-  | {
-    readonly _tag: "Rotate"
-    readonly generation: number
-    readonly resume: (result: Effect.Effect<number, EventLogError>) => void
-  }
-
 /** One open session; the fields under `// durable` describe what is committed. */
-interface Handle {
-  readonly sessionId: string
+interface Handle extends AppendQueue.QueueHandle {
   /**
    * Its rows' key: the id escaped as the file layer names its directory (injective, and free of
    * the NUL byte PostgreSQL text cannot hold).
@@ -97,10 +47,6 @@ interface Handle {
   count: number
   bytes: number
   last: Option.Option<Cursor.Cursor>
-  // assigned, not yet durable
-  next: Cursor.Cursor
-  queue: Array<Op>
-  dead: EventLogError | undefined
 }
 
 const segmentsOf = (h: Handle): Array<number> => [...h.starts.keys()].sort((a, b) => a - b)
@@ -130,27 +76,6 @@ const PAGE = 2000
  */
 export const make: Effect.Effect<EventLogService, never, SqlClient.SqlClient | Scope.Scope> = Effect.gen(function*() {
   const sql = yield* SqlClient.SqlClient
-  const handles = new Map<string, Handle>()
-  const opening = new Map<string, Deferred.Deferred<Handle, EventLogError>>()
-  let closed: EventLogError | undefined
-
-  const kill = (h: Handle, error: EventLogError): void => {
-    h.dead ??= error
-    const queued = h.queue
-    h.queue = []
-    for (const op of queued) op.resume(Effect.fail(h.dead))
-    if (handles.get(h.sessionId) === h) handles.delete(h.sessionId)
-  }
-
-  yield* Effect.addFinalizer(() =>
-    Effect.sync(() => {
-      closed = fail("Closed", "", "the event log was closed")
-      for (const h of [...handles.values()]) kill(h, fail("Closed", h.sessionId, "the event log was closed"))
-    })
-  )
-  const flushers = yield* FiberSet.make<void, never>()
-  const runFlusher = yield* FiberSet.runtime(flushers)<never>()
-
   const openHandle = (sessionId: string): Effect.Effect<Handle, EventLogError> =>
     Effect.gen(function*() {
       const name = sanitizeSessionId(sessionId)
@@ -186,28 +111,7 @@ export const make: Effect.Effect<EventLogService, never, SqlClient.SqlClient | S
       return h
     }).pipe(Effect.catchTag("SqlError", (e) => Effect.fail(sqlFail(sessionId, "opening the session's log failed")(e))))
 
-  const handleFor = (sessionId: string): Effect.Effect<Handle, EventLogError> =>
-    Effect.suspend(() => {
-      const h = handles.get(sessionId)
-      if (h !== undefined) return Effect.succeed(h)
-      if (closed !== undefined) return Effect.fail(closed)
-      const pending = opening.get(sessionId)
-      if (pending !== undefined) return Deferred.await(pending)
-      const deferred = Deferred.unsafeMake<Handle, EventLogError>(FiberId.none)
-      opening.set(sessionId, deferred)
-      return openHandle(sessionId).pipe(
-        Effect.exit,
-        Effect.flatMap((exit) => {
-          opening.delete(sessionId)
-          if (Exit.isSuccess(exit)) handles.set(sessionId, exit.value)
-          Deferred.unsafeDone(deferred, exit)
-          return exit
-        }),
-        Effect.uninterruptible
-      )
-    })
-
-  const insertEvents = (key: string, generation: number, ops: ReadonlyArray<Extract<Op, { _tag: "Append" }>>) =>
+  const insertEvents = (key: string, generation: number, ops: ReadonlyArray<AppendQueue.AppendOp>) =>
     sql.unsafe(
       `INSERT INTO agentd_events (session_id, generation, sequence, event)
        SELECT $1, $2, s, e FROM unnest($3::integer[], $4::text[]) AS t(s, e)`,
@@ -219,8 +123,8 @@ export const make: Effect.Effect<EventLogService, never, SqlClient.SqlClient | S
       VALUES (${key}, ${generation}, ${Option.isSome(after) ? after.value.generation : null},
         ${Option.isSome(after) ? after.value.sequence : null})`
 
-  /** What one flush writes: each dirty session's queued ops, in order. */
-  type Batch = ReadonlyArray<readonly [Handle, ReadonlyArray<Op>]>
+  type Batch = AppendQueue.Batch<Handle>
+  type Op = AppendQueue.Op
 
   /** The statements of one session's ops (the general path: generations started, a first write). */
   const writeOps = (h: Handle, ops: ReadonlyArray<Op>) =>
@@ -228,7 +132,7 @@ export const make: Effect.Effect<EventLogService, never, SqlClient.SqlClient | S
       if (h.starts.size === 0) yield* insertGeneration(h.key, 1, Option.none())
       let generation = h.generation
       let last = h.last
-      let run: Array<Extract<Op, { _tag: "Append" }>> = []
+      let run: Array<AppendQueue.AppendOp> = []
       const flushRun = Effect.suspend(() => {
         const appends = run
         run = []
@@ -259,7 +163,7 @@ export const make: Effect.Effect<EventLogService, never, SqlClient.SqlClient | S
     const events: Array<string> = []
     for (const [h, ops] of batch) {
       for (const op of ops) {
-        const append = op as Extract<Op, { _tag: "Append" }>
+        const append = op as AppendQueue.AppendOp
         keys.push(h.key)
         generations.push(append.cursor.generation)
         sequences.push(append.cursor.sequence)
@@ -309,115 +213,31 @@ export const make: Effect.Effect<EventLogService, never, SqlClient.SqlClient | S
       ? insertAll(batch)
       : sql.withTransaction(Effect.forEach(batch, ([h, ops]) => writeOps(h, ops), { discard: true }))
     return write.pipe(
-      Effect.matchCause({
-        onFailure: (cause) => {
-          for (const [h, ops] of batch) {
+      Effect.matchCauseEffect({
+        onFailure: (cause) =>
+          Effect.forEach(batch, ([h, ops]) => {
             const error = h.dead ?? fail("Io", h.sessionId, `writing the event log failed: ${cause.toString()}`, cause)
             for (const op of ops) op.resume(Effect.fail(error))
-            kill(h, error)
-          }
-        },
-        onSuccess: () => {
-          for (const [h, ops] of batch) applied(h, ops)
-        }
+            return queue.kill(h, error)
+          }, { discard: true }),
+        onSuccess: () =>
+          Effect.sync(() => {
+            for (const [h, ops] of batch) applied(h, ops)
+          })
       }),
       Effect.uninterruptible
     )
   }
 
-  /** Sessions with queued ops, in the order they became so. */
-  const dirty = new Set<Handle>()
-  let flushing = false
   /** Held by a flush while it writes, and by prune/remove, so that they never interleave. */
   const writeLock = Effect.unsafeMakeSemaphore(1)
 
-  const flushLoop: Effect.Effect<void> = Effect.gen(function*() {
-    while (true) {
-      if (dirty.size === 0) {
-        flushing = false
-        return
-      }
-      const batch = [...dirty].map((h) => {
-        const ops = h.queue
-        h.queue = []
-        return [h, ops] as const
-      })
-      dirty.clear()
-      yield* writeLock.withPermits(1)(writeBatch(batch)).pipe(
-        Effect.withSpan("EventLog.flush", { attributes: { sessions: batch.length }, captureStackTrace: false })
-      )
-      // The appenders just acknowledged usually append again at once: let them join the next batch.
-      yield* Effect.yieldNow()
-    }
+  const queue = yield* AppendQueue.make<Handle>({
+    open: openHandle,
+    flush: writeBatch,
+    grouping: { _tag: "Store", lock: writeLock }
   })
-
-  const ensureFlusher = (h: Handle): void => {
-    dirty.add(h)
-    if (flushing) return
-    flushing = true
-    runFlusher(Effect.interruptible(flushLoop))
-  }
-
-  const appendTo = (h: Handle, sessionId: string, event: EventData | EncodedEvent) =>
-    Effect.async<Cursor.Cursor, EventLogError>((resume) => {
-      if (h.dead !== undefined) return resume(Effect.fail(h.dead))
-      const json = serialize(sessionId, event)
-      if (typeof json !== "string") return resume(Effect.fail(json))
-      const cursor = h.next
-      h.next = Cursor.next(cursor)
-      h.queue.push({ _tag: "Append", cursor, json, resume })
-      ensureFlusher(h)
-    })
-
-  const append = (sessionId: string, event: EventData | EncodedEvent): Effect.Effect<Cursor.Cursor, EventLogError> => {
-    const h = handles.get(sessionId)
-    return h !== undefined
-      ? appendTo(h, sessionId, event)
-      : Effect.flatMap(handleFor(sessionId), (opened) => appendTo(opened, sessionId, event))
-  }
-
-  const appendAll = Effect.fn("EventLog.appendAll")(
-    function*(sessionId: string, events: ReadonlyArray<EventData | EncodedEvent>) {
-      if (events.length === 0) return []
-      const jsons: Array<string> = []
-      for (const event of events) {
-        const json = serialize(sessionId, event)
-        if (typeof json !== "string") return yield* Effect.fail(json)
-        jsons.push(json)
-      }
-      const h = handles.get(sessionId) ?? (yield* handleFor(sessionId))
-      return yield* Effect.async<ReadonlyArray<Cursor.Cursor>, EventLogError>((resume) => {
-        if (h.dead !== undefined) return resume(Effect.fail(h.dead))
-        // Queued in one synchronous step: consecutive in one batch, one transaction.
-        const cursors: Array<Cursor.Cursor> = []
-        const ignore = () => {}
-        jsons.forEach((json, i) => {
-          const cursor = h.next
-          h.next = Cursor.next(cursor)
-          cursors.push(cursor)
-          const last = i === jsons.length - 1
-          h.queue.push({
-            _tag: "Append",
-            cursor,
-            json,
-            resume: last ? (result) => resume(Effect.as(result, cursors)) : ignore
-          })
-        })
-        ensureFlusher(h)
-      })
-    }
-  )
-
-  const startGeneration = Effect.fn("EventLog.startGeneration")(function*(sessionId: string) {
-    const h = yield* handleFor(sessionId)
-    return yield* Effect.async<number, EventLogError>((resume) => {
-      if (h.dead !== undefined) return resume(Effect.fail(h.dead))
-      const generation = h.next.generation + 1
-      h.next = Cursor.make(generation, 0)
-      h.queue.push({ _tag: "Rotate", generation, resume })
-      ensureFlusher(h)
-    })
-  })
+  const { append, appendAll, handleFor, startGeneration } = queue
 
   const statusOf = (h: Handle): EventLogStatus => ({
     generation: h.generation,
@@ -453,19 +273,8 @@ export const make: Effect.Effect<EventLogService, never, SqlClient.SqlClient | S
     Stream.unwrap(Effect.map(handleFor(sessionId), (h) => {
       const segments = segmentsOf(h)
       // What the log already knows is gone: fail before reading anything.
-      if (after !== undefined && segments.length > 0 && !h.starts.has(after.generation)) {
-        const next = segments.find((g) => g > after.generation)
-        const start = next === undefined ? Option.none() : (h.starts.get(next) ?? Option.none())
-        if (next !== undefined && !(Option.isSome(start) && !Cursor.isBefore(after, start.value))) {
-          return Stream.fail(fail("GenerationNotFound", sessionId, `the events after ${after.generation}:${after.sequence} were pruned`))
-        }
-      }
-      if (after === undefined && segments.length > 0 && !h.starts.has(1)) {
-        const first = segments[0]!
-        if (Option.isSome(h.starts.get(first) ?? Option.none())) {
-          return Stream.fail(fail("GenerationNotFound", sessionId, `events before generation ${first} were pruned`))
-        }
-      }
+      const gone = checkReadable(sessionId, h.starts, segments, after)
+      if (gone !== undefined) return Stream.fail(gone)
       // Each row is checked against the one before it (or the cursor read after), so a prune
       // during the read is seen as the read reaches the gap, never skipped.
       let previous: Cursor.Cursor | undefined = after
@@ -572,7 +381,7 @@ export const make: Effect.Effect<EventLogService, never, SqlClient.SqlClient | S
     function*(sessionId: string, options?: { readonly archiveTo?: string }) {
       const h = yield* handleFor(sessionId)
       yield* writeLock.withPermits(1)(Effect.gen(function*() {
-        kill(h, fail("Closed", sessionId, "the session's event log was removed"))
+        yield* queue.kill(h, fail("Closed", sessionId, "the session's event log was removed"))
         // Archived: the rows move under another key (`:` is never in an escaped id), nothing is deleted.
         const move = (table: string) =>
           options?.archiveTo !== undefined
@@ -591,17 +400,10 @@ export const make: Effect.Effect<EventLogService, never, SqlClient.SqlClient | S
     read,
     readGeneration,
     startGeneration,
-    currentGeneration: (sessionId) => Effect.map(handleFor(sessionId), (h) => h.generation),
-    lastCursor: (sessionId) => Effect.map(handleFor(sessionId), (h) => h.last),
-    generations: (sessionId) => Effect.map(handleFor(sessionId), (h) => statusOf(h).generations),
+    ...statusReads(handleFor, statusOf),
     generationStart: (sessionId, generation) =>
-      Effect.flatMap(handleFor(sessionId), (h) => {
-        const start = h.starts.get(generation)
-        if (start !== undefined) return Effect.succeed(start)
-        if (h.starts.size === 0 && generation === h.generation) return Effect.succeed(Option.none())
-        return Effect.fail(notRetained(sessionId, generation))
-      }),
-    status: (sessionId) => Effect.map(handleFor(sessionId), statusOf),
+      Effect.flatMap(handleFor(sessionId), (h) =>
+        generationStartOf(sessionId, h.starts, h.starts.has(generation), h.starts.size > 0, h.generation, generation)),
     prune,
     remove,
     // The database keeps every row whole (a transaction commits all of a batch or none of it).

@@ -17,7 +17,6 @@ import * as Either from "effect/Either"
 import * as Option from "effect/Option"
 import * as ParseResult from "effect/ParseResult"
 import * as Predicate from "effect/Predicate"
-import * as Schema from "effect/Schema"
 import * as Stream from "effect/Stream"
 import * as nodePath from "node:path"
 import {
@@ -32,16 +31,20 @@ import {
   type SnapshotInfo
 } from "../../SessionStore.js"
 import * as StateLayout from "../../StateLayout.js"
+import {
+  byCreation,
+  cleanMeta,
+  compactTimestamp,
+  countMismatch,
+  decodeHeaderJson,
+  decodeMetaJson,
+  makeHeader,
+  messageLines,
+  parseLines,
+  snapshotNotFound
+} from "../sessionStore/shared.js"
 
 const BASE = "postgres:/"
-
-const encodeMeta = Schema.encode(SessionMeta)
-const decodeMetaJson = Schema.decodeUnknownEither(Schema.parseJson(SessionMeta))
-const validateHeader = Schema.validate(SnapshotHeader)
-const decodeHeaderJson = Schema.decodeUnknownEither(Schema.parseJson(SnapshotHeader))
-
-const invalidInput = (activeSessionId: string, detail: string) =>
-  new SessionStoreError({ reason: "InvalidInput", detail, activeSessionId })
 
 const ioError = (activeSessionId: string | undefined) => (cause: SqlError) =>
   new SessionStoreError({
@@ -60,42 +63,6 @@ const io = (activeSessionId: string | undefined) => <A, E, R>(effect: Effect.Eff
     Exclude<E, SqlError> | SessionStoreError,
     R
   >
-
-const byCreation = (a: SessionMeta, b: SessionMeta) =>
-  a.createdAt < b.createdAt ? -1 : a.createdAt > b.createdAt ? 1 : a.activeSessionId < b.activeSessionId ? -1 : 1
-
-const compactTimestamp = (millis: number): string => new Date(millis).toISOString().replace(/[-:.]/g, "")
-
-const makeHeader = (activeSessionId: string, input: SnapshotHeaderInput): Effect.Effect<SnapshotHeader, SessionStoreError> =>
-  validateHeader({
-    type: "snapshot_header",
-    snapshotId: input.snapshotId,
-    generation: input.generation,
-    ...(input.cursor !== undefined ? { cursor: input.cursor } : {}),
-    messageCount: input.messageCount,
-    ...(input.rewrittenAt !== undefined ? { rewrittenAt: input.rewrittenAt } : {})
-  }).pipe(Effect.mapError((e) => invalidInput(activeSessionId, ParseResult.TreeFormatter.formatErrorSync(e))))
-
-const isStream = (u: unknown): u is Stream.Stream<unknown, unknown, unknown> => Predicate.hasProperty(u, Stream.StreamTypeId)
-
-/** Messages -> their JSON lines (without `\n`). */
-const encodeMessages = <E, R>(
-  activeSessionId: string,
-  messages: Stream.Stream<unknown, E, R> | Iterable<unknown>
-): Stream.Stream<string, E | SessionStoreError, R> =>
-  (isStream(messages) ? (messages as Stream.Stream<unknown, E, R>) : Stream.fromIterable(messages)).pipe(
-    Stream.mapChunksEffect((chunk) =>
-      Effect.try({
-        try: () =>
-          Chunk.map(chunk, (message) => {
-            const line = JSON.stringify(message) as string | undefined
-            if (line === undefined) throw new Error(`a message is not JSON: ${String(message)}`)
-            return line
-          }),
-        catch: (cause) => invalidInput(activeSessionId, cause instanceof Error ? cause.message : "a message cannot be encoded")
-      })
-    )
-  )
 
 /**
  * Chunks of encoded JSON lines (split anywhere, even inside a character) -> the lines, without
@@ -148,9 +115,6 @@ export const make: Effect.Effect<SessionStoreService, never, SqlClient.SqlClient
       io(id),
       Effect.flatMap((found) => (found ? Effect.void : Effect.fail(new SessionNotFound({ activeSessionId: id }))))
     )
-
-  const cleanMeta = (meta: SessionMeta) =>
-    encodeMeta(meta).pipe(Effect.mapError((e) => invalidInput(meta.activeSessionId, ParseResult.TreeFormatter.formatErrorSync(e))))
 
   const create = Effect.fn("SessionStore.create")(function*(meta: SessionMeta) {
     const clean = yield* cleanMeta(meta)
@@ -205,12 +169,7 @@ export const make: Effect.Effect<SessionStoreService, never, SqlClient.SqlClient
         WHERE active_session_id = ${key(id)} AND generation = ${generation}`.pipe(io(id))
       const row = rows[0]
       if (row === undefined) {
-        return yield* new SessionStoreError({
-          reason: "SnapshotNotFound",
-          detail: `no transcript for generation ${generation}`,
-          activeSessionId: id,
-          path: snapshotPath(id, generation)
-        })
+        return yield* snapshotNotFound(id, generation, snapshotPath(id, generation))
       }
       const header = decodeHeaderJson(row.header)
       if (Either.isLeft(header)) {
@@ -265,13 +224,6 @@ export const make: Effect.Effect<SessionStoreService, never, SqlClient.SqlClient
       return { count: next - firstLine, bytes }
     })
 
-  const countMismatch = (id: string, header: SnapshotHeader, count: number) =>
-    new SessionStoreError({
-      reason: "InvalidInput",
-      detail: `snapshot ${header.snapshotId} declares ${header.messageCount} messages but has ${count}`,
-      activeSessionId: id
-    })
-
   const publish = (id: string, header: SnapshotHeader, bodyBytes: number) =>
     sql`INSERT INTO agentd_snapshots (active_session_id, generation, header, body_bytes)
       VALUES (${key(id)}, ${header.generation}, ${JSON.stringify(header)}, ${bodyBytes})
@@ -320,7 +272,7 @@ export const make: Effect.Effect<SessionStoreService, never, SqlClient.SqlClient
             SELECT active_session_id, ${epoch}, line_no, line FROM agentd_snapshot_lines
             WHERE active_session_id = ${key(id)} AND generation = ${baseGeneration}`
         }
-        const written = yield* insertLines("agentd_transcript_lines", "epoch", id, epoch, startCount, encodeMessages(id, messages))
+        const written = yield* insertLines("agentd_transcript_lines", "epoch", id, epoch, startCount, messageLines(id, messages))
         const total = startCount + written.count
         if (total !== requested.messageCount) return yield* countMismatch(id, requested, total)
         const header: SnapshotHeader = { ...requested, transcript: { epoch, bytes: startBytes + written.bytes } }
@@ -390,18 +342,7 @@ export const make: Effect.Effect<SessionStoreService, never, SqlClient.SqlClient
   }
 
   const readSnapshot = (id: string, generation: number): Stream.Stream<unknown, SessionNotFound | SessionStoreError> =>
-    Stream.mapChunksEffect(readSnapshotLines(id, generation), (chunk) =>
-      Effect.try({
-        try: () => Chunk.map(chunk, (line): unknown => JSON.parse(line)),
-        catch: (cause) =>
-          new SessionStoreError({
-            reason: "Corrupt",
-            detail: `invalid message line in ${snapshotPath(id, generation)}`,
-            activeSessionId: id,
-            path: snapshotPath(id, generation),
-            cause
-          })
-      }))
+    parseLines(id, snapshotPath(id, generation), readSnapshotLines(id, generation))
 
   const checkTranscript = Effect.fn("SessionStore.checkTranscript")(function*(id: string, generation: number) {
     yield* requireSession(id)
@@ -471,7 +412,7 @@ export const make: Effect.Effect<SessionStoreService, never, SqlClient.SqlClient
     saveMeta,
     loadMeta,
     list,
-    writeSnapshot: (id, header, messages) => writeSnapshotLines(id, header, Stream.map(encodeMessages(id, messages), (line) => line + "\n")),
+    writeSnapshot: (id, header, messages) => writeSnapshotLines(id, header, Stream.map(messageLines(id, messages), (line) => line + "\n")),
     writeSnapshotLines,
     appendSnapshot,
     latestSnapshot,

@@ -22,7 +22,7 @@ import type { RecoveryJournalService } from "../../RecoveryJournal.js"
 import type { SessionStoreService, TranscriptSource } from "../../SessionStore.js"
 import type { WorkerHandle } from "../../WorkerPool.js"
 import * as WorkerProtocol from "../../WorkerProtocol.js"
-import * as Fsx from "../fsx.js"
+import * as Fsx from "../fileIo.js"
 
 /** What a restore reads from. */
 export interface RestoreStorage {

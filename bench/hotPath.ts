@@ -1,0 +1,232 @@
+/**
+ * The hot path against an envelope relay: how close live delivery comes to the least a daemon
+ * must do per event. The figures the hot-path work is judged by, each a ratio to the relay
+ * measured in the same run:
+ * - delivery to 1 client of one echo turn of WORDS words, from the `prompt` sent to the client
+ *   receiving `agent_end`: the first turn after the daemon's start, and warm (median of turns 2-4);
+ * - 100 attached clients, same turn (warm): deliveries (events x clients) per second.
+ *
+ * The relay (two processes and a client, as the daemon's event path is): a producer process
+ * writes WORDS `message_update` JSON lines, as a worker frames them, in 64 KB batches to a Unix
+ * socket; a relay process reads them, `JSON.parse`s each line, wraps it in a `session_event`
+ * envelope with a cursor and `emittedAt`, `JSON.stringify`s it, and writes once per incoming
+ * chunk to its client; the client (the same code as the daemon's clients) splits lines and counts.
+ * Its time runs from the producer's first write to the client's last line.
+ *
+ * bench/delivery.ts measures 1, 10 and 100 clients against a pass-through relay (no parse);
+ * this one is the stricter baseline.
+ */
+import { type ChildProcess, spawn } from "node:child_process"
+import * as fs from "node:fs"
+import * as os from "node:os"
+import * as path from "node:path"
+import { Client, createSession, type Daemon, isIdleStatus, nowMs, waitReady, withDaemon } from "./daemonHarness.js"
+import { printRatio } from "./report.js"
+
+const WORDS = 20_000
+const CLIENTS = 100
+const TIMEOUT_MS = 120_000
+/** Relay runs; the figure is their median. */
+const RELAY_RUNS = 5
+
+const median = (xs: ReadonlyArray<number>): number => [...xs].sort((a, b) => a - b)[Math.floor(xs.length / 2)]!
+
+const withTimeout = <A>(p: Promise<A>, what: () => string): Promise<A> => {
+  let timer: NodeJS.Timeout | undefined
+  const timeout = new Promise<never>((_, reject) => {
+    timer = setTimeout(() => reject(new Error(`timed out after ${TIMEOUT_MS} ms: ${what()}`)), TIMEOUT_MS)
+  })
+  return Promise.race([p, timeout]).finally(() => clearTimeout(timer))
+}
+
+// ---------------------------------------------------------------------------------------------
+// The relay
+// ---------------------------------------------------------------------------------------------
+
+const RELAY_SRC = `
+const net = require("net")
+const [clientPath, sourcePath] = process.argv.slice(1)
+let client = null
+let sequence = 0
+net.createServer((sock) => { client = sock; sock.on("error", () => {}) }).listen(clientPath, () => {
+  net.createServer((src) => {
+    let rest = ""
+    src.setEncoding("utf8")
+    src.on("data", (data) => {
+      const text = rest + data
+      const last = text.lastIndexOf("\\n")
+      if (last < 0) { rest = text; return }
+      rest = text.slice(last + 1)
+      const lines = text.slice(0, last).split("\\n")
+      let out = ""
+      for (const line of lines) {
+        const frame = JSON.parse(line)
+        out += JSON.stringify({
+          type: "session_event",
+          activeSessionId: frame.activeSessionId,
+          event: frame.event,
+          meta: { cursor: { generation: 1, sequence: sequence++ }, emittedAt: Date.now() }
+        }) + "\\n"
+      }
+      client.write(out)
+    })
+  }).listen(sourcePath, () => process.stdout.write("ready\\n"))
+})
+`
+
+const PRODUCER_SRC = `
+const net = require("net")
+const [sourcePath, words] = process.argv.slice(1)
+const lines = []
+for (let i = 0; i <= Number(words); i++) {
+  const delta = i === 0 ? "echo:" : " w" + (i - 1)
+  lines.push(JSON.stringify({ type: "event", activeSessionId: "s-0123456789abcdef", event: { type: "message_update", messageId: "m-0123456789abcdef", delta } }) + "\\n")
+}
+const batches = []
+let batch = ""
+for (const line of lines) {
+  if (batch.length + line.length > 65536) { batches.push(batch); batch = "" }
+  batch += line
+}
+if (batch.length > 0) batches.push(batch)
+const sock = net.createConnection({ path: sourcePath }, () => {
+  process.stdout.write("ready\\n")
+  process.stdin.once("data", async () => {
+    for (const b of batches) if (!sock.write(b)) await new Promise((r) => sock.once("drain", r))
+  })
+})
+`
+
+const startHelper = (src: string, args: ReadonlyArray<string>, children: Array<ChildProcess>): Promise<ChildProcess> =>
+  new Promise((resolve, reject) => {
+    const child = spawn(process.execPath, ["-e", src, ...args], { stdio: ["pipe", "pipe", "inherit"] })
+    children.push(child)
+    child.once("error", reject)
+    child.once("exit", (code, signal) => reject(new Error(`relay helper exited early (code ${code}, signal ${signal})`)))
+    child.stdout!.once("data", () => resolve(child))
+  })
+
+/** Seconds for the relay to bring `WORDS + 1` lines to its client. */
+const relayOnce = async (): Promise<number> => {
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), "agentd-bench-hotpath-"))
+  const children: Array<ChildProcess> = []
+  let client: Client | undefined
+  try {
+    const clientPath = path.join(dir, "client.sock")
+    const sourcePath = path.join(dir, "source.sock")
+    await startHelper(RELAY_SRC, [clientPath, sourcePath], children)
+    client = await Client.connect(clientPath, "relay-client", false)
+    const expected = WORDS + 1
+    let count = 0
+    let resolve!: () => void
+    const done = new Promise<void>((r) => (resolve = r))
+    client.rawHook = (prefix) => {
+      if (prefix.includes('"message_update"') && ++count === expected) resolve()
+      return true
+    }
+    const producer = await startHelper(PRODUCER_SRC, [sourcePath, String(WORDS)], children)
+    const started = nowMs()
+    producer.stdin!.write("go\n")
+    await withTimeout(done, () => `relay (${count} of ${expected} lines)`)
+    return (nowMs() - started) / 1000
+  } finally {
+    client?.close()
+    for (const child of children) {
+      if (child.exitCode === null && child.signalCode === null) {
+        child.kill("SIGKILL")
+        await new Promise((r) => child.once("exit", r))
+      }
+    }
+    fs.rmSync(dir, { recursive: true, force: true })
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// agentd
+// ---------------------------------------------------------------------------------------------
+
+const text = Array.from({ length: WORDS }, (_, i) => `w${i}`).join(" ")
+
+/** Seconds from the prompt until each of `clients` has the turn's `agent_end`. */
+const turn = async (ctl: Client, clients: ReadonlyArray<Client>, id: string): Promise<number> => {
+  let ended = 0
+  let resolve!: () => void
+  let reject!: (e: Error) => void
+  const done = new Promise<void>((res, rej) => {
+    resolve = res
+    reject = rej
+  })
+  for (const c of clients) {
+    c.rawHook = (prefix) => {
+      if (prefix.includes('"message_update"')) return true
+      if (prefix.includes('"agent_end"') || prefix.includes('"turn_interrupted"')) {
+        if (prefix.includes('"turn_interrupted"')) reject(new Error("the turn was interrupted"))
+        if (++ended === clients.length) resolve()
+        return true
+      }
+      return false
+    }
+  }
+  const started = nowMs()
+  await ctl.ok({ type: "prompt", activeSessionId: id, message: text })
+  await withTimeout(done, () => `agent_end on ${ended} of ${clients.length} clients`)
+  const seconds = (nowMs() - started) / 1000
+  await Promise.all(clients.map((c) => c.waitFor((m) => m["activeSessionId"] === id && isIdleStatus(m), 30_000, "idle status")))
+  for (const c of clients) c.drain()
+  return seconds
+}
+
+const attachAll = async (daemon: Daemon, id: string, n: number, label: string): Promise<Array<Client>> => {
+  // From the session's last cursor: a complete, empty replay (no history to send 100 times).
+  const ctl = await daemon.connect(`${label}-ctl`)
+  const resumeCursor = (await ctl.ok({ type: "get_state", activeSessionId: id }))["lastEventCursor"]
+  ctl.close()
+  const clients: Array<Client> = []
+  for (let i = 0; i < n; i++) {
+    const c = await daemon.connect(`${label}-${i}`)
+    clients.push(c)
+    await c.ok({ type: "attach", activeSessionId: id, capabilities: ["event_sequence", "slim_attach"], ...(resumeCursor === undefined ? {} : { resumeCursor }) }, 30_000)
+    await c.waitFor((m) => m["type"] === "session_attached", 30_000, "session_attached")
+    c.drain()
+  }
+  return clients
+}
+
+interface Ours {
+  readonly first: number
+  readonly warm: number
+  readonly hundred: number
+}
+
+const measureOurs = (): Promise<Ours> =>
+  withDaemon(
+    // Checkpoints between the turns would be timed with them: none during this run.
+    { env: { AGENTD_CHECKPOINT_EVENTS: "1000000000", AGENTD_CHECKPOINT_BYTES: String(1024 * 1024 * 1024) } },
+    async (daemon) => {
+      const ctl = await daemon.connect("ctl")
+      const { id } = await createSession(ctl)
+      await waitReady(ctl, id)
+      const [one] = await attachAll(daemon, id, 1, "one")
+      const times: Array<number> = []
+      for (let i = 0; i < 4; i++) times.push(await turn(ctl, [one!], id))
+      one!.close()
+      const many = await attachAll(daemon, id, CLIENTS, "many")
+      // Warm already; one turn untimed so that 100 connections' first writes are not measured.
+      await turn(ctl, many, id)
+      const hundred = median([await turn(ctl, many, id), await turn(ctl, many, id), await turn(ctl, many, id)])
+      for (const c of many) c.close()
+      return { first: times[0]!, warm: median(times.slice(1)), hundred }
+    }
+  )
+
+export default async function hotPath(): Promise<void> {
+  const ours = await measureOurs()
+  const relayRuns: Array<number> = []
+  for (let i = 0; i < RELAY_RUNS; i++) relayRuns.push(await relayOnce())
+  const relay = (WORDS + 1) / median(relayRuns)
+  const baselineName = "envelope relay: producer process -> parse, wrap, stringify -> 1 client"
+  printRatio({ what: `delivery of a ${WORDS}-word echo turn to 1 client, first turn after start`, unit: "events/s", ours: (WORDS + 1) / ours.first, baseline: relay, baselineName, target: 0.7 })
+  printRatio({ what: `delivery of a ${WORDS}-word echo turn to 1 client, warm (median of turns 2-4)`, unit: "events/s", ours: (WORDS + 1) / ours.warm, baseline: relay, baselineName, target: 1.0 })
+  printRatio({ what: `delivery of a ${WORDS}-word echo turn to ${CLIENTS} clients (events x clients)`, unit: "deliveries/s", ours: ((WORDS + 1) * CLIENTS) / ours.hundred, baseline: relay, baselineName, target: 5 })
+  console.log(`  (agentd: prompt sent to agent_end received; relay: first write to last line, median of ${RELAY_RUNS} runs)`)
+}
