@@ -212,7 +212,7 @@ export const make = Effect.gen(function*() {
   /** The session holding `name` (live, damaged, or being created), other than `except`. */
   const holderOf = (name: string, except?: string): string | undefined => {
     for (const s of sessions.values()) {
-      if (!s.closed && s.meta.name === name && s.meta.activeSessionId !== except) return s.meta.activeSessionId
+      if (!isClosed(s) && s.meta.name === name && s.meta.activeSessionId !== except) return s.meta.activeSessionId
     }
     for (const d of damaged.values()) {
       if (d.meta?.name === name && d.activeSessionId !== except) return d.activeSessionId
