@@ -474,6 +474,8 @@ describe("wedge 4: a worker that cannot be spawned", () => {
     await a.waitFor((m) => m["type"] === "session_status" && m["state"]?.worker === "recovering", ANSWER_MS)
     const r1 = await b.request({ type: "prompt", activeSessionId: id, message: "while it cannot start" }, 10_000)
     expect(errorCode(r1), JSON.stringify(r1)).toBe("session_failed")
+    // The error says why: the crashes that exhausted the restart schedule (the initial crash and 2 restarts).
+    expect(JSON.stringify(r1)).toMatch(/its worker crashed 3 times within \d+ ms; use retry_worker/)
     await a.waitFor((m) => m["type"] === "session_status" && m["state"]?.worker === "failed", ANSWER_MS)
     const failed = await a.ok({ type: "get_state", activeSessionId: id })
     expect(failed).toMatchObject({ worker: "failed", busy: false })

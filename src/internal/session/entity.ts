@@ -270,9 +270,16 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
       case "SessionBusy":
         error = new SessionBusy({ activeSessionId: id, message: `Session \`${id}\` is running a turn.` })
         break
-      case "SessionFailed":
-        error = failed(`Session \`${id}\` has failed; use retry_worker.`)
+      case "SessionFailed": {
+        // Why it failed, as long as the state remembers: the crashes that exhausted the schedule.
+        const crashes = s.state._tag === "Failed" ? s.state.crashes.length : 0
+        error = failed(
+          crashes > 0
+            ? `Session \`${id}\` has failed: its worker crashed ${crashes} times within ${restartPolicy.restartWindowMs} ms; use retry_worker.`
+            : `Session \`${id}\` has failed; use retry_worker.`
+        )
         break
+      }
       case "StorageUnavailable":
         error = new StorageUnavailable({
           message: result.detail === "stalled"
