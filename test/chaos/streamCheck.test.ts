@@ -59,6 +59,17 @@ describe("SessionStream", () => {
     assert.strictEqual(violation(() => s.receive({ type: "session_snapshot_chunk", ...frame, index: 0, messages: [] })), "snapshot frames")
   })
 
+  it("an attach sent after the session was closed must be refused: an error passes, a success is caught", () => {
+    const s = new SessionStream(ID, "c", new Truth(ID))
+    attached(s)
+    s.receive(ev(1, 0))
+    s.receive({ ...ev(1, 1), type: "session_closed", reason: "killed" })
+    s.attachSent({ generation: 1, sequence: 1 })
+    s.attachResponse({ type: "response", command: "attach", success: false, error: { code: "session_not_found", message: "No session." } })
+    s.attachSent({ generation: 1, sequence: 1 })
+    assert.strictEqual(violation(() => s.attachResponse(baselineAttach())), "closed for good")
+  })
+
   it("accepts a contiguous stream across a generation and folds message_end", () => {
     const truth = new Truth(ID)
     const s = new SessionStream(ID, "c", truth)

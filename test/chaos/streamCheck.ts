@@ -309,6 +309,12 @@ export class SessionStream {
   /** The response to this client's attach. */
   attachResponse(r: Msg): void {
     const phase = this.phase
+    if (phase.kind === "closed") {
+      // An attach sent once the session was closed (a client coming back after a kill it had not
+      // read yet): it must be refused, never attach to a killed session.
+      if (r["success"] === true) this.fail("closed for good", "an attach to a killed session succeeded")
+      return
+    }
     if (phase.kind !== "attaching") this.fail("attach order", `an attach response without an attach in flight (${phase.kind})`)
     if (r["success"] !== true) {
       this.phase = phase.previous

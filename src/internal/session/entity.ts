@@ -29,7 +29,7 @@ import { eventMessage, type Outgoing } from "../delivery/wireLines.js"
 import type { Checkpoints } from "./checkpoint.js"
 import type { AnyFrame, CheckpointReply, Input } from "./mailbox.js"
 import { CommandTakesEffect } from "./mailbox.js"
-import { type CoreError, failed, internal, notFound, SessionBusy, shuttingDown, StorageUnavailable } from "./errors.js"
+import { type CoreError, CoreInternal, failed, internal, notFound, SessionBusy, shuttingDown, StorageUnavailable } from "./errors.js"
 import { type Core, isClosed, PUBLISH_BATCH_BYTES, type Session, StorageFailed, storageUnavailable } from "./session.js"
 import { STORAGE_RETRY_INTERVAL, type Supervisor } from "./supervisor.js"
 import * as T from "./transition.js"
@@ -533,13 +533,28 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
     )
   })
 
+  /** The answer of an input whose step hit a defect (a no-op for what is answered already). */
+  const answerBroken = (input: Input): Effect.Effect<void> => {
+    if ("reply" in input) {
+      return Effect.asVoid(Deferred.fail(input.reply as Deferred.Deferred<unknown, CoreError>, new CoreInternal({ message: `the session could not take \`${input._tag}\`: an internal error (see the daemon's log)` })))
+    }
+    if (input._tag === "ShuttingDown") return Effect.asVoid(Deferred.succeed(input.done, undefined))
+    return Effect.void
+  }
+
   /** The entity: takes one input at a time until the session is closed. */
   const runEntity = (s: Session): Effect.Effect<void> =>
     Effect.gen(function*() {
       while (!isClosed(s)) {
         const input = yield* Queue.take(s.mailbox)
-        // A defect here is a broken invariant of the interpreter: logged loudly, never control flow.
-        yield* take(s, input).pipe(Effect.catchAllDefect((defect) => Effect.logError(`session ${s.meta.activeSessionId}: an input could not be taken`, defect)))
+        // A defect here is a broken invariant of the interpreter: logged loudly, never control
+        // flow; the command it carried is still answered (`internal`), so no caller waits forever.
+        yield* take(s, input).pipe(Effect.catchAllDefect((defect) =>
+          Effect.zipRight(
+            Effect.logError(`session ${s.meta.activeSessionId}: an input could not be taken`, defect),
+            answerBroken(input)
+          )
+        ))
         if ("taken" in input && input.taken !== undefined) yield* Deferred.succeed(input.taken, undefined)
       }
       // Closed: nothing more is offered; what was offered before is answered.
