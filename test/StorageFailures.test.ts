@@ -30,6 +30,8 @@ const eventTypes = (lines: ReadonlyArray<Line>) => lines.filter((l) => l["type"]
 interface Faults {
   log: boolean
   journal: boolean
+  /** The log's next generation start happens, then reports a failure (a step after the new segment's rename failed). */
+  rotateThenFail?: boolean
 }
 
 /** The stored context with an event log and a journal that fail while `faults` say so. */
@@ -42,7 +44,11 @@ const faulty = (stored: StoredContext, faults: Faults): StoredContext => {
     Context.add(EventLog, {
       ...log,
       append: (id, event) => faults.log ? Effect.fail(enospc(id)) : log.append(id, event),
-      appendAll: (id, events) => faults.log ? Effect.fail(enospc(id)) : log.appendAll(id, events)
+      appendAll: (id, events) => faults.log ? Effect.fail(enospc(id)) : log.appendAll(id, events),
+      startGeneration: (id) =>
+        faults.rotateThenFail
+          ? Effect.zipRight(log.startGeneration(id), Effect.fail(new EventLogError({ reason: "Io", sessionId: id, message: "fsync: EMFILE: too many open files" })))
+          : log.startGeneration(id)
     }),
     Context.add(RecoveryJournal.RecoveryJournal, {
       ...journal,
@@ -140,6 +146,44 @@ describe("storage failures (in-process)", () => {
           yield* waitFor("idle", () => statuses(seq(conn)).at(-1) === "ready/idle")
           const record = yield* journal.get(id)
           assert.isTrue(Option.isSome(record) && record.value.busy === false)
+        }), stored)
+    }), { timeout: 30_000 })
+
+  it.scopedLive("a checkpoint whose generation start is reported failed but happened: the session moves with the log; later checkpoints and a restored worker see every message", () =>
+    Effect.gen(function*() {
+      const faults: Faults = { log: false, journal: false }
+      const stored = faulty(yield* makeStored, faults)
+      yield* withCore({}, (ctl) =>
+        Effect.gen(function*() {
+          const sm = yield* SessionManager
+          const { conn, id } = yield* open(sm)
+          const turn = (message: string, ends: number) =>
+            Effect.gen(function*() {
+              assert.deepStrictEqual(yield* prompt(sm, id, message), { accepted: true })
+              yield* waitFor(`turn ${ends}`, () => eventTypes(seq(conn)).filter((t) => t === "agent_end").length === ends)
+              yield* waitFor("idle", () => statuses(seq(conn)).at(-1) === "ready/idle")
+            })
+          const checkpoint = Effect.either(sm.checkpoint(id))
+          yield* turn("one", 1)
+          faults.rotateThenFail = true
+          const first = yield* checkpoint
+          faults.rotateThenFail = false
+          assert.isTrue(Either.isRight(first), `the checkpoint is whole: ${JSON.stringify(first)}`)
+          yield* turn("two", 2)
+          // Before, the session stayed a generation behind its log: this read the old one and failed.
+          const second = yield* checkpoint
+          assert.isTrue(Either.isRight(second), `the next checkpoint: ${JSON.stringify(second)}`)
+          yield* turn("three", 3)
+          const logged = (yield* sm.getMessages({ type: "get_messages", activeSessionId: id, limit: 100 } as any)).messages.length
+          // A restored worker holds every message (its transcript is the snapshot and the log's tail).
+          ctl.crashAfter = (frame) => frame.type === "worker_event" && (frame as { eventType?: string }).eventType === "agent_start"
+          assert.deepStrictEqual(yield* prompt(sm, id, "cut"), { accepted: true })
+          yield* waitFor("the cut turn's end", () => eventTypes(seq(conn)).includes("turn_interrupted"), 10_000)
+          yield* waitFor("restored", () => statuses(seq(conn)).at(-1) === "ready/idle", 10_000)
+          yield* turn("/compact", 4)
+          const after = (yield* sm.getMessages({ type: "get_messages", activeSessionId: id, limit: 100 } as any)).messages
+          // The compaction counts what the restored worker held, with the /compact message itself.
+          assert.strictEqual(`${after.at(-1)?.role}:${after.at(-1)?.content}`, `assistant:compacted ${logged + 1} messages`, JSON.stringify(after))
         }), stored)
     }), { timeout: 30_000 })
 
