@@ -37,7 +37,16 @@ import * as net from "node:net"
 import { DaemonConfig } from "./DaemonConfig.js"
 import { EventLog } from "./EventLog.js"
 import { errorResponse, REQUEST_ID_HEADER } from "./internal/http/errors.js"
-import { openReader, type Reader, type ReaderOptions, readPage, ReadRefused, snapshotLink, sseStream } from "./internal/http/events.js"
+import {
+  openReader,
+  type Reader,
+  type ReaderOptions,
+  readPage,
+  ReadRefused,
+  rewriteFields,
+  snapshotLink,
+  sseStream
+} from "./internal/http/events.js"
 import * as Metrics from "./internal/http/metrics.js"
 import * as DaemonMetrics from "./Metrics.js"
 import * as Offset from "./internal/http/offset.js"
@@ -334,15 +343,20 @@ export const make = Effect.gen(function*() {
           yield* close
           DaemonMetrics.delivered("http", page.lines.length, page.lines.reduce((n, l) => n + l.length, 0))
           const next = Offset.encode(page.next)
-          if (live === "long-poll" && page.lines.length === 0) {
+          if (live === "long-poll" && page.lines.length === 0 && page.rewrite === undefined) {
             return HttpServerResponse.empty({ status: 204, headers: streamHeaders(ctx, next, true, true) })
           }
+          // A read from before a history rewrite: the array starts with what SSE's control
+          // event says of it (the replacement snapshot to read, the offset after it).
+          const elements = page.rewrite === undefined
+            ? page.lines
+            : [JSON.stringify({ type: "control", rewrite: rewriteFields(page.rewrite, (s) => snapshotLink(sessionId(ctx), s)) }), ...page.lines]
           // Encoded by Buffer.from, faster than the TextEncoder `text` uses on a 4 MiB page.
-          return HttpServerResponse.uint8Array(Buffer.from(`[${page.lines.join(",")}]`, "utf8"), {
+          return HttpServerResponse.uint8Array(Buffer.from(`[${elements.join(",")}]`, "utf8"), {
             contentType: "application/json",
             headers: streamHeaders(ctx, next, page.upToDate, live === "long-poll")
           })
-        }), live === "sse" ? { rewriteAsControl: true } : { budget: pageBytes })
+        }), live === "sse" ? {} : { budget: pageBytes })
     })
 
   /**

@@ -3,7 +3,8 @@
  * catch-up, long-poll and SSE reads with offsets made from cursors; a follower resuming with
  * `Last-Event-ID` across a daemon SIGKILL and restart and a worker SIGKILL sees every event
  * exactly once; a pruned offset answers 410 with a link to the snapshot, which then leads back
- * to the events; a history rewrite is a control event naming the replacement snapshot.
+ * to the events; a history rewrite is a control event naming the replacement snapshot, which a
+ * read of any mode from before it starts with.
  */
 import * as http from "node:http"
 import { describe, expect, it } from "vitest"
@@ -245,7 +246,7 @@ describe("HTTP events (e2e)", () => {
     expect(bad.status).toBe(400)
   })
 
-  it("a history rewrite is an SSE control event naming the replacement snapshot; an offset from before it answers 410", async () => {
+  it("a history rewrite is a control event naming the replacement snapshot; a catch-up, long-poll or SSE read from before it starts with it", async () => {
     const h = await useHttpDaemon()
     const id = (await request(h, "POST", "/v1/sessions")).json.activeSessionId as string
     await waitIdle(h, id)
@@ -264,10 +265,40 @@ describe("HTTP events (e2e)", () => {
       const rewrite = JSON.parse(follower.events.find((e) => e.event === "control" && JSON.parse(e.data).rewrite !== undefined)!.data).rewrite
       expect(typeof rewrite.snapshotId).toBe("string")
       expect(rewrite.snapshot).toBe(`/v1/sessions/${id}/snapshot?id=${encodeURIComponent(rewrite.snapshotId)}`)
-      await waitIdle(h, id)
-      const gone = await request(h, "GET", `/v1/sessions/${id}/events?offset=${beforeRewrite}`)
-      expect(gone.status).toBe(410)
-      expect(gone.json.error.code).toBe("offset_gone")
+      expect(rewrite.offset).toBe(offsetOf(rewrite.cursor))
+      const tail = (await waitIdle(h, id)).lastEventCursor as Cursor
+      await follower.waitFor((f) => f.messages.at(-1)?.["meta"].cursor.sequence === tail.sequence && f.messages.at(-1)?.["meta"].cursor.generation === tail.generation, 10_000, "the tail")
+      // What the SSE follower got after the rewrite control: the events that extend the snapshot.
+      const afterRewrite = follower.messages.filter((m) => m["meta"].cursor.generation > rewrite.cursor.generation)
+      expect(afterRewrite.length).toBeGreaterThan(0)
+      // Catch-up and long-poll reads from before the rewrite agree with SSE (not a 410): the
+      // rewrite first (the same snapshot, the offset after it), then the events after it.
+      for (const live of ["", "&live=long-poll"]) {
+        const read = await request(h, "GET", `/v1/sessions/${id}/events?offset=${beforeRewrite}${live}`)
+        expect(read.status, `${live}: ${read.text}`).toBe(200)
+        const [control, ...rest] = read.json as Array<Msg>
+        expect(control).toEqual({ type: "control", rewrite })
+        expect(cursorsOf(rest)).toEqual(cursorsOf(afterRewrite))
+        expect(read.headers["stream-next-offset"]).toBe(offsetOf(tail))
+        expect(read.headers["stream-up-to-date"]).toBe("true")
+        // From there on the stream is the usual one.
+        const after = await request(h, "GET", `/v1/sessions/${id}/events?offset=${read.headers["stream-next-offset"]}`)
+        expect(after.json).toEqual([])
+      }
+      // The rewrite's own offset is also one of the history before it: a read from it starts
+      // with the same rewrite (a reader holding that snapshot goes on with the events after it).
+      const fromSnapshot = await request(h, "GET", `/v1/sessions/${id}/events?offset=${rewrite.offset}`)
+      expect(fromSnapshot.json[0]).toEqual({ type: "control", rewrite })
+      expect(cursorsOf(fromSnapshot.json.slice(1))).toEqual(cursorsOf(afterRewrite))
+      // A new SSE read from before the rewrite starts with the same control event.
+      const late = new SseFollower(() => h, `/v1/sessions/${id}/events?offset=${beforeRewrite}&live=sse`)
+      try {
+        await late.waitFor((f) => f.messages.length >= afterRewrite.length, 10_000, "the events after the rewrite")
+        expect(JSON.parse(late.events.find((e) => e.event === "control")!.data).rewrite).toEqual(rewrite)
+        expect(cursorsOf(late.messages)).toEqual(cursorsOf(afterRewrite))
+      } finally {
+        late.stop()
+      }
       // The named snapshot is readable, and it holds the rewritten history.
       const snap = await request(h, "GET", rewrite.snapshot)
       expect(snap.status).toBe(200)
