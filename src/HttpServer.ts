@@ -359,6 +359,14 @@ export const make = Effect.gen(function*() {
         }), live === "sse" ? {} : { budget: pageBytes })
     })
 
+  const NEWLINE = 0x0a
+  const ATTACHED_LINE = Buffer.from('{"type":"session_attached"')
+  const SNAPSHOT_LINE = Buffer.from('{"type":"session_snapshot_')
+  const CHUNK_LINE = Buffer.from('{"type":"session_snapshot_chunk"')
+  const END_LINE = Buffer.from('{"type":"session_snapshot_end"')
+  const FAILED_LINE = Buffer.from('{"type":"session_snapshot_failed"')
+  const startsWith = (line: Buffer, prefix: Buffer) => line.length >= prefix.length && line.compare(prefix, 0, prefix.length, 0, prefix.length) === 0
+
   /**
    * The session's current snapshot as `session_snapshot_*` lines (the socket's frames, read as
    * an attach reads them), then one `snapshot_offset` line: the offset to read events after.
@@ -371,6 +379,11 @@ export const make = Effect.gen(function*() {
       const fromChunkText = ctx.url.searchParams.get("fromChunk")
       const fromChunk = fromChunkText === null ? 0 : Number(fromChunkText)
       if (!Number.isSafeInteger(fromChunk) || fromChunk < 0) return yield* refuse("invalid_command", "`fromChunk` must be a whole number >= 0.")
+      const tailText = ctx.url.searchParams.get("tailBytes")
+      const tailBytes = tailText === null ? undefined : Number(tailText)
+      if (tailBytes !== undefined && (!Number.isSafeInteger(tailBytes) || tailBytes < 0)) {
+        return yield* refuse("invalid_command", "`tailBytes` must be a whole number >= 0.")
+      }
       const attach = yield* command("attach", ctx, {
         activeSessionId: id,
         capabilities: ["attach_snapshot", "event_sequence", "slim_attach", "chunked_snapshot"],
@@ -389,9 +402,13 @@ export const make = Effect.gen(function*() {
       const outcome = yield* run(manager.attach(connectionId, port, attach)).pipe(Effect.onError(() => close))
       yield* Effect.forkIn(Effect.interruptible(outcome.deliver), scope)
       const offset = Offset.encode(outcome.data.snapshot.cursor)
-      const decoder = new TextDecoder()
-      let carry = ""
+      // Lines are sorted as bytes (a 100 MB snapshot is not decoded to be passed on or skipped).
+      let carry: Buffer = Buffer.alloc(0)
       let done = false
+      // `tailBytes`: the chunks held back, of which only the last ones making that many bytes
+      // (the last one at least) are sent, once the end says no more come.
+      const tail: Array<Buffer> = []
+      let tailHeld = 0
       const body = Stream.repeatEffectOption(Effect.gen(function*() {
         if (done) return yield* Effect.fail(Option.none())
         if (!port.hasItems) yield* port.awaitItems
@@ -399,27 +416,34 @@ export const make = Effect.gen(function*() {
           done = true
           return yield* Effect.fail(Option.none())
         }
-        let out = ""
+        const out: Array<Buffer> = []
         for (const data of port.takeAll()) {
-          const text = carry + (typeof data === "string" ? data : decoder.decode(data))
+          const piece = typeof data === "string" ? Buffer.from(data, "utf8") : Buffer.from(data.buffer, data.byteOffset, data.byteLength)
+          const text = carry.length === 0 ? piece : Buffer.concat([carry, piece])
           let start = 0
           for (;;) {
-            const nl = text.indexOf("\n", start)
+            const nl = text.indexOf(NEWLINE, start)
             if (nl < 0) break
-            const line = text.slice(start, nl + 1)
+            const line = text.subarray(start, nl + 1)
             start = nl + 1
             if (done) continue
-            if (line.startsWith('{"type":"session_attached"')) {
-              out += `${JSON.stringify({ type: "snapshot_offset", activeSessionId: id, offset })}\n`
+            if (startsWith(line, ATTACHED_LINE)) {
+              out.push(Buffer.from(`${JSON.stringify({ type: "snapshot_offset", activeSessionId: id, offset })}\n`))
               done = true
-            } else if (line.startsWith('{"type":"session_snapshot_')) {
-              out += line
-              if (line.startsWith('{"type":"session_snapshot_failed"')) done = true
+            } else if (tailBytes !== undefined && startsWith(line, CHUNK_LINE)) {
+              // Copied: the piece it is part of may be a larger buffer.
+              tail.push(Buffer.from(line))
+              tailHeld += line.length
+              while (tail.length > 1 && tailHeld - tail[0]!.length >= tailBytes) tailHeld -= tail.shift()!.length
+            } else if (startsWith(line, SNAPSHOT_LINE)) {
+              if (startsWith(line, END_LINE) || startsWith(line, FAILED_LINE)) out.push(...tail.splice(0))
+              out.push(line)
+              if (startsWith(line, FAILED_LINE)) done = true
             }
           }
-          carry = text.slice(start)
+          carry = Buffer.from(text.subarray(start))
         }
-        return new TextEncoder().encode(out)
+        return out.length === 1 ? out[0]! : Buffer.concat(out)
       })).pipe(Stream.ensuring(close))
       return HttpServerResponse.stream(body, {
         contentType: "application/x-ndjson",

@@ -222,7 +222,7 @@ describe("HTTP events (e2e)", () => {
     expect(transcript).toContain("echo: fourth")
   })
 
-  it("a snapshot read resumes from a chunk (?id&fromChunk) while its snapshot is retained", async () => {
+  it("a snapshot read resumes from a chunk (?id&fromChunk) while its snapshot is retained, or reads only its end (?tailBytes)", async () => {
     const h = await useHttpDaemon({ env: { AGENTD_TARGET_CHUNK_BYTES: "256" } })
     const id = (await request(h, "POST", "/v1/sessions")).json.activeSessionId as string
     await waitIdle(h, id)
@@ -244,6 +244,15 @@ describe("HTTP events (e2e)", () => {
     expect(restLines.at(-1)!["type"]).toBe("snapshot_offset")
     const bad = await request(h, "GET", `/v1/sessions/${id}/snapshot?fromChunk=-1`)
     expect(bad.status).toBe(400)
+    // Only its end (`tailBytes`): begin, the last chunks making that many bytes (one at least,
+    // with their own indices), end and the offset, as the whole read has them.
+    const lineOf = (m: Msg) => JSON.stringify(m).length + 1
+    for (const tailBytes of [0, lineOf(chunks.at(-1)!) + 1]) {
+      const tail = (await request(h, "GET", `/v1/sessions/${id}/snapshot?tailBytes=${tailBytes}`)).text.trimEnd().split("\n").map((l) => JSON.parse(l) as Msg)
+      const kept = tailBytes === 0 ? 1 : 2
+      expect(tail).toEqual([begin, ...chunks.slice(-kept), ...whole.slice(-2)])
+    }
+    expect((await request(h, "GET", `/v1/sessions/${id}/snapshot?tailBytes=x`)).status).toBe(400)
   })
 
   it("a history rewrite is a control event naming the replacement snapshot; a catch-up, long-poll or SSE read from before it starts with it", async () => {

@@ -266,7 +266,7 @@ describeBrowser("the web page (e2e, chromium)", () => {
     expect(new Set(log.map((m) => m.id)).size).toBe(log.length)
   })
 
-  it("a long transcript: only its last 100 messages are in the DOM; earlier ones page in as the reader scrolls up", async () => {
+  it("a long transcript: only its last 100 messages are read and in the DOM; earlier ones are read and page in as the reader scrolls up", async () => {
     const id = await create()
     await idle(id)
     // Just over one page of messages (each prompt adds two).
@@ -276,16 +276,30 @@ describeBrowser("the web page (e2e, chromium)", () => {
       expect(res.status, res.text).toBe(200)
       await idle(id)
     }
-    await openSession(page, id)
-    await waitUntil("the last page", async () => (await shown(page)).at(-1)?.text === `echo: m${prompts - 1}`)
-    expect((await shown(page)).length).toBe(100)
-    await page.evaluate(() => {
-      const t = (globalThis as unknown as { document: { querySelector(s: string): { scrollTop: number } } }).document.querySelector("#transcript")
-      t.scrollTop = 0
-    })
-    await waitUntil("the earlier messages", async () => (await shown(page)).length === prompts * 2)
-    expect(JSON.stringify(await shown(page))).toBe(JSON.stringify(await truth(id)))
-    expect(await page.isHidden("#earlier")).toBe(true)
+    // In the snapshot, not in events after it: what the page reads of the snapshot is its end.
+    expect((await request(h, "POST", `/v1/sessions/${id}/checkpoint`)).status).toBe(200)
+    const asked: Array<string> = []
+    const onRequest = (r: { url(): string }) => void asked.push(new URL(r.url()).pathname + new URL(r.url()).search)
+    page.on("request", onRequest)
+    try {
+      await openSession(page, id)
+      await waitUntil("the last page", async () => (await shown(page)).at(-1)?.text === `echo: m${prompts - 1}`)
+      expect((await shown(page)).length).toBe(Math.min(100, prompts * 2))
+      expect(await page.textContent("#session-state")).toContain(`${prompts * 2} messages`)
+      expect(asked.filter((u) => u.includes("/snapshot"))).toEqual([`/v1/sessions/${id}/snapshot?tailBytes=1048576`])
+      await page.evaluate(() => {
+        const t = (globalThis as unknown as { document: { querySelector(s: string): { scrollTop: number } } }).document.querySelector("#transcript")
+        t.scrollTop = 0
+      })
+      await waitUntil("the earlier messages", async () => (await shown(page)).length === prompts * 2)
+      expect(JSON.stringify(await shown(page))).toBe(JSON.stringify(await truth(id)))
+      expect(await page.isHidden("#earlier")).toBe(true)
+      // The messages before the snapshot's last 100 were read only now, and only they.
+      const earlier = Math.max(0, prompts * 2 - 100)
+      expect(asked.filter((u) => u.includes("/messages"))).toEqual(earlier === 0 ? [] : [`/v1/sessions/${id}/messages?offset=0&limit=${earlier}`])
+    } finally {
+      page.off("request", onRequest)
+    }
   })
 
   it("1,000 sessions in the table: all listed, filtered at once, and a refresh redraws only the rows that changed", async () => {
