@@ -56,6 +56,7 @@ import * as Security from "./internal/http/security.js"
 import { readOrCreateToken, tokenMatches } from "./internal/http/token.js"
 import * as Protocol from "./Protocol.js"
 import { CommandError, SessionManager, SupervisorInfo } from "./SessionManager.js"
+import { SnapshotCache } from "./SnapshotCache.js"
 
 /** The HTTP front could not start (a bad address, a refused bind, the port in use). */
 export class HttpStartError extends Data.TaggedError("HttpStartError")<{ readonly message: string }> {}
@@ -133,6 +134,7 @@ export const make = Effect.gen(function*() {
   const manager = yield* SessionManager
   const log = yield* EventLog
   const info = yield* SupervisorInfo
+  const cache = yield* SnapshotCache
   const listen = Security.parseListen(config.http ?? "")
   if (typeof listen === "string") return yield* new HttpStartError({ message: `--http: ${listen}` })
   if (!Security.isLoopback(listen.host) && !config.httpInsecure) {
@@ -368,6 +370,30 @@ export const make = Effect.gen(function*() {
   const startsWith = (line: Buffer, prefix: Buffer) => line.length >= prefix.length && line.compare(prefix, 0, prefix.length, 0, prefix.length) === 0
 
   /**
+   * Where a `tailBytes` read of the current snapshot starts: a chunk resume of it (an attach's
+   * `snapshotResume`), so that the daemon does not read the chunks before its end at all. An
+   * attach that is not delivered names the snapshot; the cache says, once it is made, how many
+   * chunks it has and their bytes, from which the chunks that make about `tailBytes` are counted (one more for
+   * chunks of unequal size: the read trims to the bytes exactly). Undefined: read it all (a
+   * snapshot still being made, or small enough).
+   */
+  const tailStart = (connectionId: string, attach: Protocol.CommandOf<"attach">, tailBytes: number) =>
+    Effect.scoped(Effect.gen(function*() {
+      const probe = new StreamPort()
+      yield* Effect.addFinalizer(() => Effect.zipRight(Effect.sync(() => probe.close()), manager.detachAll(connectionId)))
+      const named = (yield* run(manager.attach(connectionId, probe, attach))).data.snapshotStream
+      if (named === undefined) return undefined
+      // Held while it is being made (a snapshot the cache is still reading): its end gives the count.
+      const ended = yield* Effect.option(Effect.flatMap(cache.retain(named.id), (r) => r.awaitEnd))
+      if (Option.isNone(ended)) return undefined
+      const found = yield* Effect.option(cache.info(named.id))
+      if (Option.isNone(found) || found.value.status !== "complete" || found.value.chunkCount === 0) return undefined
+      const { chunkCount, totalBytes } = found.value
+      const keep = Math.min(chunkCount, 1 + Math.max(1, Math.ceil(tailBytes / Math.max(1, totalBytes / chunkCount))))
+      return keep >= chunkCount ? undefined : { snapshotId: named.id, fromChunk: chunkCount - keep }
+    }))
+
+  /**
    * The session's current snapshot as `session_snapshot_*` lines (the socket's frames, read as
    * an attach reads them), then one `snapshot_offset` line: the offset to read events after.
    */
@@ -384,11 +410,14 @@ export const make = Effect.gen(function*() {
       if (tailBytes !== undefined && (!Number.isSafeInteger(tailBytes) || tailBytes < 0)) {
         return yield* refuse("invalid_command", "`tailBytes` must be a whole number >= 0.")
       }
-      const attach = yield* command("attach", ctx, {
+      const connectionId = connectionIdOf(ctx)
+      const first = yield* command("attach", ctx, {
         activeSessionId: id,
         capabilities: ["attach_snapshot", "event_sequence", "slim_attach", "chunked_snapshot"],
         ...(resumeId === null ? {} : { snapshotResume: { snapshotId: resumeId, fromChunk } })
       }, false)
+      const tailFrom = tailBytes === undefined || resumeId !== null ? undefined : yield* tailStart(connectionId, first, tailBytes)
+      const attach = tailFrom === undefined ? first : { ...first, snapshotResume: tailFrom }
       const scope = yield* Scope.make()
       openScopes.add(scope)
       const close = Effect.suspend(() => {
@@ -397,7 +426,6 @@ export const make = Effect.gen(function*() {
       })
       NodeHttpServerRequest.toServerResponse(ctx.request).once("close", () => runFork(close))
       const port = new StreamPort()
-      const connectionId = connectionIdOf(ctx)
       yield* Scope.addFinalizer(scope, Effect.zipRight(Effect.sync(() => port.close()), manager.detachAll(connectionId)))
       const outcome = yield* run(manager.attach(connectionId, port, attach)).pipe(Effect.onError(() => close))
       yield* Effect.forkIn(Effect.interruptible(outcome.deliver), scope)
@@ -683,11 +711,11 @@ export const make = Effect.gen(function*() {
 })
 
 /** The HTTP front, over the daemon's sessions. */
-export const layer: Layer.Layer<HttpFront, HttpStartError, DaemonConfig | SessionManager | EventLog | SupervisorInfo> = Layer.scoped(
+export const layer: Layer.Layer<HttpFront, HttpStartError, DaemonConfig | SessionManager | EventLog | SupervisorInfo | SnapshotCache> = Layer.scoped(
   HttpFront,
   make
 )
 
 /** The HTTP front when the configuration asks for one (`http`), nothing otherwise. */
-export const layerIfConfigured: Layer.Layer<never, HttpStartError, DaemonConfig | SessionManager | EventLog | SupervisorInfo> = Layer
+export const layerIfConfigured: Layer.Layer<never, HttpStartError, DaemonConfig | SessionManager | EventLog | SupervisorInfo | SnapshotCache> = Layer
   .unwrapEffect(Effect.map(DaemonConfig, (config) => (config.http === undefined ? Layer.empty : Layer.discard(layer))))
