@@ -9,40 +9,11 @@
 import * as http from "node:http"
 import { describe, expect, it } from "vitest"
 import { cleanUpAfterTests, type Cursor, cursorGap, type Msg, sleep } from "./harness.js"
-import { freePort, type HttpDaemon, request, SseFollower, useHttpDaemon } from "./httpHarness.js"
+import { cursorsOf, freePort, type HttpDaemon, isEventOf, offsetOf, readAll, request, SseFollower, useHttpDaemon, waitIdle } from "./httpHarness.js"
 
 cleanUpAfterTests()
 
-const offsetOf = (c: Cursor) => `${String(c.generation).padStart(16, "0")}_${String(c.sequence).padStart(16, "0")}`
 const START = offsetOf({ generation: 0, sequence: 0 })
-const cursorsOf = (msgs: ReadonlyArray<Msg>) => msgs.map((m) => `${m["meta"].cursor.generation}:${m["meta"].cursor.sequence}`)
-const isEventOf = (type: string) => (m: Msg) => m["type"] === "session_event" && m["event"]?.type === type
-
-const waitIdle = async (h: HttpDaemon, id: string, timeoutMs = 20_000) => {
-  const deadline = Date.now() + timeoutMs
-  for (;;) {
-    const s = await request(h, "GET", `/v1/sessions/${id}`).catch(() => undefined)
-    if (s?.json?.worker === "ready" && s.json.busy === false) {
-      h.daemon.recordWorkers(s.json)
-      return s.json
-    }
-    if (Date.now() > deadline) throw new Error(`session ${id} not idle: ${s?.text}`)
-    await sleep(50)
-  }
-}
-
-/** Every event of the session, read page by page from the start. */
-const readAll = async (h: HttpDaemon, id: string, from = "-1") => {
-  const out: Array<Msg> = []
-  let offset = from
-  for (;;) {
-    const res = await request(h, "GET", `/v1/sessions/${id}/events?offset=${offset}`)
-    expect(res.status, res.text).toBe(200)
-    out.push(...res.json)
-    offset = String(res.headers["stream-next-offset"])
-    if (res.headers["stream-up-to-date"] === "true") return { messages: out, next: offset }
-  }
-}
 
 describe("HTTP events (e2e)", () => {
   it("catch-up, now, long-poll (204 and 200) and SSE with keep-alives: contiguous cursors, offsets that sort", async () => {
