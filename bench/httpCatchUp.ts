@@ -10,10 +10,9 @@
  * Events/s = events read / time from the first request to the last event; the figure is
  * HTTP / socket. AGENTD_BENCH_CATCHUP_EVENTS sets EVENTS (default 100000).
  */
-import * as fs from "node:fs"
 import * as http from "node:http"
-import * as path from "node:path"
-import { type Client, createSession, type Daemon, nowMs, runTurn, sleep, waitReady, withDaemon } from "./daemonHarness.js"
+import { type Client, createSession, type Daemon, nowMs, runTurn, waitReady } from "./daemonHarness.js"
+import { get, NO_AUTO_CHECKPOINT, withHttpDaemon } from "./httpHarness.js"
 import { printRatio } from "./report.js"
 
 const EVENTS = Number(process.env["AGENTD_BENCH_CATCHUP_EVENTS"] ?? 100_000)
@@ -21,31 +20,9 @@ const RUNS = 3
 
 const median = (xs: ReadonlyArray<number>) => [...xs].sort((a, b) => a - b)[Math.floor(xs.length / 2)]!
 
-const httpPortOf = async (daemon: Daemon): Promise<number> => {
-  for (let i = 0; i < 400; i++) {
-    const m = /agentd HTTP at http:\/\/[^\s]+:(\d+)/.exec(daemon.stderrTail(100_000))
-    if (m !== null) return Number(m[1])
-    await sleep(25)
-  }
-  throw new Error(`no HTTP log line: ${daemon.stderrTail()}`)
-}
-
 const agent = new http.Agent({ keepAlive: true, maxSockets: 1 })
 
 /** One GET; the body as text and the headers. */
-const get = (port: number, token: string, target: string) =>
-  new Promise<{ readonly status: number; readonly headers: http.IncomingHttpHeaders; readonly text: string }>((resolve, reject) => {
-    const req = http.request({ host: "127.0.0.1", port, path: target, headers: { authorization: `Bearer ${token}` }, agent })
-    req.on("error", reject)
-    req.on("response", (res) => {
-      const chunks: Array<Buffer> = []
-      res.on("data", (c: Buffer) => chunks.push(c))
-      res.on("end", () => resolve({ status: res.statusCode ?? 0, headers: res.headers, text: Buffer.concat(chunks).toString("utf8") }))
-      res.on("error", reject)
-    })
-    req.end()
-  })
-
 /** Reads every event of `id` from -1 to the tail; events/s and pages. */
 const measureHttp = async (port: number, token: string, id: string, total: number) => {
   const started = nowMs()
@@ -53,7 +30,7 @@ const measureHttp = async (port: number, token: string, id: string, total: numbe
   let read = 0
   let pages = 0
   for (;;) {
-    const res = await get(port, token, `/v1/sessions/${encodeURIComponent(id)}/events?offset=${offset}&live=long-poll`)
+    const res = await get({ port, token }, `/v1/sessions/${encodeURIComponent(id)}/events?offset=${offset}&live=long-poll`, agent)
     if (res.status !== 200) throw new Error(`catch-up read answered ${res.status}: ${res.text.slice(0, 200)}`)
     read += (JSON.parse(res.text) as Array<unknown>).length
     pages++
@@ -105,14 +82,9 @@ const measureSocket = async (daemon: Daemon, id: string, total: number, last: { 
 }
 
 export default async function httpCatchUp(): Promise<void> {
-  await withDaemon(
-    {
-      env: { AGENTD_CHECKPOINT_EVENTS: "1000000000", AGENTD_CHECKPOINT_BYTES: String(1024 * 1024 * 1024) },
-      extraArgs: ["--http", "127.0.0.1:0"]
-    },
-    async (daemon) => {
-      const port = await httpPortOf(daemon)
-      const token = fs.readFileSync(path.join(daemon.stateDir, "http-token"), "utf8").trim()
+  await withHttpDaemon(
+    { env: NO_AUTO_CHECKPOINT },
+    async ({ daemon, port, token }) => {
       const ctl = await daemon.connect("ctl")
       const { id } = await createSession(ctl)
       await waitReady(ctl, id)

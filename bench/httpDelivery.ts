@@ -6,10 +6,9 @@
  * `/v1/sessions/:id/events?offset=<tail>&live=sse`. Both count lines by a substring check without
  * parsing. Aggregate events/s = events x clients / time; the figure is SSE / socket (target 0.7).
  */
-import * as fs from "node:fs"
 import * as http from "node:http"
-import * as path from "node:path"
-import { type Client, createSession, type Daemon, isIdleStatus, nowMs, runTurn, sleep, waitReady, withDaemon } from "./daemonHarness.js"
+import { type Client, createSession, type Daemon, isIdleStatus, nowMs, runTurn, sleep, waitReady } from "./daemonHarness.js"
+import { NO_AUTO_CHECKPOINT, withHttpDaemon } from "./httpHarness.js"
 import { printRatio } from "./report.js"
 
 const WORDS = 20_000
@@ -29,15 +28,6 @@ const withTimeout = <A>(p: Promise<A>, ms: number, what: () => string): Promise<
     timer = setTimeout(() => reject(new Error(`timed out after ${ms} ms: ${what()}`)), ms)
   })
   return Promise.race([p, timeout]).finally(() => clearTimeout(timer))
-}
-
-const httpPortOf = async (daemon: Daemon): Promise<number> => {
-  for (let i = 0; i < 400; i++) {
-    const m = /agentd HTTP at http:\/\/[^\s]+:(\d+)/.exec(daemon.stderrTail(100_000))
-    if (m !== null) return Number(m[1])
-    await sleep(25)
-  }
-  throw new Error(`no HTTP log line: ${daemon.stderrTail()}`)
 }
 
 /** One SSE reader counting `message_update` lines; `close` ends it. */
@@ -124,14 +114,9 @@ const measureSse = async (port: number, token: string, ctl: Client, id: string, 
 }
 
 export default async function httpDelivery(): Promise<void> {
-  await withDaemon(
-    {
-      env: { AGENTD_CHECKPOINT_EVENTS: "1000000000", AGENTD_CHECKPOINT_BYTES: String(1024 * 1024 * 1024) },
-      extraArgs: ["--http", "127.0.0.1:0"]
-    },
-    async (daemon) => {
-      const port = await httpPortOf(daemon)
-      const token = fs.readFileSync(path.join(daemon.stateDir, "http-token"), "utf8").trim()
+  await withHttpDaemon(
+    { env: NO_AUTO_CHECKPOINT },
+    async ({ daemon, port, token }) => {
       const ctl = await daemon.connect("ctl")
       const { id } = await createSession(ctl)
       await waitReady(ctl, id)

@@ -37,7 +37,16 @@ import * as net from "node:net"
 import { DaemonConfig } from "./DaemonConfig.js"
 import { EventLog } from "./EventLog.js"
 import { errorResponse, REQUEST_ID_HEADER } from "./internal/http/errors.js"
-import { openReader, type Reader, type ReaderOptions, readPage, ReadRefused, snapshotLink, sseStream } from "./internal/http/events.js"
+import {
+  openReader,
+  type Reader,
+  type ReaderOptions,
+  readPage,
+  ReadRefused,
+  rewriteFields,
+  snapshotLink,
+  sseStream
+} from "./internal/http/events.js"
 import * as Metrics from "./internal/http/metrics.js"
 import * as DaemonMetrics from "./Metrics.js"
 import * as Offset from "./internal/http/offset.js"
@@ -47,6 +56,7 @@ import * as Security from "./internal/http/security.js"
 import { readOrCreateToken, tokenMatches } from "./internal/http/token.js"
 import * as Protocol from "./Protocol.js"
 import { CommandError, SessionManager, SupervisorInfo } from "./SessionManager.js"
+import { SnapshotCache } from "./SnapshotCache.js"
 
 /** The HTTP front could not start (a bad address, a refused bind, the port in use). */
 export class HttpStartError extends Data.TaggedError("HttpStartError")<{ readonly message: string }> {}
@@ -124,6 +134,7 @@ export const make = Effect.gen(function*() {
   const manager = yield* SessionManager
   const log = yield* EventLog
   const info = yield* SupervisorInfo
+  const cache = yield* SnapshotCache
   const listen = Security.parseListen(config.http ?? "")
   if (typeof listen === "string") return yield* new HttpStartError({ message: `--http: ${listen}` })
   if (!Security.isLoopback(listen.host) && !config.httpInsecure) {
@@ -334,16 +345,53 @@ export const make = Effect.gen(function*() {
           yield* close
           DaemonMetrics.delivered("http", page.lines.length, page.lines.reduce((n, l) => n + l.length, 0))
           const next = Offset.encode(page.next)
-          if (live === "long-poll" && page.lines.length === 0) {
+          if (live === "long-poll" && page.lines.length === 0 && page.rewrite === undefined) {
             return HttpServerResponse.empty({ status: 204, headers: streamHeaders(ctx, next, true, true) })
           }
+          // A read from before a history rewrite: the array starts with what SSE's control
+          // event says of it (the replacement snapshot to read, the offset after it).
+          const elements = page.rewrite === undefined
+            ? page.lines
+            : [JSON.stringify({ type: "control", rewrite: rewriteFields(page.rewrite, (s) => snapshotLink(sessionId(ctx), s)) }), ...page.lines]
           // Encoded by Buffer.from, faster than the TextEncoder `text` uses on a 4 MiB page.
-          return HttpServerResponse.uint8Array(Buffer.from(`[${page.lines.join(",")}]`, "utf8"), {
+          return HttpServerResponse.uint8Array(Buffer.from(`[${elements.join(",")}]`, "utf8"), {
             contentType: "application/json",
             headers: streamHeaders(ctx, next, page.upToDate, live === "long-poll")
           })
-        }), live === "sse" ? { rewriteAsControl: true } : { budget: pageBytes })
+        }), live === "sse" ? {} : { budget: pageBytes })
     })
+
+  const NEWLINE = 0x0a
+  const ATTACHED_LINE = Buffer.from('{"type":"session_attached"')
+  const SNAPSHOT_LINE = Buffer.from('{"type":"session_snapshot_')
+  const CHUNK_LINE = Buffer.from('{"type":"session_snapshot_chunk"')
+  const END_LINE = Buffer.from('{"type":"session_snapshot_end"')
+  const FAILED_LINE = Buffer.from('{"type":"session_snapshot_failed"')
+  const startsWith = (line: Buffer, prefix: Buffer) => line.length >= prefix.length && line.compare(prefix, 0, prefix.length, 0, prefix.length) === 0
+
+  /**
+   * Where a `tailBytes` read of the current snapshot starts: a chunk resume of it (an attach's
+   * `snapshotResume`), so that the daemon does not read the chunks before its end at all. An
+   * attach that is not delivered names the snapshot; the cache says, once it is made, how many
+   * chunks it has and their bytes, from which the chunks that make about `tailBytes` are counted (one more for
+   * chunks of unequal size: the read trims to the bytes exactly). Undefined: read it all (a
+   * snapshot still being made, or small enough).
+   */
+  const tailStart = (connectionId: string, attach: Protocol.CommandOf<"attach">, tailBytes: number) =>
+    Effect.scoped(Effect.gen(function*() {
+      const probe = new StreamPort()
+      yield* Effect.addFinalizer(() => Effect.zipRight(Effect.sync(() => probe.close()), manager.detachAll(connectionId)))
+      const named = (yield* run(manager.attach(connectionId, probe, attach))).data.snapshotStream
+      if (named === undefined) return undefined
+      // Held while it is being made (a snapshot the cache is still reading): its end gives the count.
+      const ended = yield* Effect.option(Effect.flatMap(cache.retain(named.id), (r) => r.awaitEnd))
+      if (Option.isNone(ended)) return undefined
+      const found = yield* Effect.option(cache.info(named.id))
+      if (Option.isNone(found) || found.value.status !== "complete" || found.value.chunkCount === 0) return undefined
+      const { chunkCount, totalBytes } = found.value
+      const keep = Math.min(chunkCount, 1 + Math.max(1, Math.ceil(tailBytes / Math.max(1, totalBytes / chunkCount))))
+      return keep >= chunkCount ? undefined : { snapshotId: named.id, fromChunk: chunkCount - keep }
+    }))
 
   /**
    * The session's current snapshot as `session_snapshot_*` lines (the socket's frames, read as
@@ -357,11 +405,19 @@ export const make = Effect.gen(function*() {
       const fromChunkText = ctx.url.searchParams.get("fromChunk")
       const fromChunk = fromChunkText === null ? 0 : Number(fromChunkText)
       if (!Number.isSafeInteger(fromChunk) || fromChunk < 0) return yield* refuse("invalid_command", "`fromChunk` must be a whole number >= 0.")
-      const attach = yield* command("attach", ctx, {
+      const tailText = ctx.url.searchParams.get("tailBytes")
+      const tailBytes = tailText === null ? undefined : Number(tailText)
+      if (tailBytes !== undefined && (!Number.isSafeInteger(tailBytes) || tailBytes < 0)) {
+        return yield* refuse("invalid_command", "`tailBytes` must be a whole number >= 0.")
+      }
+      const connectionId = connectionIdOf(ctx)
+      const first = yield* command("attach", ctx, {
         activeSessionId: id,
         capabilities: ["attach_snapshot", "event_sequence", "slim_attach", "chunked_snapshot"],
         ...(resumeId === null ? {} : { snapshotResume: { snapshotId: resumeId, fromChunk } })
       }, false)
+      const tailFrom = tailBytes === undefined || resumeId !== null ? undefined : yield* tailStart(connectionId, first, tailBytes)
+      const attach = tailFrom === undefined ? first : { ...first, snapshotResume: tailFrom }
       const scope = yield* Scope.make()
       openScopes.add(scope)
       const close = Effect.suspend(() => {
@@ -370,14 +426,17 @@ export const make = Effect.gen(function*() {
       })
       NodeHttpServerRequest.toServerResponse(ctx.request).once("close", () => runFork(close))
       const port = new StreamPort()
-      const connectionId = connectionIdOf(ctx)
       yield* Scope.addFinalizer(scope, Effect.zipRight(Effect.sync(() => port.close()), manager.detachAll(connectionId)))
       const outcome = yield* run(manager.attach(connectionId, port, attach)).pipe(Effect.onError(() => close))
       yield* Effect.forkIn(Effect.interruptible(outcome.deliver), scope)
       const offset = Offset.encode(outcome.data.snapshot.cursor)
-      const decoder = new TextDecoder()
-      let carry = ""
+      // Lines are sorted as bytes (a 100 MB snapshot is not decoded to be passed on or skipped).
+      let carry: Buffer = Buffer.alloc(0)
       let done = false
+      // `tailBytes`: the chunks held back, of which only the last ones making that many bytes
+      // (the last one at least) are sent, once the end says no more come.
+      const tail: Array<Buffer> = []
+      let tailHeld = 0
       const body = Stream.repeatEffectOption(Effect.gen(function*() {
         if (done) return yield* Effect.fail(Option.none())
         if (!port.hasItems) yield* port.awaitItems
@@ -385,27 +444,34 @@ export const make = Effect.gen(function*() {
           done = true
           return yield* Effect.fail(Option.none())
         }
-        let out = ""
+        const out: Array<Buffer> = []
         for (const data of port.takeAll()) {
-          const text = carry + (typeof data === "string" ? data : decoder.decode(data))
+          const piece = typeof data === "string" ? Buffer.from(data, "utf8") : Buffer.from(data.buffer, data.byteOffset, data.byteLength)
+          const text = carry.length === 0 ? piece : Buffer.concat([carry, piece])
           let start = 0
           for (;;) {
-            const nl = text.indexOf("\n", start)
+            const nl = text.indexOf(NEWLINE, start)
             if (nl < 0) break
-            const line = text.slice(start, nl + 1)
+            const line = text.subarray(start, nl + 1)
             start = nl + 1
             if (done) continue
-            if (line.startsWith('{"type":"session_attached"')) {
-              out += `${JSON.stringify({ type: "snapshot_offset", activeSessionId: id, offset })}\n`
+            if (startsWith(line, ATTACHED_LINE)) {
+              out.push(Buffer.from(`${JSON.stringify({ type: "snapshot_offset", activeSessionId: id, offset })}\n`))
               done = true
-            } else if (line.startsWith('{"type":"session_snapshot_')) {
-              out += line
-              if (line.startsWith('{"type":"session_snapshot_failed"')) done = true
+            } else if (tailBytes !== undefined && startsWith(line, CHUNK_LINE)) {
+              // Copied: the piece it is part of may be a larger buffer.
+              tail.push(Buffer.from(line))
+              tailHeld += line.length
+              while (tail.length > 1 && tailHeld - tail[0]!.length >= tailBytes) tailHeld -= tail.shift()!.length
+            } else if (startsWith(line, SNAPSHOT_LINE)) {
+              if (startsWith(line, END_LINE) || startsWith(line, FAILED_LINE)) out.push(...tail.splice(0))
+              out.push(line)
+              if (startsWith(line, FAILED_LINE)) done = true
             }
           }
-          carry = text.slice(start)
+          carry = Buffer.from(text.subarray(start))
         }
-        return new TextEncoder().encode(out)
+        return out.length === 1 ? out[0]! : Buffer.concat(out)
       })).pipe(Stream.ensuring(close))
       return HttpServerResponse.stream(body, {
         contentType: "application/x-ndjson",
@@ -645,11 +711,11 @@ export const make = Effect.gen(function*() {
 })
 
 /** The HTTP front, over the daemon's sessions. */
-export const layer: Layer.Layer<HttpFront, HttpStartError, DaemonConfig | SessionManager | EventLog | SupervisorInfo> = Layer.scoped(
+export const layer: Layer.Layer<HttpFront, HttpStartError, DaemonConfig | SessionManager | EventLog | SupervisorInfo | SnapshotCache> = Layer.scoped(
   HttpFront,
   make
 )
 
 /** The HTTP front when the configuration asks for one (`http`), nothing otherwise. */
-export const layerIfConfigured: Layer.Layer<never, HttpStartError, DaemonConfig | SessionManager | EventLog | SupervisorInfo> = Layer
+export const layerIfConfigured: Layer.Layer<never, HttpStartError, DaemonConfig | SessionManager | EventLog | SupervisorInfo | SnapshotCache> = Layer
   .unwrapEffect(Effect.map(DaemonConfig, (config) => (config.http === undefined ? Layer.empty : Layer.discard(layer))))

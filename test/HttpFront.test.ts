@@ -184,7 +184,7 @@ describe("HTTP page budget", () => {
       assert.strictEqual(port.queuedBytes, Number.MAX_SAFE_INTEGER)
       const waiter = yield* Effect.fork(port.awaitBelow(1024))
       // The page takes both lines and ends there, short of the target, instead of waiting for more.
-      const reader: Reader = { port, sorter: new LineSorter(), pending: [], from: Cursor.make(1, 0), target: Cursor.make(1, 99) }
+      const reader: Reader = { port, sorter: new LineSorter(), pending: [], from: Cursor.make(1, 0), target: Cursor.make(1, 99), rewritten: false }
       const page = yield* readPage(reader, 1024 * 1024, undefined)
       assert.deepStrictEqual(page.lines, [line(0).slice(0, -1), line(1).slice(0, -1)])
       assert.deepStrictEqual(page.next, Cursor.make(1, 1))
@@ -192,6 +192,26 @@ describe("HTTP page budget", () => {
       assert.isUndefined(yield* Fiber.poll(waiter).pipe(Effect.map(Option.getOrUndefined)))
       port.close()
       yield* Fiber.join(waiter)
+    }))
+
+  it.effect("a read from before a rewrite starts with it: the replacement's frames spend no budget, the page goes on from its cursor", () =>
+    Effect.gen(function*() {
+      const budget = line(0).length * 2
+      const port = new StreamPort(budget)
+      // A replacement snapshot far over the page's budget, then events of the new generation.
+      port.offer(`{"type":"session_snapshot_begin","activeSessionId":"s","snapshotId":"snap-2","purpose":"replacement","cursor":{"generation":1,"sequence":5}}\n`)
+      for (let i = 0; i < 10; i++) port.offer(Buffer.from(`{"type":"session_snapshot_chunk","snapshotId":"snap-2","index":${i},"messages":["${"x".repeat(budget)}"]}\n`))
+      port.offer(`{"type":"session_snapshot_end","snapshotId":"snap-2"}\n`)
+      assert.isFalse(port.exhausted)
+      const event = line(0).replace('"generation":1,"sequence":0', '"generation":2,"sequence":0')
+      port.offer(event)
+      const reader: Reader = { port, sorter: new LineSorter(), pending: [], from: Cursor.make(1, 2), target: Cursor.make(2, 0), rewritten: true }
+      const page = yield* readPage(reader, 1024 * 1024, undefined)
+      assert.deepStrictEqual(page.rewrite, { snapshotId: "snap-2", cursor: Cursor.make(1, 5) })
+      assert.deepStrictEqual(page.lines, [event.slice(0, -1)])
+      assert.deepStrictEqual(page.next, Cursor.make(2, 0))
+      assert.isTrue(page.upToDate)
+      port.close()
     }))
 
   it.effect("without a budget (SSE) the port is never full for good", () =>

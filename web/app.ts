@@ -400,7 +400,7 @@ const sessionView = (id: string): void => {
         first.remove()
       }
     }
-    more.hidden = start === 0
+    more.hidden = start === 0 && follower.earlier === 0
     live.replaceChildren(...(fold.streaming === undefined ? [] : [messageView(fold.streaming, true)]))
     if (stick) transcript.scrollTop = transcript.scrollHeight
 
@@ -409,9 +409,10 @@ const sessionView = (id: string): void => {
     title.textContent = name
     document.title = `${name} · agentd`
     const worker = s?.worker ?? "unknown"
+    const count = follower.earlier + msgs.length
     state.replaceChildren(
       h("span", { class: `worker worker-${worker}` }, worker),
-      ` · ${fold.busy ? "busy" : "idle"} · ${msgs.length} message${msgs.length === 1 ? "" : "s"} · ${s?.engine ?? ""} · `,
+      ` · ${fold.busy ? "busy" : "idle"} · ${count} message${count === 1 ? "" : "s"} · ${s?.engine ?? ""} · `,
       h("code", { title: id }, shortId(id)),
       ` · ${follower.connection}`
     )
@@ -433,9 +434,28 @@ const sessionView = (id: string): void => {
     retry.hidden = !(worker === "failed" || worker === "damaged")
   }
 
-  // Earlier messages page in above, keeping what the reader looks at in place.
+  // Earlier messages page in above, keeping what the reader looks at in place: from the fold,
+  // or, before its first one, read from the daemon first.
+  let loading = false
   const showEarlier = () => {
-    if (start === 0) return
+    if (start === 0) {
+      if (follower.earlier === 0 || loading) return
+      loading = true
+      more.textContent = "Loading earlier messages…"
+      void follower.loadEarlier(PAGE).then((n) => {
+        // Put in front of the fold: what the DOM holds moved on by as many.
+        start += n
+        end += n
+        if (n > 0) showEarlier()
+      }, (e) => {
+        errorLine.textContent = `Loading earlier messages failed: ${describeError(e)}`
+      }).finally(() => {
+        loading = false
+        more.textContent = "Show earlier messages"
+        more.hidden = start === 0 && follower.earlier === 0
+      })
+      return
+    }
     const from = Math.max(0, start - PAGE)
     const height = transcript.scrollHeight
     const frag = document.createElement("div")
@@ -444,7 +464,7 @@ const sessionView = (id: string): void => {
     appendUpTo(frag, from, start, noticeFrom < 0 ? 0 : noticeFrom, noticeTo < 0 ? follower.notices.length : noticeTo)
     list.prepend(...frag.childNodes)
     start = from
-    more.hidden = start === 0
+    more.hidden = start === 0 && follower.earlier === 0
     transcript.scrollTop += transcript.scrollHeight - height
   }
   more.addEventListener("click", showEarlier)

@@ -5,6 +5,8 @@
  * The browser's EventSource reconnects by itself with `Last-Event-ID` (a lost network, a daemon
  * restart), and the fold drops whatever it already has, so nothing is shown twice or missed.
  * A pruned offset (410), a `lost: "resync"` or a history rewrite start over from a new snapshot.
+ * Only the snapshot's last chunks are read, and its last WINDOW messages kept: the fold holds
+ * the end of the transcript, and earlier messages are read (`/messages`) as the reader asks.
  */
 import * as Either from "effect/Either"
 import type * as Cursor from "../src/Cursor.js"
@@ -16,8 +18,8 @@ import { api, ApiError } from "./api.js"
 export interface Notice {
   readonly kind: "info" | "warn" | "error"
   readonly text: string
-  /** Shown after this many messages of the transcript. */
-  readonly at: number
+  /** Shown after this many messages of the fold (moved on when earlier ones are put in front). */
+  at: number
 }
 
 /** The offset of a cursor, as the HTTP front writes it (`GGGG…_SSSS…`). */
@@ -32,8 +34,16 @@ const INTERRUPTS: Record<string, string> = {
   storage_failed: "Storage failed: this turn was interrupted."
 }
 
+/** The snapshot's bytes read at a start: its last chunks making at least this much. */
+const TAIL_BYTES = 1024 * 1024
+/** The snapshot's messages kept at a start (at most): the rest are read as the reader scrolls up. */
+const WINDOW = 100
+
 export class Follower {
+  /** The transcript's end: `earlier` messages come before its first one. */
   fold: SessionFold
+  /** Messages of the transcript before the fold's first one, not read (yet). */
+  earlier = 0
   readonly notices: Array<Notice> = []
   /** What the connection is doing, for the status line. */
   connection: "connecting" | "live" | "reconnecting" | "stopped" = "connecting"
@@ -89,32 +99,53 @@ export class Follower {
     this.source?.close()
   }
 
-  /** Reads the snapshot (JSON lines of the socket's snapshot frames) into the fold. */
+  /**
+   * Reads the end of the snapshot (JSON lines of the socket's snapshot frames; `tailBytes`: only
+   * its last chunks) into the fold, as a snapshot of its last messages: `earlier` says how many
+   * came before them.
+   */
   private async loadSnapshot(summary: Protocol.SessionSummary, reason: string | undefined): Promise<string> {
-    const res = await fetch(`/v1/sessions/${encodeURIComponent(this.id)}/snapshot`, { credentials: "same-origin" })
+    const res = await fetch(`/v1/sessions/${encodeURIComponent(this.id)}/snapshot?tailBytes=${TAIL_BYTES}`, { credentials: "same-origin" })
     if (!res.ok) throw await ApiError.of(res)
     const text = await res.text()
     // A fresh fold: a baseline replaces everything, and the fold's checks start over with it.
     const fold = new SessionFold(this.id)
     fold.attaching()
     let offset: string | undefined
-    let snapshotId: string | undefined
+    let begin: Protocol.PushMessage & { readonly type: "session_snapshot_begin" } | undefined
+    let end: Protocol.PushMessage & { readonly type: "session_snapshot_end" } | undefined
+    const chunks: Array<ReadonlyArray<Protocol.AgentMessage>> = []
     for (const line of text.split("\n")) {
       if (line === "") continue
       const m = JSON.parse(line) as Protocol.PushMessage | { readonly type: "snapshot_offset"; readonly offset: string }
-      if (m.type === "snapshot_offset") {
-        offset = m.offset
-        continue
-      }
-      if (m.type === "session_snapshot_begin") snapshotId = m.snapshotId
+      if (m.type === "snapshot_offset") offset = m.offset
+      else if (m.type === "session_snapshot_begin") begin = m
+      else if (m.type === "session_snapshot_chunk") chunks.push(m.messages)
+      else if (m.type === "session_snapshot_end") end = m
+      else if (m.type === "session_snapshot_failed") throw new Error(`the snapshot failed: ${m.error.message}`)
+    }
+    if (offset === undefined || begin === undefined || end === undefined) throw new Error("the snapshot ended early")
+    const received = chunks.flat()
+    const kept = received.slice(Math.max(0, received.length - WINDOW))
+    const earlier = begin.messageCount - kept.length
+    if (earlier < 0 || (chunks.length === end.chunkCount && received.length !== begin.messageCount)) {
+      throw new Error(`${begin.snapshotId} announced ${begin.messageCount} messages, ${received.length} came`)
+    }
+    // The fold takes the window as a whole snapshot of its own (its checks hold for it).
+    for (const m of [
+      { ...begin, messageCount: kept.length },
+      { type: "session_snapshot_chunk", activeSessionId: this.id, snapshotId: begin.snapshotId, index: 0, messages: kept },
+      { ...end, chunkCount: 1 }
+    ] as const) {
       const out = fold.receive(m)
       if (Either.isLeft(out)) throw new Error(out.left.message)
     }
-    if (offset === undefined || !fold.hasBaseline) throw new Error("the snapshot ended early")
+    const snapshotId = begin.snapshotId
     // What `session_attached` says on the socket: the session's state; events may flow.
     const attached = fold.receive({ type: "session_attached", activeSessionId: this.id, state: summary, replay: { status: "unavailable" } })
     if (Either.isLeft(attached)) throw new Error(attached.left.message)
     this.fold = fold
+    this.earlier = earlier
     this.snapshotId = snapshotId
     // The notices were about the transcript just replaced; the reason for replacing it stays.
     this.notices.length = 0
@@ -123,6 +154,26 @@ export class Follower {
     this.epoch++
     this.changed()
     return offset
+  }
+
+  /**
+   * Reads up to `n` of the messages before the fold's first one (`/messages`, by their index in
+   * the transcript: the history before the window does not change but by a rewrite, which
+   * starts over) and puts them in front. How many it put there (0 if a new baseline came meanwhile).
+   */
+  async loadEarlier(n: number): Promise<number> {
+    if (this.earlier === 0) return 0
+    const epoch = this.epoch
+    const from = Math.max(0, this.earlier - n)
+    const page = await api<Protocol.GetMessagesResult>(
+      "GET",
+      `/v1/sessions/${encodeURIComponent(this.id)}/messages?offset=${from}&limit=${this.earlier - from}`
+    )
+    if (epoch !== this.epoch || this.earlier - from !== page.messages.length) return 0
+    this.fold.messages.unshift(...page.messages)
+    for (const notice of this.notices) notice.at += page.messages.length
+    this.earlier = from
+    return page.messages.length
   }
 
   private follow(offset: string): void {

@@ -7,37 +7,9 @@
 import { expect, it } from "vitest"
 import { describeBrowser, useBrowser } from "../support/browser.js"
 import { cleanUpAfterTests, cursorGap, type Msg, sleep } from "./harness.js"
-import { freePort, type HttpDaemon, request, useHttpDaemon } from "./httpHarness.js"
+import { cursorsOf, freePort, type HttpDaemon, isEventOf, readAll, request, useHttpDaemon, waitIdle } from "./httpHarness.js"
 
 cleanUpAfterTests()
-
-const isEventOf = (type: string) => (m: Msg) => m["type"] === "session_event" && m["event"]?.type === type
-const cursorsOf = (msgs: ReadonlyArray<Msg>) => msgs.map((m) => `${m["meta"].cursor.generation}:${m["meta"].cursor.sequence}`)
-
-const waitIdle = async (h: HttpDaemon, id: string, timeoutMs = 20_000) => {
-  const deadline = Date.now() + timeoutMs
-  for (;;) {
-    const s = await request(h, "GET", `/v1/sessions/${id}`).catch(() => undefined)
-    if (s?.json?.worker === "ready" && s.json.busy === false) {
-      h.daemon.recordWorkers(s.json)
-      return s.json
-    }
-    if (Date.now() > deadline) throw new Error(`session ${id} not idle: ${s?.text}`)
-    await sleep(50)
-  }
-}
-
-const readAll = async (h: HttpDaemon, id: string) => {
-  const out: Array<Msg> = []
-  let offset = "-1"
-  for (;;) {
-    const res = await request(h, "GET", `/v1/sessions/${id}/events?offset=${offset}`)
-    expect(res.status, res.text).toBe(200)
-    out.push(...res.json)
-    offset = String(res.headers["stream-next-offset"])
-    if (res.headers["stream-up-to-date"] === "true") return out
-  }
-}
 
 describeBrowser("a browser EventSource (e2e, chromium)", () => {
   const browser = useBrowser()
@@ -94,7 +66,7 @@ describeBrowser("a browser EventSource (e2e, chromium)", () => {
       await waitGot((m) => m.filter(isEventOf("agent_end")).length >= 1, "agent_end after the restart")
       await waitIdle(h, id)
 
-      const truth = await readAll(h, id)
+      const truth = (await readAll(h, id)).messages
       const seen = await waitGot((m) => m.length >= truth.length, "the page catching up with the log")
       const { opens, ids } = await page.evaluate(() => {
         const w = globalThis as unknown as { opens: number; ids: Array<string> }

@@ -3,45 +3,17 @@
  * catch-up, long-poll and SSE reads with offsets made from cursors; a follower resuming with
  * `Last-Event-ID` across a daemon SIGKILL and restart and a worker SIGKILL sees every event
  * exactly once; a pruned offset answers 410 with a link to the snapshot, which then leads back
- * to the events; a history rewrite is a control event naming the replacement snapshot.
+ * to the events; a history rewrite is a control event naming the replacement snapshot, which a
+ * read of any mode from before it starts with.
  */
 import * as http from "node:http"
 import { describe, expect, it } from "vitest"
 import { cleanUpAfterTests, type Cursor, cursorGap, type Msg, sleep } from "./harness.js"
-import { freePort, type HttpDaemon, request, SseFollower, useHttpDaemon } from "./httpHarness.js"
+import { cursorsOf, freePort, type HttpDaemon, isEventOf, offsetOf, readAll, request, SseFollower, useHttpDaemon, waitIdle } from "./httpHarness.js"
 
 cleanUpAfterTests()
 
-const offsetOf = (c: Cursor) => `${String(c.generation).padStart(16, "0")}_${String(c.sequence).padStart(16, "0")}`
 const START = offsetOf({ generation: 0, sequence: 0 })
-const cursorsOf = (msgs: ReadonlyArray<Msg>) => msgs.map((m) => `${m["meta"].cursor.generation}:${m["meta"].cursor.sequence}`)
-const isEventOf = (type: string) => (m: Msg) => m["type"] === "session_event" && m["event"]?.type === type
-
-const waitIdle = async (h: HttpDaemon, id: string, timeoutMs = 20_000) => {
-  const deadline = Date.now() + timeoutMs
-  for (;;) {
-    const s = await request(h, "GET", `/v1/sessions/${id}`).catch(() => undefined)
-    if (s?.json?.worker === "ready" && s.json.busy === false) {
-      h.daemon.recordWorkers(s.json)
-      return s.json
-    }
-    if (Date.now() > deadline) throw new Error(`session ${id} not idle: ${s?.text}`)
-    await sleep(50)
-  }
-}
-
-/** Every event of the session, read page by page from the start. */
-const readAll = async (h: HttpDaemon, id: string, from = "-1") => {
-  const out: Array<Msg> = []
-  let offset = from
-  for (;;) {
-    const res = await request(h, "GET", `/v1/sessions/${id}/events?offset=${offset}`)
-    expect(res.status, res.text).toBe(200)
-    out.push(...res.json)
-    offset = String(res.headers["stream-next-offset"])
-    if (res.headers["stream-up-to-date"] === "true") return { messages: out, next: offset }
-  }
-}
 
 describe("HTTP events (e2e)", () => {
   it("catch-up, now, long-poll (204 and 200) and SSE with keep-alives: contiguous cursors, offsets that sort", async () => {
@@ -221,7 +193,7 @@ describe("HTTP events (e2e)", () => {
     expect(transcript).toContain("echo: fourth")
   })
 
-  it("a snapshot read resumes from a chunk (?id&fromChunk) while its snapshot is retained", async () => {
+  it("a snapshot read resumes from a chunk (?id&fromChunk) while its snapshot is retained, or reads only its end (?tailBytes)", async () => {
     const h = await useHttpDaemon({ env: { AGENTD_TARGET_CHUNK_BYTES: "256" } })
     const id = (await request(h, "POST", "/v1/sessions")).json.activeSessionId as string
     await waitIdle(h, id)
@@ -243,9 +215,18 @@ describe("HTTP events (e2e)", () => {
     expect(restLines.at(-1)!["type"]).toBe("snapshot_offset")
     const bad = await request(h, "GET", `/v1/sessions/${id}/snapshot?fromChunk=-1`)
     expect(bad.status).toBe(400)
+    // Only its end (`tailBytes`): begin, the last chunks making that many bytes (one at least,
+    // with their own indices), end and the offset, as the whole read has them.
+    const lineOf = (m: Msg) => JSON.stringify(m).length + 1
+    for (const tailBytes of [0, lineOf(chunks.at(-1)!) + 1]) {
+      const tail = (await request(h, "GET", `/v1/sessions/${id}/snapshot?tailBytes=${tailBytes}`)).text.trimEnd().split("\n").map((l) => JSON.parse(l) as Msg)
+      const kept = tailBytes === 0 ? 1 : 2
+      expect(tail).toEqual([begin, ...chunks.slice(-kept), ...whole.slice(-2)])
+    }
+    expect((await request(h, "GET", `/v1/sessions/${id}/snapshot?tailBytes=x`)).status).toBe(400)
   })
 
-  it("a history rewrite is an SSE control event naming the replacement snapshot; an offset from before it answers 410", async () => {
+  it("a history rewrite is a control event naming the replacement snapshot; a catch-up, long-poll or SSE read from before it starts with it", async () => {
     const h = await useHttpDaemon()
     const id = (await request(h, "POST", "/v1/sessions")).json.activeSessionId as string
     await waitIdle(h, id)
@@ -264,10 +245,40 @@ describe("HTTP events (e2e)", () => {
       const rewrite = JSON.parse(follower.events.find((e) => e.event === "control" && JSON.parse(e.data).rewrite !== undefined)!.data).rewrite
       expect(typeof rewrite.snapshotId).toBe("string")
       expect(rewrite.snapshot).toBe(`/v1/sessions/${id}/snapshot?id=${encodeURIComponent(rewrite.snapshotId)}`)
-      await waitIdle(h, id)
-      const gone = await request(h, "GET", `/v1/sessions/${id}/events?offset=${beforeRewrite}`)
-      expect(gone.status).toBe(410)
-      expect(gone.json.error.code).toBe("offset_gone")
+      expect(rewrite.offset).toBe(offsetOf(rewrite.cursor))
+      const tail = (await waitIdle(h, id)).lastEventCursor as Cursor
+      await follower.waitFor((f) => f.messages.at(-1)?.["meta"].cursor.sequence === tail.sequence && f.messages.at(-1)?.["meta"].cursor.generation === tail.generation, 10_000, "the tail")
+      // What the SSE follower got after the rewrite control: the events that extend the snapshot.
+      const afterRewrite = follower.messages.filter((m) => m["meta"].cursor.generation > rewrite.cursor.generation)
+      expect(afterRewrite.length).toBeGreaterThan(0)
+      // Catch-up and long-poll reads from before the rewrite agree with SSE (not a 410): the
+      // rewrite first (the same snapshot, the offset after it), then the events after it.
+      for (const live of ["", "&live=long-poll"]) {
+        const read = await request(h, "GET", `/v1/sessions/${id}/events?offset=${beforeRewrite}${live}`)
+        expect(read.status, `${live}: ${read.text}`).toBe(200)
+        const [control, ...rest] = read.json as Array<Msg>
+        expect(control).toEqual({ type: "control", rewrite })
+        expect(cursorsOf(rest)).toEqual(cursorsOf(afterRewrite))
+        expect(read.headers["stream-next-offset"]).toBe(offsetOf(tail))
+        expect(read.headers["stream-up-to-date"]).toBe("true")
+        // From there on the stream is the usual one.
+        const after = await request(h, "GET", `/v1/sessions/${id}/events?offset=${read.headers["stream-next-offset"]}`)
+        expect(after.json).toEqual([])
+      }
+      // The rewrite's own offset is also one of the history before it: a read from it starts
+      // with the same rewrite (a reader holding that snapshot goes on with the events after it).
+      const fromSnapshot = await request(h, "GET", `/v1/sessions/${id}/events?offset=${rewrite.offset}`)
+      expect(fromSnapshot.json[0]).toEqual({ type: "control", rewrite })
+      expect(cursorsOf(fromSnapshot.json.slice(1))).toEqual(cursorsOf(afterRewrite))
+      // A new SSE read from before the rewrite starts with the same control event.
+      const late = new SseFollower(() => h, `/v1/sessions/${id}/events?offset=${beforeRewrite}&live=sse`)
+      try {
+        await late.waitFor((f) => f.messages.length >= afterRewrite.length, 10_000, "the events after the rewrite")
+        expect(JSON.parse(late.events.find((e) => e.event === "control")!.data).rewrite).toEqual(rewrite)
+        expect(cursorsOf(late.messages)).toEqual(cursorsOf(afterRewrite))
+      } finally {
+        late.stop()
+      }
       // The named snapshot is readable, and it holds the rewritten history.
       const snap = await request(h, "GET", rewrite.snapshot)
       expect(snap.status).toBe(200)

@@ -2,13 +2,15 @@
  * HTTP helpers for the e2e tests of the HTTP front: a daemon started with `--http`, its URL
  * (read from its log) and token (read from the state dir, as `agentd http-token` does), a raw
  * request on `node:http` (fetch may not set `Host` or `Origin`, which the attack tests need),
- * and an SSE follower that resumes with `Last-Event-ID` as a browser's EventSource does.
+ * an SSE follower that resumes with `Last-Event-ID` as a browser's EventSource does, and what
+ * the event-stream tests share: waiting for a session to be idle, reading all its events page by
+ * page, offsets and cursors.
  */
 import * as fs from "node:fs"
 import * as http from "node:http"
 import * as net from "node:net"
 import * as path from "node:path"
-import { type Daemon, type Msg, sleep, type StartOptions, useDaemon } from "./harness.js"
+import { type Cursor, type Daemon, type Msg, sleep, type StartOptions, useDaemon } from "./harness.js"
 
 export interface HttpDaemon {
   readonly daemon: Daemon
@@ -137,7 +139,9 @@ export class SseFollower {
   lastEventId: string | undefined
   connections = 0
   private stopped = false
+  private paused = false
   private current: http.ClientRequest | undefined
+  private response: http.IncomingMessage | undefined
   private waiters: Array<() => void> = []
 
   constructor(
@@ -171,6 +175,8 @@ export class SseFollower {
             return
           }
           this.connections++
+          this.response = res
+          if (this.paused) res.pause()
           res.setEncoding("utf8")
           let buffer = ""
           res.on("data", (text: string) => {
@@ -224,8 +230,52 @@ export class SseFollower {
     }
   }
 
+  /** Stops reading (a slow reader: the kernel's buffers fill, then the daemon's). */
+  pause(): void {
+    this.paused = true
+    this.response?.pause()
+  }
+
+  resume(): void {
+    this.paused = false
+    this.response?.resume()
+  }
+
   stop(): void {
     this.stopped = true
     this.current?.destroy()
+  }
+}
+
+/** The HTTP offset of a cursor (`GGGG…_SSSS…`). */
+export const offsetOf = (c: Cursor) => `${String(c.generation).padStart(16, "0")}_${String(c.sequence).padStart(16, "0")}`
+/** Messages' cursors as `G:S`, for comparing streams. */
+export const cursorsOf = (msgs: ReadonlyArray<Msg>) => msgs.map((m) => `${m["meta"].cursor.generation}:${m["meta"].cursor.sequence}`)
+export const isEventOf = (type: string) => (m: Msg) => m["type"] === "session_event" && m["event"]?.type === type
+
+/** Waits until the session's worker is ready and no turn runs (its summary). */
+export const waitIdle = async (h: HttpDaemon, id: string, timeoutMs = 20_000) => {
+  const deadline = Date.now() + timeoutMs
+  for (;;) {
+    const s = await request(h, "GET", `/v1/sessions/${id}`).catch(() => undefined)
+    if (s?.json?.worker === "ready" && s.json.busy === false) {
+      h.daemon.recordWorkers(s.json)
+      return s.json
+    }
+    if (Date.now() > deadline) throw new Error(`session ${id} not idle: ${s?.text}`)
+    await sleep(50)
+  }
+}
+
+/** Every event of the session from `from` (default the start), read page by page; and the offset after them. */
+export const readAll = async (h: HttpDaemon, id: string, from = "-1") => {
+  const out: Array<Msg> = []
+  let offset = from
+  for (;;) {
+    const res = await request(h, "GET", `/v1/sessions/${id}/events?offset=${offset}`)
+    if (res.status !== 200) throw new Error(`events?offset=${offset}: ${res.status} ${res.text}`)
+    out.push(...res.json)
+    offset = String(res.headers["stream-next-offset"])
+    if (res.headers["stream-up-to-date"] === "true") return { messages: out, next: offset }
   }
 }

@@ -4,12 +4,13 @@
  * SIGKILL, a second socket client that stops reading through a large turn (paused, then caught
  * up from the log), an SSE reader of the same session from its start, a WebSocket open beside.
  * The counters must be exact: every event appended once, delivered once to each reader, one turn
- * duration per turn, one checkpoint, one crash and its restart.
+ * duration per turn, one checkpoint, one crash and its restart. And a socket client and an SSE
+ * reader that stop reading while the events they lack are pruned: exactly two resyncs.
  */
 import { assert, describe, it } from "vitest"
 import WebSocket from "ws"
 import { cleanUpAfterTests, collectTurn, createSession, isAlive, sleep, waitIdle } from "./harness.js"
-import { request, SseFollower, useHttpDaemon } from "./httpHarness.js"
+import { type HttpDaemon, request, SseFollower, useHttpDaemon } from "./httpHarness.js"
 
 cleanUpAfterTests()
 
@@ -23,6 +24,8 @@ const parse = (text: string): Map<string, number> => {
   }
   return out
 }
+
+const scrapeOf = (h: HttpDaemon) => async () => parse((await request(h, "GET", "/metrics")).text)
 
 describe("GET /metrics: daemon-wide metrics (e2e)", () => {
   it("a known workload gives exact counts: appended, delivered by transport, clients, turns, checkpoints, crashes, restarts", async () => {
@@ -111,5 +114,49 @@ describe("GET /metrics: daemon-wide metrics (e2e)", () => {
       await sleep(50)
     }
     assert.fail("the client gauges did not come back to 0")
+  }, 60_000)
+
+  it("the resync counter counts exactly the resyncs of a paused socket client and a paused SSE reader", async () => {
+    // A small outbox (a client that does not read is paused early), one generation retained
+    // (the checkpoint prunes the events a paused client lacks).
+    const h = await useHttpDaemon({ env: { AGENTD_OUTBOX_BYTES: String(64 * 1024), AGENTD_RETAIN_GENERATIONS: "1" } })
+    const scrape = scrapeOf(h)
+    const c = await h.daemon.connect("driver")
+    const { id } = await createSession(c)
+    await c.ok({ type: "attach", activeSessionId: id, capabilities: ["event_sequence", "slim_attach"] })
+    await c.waitFor((m) => m["type"] === "session_attached")
+    await waitIdle(c, id)
+    const slowSocket = await h.daemon.connect("slow")
+    await slowSocket.ok({ type: "attach", activeSessionId: id, capabilities: ["event_sequence", "slim_attach"] })
+    await slowSocket.waitFor((m) => m["type"] === "session_attached")
+    slowSocket.socket.pause()
+    const slowSse = new SseFollower(() => h, `/v1/sessions/${id}/events?offset=now&live=sse`)
+    try {
+      await slowSse.waitFor((f) => f.events.length > 0, 10_000, "the SSE reader at the tail")
+      slowSse.pause()
+      // 8 MB: more than the kernel's socket buffers take in for the SSE reader (its response is
+      // paused only once they are full), so it is still owed events at the checkpoint.
+      for (let i = 0; i < 2; i++) {
+        c.sendCommand({ type: "prompt", activeSessionId: id, message: "/bulk 4000000" })
+        await collectTurn(c, id, 30_000)
+        await waitIdle(c, id)
+      }
+      assert.strictEqual((await scrape()).get("agentd_slow_client_resyncs_total"), 0)
+      await c.ok({ type: "checkpoint", activeSessionId: id })
+      slowSocket.socket.resume()
+      slowSse.resume()
+      // The socket client gets the current generation's snapshot as a resync; the SSE reader a
+      // `lost: resync` control event (its stream ends there; its reconnection answers 410).
+      await slowSocket.waitFor((m) => m["type"] === "session_snapshot_begin" && m["purpose"] === "resync", 20_000)
+      await slowSse.waitFor((f) => f.events.some((e) => e.event === "control" && JSON.parse(e.data).lost === "resync"), 20_000, "the resync control event")
+      await slowSse.waitFor((f) => f.statuses.includes(410), 10_000, "the 410 after the resync")
+      assert.strictEqual((await scrape()).get("agentd_slow_client_resyncs_total"), 2)
+      // The driver, reading all along, was never resynced; nor is anyone by more turns.
+      c.sendCommand({ type: "prompt", activeSessionId: id, message: "after" })
+      await collectTurn(c, id)
+      assert.strictEqual((await scrape()).get("agentd_slow_client_resyncs_total"), 2)
+    } finally {
+      slowSse.stop()
+    }
   }, 60_000)
 })

@@ -176,6 +176,57 @@ describeBrowser("the web page (e2e, chromium)", () => {
     await page.setViewportSize({ width: 1100, height: 700 })
   })
 
+  it("on a phone (390x844) both views fit with no horizontal scroll, every control has an accessible name, and the prompt, Abort and Checkpoint work from the keyboard", async () => {
+    // The session the page made (tokenDelayMs 25): no new session, the table test counts them.
+    const id = decodeURIComponent(page.url().split("#/s/")[1]!)
+    await idle(id)
+    /** Controls without an accessible name, in the page's accessibility tree (hidden ones are not in it). */
+    const unnamed = async () => {
+      const tree = await page.ariaSnapshot()
+      const controls = tree.split("\n").filter((l) => /^\s*- (button|textbox|combobox|checkbox|searchbox|spinbutton|radio|link)\b/.test(l))
+      expect(controls.length, tree).toBeGreaterThan(2)
+      return controls.filter((l) => /^\s*- \w+(?=$|:| \[)/.test(l))
+    }
+    const scrollWidth = () => page.evaluate(() => (globalThis as unknown as { document: { documentElement: { scrollWidth: number } } }).document.documentElement.scrollWidth)
+    await page.setViewportSize({ width: 390, height: 844 })
+    try {
+      await page.goto(`${h.url}/#/`)
+      await page.waitForSelector(`#sessions tr[data-id="${id}"]`)
+      expect(await scrollWidth()).toBeLessThanOrEqual(390)
+      expect(await unnamed()).toEqual([])
+      await openSession(page, id)
+      await page.waitForSelector("#prompt:not([disabled])")
+      expect(await scrollWidth()).toBeLessThanOrEqual(390)
+      expect(await unnamed()).toEqual([])
+      // From the keyboard only: Tab to the prompt from the top, type, Enter sends.
+      const tabTo = async (target: string) => {
+        for (let i = 0; i < 40; i++) {
+          if (await page.evaluate((t) => (globalThis as unknown as { document: { activeElement: { id: string } | null } }).document.activeElement?.id === t, target)) return
+          await page.keyboard.press("Tab")
+        }
+        throw new Error(`#${target} not reached with Tab`)
+      }
+      await page.evaluate(() => (globalThis as unknown as { document: { activeElement: { blur(): void } | null } }).document.activeElement?.blur())
+      await tabTo("prompt")
+      await page.keyboard.type(words(200, "k"))
+      await page.keyboard.press("Enter")
+      await waitUntil("streamed text", async () => (await streamingText(page)).length > 10)
+      // Abort, reached with Tab (enabled while the turn runs) and pressed with Enter.
+      await tabTo("abort")
+      await page.keyboard.press("Enter")
+      await idle(id)
+      await page.waitForSelector(".notice >> text=Aborted: this turn was interrupted.")
+      expect(await scrollWidth()).toBeLessThanOrEqual(390)
+      // Checkpoint, with Space: the notice comes only with the daemon's answer.
+      await tabTo("checkpoint")
+      await page.keyboard.press("Space")
+      await page.waitForSelector(".notice >> text=Checkpoint taken.")
+      expect(await page.textContent("#session-error")).toBe("")
+    } finally {
+      await page.setViewportSize({ width: 1100, height: 700 })
+    }
+  })
+
   it("a reload mid-stream resumes with no duplicated and no missing text", async () => {
     const id = await create({ config: { tokenDelayMs: 40 } })
     await idle(id)
@@ -266,7 +317,7 @@ describeBrowser("the web page (e2e, chromium)", () => {
     expect(new Set(log.map((m) => m.id)).size).toBe(log.length)
   })
 
-  it("a long transcript: only its last 100 messages are in the DOM; earlier ones page in as the reader scrolls up", async () => {
+  it("a long transcript: only its last 100 messages are read and in the DOM; earlier ones are read and page in as the reader scrolls up", async () => {
     const id = await create()
     await idle(id)
     // Just over one page of messages (each prompt adds two).
@@ -276,16 +327,30 @@ describeBrowser("the web page (e2e, chromium)", () => {
       expect(res.status, res.text).toBe(200)
       await idle(id)
     }
-    await openSession(page, id)
-    await waitUntil("the last page", async () => (await shown(page)).at(-1)?.text === `echo: m${prompts - 1}`)
-    expect((await shown(page)).length).toBe(100)
-    await page.evaluate(() => {
-      const t = (globalThis as unknown as { document: { querySelector(s: string): { scrollTop: number } } }).document.querySelector("#transcript")
-      t.scrollTop = 0
-    })
-    await waitUntil("the earlier messages", async () => (await shown(page)).length === prompts * 2)
-    expect(JSON.stringify(await shown(page))).toBe(JSON.stringify(await truth(id)))
-    expect(await page.isHidden("#earlier")).toBe(true)
+    // In the snapshot, not in events after it: what the page reads of the snapshot is its end.
+    expect((await request(h, "POST", `/v1/sessions/${id}/checkpoint`)).status).toBe(200)
+    const asked: Array<string> = []
+    const onRequest = (r: { url(): string }) => void asked.push(new URL(r.url()).pathname + new URL(r.url()).search)
+    page.on("request", onRequest)
+    try {
+      await openSession(page, id)
+      await waitUntil("the last page", async () => (await shown(page)).at(-1)?.text === `echo: m${prompts - 1}`)
+      expect((await shown(page)).length).toBe(Math.min(100, prompts * 2))
+      expect(await page.textContent("#session-state")).toContain(`${prompts * 2} messages`)
+      expect(asked.filter((u) => u.includes("/snapshot"))).toEqual([`/v1/sessions/${id}/snapshot?tailBytes=1048576`])
+      await page.evaluate(() => {
+        const t = (globalThis as unknown as { document: { querySelector(s: string): { scrollTop: number } } }).document.querySelector("#transcript")
+        t.scrollTop = 0
+      })
+      await waitUntil("the earlier messages", async () => (await shown(page)).length === prompts * 2)
+      expect(JSON.stringify(await shown(page))).toBe(JSON.stringify(await truth(id)))
+      expect(await page.isHidden("#earlier")).toBe(true)
+      // The messages before the snapshot's last 100 were read only now, and only they.
+      const earlier = Math.max(0, prompts * 2 - 100)
+      expect(asked.filter((u) => u.includes("/messages"))).toEqual(earlier === 0 ? [] : [`/v1/sessions/${id}/messages?offset=0&limit=${earlier}`])
+    } finally {
+      page.off("request", onRequest)
+    }
   })
 
   it("1,000 sessions in the table: all listed, filtered at once, and a refresh redraws only the rows that changed", async () => {

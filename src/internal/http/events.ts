@@ -50,6 +50,11 @@ export interface Reader {
   readonly from: Cursor.Cursor | undefined
   /** The session's last event when the read attached. */
   readonly target: Cursor.Cursor | undefined
+  /**
+   * The offset is from before a history rewrite: the read starts with the rewrite (the
+   * replacement snapshot's frames, sorted into a Rewrite item), then the events after it.
+   */
+  readonly rewritten: boolean
 }
 
 const CAPABILITIES = ["attach_snapshot", "event_sequence", "slim_attach", "chunked_snapshot"]
@@ -63,15 +68,10 @@ const gone = (id: string, why: string) =>
     link: `<${snapshotLink(id)}>; rel="snapshot"`
   })
 
-/** How a read is to go on (both optional). */
+/** How a read is to go on. */
 export interface ReaderOptions {
   /** For a one-page read: the most bytes it takes (see StreamPort); none for a stream. */
   readonly budget?: number
-  /**
-   * (SSE) An offset from before a history rewrite is not refused; the read starts with the
-   * rewrite (a control event naming the replacement snapshot), then its events.
-   */
-  readonly rewriteAsControl?: boolean
 }
 
 /**
@@ -84,7 +84,7 @@ export const openReader = (
   connectionId: string,
   id: string,
   requested: Offset.Requested,
-  { budget, rewriteAsControl = false }: ReaderOptions = {}
+  { budget }: ReaderOptions = {}
 ): Effect.Effect<Reader, CommandError | ReadRefused, import("effect/Scope").Scope> =>
   Effect.gen(function*() {
     for (let attempt = 0;; attempt++) {
@@ -117,17 +117,14 @@ export const openReader = (
       const replay = outcome.data.replay
       if (resume !== undefined && replay.status !== "complete") {
         if (replay.reason === "cursor_expired") return yield* Effect.fail(gone(id, "The events after this offset were pruned"))
-        if (replay.reason === "transcript_replaced" && !rewriteAsControl) {
-          return yield* Effect.fail(gone(id, "The session's history was rewritten after this offset"))
-        }
         if (replay.reason !== "transcript_replaced") {
           return yield* Effect.fail(readRefused("invalid_offset", `The offset names no event of this session (${replay.reason}).`))
         }
-        // The offset a rewrite's snapshot ends with is its cursor, which is also an offset of
-        // the history before the rewrite: only the snapshot's id tells a reader that already
-        // holds it (from the snapshot route) from one that does not. An EventSource cannot
-        // recover from a 410, so SSE says which snapshot (the replacement's frames, sorted into
-        // a rewrite control event), and the reader decides.
+        // Not a 410, in every read mode: the offset a rewrite's snapshot ends with is its
+        // cursor, which is also an offset of the history before the rewrite, so only the
+        // snapshot's id tells a reader that already holds it (from the snapshot route) from one
+        // that does not; and an EventSource cannot get past a 410. The read says which snapshot
+        // (the replacement's frames, sorted into a rewrite control), and the reader decides.
       }
       if (resume === undefined && outcome.data.snapshot.cursor !== undefined) {
         // Events came (and a checkpoint) between the state read and the attach: the baseline
@@ -145,7 +142,8 @@ export const openReader = (
         sorter: new LineSorter(),
         pending,
         from: resume,
-        target: outcome.data.lastEventCursor
+        target: outcome.data.lastEventCursor,
+        rewritten: resume !== undefined && replay.status !== "complete"
       } satisfies Reader
     }
   })
@@ -168,8 +166,17 @@ export const nextItems = (r: Reader, wait: boolean): Effect.Effect<Array<Item>> 
     return out
   })
 
+/** A history rewrite as a reader is told of it (a control event, or a catch-up page's first element). */
+export interface RewriteControl {
+  readonly snapshotId: string
+  /** The replacement snapshot's cursor: the offset to follow on from once it is read. */
+  readonly cursor: Cursor.Cursor | undefined
+}
+
 /** One page of a catch-up (or long-poll) read. */
 export interface Page {
+  /** The read's offset was from before a history rewrite: the page starts with it. */
+  readonly rewrite: RewriteControl | undefined
   readonly lines: Array<string>
   readonly next: Cursor.Cursor | undefined
   readonly upToDate: boolean
@@ -177,38 +184,68 @@ export interface Page {
 
 /**
  * Reads from `r.from` up to the tail as it was at attach (`r.target`), at most `maxBytes` of
- * lines, stopping before a rewrite or a loss (the next read from that offset answers 410).
- * `waitMs`: a long-poll with nothing to read waits that long for the first event.
+ * lines, stopping before a rewrite or a loss (the next read from that offset starts with the
+ * rewrite, or answers 410). A read from before a rewrite starts with it (`rewrite`), then the
+ * events after it. `waitMs`: a long-poll with nothing to read waits that long for the first
+ * event (after the rewrite, for one that starts with a rewrite).
  */
 export const readPage = (r: Reader, maxBytes: number, waitMs: number | undefined): Effect.Effect<Page> =>
   Effect.gen(function*() {
     const lines: Array<string> = []
     let next = r.from
     let bytes = 0
+    let rewrite: RewriteControl | undefined
+    // The rewrite is known at attach, its frames come after: a read waits for them.
+    let awaitingRewrite = r.rewritten
     const reached = () => r.target === undefined || (next !== undefined && !Cursor.isBefore(next, r.target))
     let stop = false
-    if (reached() && waitMs !== undefined) {
-      // Long-poll at the tail: wait for the first new event.
-      const first = yield* Effect.interruptible(nextItems(r, true)).pipe(Effect.timeout(waitMs), Effect.option)
-      if (Option.isSome(first)) r.pending.push(...first.value)
-    }
-    while (!stop && (!reached() || r.pending.length > 0 || r.port.hasItems) && bytes < maxBytes) {
-      const items = yield* nextItems(r, !reached())
-      if (items.length === 0) break
-      for (let i = 0; i < items.length; i++) {
-        const item = items[i]!
-        if (item._tag !== "Event" || bytes >= maxBytes) {
-          // Left for the next read (which starts from `next`).
-          stop = true
-          break
+    const drain = Effect.gen(function*() {
+      while (!stop && (awaitingRewrite || !reached() || r.pending.length > 0 || r.port.hasItems) && bytes < maxBytes) {
+        const items = yield* nextItems(r, awaitingRewrite || !reached())
+        if (items.length === 0) break
+        for (let i = 0; i < items.length; i++) {
+          const item = items[i]!
+          if (item._tag === "Rewrite" && awaitingRewrite && lines.length === 0) {
+            // What follows extends the replacement snapshot, whose cursor it continues from.
+            awaitingRewrite = false
+            rewrite = { snapshotId: item.snapshotId, cursor: item.cursor }
+            if (item.cursor !== undefined) next = item.cursor
+            continue
+          }
+          if (item._tag !== "Event" || bytes >= maxBytes) {
+            // Left for the next read (which starts from `next`).
+            stop = true
+            break
+          }
+          lines.push(item.line)
+          bytes += item.line.length
+          next = item.cursor
         }
-        lines.push(item.line)
-        bytes += item.line.length
-        next = item.cursor
       }
+    })
+    const awaitFirst = Effect.gen(function*() {
+      const first = yield* Effect.interruptible(nextItems(r, true)).pipe(Effect.timeout(waitMs!), Effect.option)
+      if (Option.isSome(first)) r.pending.push(...first.value)
+    })
+    // Long-poll at the tail: wait for the first new event.
+    if (!awaitingRewrite && reached() && waitMs !== undefined) yield* awaitFirst
+    yield* drain
+    if (rewrite !== undefined && lines.length === 0 && !stop && reached() && waitMs !== undefined) {
+      // A long-poll told only of a rewrite waits for the first event after it too, so that a
+      // reader going on from the rewrite's cursor (which again starts with the rewrite) polls.
+      yield* awaitFirst
+      yield* drain
     }
-    return { lines, next, upToDate: !stop && reached() && r.pending.length === 0 && !r.port.hasItems }
+    return { rewrite, lines, next, upToDate: !stop && reached() && r.pending.length === 0 && !r.port.hasItems }
   })
+
+/** A rewrite as its control says it: the replacement snapshot and the offset after it. */
+export const rewriteFields = (c: RewriteControl, link: (snapshotId: string) => string) => ({
+  snapshotId: c.snapshotId,
+  snapshot: link(c.snapshotId),
+  ...(c.cursor === undefined ? {} : { cursor: c.cursor }),
+  offset: Offset.encode(c.cursor)
+})
 
 const encoder = new TextEncoder()
 
@@ -290,7 +327,7 @@ export const sseStream = (
         flush()
         if (item._tag === "Rewrite") {
           // The events that follow extend the replacement snapshot, not what the reader holds.
-          text += control({ rewrite: { snapshotId: item.snapshotId, snapshot: options.snapshotLink(item.snapshotId), ...(item.cursor === undefined ? {} : { cursor: item.cursor }) } })
+          text += control({ rewrite: rewriteFields(item, options.snapshotLink) })
         } else {
           // Events the reader lacked are gone: it reconnects from its offset and is told so (410).
           text += control({ lost: item.reason })

@@ -8,6 +8,14 @@
 import * as Effect from "effect/Effect"
 import type { ConnectionPort } from "../../SessionManager.js"
 
+const FRAME = '{"type":"session_snapshot_'
+const FRAME_BYTES = Buffer.from(FRAME)
+
+const isSnapshotFrame = (data: string | Uint8Array) =>
+  typeof data === "string"
+    ? data.startsWith(FRAME)
+    : data.byteLength >= FRAME_BYTES.length && Buffer.from(data.buffer, data.byteOffset, FRAME_BYTES.length).equals(FRAME_BYTES)
+
 export class StreamPort implements ConnectionPort {
   /** What the delivery's metrics read: an HTTP read counts the events it sends itself. */
   readonly transport = "http"
@@ -44,7 +52,9 @@ export class StreamPort implements ConnectionPort {
     this.items.push(data)
     const bytes = typeof data === "string" ? Buffer.byteLength(data) : data.byteLength
     this.queued += bytes
-    this.offered += bytes
+    // A replacement snapshot's frames are passed over by a read from before a rewrite, not
+    // returned: they do not spend the page's budget (or a large one would end the read).
+    if (!isSnapshotFrame(data)) this.offered += bytes
     const reader = this.reader
     this.reader = undefined
     reader?.()
