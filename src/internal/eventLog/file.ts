@@ -649,7 +649,7 @@ export const make = (options: EventLogOptions): Effect.Effect<EventLogService, E
         moved += bytes.length - damage.offset
         for (const later of segments.slice(i + 1)) {
           const laterFile = StateLayout.eventSegmentFile(eventsDir, later)
-          moved += yield* io(sessionId, FileIo.stat(laterFile)).pipe(Effect.map((st) => st.size))
+          moved += yield* io(sessionId, FileIo.stat(laterFile)).pipe(Effect.map((st) => Number(st.size)))
           yield* fsRename(sessionId, laterFile, laterFile + suffix)
           movedTo.push(laterFile + suffix)
         }

@@ -341,7 +341,7 @@ export const make = (options: Options): Effect.Effect<SessionStoreService, Sessi
       // Written whole: the messages follow the header line, to the end of the file.
       const path = paths.snapshotFile(id, generation)
       const size = yield* Fsx.stat(path).pipe(
-        Effect.map((st) => st.size),
+        Effect.map((st) => Number(st.size)),
         Effect.mapError(ioError(id))
       )
       const firstLine = yield* Fsx.readFirstLine(path).pipe(Effect.mapError(ioError(id)))
