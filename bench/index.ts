@@ -1,7 +1,8 @@
 /**
  * `npm run bench`: runs every benchmark in this folder (or those named on the command line,
  * e.g. `npm run bench -- framing eventLog`). Each benchmark prints the project's figure next
- * to a baseline measured in the same run and their ratio.
+ * to a baseline measured in the same run and their ratio. `npm run bench -- stores` runs the
+ * storage comparison (files vs PostgreSQL: appends, delivery, recovery) in one run.
  */
 const benches: Record<string, () => Promise<{ default: () => Promise<void> }>> = {
   framing: () => import("./framing.js"),
@@ -10,6 +11,7 @@ const benches: Record<string, () => Promise<{ default: () => Promise<void> }>> =
   storeAppend: () => import("./storeAppend.js"),
   storeDelivery: () => import("./storeDelivery.js"),
   recovery: () => import("./recovery.js"),
+  storeRecovery: () => import("./storeRecovery.js"),
   delivery: () => import("./delivery.js"),
   hotPath: () => import("./hotPath.js"),
   httpDelivery: () => import("./httpDelivery.js"),
@@ -20,7 +22,8 @@ const benches: Record<string, () => Promise<{ default: () => Promise<void> }>> =
   webOpen: () => import("./webOpen.js")
 }
 
-const wanted = process.argv.slice(2)
+const STORES = ["storeAppend", "storeDelivery", "storeRecovery"]
+const wanted = process.argv.slice(2).flatMap((name) => (name === "stores" ? STORES : [name]))
 for (const [name, load] of Object.entries(benches)) {
   if (wanted.length > 0 && !wanted.includes(name)) continue
   console.log(`\n## ${name}`)

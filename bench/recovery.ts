@@ -128,8 +128,15 @@ const grow = async (client: Client, id: string, turns: number, bytes: number) =>
   client.drain()
 }
 
+/** What to measure: a daemon's build (default: this one) and its extra `serve` arguments. */
+export interface SubjectSpec {
+  readonly name: string
+  readonly bin?: string
+  readonly extraArgs?: ReadonlyArray<string>
+}
+
 /** Starts a daemon from `bin` (default: this build) with a session attached and ready. */
-const startSubject = async (name: string, bin: string | undefined): Promise<Subject> => {
+const startSubject = async ({ bin, extraArgs, name }: SubjectSpec): Promise<Subject> => {
   const daemon = await startDaemon({
     env: {
       AGENTD_MAX_RESTARTS: "1000",
@@ -137,7 +144,8 @@ const startSubject = async (name: string, bin: string | undefined): Promise<Subj
       AGENTD_CHECKPOINT_EVENTS: "1000000000",
       AGENTD_CHECKPOINT_BYTES: String(1024 * MiB)
     },
-    ...(bin === undefined ? {} : { bin })
+    ...(bin === undefined ? {} : { bin }),
+    ...(extraArgs === undefined ? {} : { extraArgs: [...extraArgs] })
   })
   const client = await daemon.connect("recovery")
   const { id } = await createSession(client)
@@ -152,17 +160,24 @@ const startSubject = async (name: string, bin: string | undefined): Promise<Subj
  * that build beside this one, on the same transcripts, and the kills alternate between the two.
  */
 export default async function recovery(): Promise<void> {
+  const compareBin = process.env["AGENTD_BENCH_COMPARE_BIN"]
+  await measureRecovery([{ name: "this build" }, ...(compareBin === undefined ? [] : [{ name: compareBin, bin: compareBin }])])
+}
+
+/**
+ * The measurement for one daemon or, kills alternating, two (the ratio of their medians is the
+ * first's over the second's).
+ */
+export const measureRecovery = async (specs: ReadonlyArray<SubjectSpec>): Promise<void> => {
   // Baseline first, before the daemon and its workers run, after one warm-up spawn.
   await spawnToExit()
   const base: Array<number> = []
   for (let i = 0; i < BASELINE_SPAWNS; i++) base.push(await spawnToExit())
   const baseline = percentiles(base)
-  const compareBin = process.env["AGENTD_BENCH_COMPARE_BIN"]
 
   const subjects: Array<Subject> = []
   try {
-    subjects.push(await startSubject("this build", undefined))
-    if (compareBin !== undefined) subjects.push(await startSubject(compareBin, compareBin))
+    for (const spec of specs) subjects.push(await startSubject(spec))
     const label = (x: Subject) => (subjects.length > 1 ? ` [${x.name}]` : "")
 
     let t = nowMs()
@@ -212,7 +227,7 @@ export default async function recovery(): Promise<void> {
     }
     if (subjects.length > 1) {
       const ratio = (of: typeof small) => (percentiles(of[0]!.samples).median / percentiles(of[1]!.samples).median).toFixed(2)
-      console.log(`  this build / ${compareBin}, medians: 1 MB ${ratio(small)}x, 51 MB ${ratio(large)}x`)
+      console.log(`  ${subjects[0]!.name} / ${subjects[1]!.name}, medians: 1 MB ${ratio(small)}x, 51 MB ${ratio(large)}x`)
     }
     const sec = (ms: number) => (ms / 1000).toFixed(1)
     console.log(

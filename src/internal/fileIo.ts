@@ -2,15 +2,22 @@
  * The daemon's one file I/O module: every `node:fs` call of src/ goes through here (or through
  * its synchronous part, ./fileIoSync.ts, for the command line, which must not load Effect).
  *
- * The storage layers' guarantees rest on operations `@effect/platform`'s FileSystem does not
- * have: fsync of a directory (a rename, create or unlink is durable only then), fdatasync,
- * positioned writes and reads on a descriptor, `wx`/append opens with a mode, lstat, and a
- * synchronous write(2) for group commits. So this module wraps `node:fs` itself, with one error
- * type ({@link FsError}: the operation, the path, the Node error); each layer maps it to its
- * own error. The snapshot cache, which needs none of those for its spill files, uses FileSystem.
- * Descriptor operations use the callback API (libuv's pool: they never block the event loop);
- * the rest uses `node:fs/promises`. Everything private to the daemon is created 0700 (dirs) and
- * 0600 (files): transcripts and journals hold users' conversations.
+ * Paths and whole files go through `@effect/platform`'s FileSystem (the Node implementation of
+ * `@effect/platform-node`, held here, so that callers' types carry no FileSystem requirement and
+ * the storage layers are built and swapped as before): directories, stat, readdir, read,
+ * rename, remove, chmod, realpath, and the atomic replacement (open, write, `File.sync`, rename,
+ * directory sync). What FileSystem does not have stays on `node:fs`, here only: fdatasync,
+ * positioned writes and reads on a descriptor with their own position (the event log's segments,
+ * the append-only transcripts), the group commit's synchronous write(2) (a round trip through
+ * libuv's pool cost ~0.8 ms per batch under load), `wx`/append opens with a mode returning a
+ * Node FileHandle for async code (tools, the snapshot cache's spill reads), lstat, readdir with
+ * entry types, and the streamed line and byte-range reads of 100 MB transcripts. The event
+ * log's append path uses only the descriptor operations, so it is the same as before.
+ *
+ * One error type ({@link FsError}: the operation, the path, the Node error, also for a
+ * FileSystem failure, whose Node error it unwraps); each layer maps it to its own error.
+ * Everything private to the daemon is created 0700 (dirs) and 0600 (files): transcripts and
+ * journals hold users' conversations.
  */
 import { randomBytes } from "node:crypto"
 import * as fs from "node:fs"
@@ -18,6 +25,9 @@ import { createReadStream } from "node:fs"
 import * as fsp from "node:fs/promises"
 import type { FileHandle } from "node:fs/promises"
 import * as nodePath from "node:path"
+import type { PlatformError } from "@effect/platform/Error"
+import * as FileSystem from "@effect/platform/FileSystem"
+import * as NodeFileSystem from "@effect/platform-node/NodeFileSystem"
 import * as Data from "effect/Data"
 import * as Effect from "effect/Effect"
 import * as Exit from "effect/Exit"
@@ -54,6 +64,27 @@ export const errnoCode = (cause: unknown): string | undefined =>
 /** True when the error is "no such file or directory". */
 export const isNotFound = (error: FsError): boolean => error.code === "ENOENT"
 
+let nodeFileSystem: FileSystem.FileSystem | undefined
+
+/**
+ * The Node FileSystem, built once, on first use (a bundle that uses none of this module's
+ * FileSystem operations, the worker's, does not build it).
+ */
+const fileSystem = (): FileSystem.FileSystem =>
+  nodeFileSystem ??= Effect.runSync(Effect.provide(FileSystem.FileSystem, NodeFileSystem.layer))
+
+/** The Node error behind a FileSystem failure (so errno codes read as before), else the failure. */
+const nodeCause = (error: PlatformError): unknown =>
+  error._tag === "SystemError" && error.cause !== undefined ? error.cause : error
+
+/** Runs one FileSystem operation; its failure becomes an {@link FsError} of `op` on `path`. */
+const withFs = <A, R>(
+  op: string,
+  path: string,
+  f: (fs: FileSystem.FileSystem) => Effect.Effect<A, PlatformError, R>
+): Effect.Effect<A, FsError, R> =>
+  Effect.suspend(() => f(fileSystem())).pipe(Effect.mapError((error) => new FsError({ op, path, cause: nodeCause(error) })))
+
 /** Wraps one promise-returning fs call. */
 export const attempt = <A>(op: string, path: string, f: () => Promise<A>): Effect.Effect<A, FsError> =>
   Effect.tryPromise({ try: f, catch: (cause) => new FsError({ op, path, cause }) })
@@ -63,18 +94,14 @@ export const attempt = <A>(op: string, path: string, f: () => Promise<A>): Effec
  * take over a directory a user pointed it at.
  */
 export const ensureDir = (path: string): Effect.Effect<void, FsError> =>
-  attempt("mkdir", path, () => fsp.mkdir(path, { recursive: true, mode: DIR_MODE })).pipe(Effect.asVoid)
+  withFs("mkdir", path, (fs) => fs.makeDirectory(path, { recursive: true, mode: DIR_MODE }))
 
 /**
  * fsync a directory, which makes a rename, create or unlink inside it durable. Without it a
  * rename can be lost on power failure even though the file's own data was synced.
  */
 export const fsyncDir = (path: string): Effect.Effect<void, FsError> =>
-  Effect.acquireUseRelease(
-    attempt("open", path, () => fsp.open(path, "r")),
-    (handle) => attempt("fsync", path, () => handle.sync()),
-    (handle) => Effect.promise(() => handle.close().catch(() => undefined))
-  )
+  withFs("fsync", path, (fs) => Effect.scoped(Effect.flatMap(fs.open(path, { flag: "r" }), (dir) => dir.sync)))
 
 /**
  * Writes every byte (a single `write` may write fewer than asked), at the file's position or, if
@@ -140,15 +167,15 @@ export const writeAtomicWith = <E, R>(
 ): Effect.Effect<void, FsError | E, R> =>
   Effect.suspend(() => {
     const temp = tempPathFor(path)
-    return Effect.acquireUseRelease(
-      attempt("open", temp, () => fsp.open(temp, "wx", FILE_MODE)),
-      (handle) =>
-        body((data) => writeAll(handle, temp, data)).pipe(
-          Effect.zipRight(attempt("fsync", temp, () => handle.sync()))
-        ),
-      closeQuietly
-    ).pipe(
-      Effect.zipRight(attempt("rename", path, () => fsp.rename(temp, path))),
+    // The scope closes the file before the rename (a failed close of a synced file loses nothing).
+    return Effect.scoped(Effect.gen(function*() {
+      const file = yield* withFs("open", temp, (fs) => fs.open(temp, { flag: "wx", mode: FILE_MODE }))
+      yield* body((data) =>
+        withFs("write", temp, () => file.writeAll(typeof data === "string" ? Buffer.from(data, "utf8") : data))
+      )
+      yield* withFs("fsync", temp, () => file.sync)
+    })).pipe(
+      Effect.zipRight(rename(temp, path)),
       Effect.onExit((exit) => (Exit.isSuccess(exit) ? Effect.void : unlinkQuietly(temp))),
       Effect.zipRight(fsyncDir(nodePath.dirname(path)))
     )
@@ -160,7 +187,7 @@ export const writeFileAtomic = (path: string, data: string | Uint8Array): Effect
 
 /** Reads a whole file as UTF-8; `None` when it does not exist. */
 export const readFileIfExists = (path: string): Effect.Effect<Option.Option<string>, FsError> =>
-  attempt("read", path, () => fsp.readFile(path, "utf8")).pipe(
+  withFs("read", path, (fs) => fs.readFileString(path, "utf8")).pipe(
     Effect.map(Option.some),
     Effect.catchIf(isNotFound, () => Effect.succeed(Option.none()))
   )
@@ -221,29 +248,27 @@ export async function* byteRange(path: string, start: number, end: number, chunk
  * touching its body.
  */
 export const readFirstLine = (path: string, maxBytes = 1024 * 1024): Effect.Effect<Option.Option<string>, FsError> =>
-  Effect.acquireUseRelease(
-    attempt("open", path, () => fsp.open(path, "r")),
-    (handle) =>
-      attempt("read", path, async () => {
-        const pieces: Array<Buffer> = []
-        let total = 0
-        while (total < maxBytes) {
-          const buffer = Buffer.alloc(Math.min(16 * 1024, maxBytes - total))
-          const { bytesRead } = await handle.read(buffer, 0, buffer.length, total)
-          if (bytesRead === 0) return Option.none()
-          const piece = buffer.subarray(0, bytesRead)
-          const newline = piece.indexOf(0x0a)
-          if (newline !== -1) {
-            pieces.push(piece.subarray(0, newline))
-            return Option.some(stripCr(Buffer.concat(pieces).toString("utf8")))
-          }
-          pieces.push(piece)
-          total += bytesRead
+  withFs("read", path, (fs) =>
+    Effect.scoped(Effect.gen(function*() {
+      // A fresh file reads from its start, each read after the last.
+      const file = yield* fs.open(path, { flag: "r" })
+      const pieces: Array<Buffer> = []
+      let total = 0
+      while (total < maxBytes) {
+        const buffer = Buffer.alloc(Math.min(16 * 1024, maxBytes - total))
+        const bytesRead = Number(yield* file.read(buffer))
+        if (bytesRead === 0) return Option.none<string>()
+        const piece = buffer.subarray(0, bytesRead)
+        const newline = piece.indexOf(0x0a)
+        if (newline !== -1) {
+          pieces.push(piece.subarray(0, newline))
+          return Option.some(stripCr(Buffer.concat(pieces).toString("utf8")))
         }
-        return Option.none()
-      }),
-    closeQuietly
-  )
+        pieces.push(piece)
+        total += bytesRead
+      }
+      return Option.none<string>()
+    })))
 
 
 // ---------------------------------------------------------------------------------------------
@@ -272,7 +297,8 @@ export const READ_WRITE_CREATE = fs.constants.O_RDWR | fs.constants.O_CREAT
 /** The flags of an open for reading that refuses to follow a final symbolic link. */
 export const READ_NO_FOLLOW = fs.constants.O_RDONLY | fs.constants.O_NOFOLLOW
 
-export const stat = (path: string): Effect.Effect<fs.Stats, FsError> => attempt("stat", path, () => fsp.stat(path))
+/** stat(2), following links: FileSystem's `File.Info` (its `size` is a bigint). */
+export const stat = (path: string): Effect.Effect<FileSystem.File.Info, FsError> => withFs("stat", path, (fs) => fs.stat(path))
 
 /** lstat(2) (the link itself, not what it points at); `None` when nothing is there. */
 export const lstat = (path: string): Effect.Effect<Option.Option<fs.Stats>, FsError> =>
@@ -282,30 +308,30 @@ export const lstat = (path: string): Effect.Effect<Option.Option<fs.Stats>, FsEr
   )
 
 /** Whether anything is at `path` (following links). */
-export const exists = (path: string): Effect.Effect<boolean, FsError> =>
-  stat(path).pipe(Effect.as(true), Effect.catchIf(isNotFound, () => Effect.succeed(false)))
+export const exists = (path: string): Effect.Effect<boolean, FsError> => withFs("stat", path, (fs) => fs.exists(path))
 
-export const readdir = (path: string): Effect.Effect<Array<string>, FsError> => attempt("readdir", path, () => fsp.readdir(path))
+export const readdir = (path: string): Effect.Effect<Array<string>, FsError> =>
+  withFs("readdir", path, (fs) => Effect.map(fs.readDirectory(path), (names) => [...names]))
 
 /** The entries of a directory; none when it does not exist. */
 export const readdirOrEmpty = (path: string): Effect.Effect<Array<string>, FsError> =>
   readdir(path).pipe(Effect.catchIf(isNotFound, () => Effect.succeed<Array<string>>([])))
 
-export const readFile = (path: string): Effect.Effect<Buffer, FsError> => attempt("read", path, () => fsp.readFile(path))
+export const readFile = (path: string): Effect.Effect<Buffer, FsError> =>
+  withFs("read", path, (fs) => Effect.map(fs.readFile(path), (bytes) => Buffer.from(bytes.buffer, bytes.byteOffset, bytes.byteLength)))
 
 export const rename = (from: string, to: string): Effect.Effect<void, FsError> =>
-  attempt("rename", `${from} -> ${to}`, () => fsp.rename(from, to))
+  withFs("rename", `${from} -> ${to}`, (fs) => fs.rename(from, to))
 
-export const unlink = (path: string): Effect.Effect<void, FsError> => attempt("unlink", path, () => fsp.unlink(path))
+export const unlink = (path: string): Effect.Effect<void, FsError> => withFs("unlink", path, (fs) => fs.remove(path))
 
-export const chmod = (path: string, mode: number): Effect.Effect<void, FsError> =>
-  attempt("chmod", path, () => fsp.chmod(path, mode))
+export const chmod = (path: string, mode: number): Effect.Effect<void, FsError> => withFs("chmod", path, (fs) => fs.chmod(path, mode))
 
 /** `rm -rf`: nothing there is not an error. */
 export const removeTree = (path: string): Effect.Effect<void, FsError> =>
-  attempt("rm", path, () => fsp.rm(path, { recursive: true, force: true }))
+  withFs("rm", path, (fs) => fs.remove(path, { recursive: true, force: true }))
 
-export const realpath = (path: string): Effect.Effect<string, FsError> => attempt("realpath", path, () => fsp.realpath(path))
+export const realpath = (path: string): Effect.Effect<string, FsError> => withFs("realpath", path, (fs) => fs.realPath(path))
 
 /**
  * Creates `dir` (and missing parents) 0700 exactly: the umask may have removed bits (or an odd
@@ -313,9 +339,7 @@ export const realpath = (path: string): Effect.Effect<string, FsError> => attemp
  * it is.
  */
 export const mkdirPrivate = (dir: string): Effect.Effect<void, FsError> =>
-  attempt("mkdir", dir, () => fsp.mkdir(dir, { recursive: true, mode: DIR_MODE })).pipe(
-    Effect.flatMap((created) => (created === undefined ? Effect.void : chmod(dir, DIR_MODE)))
-  )
+  Effect.flatMap(exists(dir), (existed) => existed ? Effect.void : Effect.zipRight(ensureDir(dir), chmod(dir, DIR_MODE)))
 
 // ---------------------------------------------------------------------------------------------
 // Descriptors (numbers, the callback API: the event log's hot path)

@@ -748,6 +748,9 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
    * a new session takes its place: its history no longer matches what its clients hold.
    */
   const damageFiles = async (ctl: SessionCtl, frng: Rng) => {
+    // The session files it damages are not the store then (asked for by name, as in a run with
+    // every kind): skipped, as store_restart is on files.
+    if (pgDir !== undefined) return log("damage_files: (PostgreSQL store: skipped)")
     const sid = ctl.id.slice(0, 12)
     ctl.killed = true
     daemonDown = true

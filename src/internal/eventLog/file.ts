@@ -24,7 +24,6 @@ import * as Stream from "effect/Stream"
 import * as path from "node:path"
 import * as Cursor from "../../Cursor.js"
 import {
-  EventLog,
   type EventLogError,
   type EventLogOptions,
   type EventLogRepair,
@@ -36,7 +35,7 @@ import {
 import * as StateLayout from "../../StateLayout.js"
 import * as FileIo from "../fileIo.js"
 import * as AppendQueue from "./appendQueue.js"
-import { fail, isCursor, parseRecord, recordLine, statusReads } from "./records.js"
+import { fail, isCursor, makeService, parseRecord, recordLine } from "./records.js"
 
 const headerLine = (generation: number, after: Option.Option<Cursor.Cursor>): string =>
   JSON.stringify({ segment: Option.isSome(after) ? { generation, after: after.value } : { generation } }) + "\n"
@@ -416,12 +415,11 @@ export const make = (options: EventLogOptions): Effect.Effect<EventLogService, E
       generationBytes: h.bytes
     })
 
-    const generationStart = Effect.fn("EventLog.generationStart")(function*(sessionId: string, generation: number) {
-      const h = yield* handleFor(sessionId)
-      if (h.segments.includes(generation)) return yield* segmentStart(sessionId, segmentPath(h, generation), generation)
-      if (h.segments.length === 0 && generation === h.generation) return Option.none<Cursor.Cursor>()
-      return yield* Effect.fail(fail("GenerationNotFound", sessionId, `generation ${generation} is not retained`))
-    })
+    /** Where a retained generation began: its segment's header (none before anything was written). */
+    const generationStart = (sessionId: string, h: Handle, generation: number) =>
+      h.segments.includes(generation)
+        ? segmentStart(sessionId, segmentPath(h, generation), generation).pipe(Effect.withSpan("EventLog.generationStart"))
+        : Effect.succeed(Option.none<Cursor.Cursor>())
 
     /**
      * Streams the records of one segment with `sequence >= fromSequence`. Reads stop at the
@@ -651,7 +649,7 @@ export const make = (options: EventLogOptions): Effect.Effect<EventLogService, E
         moved += bytes.length - damage.offset
         for (const later of segments.slice(i + 1)) {
           const laterFile = StateLayout.eventSegmentFile(eventsDir, later)
-          moved += yield* io(sessionId, FileIo.stat(laterFile)).pipe(Effect.map((st) => st.size))
+          moved += yield* io(sessionId, FileIo.stat(laterFile)).pipe(Effect.map((st) => Number(st.size)))
           yield* fsRename(sessionId, laterFile, laterFile + suffix)
           movedTo.push(laterFile + suffix)
         }
@@ -670,17 +668,8 @@ export const make = (options: EventLogOptions): Effect.Effect<EventLogService, E
       return Option.none<EventLogRepair>()
     })
 
-    return EventLog.of({
-      append,
-      appendAll,
-      read,
-      readGeneration,
-      startGeneration,
-      ...statusReads(handleFor, statusOf),
-      generationStart,
-      prune,
-      remove,
-      repair
+    return makeService(handleFor, statusOf, generationStart, {
+      append, appendAll, read, readGeneration, startGeneration, prune, remove, repair
     })
   })
 

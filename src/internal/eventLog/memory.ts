@@ -8,7 +8,6 @@ import * as Stream from "effect/Stream"
 import * as Cursor from "../../Cursor.js"
 import {
   type EncodedEvent,
-  EventLog,
   type EventData,
   type EventLogError,
   type EventLogService,
@@ -19,11 +18,10 @@ import {
 import {
   checkReadable,
   fail,
-  generationStartOf,
+  makeService,
   parseRecord,
   recordLine,
-  serializeChecked,
-  statusReads
+  serializeChecked
 } from "./records.js"
 
 interface MemorySession {
@@ -126,20 +124,9 @@ export const make: Effect.Effect<EventLogService> = Effect.sync(() => {
     yield* sessionFor(sessionId)
     sessions.delete(sessionId)
   })
-  return EventLog.of({
-    append,
-    appendAll,
-    read,
-    readGeneration,
-    startGeneration,
-    ...statusReads(sessionFor, statusOf),
-    generationStart: (sessionId, generation) =>
-      Effect.flatMap(sessionFor(sessionId), (s) =>
-        generationStartOf(sessionId, s.starts, s.segments.has(generation), s.segments.size > 0, s.generation, generation)),
-    prune,
-    remove,
-    // Nothing in memory is ever damaged.
-    repair: () => Effect.succeed(Option.none())
+  // Nothing in memory is ever damaged: no repair.
+  return makeService(sessionFor, statusOf, (_, s, generation) => Effect.succeed(s.starts.get(generation) ?? Option.none()), {
+    append, appendAll, read, readGeneration, startGeneration, prune, remove
   })
 })
 

@@ -10,6 +10,7 @@ import { isRecord } from "effect/Predicate"
 import * as Cursor from "../../Cursor.js"
 import {
   EncodedEvent,
+  EventLog,
   type EventData,
   EventLogError,
   type EventLogErrorReason,
@@ -111,30 +112,36 @@ export const checkReadable = (
   return undefined
 }
 
-/** The reads every store answers from a session's status alone. */
-export const statusReads = <H>(
+/** What a store builds itself; {@link makeService} adds the reads every store answers alike. */
+export type StoreOperations = Omit<
+  EventLogService,
+  "currentGeneration" | "lastCursor" | "generations" | "status" | "generationStart" | "repair"
+> & Partial<Pick<EventLogService, "repair">>
+
+/**
+ * A store's service from its own operations and two views of an open session: its status, and
+ * where a retained generation began (`startOf`, asked only for a generation in
+ * `status.generations`; before anything was written that is the current one, and its answer
+ * must be `None`). A store that omits `repair` keeps every record whole and repairs nothing.
+ */
+export const makeService = <H>(
   open: (sessionId: string) => Effect.Effect<H, EventLogError>,
-  statusOf: (h: H) => EventLogStatus
-): Pick<EventLogService, "currentGeneration" | "lastCursor" | "generations" | "status"> => {
+  statusOf: (h: H) => EventLogStatus,
+  startOf: (sessionId: string, h: H, generation: number) => Effect.Effect<Option.Option<Cursor.Cursor>, EventLogError>,
+  operations: StoreOperations
+): EventLogService => {
   const status = (sessionId: string) => Effect.map(open(sessionId), statusOf)
-  return {
+  return EventLog.of({
+    repair: () => Effect.succeed(Option.none()),
+    ...operations,
     currentGeneration: (sessionId) => Effect.map(status(sessionId), (s) => s.generation),
     lastCursor: (sessionId) => Effect.map(status(sessionId), (s) => s.lastCursor),
     generations: (sessionId) => Effect.map(status(sessionId), (s) => s.generations),
-    status: (sessionId) => status(sessionId).pipe(Effect.withSpan("EventLog.status", { captureStackTrace: false }))
-  }
-}
-
-/** The answer of `generationStart` from a session's retained generations and their starts. */
-export const generationStartOf = (
-  sessionId: string,
-  starts: ReadonlyMap<number, Option.Option<Cursor.Cursor>>,
-  retained: boolean,
-  anyWritten: boolean,
-  current: number,
-  generation: number
-): Effect.Effect<Option.Option<Cursor.Cursor>, EventLogError> => {
-  if (retained) return Effect.succeed(starts.get(generation) ?? Option.none())
-  if (!anyWritten && generation === current) return Effect.succeed(Option.none())
-  return Effect.fail(fail("GenerationNotFound", sessionId, `generation ${generation} is not retained`))
+    status: (sessionId) => status(sessionId).pipe(Effect.withSpan("EventLog.status", { captureStackTrace: false })),
+    generationStart: (sessionId, generation) =>
+      Effect.flatMap(open(sessionId), (h) =>
+        statusOf(h).generations.includes(generation)
+          ? startOf(sessionId, h, generation)
+          : Effect.fail(fail("GenerationNotFound", sessionId, `generation ${generation} is not retained`)))
+  })
 }

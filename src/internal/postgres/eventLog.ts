@@ -22,9 +22,9 @@ import { isRecord } from "effect/Predicate"
 import type * as Scope from "effect/Scope"
 import * as Stream from "effect/Stream"
 import * as Cursor from "../../Cursor.js"
-import { EventLog, EventLogError, type EventLogService, type EventLogStatus, type EventRecord, sanitizeSessionId } from "../../EventLog.js"
+import { EventLogError, type EventLogService, type EventLogStatus, type EventRecord, sanitizeSessionId } from "../../EventLog.js"
 import * as AppendQueue from "../eventLog/appendQueue.js"
-import { checkReadable, fail, generationStartOf, recordBytes, statusReads } from "../eventLog/records.js"
+import { checkReadable, fail, makeService, recordBytes } from "../eventLog/records.js"
 
 const sqlFail = (sessionId: string, what: string) => (cause: SqlError) =>
   fail("Io", sessionId, `${what}: ${cause.message}`, cause)
@@ -394,19 +394,8 @@ export const make: Effect.Effect<EventLogService, never, SqlClient.SqlClient | S
     }
   )
 
-  return EventLog.of({
-    append,
-    appendAll,
-    read,
-    readGeneration,
-    startGeneration,
-    ...statusReads(handleFor, statusOf),
-    generationStart: (sessionId, generation) =>
-      Effect.flatMap(handleFor(sessionId), (h) =>
-        generationStartOf(sessionId, h.starts, h.starts.has(generation), h.starts.size > 0, h.generation, generation)),
-    prune,
-    remove,
-    // The database keeps every row whole (a transaction commits all of a batch or none of it).
-    repair: () => Effect.succeed(Option.none())
+  // The database keeps every row whole (a transaction commits all of a batch or none of it): no repair.
+  return makeService(handleFor, statusOf, (_, h, generation) => Effect.succeed(h.starts.get(generation) ?? Option.none()), {
+    append, appendAll, read, readGeneration, startGeneration, prune, remove
   })
 })

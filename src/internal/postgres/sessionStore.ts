@@ -32,6 +32,7 @@ import {
 } from "../../SessionStore.js"
 import * as StateLayout from "../../StateLayout.js"
 import {
+  appendBase,
   byCreation,
   cleanMeta,
   compactTimestamp,
@@ -253,14 +254,8 @@ export const make: Effect.Effect<SessionStoreService, never, SqlClient.SqlClient
     messages: Stream.Stream<unknown, E, R> | Iterable<unknown>
   ): Effect.Effect<SnapshotInfo, SessionNotFound | SessionStoreError | E, R> =>
     Effect.gen(function*() {
-      const requested = yield* makeHeader(id, input)
-      yield* requireSession(id)
-      const baseGeneration = requested.generation - 1
-      const base = baseGeneration <= 1 ? undefined : yield* headerOf(id, baseGeneration)
-      // A base written whole (a rewrite) starts a new append-only transcript, once: its lines
-      // are copied there first, inside the database.
-      const copied = base !== undefined && base.header.transcript === undefined
-      const epoch = base?.header.transcript?.epoch ?? requested.generation
+      // A copied base's lines are copied inside the database, under their own line numbers.
+      const { base, baseGeneration, copied, epoch, requested } = yield* appendBase(id, input, requireSession, headerOf, (b) => b.header)
       const startCount = base === undefined ? 0 : base.header.messageCount
       const startBytes = base === undefined ? 0 : base.header.transcript?.bytes ?? base.bodyBytes
       const header = yield* sql.withTransaction(Effect.gen(function*() {

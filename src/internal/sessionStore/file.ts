@@ -33,6 +33,7 @@ import * as nodePath from "node:path"
 import * as Clock from "effect/Clock"
 import * as Effect from "effect/Effect"
 import * as Either from "effect/Either"
+import { identity } from "effect/Function"
 import * as Option from "effect/Option"
 import * as ParseResult from "effect/ParseResult"
 import * as Stream from "effect/Stream"
@@ -52,7 +53,7 @@ import {
 import * as StateLayout from "../../StateLayout.js"
 import * as Fsx from "../fileIo.js"
 import {
-  byCreation, checkCount, cleanMeta, compactTimestamp, countLines, countMismatch, decodeHeaderJson, decodeMetaJson, encodeMessages, frame, GENERATION_FILE, makeHeader, parseLines, pathsOf, snapshotNotFound, TEMP_GENERATION
+  appendBase, byCreation, checkCount, cleanMeta, compactTimestamp, countLines, countMismatch, decodeHeaderJson, decodeMetaJson, encodeMessages, frame, GENERATION_FILE, makeHeader, parseLines, pathsOf, snapshotNotFound, TEMP_GENERATION
 } from "./shared.js"
 
 const ioError = (activeSessionId: string | undefined) => (error: Fsx.FsError): SessionStoreError =>
@@ -201,14 +202,7 @@ export const make = (options: Options): Effect.Effect<SessionStoreService, Sessi
       messages: Stream.Stream<unknown, E, R> | Iterable<unknown>
     ): Effect.Effect<SnapshotInfo, SessionNotFound | SessionStoreError | E, R> =>
       Effect.gen(function*() {
-        const requested = yield* makeHeader(id, input)
-        yield* requireSession(id)
-        const baseGeneration = requested.generation - 1
-        const base = baseGeneration <= 1 ? undefined : yield* headerOf(id, baseGeneration)
-        // A base whose messages are in the file itself (a rewrite, or an older layout) starts a
-        // new append-only transcript, once: its messages are copied there first.
-        const copied = base !== undefined && base.transcript === undefined
-        const epoch = base?.transcript?.epoch ?? requested.generation
+        const { base, baseGeneration, copied, epoch, requested } = yield* appendBase(id, input, requireSession, headerOf, identity)
         const start = base?.transcript?.bytes ?? 0
         const file = paths.transcriptFile(id, epoch)
         yield* Fsx.ensureDir(paths.transcriptsDir(id)).pipe(Effect.mapError(ioError(id)))
@@ -347,7 +341,7 @@ export const make = (options: Options): Effect.Effect<SessionStoreService, Sessi
       // Written whole: the messages follow the header line, to the end of the file.
       const path = paths.snapshotFile(id, generation)
       const size = yield* Fsx.stat(path).pipe(
-        Effect.map((st) => st.size),
+        Effect.map((st) => Number(st.size)),
         Effect.mapError(ioError(id))
       )
       const firstLine = yield* Fsx.readFirstLine(path).pipe(Effect.mapError(ioError(id)))

@@ -10,6 +10,7 @@ import * as Schema from "effect/Schema"
 import * as Stream from "effect/Stream"
 import {
   SessionMeta,
+  type SessionNotFound,
   SessionStoreError,
   SnapshotHeader,
   type SnapshotHeaderInput
@@ -61,6 +62,39 @@ export const makeHeader = (
   }).pipe(
     Effect.mapError((e) => invalidInput(activeSessionId, ParseResult.TreeFormatter.formatErrorSync(e)))
   )
+
+/**
+ * What an ordinary checkpoint (`appendSnapshot`) of `input.generation` extends: the previous
+ * generation (`base`, as the store's `headerOf` gives it; none for the first two, whose base is
+ * empty), the append-only transcript it goes on (`epoch`), and whether the base's messages must
+ * first be copied there (`copied`: a base written whole, by a rewrite or an older layout, starts
+ * a new append-only transcript, once).
+ */
+export const appendBase = <B, E, R>(
+  activeSessionId: string,
+  input: SnapshotHeaderInput,
+  requireSession: (activeSessionId: string) => Effect.Effect<void, SessionNotFound | SessionStoreError>,
+  headerOf: (activeSessionId: string, generation: number) => Effect.Effect<B, E, R>,
+  headerIn: (base: B) => SnapshotHeader
+): Effect.Effect<
+  { readonly requested: SnapshotHeader; readonly baseGeneration: number; readonly base: B | undefined; readonly copied: boolean; readonly epoch: number },
+  SessionNotFound | SessionStoreError | E,
+  R
+> =>
+  Effect.gen(function*() {
+    const requested = yield* makeHeader(activeSessionId, input)
+    yield* requireSession(activeSessionId)
+    const baseGeneration = requested.generation - 1
+    const base = baseGeneration <= 1 ? undefined : yield* headerOf(activeSessionId, baseGeneration)
+    const header = base === undefined ? undefined : headerIn(base)
+    return {
+      requested,
+      baseGeneration,
+      base,
+      copied: header !== undefined && header.transcript === undefined,
+      epoch: header?.transcript?.epoch ?? requested.generation
+    }
+  })
 
 export const isStream = (u: unknown): u is Stream.Stream<unknown, unknown, unknown> =>
   Predicate.hasProperty(u, Stream.StreamTypeId)
