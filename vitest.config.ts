@@ -1,4 +1,5 @@
 import { defineConfig } from "vitest/config"
+import LongestFirst from "./test/support/sequencer.js"
 
 export default defineConfig({
   test: {
@@ -8,6 +9,8 @@ export default defineConfig({
     // End-to-end tests spawn real processes; two cores are the budget.
     pool: "forks",
     poolOptions: { forks: { maxForks: 2, minForks: 1 } },
+    // Long files first, so that no fork idles at the end (test/support/sequencer.ts).
+    sequence: { sequencer: LongestFirst },
     testTimeout: 60_000,
     hookTimeout: 60_000,
     // The JSON report is what .ci/run counts; the default reporter is for people.
