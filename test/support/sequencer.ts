@@ -15,14 +15,14 @@
 import * as path from "node:path"
 import { BaseSequencer, type TestSpecification } from "vitest/node"
 
-/** Seconds per file in a CI run (2 forks, a loaded 2-core machine), rounded. */
+/** Seconds per file in a CI run (2 forks, a loaded 2-core machine), rounded; estimates for files changed since. */
 export const SLOW: Readonly<Record<string, number>> = {
   "test/e2e/cli.test.ts": 90,
-  "test/EventLog.test.ts": 55,
   "test/e2e/wedges.test.ts": 50,
   "test/chaos/smoke.test.ts": 47,
-  "test/e2e/server.test.ts": 40,
   "test/e2e/stopping.test.ts": 38,
+  "test/e2e/server.test.ts": 36,
+  "test/EventLog.test.ts": 35,
   "test/e2e/modelEngines.test.ts": 31,
   "test/e2e/events.test.ts": 30,
   "test/e2e/recovery.test.ts": 29,
@@ -33,15 +33,15 @@ export const SLOW: Readonly<Record<string, number>> = {
   "test/e2e/storage.test.ts": 23,
   "test/e2e/stateDirLock.test.ts": 22,
   "test/e2e/workers.test.ts": 22,
-  "test/StateDirLock.test.ts": 21,
   "test/e2e/lifecycle.test.ts": 20,
-  "test/RecoveryJournal.test.ts": 20,
   "test/e2e/httpEvents.test.ts": 19,
   "test/e2e/baseline.test.ts": 17,
   "test/e2e/examples.test.ts": 15,
   "test/e2e/attachInteractive.test.ts": 15,
   "test/WorkerPool.test.ts": 15,
   "test/e2e/httpSecurity.test.ts": 14,
+  "test/StateDirLock.test.ts": 12,
+  "test/RecoveryJournal.test.ts": 12,
   "test/e2e/sessionClient.test.ts": 12,
   "test/e2e/damaged.test.ts": 12,
   "test/e2e/httpClients.test.ts": 12,
