@@ -397,7 +397,11 @@ const root = fileURLToPath(new URL("..", import.meta.url))
 const childPath = fileURLToPath(new URL("../dist/test/fixtures/journalChild.js", import.meta.url))
 const SESSIONS = 3
 const LANES = 2
-const RUNS_PER_LANE = 10
+/**
+ * Children SIGKILLed per lane (`AGENTD_CRASH_RUNS`, default 5). A soak run sets more, e.g.
+ * `AGENTD_CRASH_RUNS=50 npx vitest run test/RecoveryJournal.test.ts`.
+ */
+const RUNS_PER_LANE = Number(process.env["AGENTD_CRASH_RUNS"] ?? 5)
 
 type Child = ChildProcessByStdio<Writable, Readable, Readable>
 
@@ -536,7 +540,7 @@ const runLane = async (dir: string, lane: number, children: Children): Promise<n
 }
 
 describe("RecoveryJournal crash safety", () => {
-  it.live("every acknowledged record survives SIGKILL at random moments (20 runs)", () =>
+  it.live(`every acknowledged record survives SIGKILL at random moments (${LANES * RUNS_PER_LANE} runs)`, () =>
     Effect.gen(function*() {
       const dir = yield* tempDir
       const children: Children = { stopped: false, running: new Set() }

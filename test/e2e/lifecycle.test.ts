@@ -74,7 +74,7 @@ describe("process lifecycle", () => {
     expect(d.exitCode, d.output).toBe(0)
     expect(await waitGone([...workers, ...d.recordedWorkerPids], 3_000)).toEqual([])
   }, 30_000)
-  it("SIGTERM and SIGINT stop the daemon gracefully with exit 0, no worker left, clients disconnected", async () => {
+  it("SIGTERM and SIGINT stop the daemon gracefully with exit 0: daemon_closing to clients, the session's worker stopped before the exit, socket removed, no worker left, clients disconnected", async () => {
     // Both signals at once, each on a daemon of its own.
     await Promise.all((["SIGTERM", "SIGINT"] as const).map(async (sig) => {
       const d = await useDaemon()
@@ -84,11 +84,16 @@ describe("process lifecycle", () => {
       await c.ok({ type: "attach", activeSessionId: id })
       await c.ok({ type: "prompt", activeSessionId: id, message: "hi" })
       await collectTurn(c, id)
+      const worker = (await c.ok({ type: "get_state", activeSessionId: id }))["workerPid"] as number
       d.recordWorkers(await c.ok({ type: "status" }))
       const procs = d.workerProcesses()
       expect(procs.length).toBeGreaterThan(0)
       const { code, signal } = await d.stop(sig)
       expect({ sig, code, signal }, d.output).toEqual({ sig, code: 0, signal: null })
+      // The session's worker is stopped before the daemon exits, not merely after it.
+      expect(fs.existsSync(`/proc/${worker}`), `${sig}: the session's worker outlived the daemon`).toBe(false)
+      expect(c.received((m) => m["type"] === "daemon_closing"), sig).toHaveLength(1)
+      expect(fs.existsSync(d.socketPath), `${sig}: socket left`).toBe(false)
       expect(await waitGone([...procs, ...d.recordedWorkerPids], 3_000), `${sig}: workers left`).toEqual([])
       expect(await c.waitClosed(2_000), `${sig}: client connection still open`).toBe(true)
     }))

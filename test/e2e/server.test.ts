@@ -1,6 +1,6 @@
 /**
- * The server around the sessions: graceful stop, stale and live sockets, backpressure on a
- * client that stops reading, and what reaches a worker's environment.
+ * The server around the sessions: stale and live sockets, backpressure on a client that stops
+ * reading, and what reaches a worker's environment (its graceful stop: lifecycle.test.ts).
  */
 import * as fs from "node:fs"
 import * as path from "node:path"
@@ -38,18 +38,8 @@ const environOf = (pid: number): Record<string, string> =>
   )
 
 describe("server (e2e)", () => {
-  it("SIGTERM: daemon_closing to clients, workers stopped, socket removed, exit 0", async () => {
-    const daemon = await useDaemon()
-    const client = await daemon.connect()
-    const { id } = await createSession(client)
-    const state = await waitIdle(client, id)
-    const worker = state["workerPid"] as number
-    const { code } = await daemon.stop("SIGTERM")
-    expect(code).toBe(0)
-    expect(client.received((m) => m["type"] === "daemon_closing")).toHaveLength(1)
-    expect(fs.existsSync(daemon.socketPath)).toBe(false)
-    expect(fs.existsSync(`/proc/${worker}`)).toBe(false)
-  }, 30_000)
+  // SIGTERM (and SIGINT): daemon_closing to clients, workers stopped, socket removed, exit 0 is
+  // test/e2e/lifecycle.test.ts's.
 
   it("a stale socket file is replaced; a live daemon on the path makes a second one exit non-zero", async () => {
     const stateDir = freshStateDir()

@@ -18,6 +18,7 @@ import {
   DAEMON_BIN,
   freshStateDir,
   type Msg,
+  sharedDaemon,
   sleep,
   useDaemon,
   waitGone,
@@ -126,64 +127,69 @@ const refusal = (pid: number, socketPath: string, stateDir: string) =>
   `agentd: another daemon (pid ${pid}, socket ${socketPath}) holds ${stateDir}\n`
 
 describe("one daemon per state dir (e2e)", () => {
-  it("a second serve with another --socket (or AGENTD_SOCKET) exits 1 naming the first, and changes nothing on disk", async () => {
-    const first = await useDaemon()
-    const client = await first.connect()
-    const { id } = await createSession(client)
-    await waitIdle(client, id)
-    await client.ok({ type: "prompt", activeSessionId: id, message: "before" })
-    await waitIdle(client, id)
-    const before = fingerprint(first.stateDir)
-    expect(before).toContain(`f supervisor-generation 600 2 ${createHash("sha256").update("1\n").digest("hex")}`)
-    const other = path.join(path.dirname(first.stateDir), "other.sock")
+  describe("a state dir a daemon holds", () => {
+    // The refused starts leave the first daemon as it was (each test checks it): they share it.
+    const held = sharedDaemon()
 
-    const viaFlag = serveProcess(["--state-dir", first.stateDir, "--socket", other], other)
-    expect(await exitOf(viaFlag), viaFlag.output).toBe(1)
-    expect(viaFlag.output).toBe(refusal(first.pid, first.socketPath, first.stateDir))
+    it("a second serve with another --socket (or AGENTD_SOCKET) exits 1 naming the first, and changes nothing on disk", async () => {
+      const first = held()
+      const client = await first.connect()
+      const { id } = await createSession(client)
+      await waitIdle(client, id)
+      await client.ok({ type: "prompt", activeSessionId: id, message: "before" })
+      await waitIdle(client, id)
+      const before = fingerprint(first.stateDir)
+      expect(before).toContain(`f supervisor-generation 600 2 ${createHash("sha256").update("1\n").digest("hex")}`)
+      const other = path.join(path.dirname(first.stateDir), "other.sock")
 
-    const viaEnv = serveProcess(["--state-dir", first.stateDir], other, { AGENTD_SOCKET: other })
-    expect(await exitOf(viaEnv), viaEnv.output).toBe(1)
-    expect(viaEnv.output).toBe(refusal(first.pid, first.socketPath, first.stateDir))
+      const viaFlag = serveProcess(["--state-dir", first.stateDir, "--socket", other], other)
+      expect(await exitOf(viaFlag), viaFlag.output).toBe(1)
+      expect(viaFlag.output).toBe(refusal(first.pid, first.socketPath, first.stateDir))
 
-    // Byte for byte as it was (the generation counter too), and no socket at the other path.
-    expect(fingerprint(first.stateDir)).toEqual(before)
-    expect(fs.existsSync(other)).toBe(false)
-    // The first daemon is unharmed.
-    await client.ok({ type: "prompt", activeSessionId: id, message: "after" })
-    await waitIdle(client, id)
-    expect((await client.ok({ type: "status" }))["supervisorGeneration"]).toBe(1)
-  }, 60_000)
+      const viaEnv = serveProcess(["--state-dir", first.stateDir], other, { AGENTD_SOCKET: other })
+      expect(await exitOf(viaEnv), viaEnv.output).toBe(1)
+      expect(viaEnv.output).toBe(refusal(first.pid, first.socketPath, first.stateDir))
 
-  it("the same state dir through a symlink, a relative path or a trailing slash is the same lock", async () => {
-    const first = await useDaemon()
-    const root = path.dirname(first.stateDir)
-    const link = path.join(root, "link")
-    fs.symlinkSync(first.stateDir, link)
-    const before = fingerprint(first.stateDir)
-    const other = path.join(root, "other.sock")
-    for (const [named, shown] of [[link, link], [`${first.stateDir}/`, first.stateDir]] as const) {
-      const second = serveProcess(["--state-dir", named, "--socket", other], other)
-      expect(await exitOf(second), second.output).toBe(1)
-      expect(second.output).toBe(refusal(first.pid, first.socketPath, shown))
-    }
-    // Relative to the working directory of the command.
-    const relative = serveProcess(["--state-dir", path.relative(process.cwd(), first.stateDir), "--socket", other], other)
-    expect(await exitOf(relative), relative.output).toBe(1)
-    expect(relative.output).toBe(refusal(first.pid, first.socketPath, first.stateDir))
-    expect(fingerprint(first.stateDir)).toEqual(before)
-  }, 60_000)
+      // Byte for byte as it was (the generation counter too), and no socket at the other path.
+      expect(fingerprint(first.stateDir)).toEqual(before)
+      expect(fs.existsSync(other)).toBe(false)
+      // The first daemon is unharmed.
+      await client.ok({ type: "prompt", activeSessionId: id, message: "after" })
+      await waitIdle(client, id)
+      expect((await client.ok({ type: "status" }))["supervisorGeneration"]).toBe(1)
+    }, 60_000)
 
-  it("serve --detach on a held state dir exits 1 with the same message and writes nothing (no log either)", async () => {
-    const first = await useDaemon()
-    const before = fingerprint(first.stateDir)
-    const other = path.join(path.dirname(first.stateDir), "other.sock")
-    const detached = serveProcess(["--detach", "--state-dir", first.stateDir, "--socket", other], other)
-    expect(await exitOf(detached, 40_000), detached.output).toBe(1)
-    expect(detached.output).toBe(refusal(first.pid, first.socketPath, first.stateDir))
-    expect(fingerprint(first.stateDir)).toEqual(before)
-    expect(fs.existsSync(path.join(first.stateDir, "agentd.log"))).toBe(false)
-    expect(fs.existsSync(other)).toBe(false)
-  }, 60_000)
+    it("the same state dir through a symlink, a relative path or a trailing slash is the same lock", async () => {
+      const first = held()
+      const root = path.dirname(first.stateDir)
+      const link = path.join(root, "link")
+      fs.symlinkSync(first.stateDir, link)
+      const before = fingerprint(first.stateDir)
+      const other = path.join(root, "other.sock")
+      for (const [named, shown] of [[link, link], [`${first.stateDir}/`, first.stateDir]] as const) {
+        const second = serveProcess(["--state-dir", named, "--socket", other], other)
+        expect(await exitOf(second), second.output).toBe(1)
+        expect(second.output).toBe(refusal(first.pid, first.socketPath, shown))
+      }
+      // Relative to the working directory of the command.
+      const relative = serveProcess(["--state-dir", path.relative(process.cwd(), first.stateDir), "--socket", other], other)
+      expect(await exitOf(relative), relative.output).toBe(1)
+      expect(relative.output).toBe(refusal(first.pid, first.socketPath, first.stateDir))
+      expect(fingerprint(first.stateDir)).toEqual(before)
+    }, 60_000)
+
+    it("serve --detach on a held state dir exits 1 with the same message and writes nothing (no log either)", async () => {
+      const first = held()
+      const before = fingerprint(first.stateDir)
+      const other = path.join(path.dirname(first.stateDir), "other.sock")
+      const detached = serveProcess(["--detach", "--state-dir", first.stateDir, "--socket", other], other)
+      expect(await exitOf(detached, 40_000), detached.output).toBe(1)
+      expect(detached.output).toBe(refusal(first.pid, first.socketPath, first.stateDir))
+      expect(fingerprint(first.stateDir)).toEqual(before)
+      expect(fs.existsSync(path.join(first.stateDir, "agentd.log"))).toBe(false)
+      expect(fs.existsSync(other)).toBe(false)
+    }, 60_000)
+  })
 
   it("after SIGKILL of the first, a new serve (any socket) starts at once on the same state dir", async () => {
     const first = await useDaemon()
