@@ -115,5 +115,5 @@ describe("the docs' TypeScript", () => {
       return [`${at}: ${ts.flattenDiagnosticMessageText(d.messageText, "\n")}`]
     })
     assert.deepStrictEqual(problems, [])
-  }, 60_000)
+  }, 180_000)
 })

@@ -121,10 +121,11 @@ describe("GET /metrics: daemon-wide metrics (e2e)", () => {
     // (the checkpoint prunes the events a paused client lacks).
     const h = await useHttpDaemon({ env: { AGENTD_OUTBOX_BYTES: String(64 * 1024), AGENTD_RETAIN_GENERATIONS: "1" } })
     const scrape = scrapeOf(h)
+    // The driver is not attached during the bulk turns: with a 64 KB outbox a reader that lags
+    // by a few hundred KB (a busy test process) is paused and, once the turn's checkpoint prunes
+    // what it lacks, resynced too; the count would then say 3. It follows by get_state.
     const c = await h.daemon.connect("driver")
     const { id } = await createSession(c)
-    await c.ok({ type: "attach", activeSessionId: id, capabilities: ["event_sequence", "slim_attach"] })
-    await c.waitFor((m) => m["type"] === "session_attached")
     await waitIdle(c, id)
     const slowSocket = await h.daemon.connect("slow")
     await slowSocket.ok({ type: "attach", activeSessionId: id, capabilities: ["event_sequence", "slim_attach"] })
@@ -137,9 +138,8 @@ describe("GET /metrics: daemon-wide metrics (e2e)", () => {
       // 8 MB: more than the kernel's socket buffers take in for the SSE reader (its response is
       // paused only once they are full), so it is still owed events at the checkpoint.
       for (let i = 0; i < 2; i++) {
-        c.sendCommand({ type: "prompt", activeSessionId: id, message: "/bulk 4000000" })
-        await collectTurn(c, id, 30_000)
-        await waitIdle(c, id)
+        await c.ok({ type: "prompt", activeSessionId: id, message: "/bulk 4000000" })
+        await waitIdle(c, id, 30_000)
       }
       assert.strictEqual((await scrape()).get("agentd_slow_client_resyncs_total"), 0)
       await c.ok({ type: "checkpoint", activeSessionId: id })
@@ -151,7 +151,9 @@ describe("GET /metrics: daemon-wide metrics (e2e)", () => {
       await slowSse.waitFor((f) => f.events.some((e) => e.event === "control" && JSON.parse(e.data).lost === "resync"), 20_000, "the resync control event")
       await slowSse.waitFor((f) => f.statuses.includes(410), 10_000, "the 410 after the resync")
       assert.strictEqual((await scrape()).get("agentd_slow_client_resyncs_total"), 2)
-      // The driver, reading all along, was never resynced; nor is anyone by more turns.
+      // A reader attached now follows a further turn, and nobody is resynced by it.
+      await c.ok({ type: "attach", activeSessionId: id, capabilities: ["event_sequence", "slim_attach"] })
+      await c.waitFor((m) => m["type"] === "session_attached")
       c.sendCommand({ type: "prompt", activeSessionId: id, message: "after" })
       await collectTurn(c, id)
       assert.strictEqual((await scrape()).get("agentd_slow_client_resyncs_total"), 2)
