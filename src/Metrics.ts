@@ -25,20 +25,15 @@ export type ClientTransport = "socket" | "ws" | "sse"
 
 const NO_TAGS: ReadonlyArray<never> = []
 
-/** Events appended to the event log (every sequenced message of every session). */
-export const eventsAppended: Metric.Metric.Counter<number> = Metric.counter("agentd_events_appended_total", {
-  description: "Events appended to the event log.",
-  incremental: true
-})
+/** A counter of whole increments (every counter here counts things, never sets a level). */
+const counter = (name: string, description: string): Metric.Metric.Counter<number> =>
+  Metric.counter(name, { description, incremental: true })
 
-const deliveredBase = Metric.counter("agentd_events_delivered_total", {
-  description: "Events delivered to clients: socket (and WebSocket) connections, HTTP reads (catch-up, long-poll, SSE).",
-  incremental: true
-})
-const bytesBase = Metric.counter("agentd_delivered_bytes_total", {
-  description: "Bytes of events delivered to clients, by transport.",
-  incremental: true
-})
+/** Events appended to the event log (every sequenced message of every session). */
+export const eventsAppended: Metric.Metric.Counter<number> = counter("agentd_events_appended_total", "Events appended to the event log.")
+
+const deliveredBase = counter("agentd_events_delivered_total", "Events delivered to clients: socket (and WebSocket) connections, HTTP reads (catch-up, long-poll, SSE).")
+const bytesBase = counter("agentd_delivered_bytes_total", "Bytes of events delivered to clients, by transport.")
 
 /** Events delivered, by transport. */
 export const eventsDelivered: Readonly<Record<DeliveryTransport, Metric.Metric.Counter<number>>> = {
@@ -62,31 +57,16 @@ export const clients: Readonly<Record<ClientTransport, Metric.Metric.Gauge<numbe
 }
 
 /** Slow clients paused (live delivery stopped until they drain; they then catch up from the log). */
-export const slowClientPauses: Metric.Metric.Counter<number> = Metric.counter("agentd_slow_client_pauses_total", {
-  description: "Times a client that did not read was paused (then caught up from the event log).",
-  incremental: true
-})
+export const slowClientPauses: Metric.Metric.Counter<number> = counter("agentd_slow_client_pauses_total", "Times a client that did not read was paused (then caught up from the event log).")
 /** Slow clients resynced (the events they lacked were pruned meanwhile: a snapshot instead). */
-export const slowClientResyncs: Metric.Metric.Counter<number> = Metric.counter("agentd_slow_client_resyncs_total", {
-  description: "Resyncs: a paused client whose missing events were pruned got the current snapshot instead.",
-  incremental: true
-})
+export const slowClientResyncs: Metric.Metric.Counter<number> = counter("agentd_slow_client_resyncs_total", "Resyncs: a paused client whose missing events were pruned got the current snapshot instead.")
 
 /** Worker processes started (warm spares included). */
-export const workerStarts: Metric.Metric.Counter<number> = Metric.counter("agentd_worker_starts_total", {
-  description: "Worker processes started (spares included).",
-  incremental: true
-})
+export const workerStarts: Metric.Metric.Counter<number> = counter("agentd_worker_starts_total", "Worker processes started (spares included).")
 /** Workers that exited without being asked to (a crash, a kill from outside). */
-export const workerCrashes: Metric.Metric.Counter<number> = Metric.counter("agentd_worker_crashes_total", {
-  description: "Worker processes that exited without being asked to.",
-  incremental: true
-})
+export const workerCrashes: Metric.Metric.Counter<number> = counter("agentd_worker_crashes_total", "Worker processes that exited without being asked to.")
 /** Workers started for a session whose previous worker crashed. */
-export const workerRestarts: Metric.Metric.Counter<number> = Metric.counter("agentd_worker_restarts_total", {
-  description: "Workers started for a session after its previous worker crashed.",
-  incremental: true
-})
+export const workerRestarts: Metric.Metric.Counter<number> = counter("agentd_worker_restarts_total", "Workers started for a session after its previous worker crashed.")
 /** Live worker processes (spares included). */
 export const liveWorkers: Metric.Metric.Gauge<number> = Metric.gauge("agentd_workers_live", {
   description: "Live worker processes (spares included)."

@@ -118,23 +118,19 @@ export const makeCheckpoints = (core: Core): Checkpoints => {
         ...(snapshotCursor === undefined ? {} : { cursor: snapshotCursor }),
         ...(rewrittenAt === undefined ? {} : { rewrittenAt })
       }).pipe(Effect.mapError(internal("transcript")))
-      yield* log.startGeneration(id).pipe(
-        // A start reported failed may have happened all the same (the new segment was in place
-        // when a later step of it failed: a file descriptor or the disk ran out), and the log
-        // then appends to the new generation. The transcript is written, so the checkpoint is
-        // whole: the session moves with the log, as a daemon start finishes such a checkpoint.
-        // (Left behind, every later checkpoint read the old generation and failed, and a
-        // restore missed what was logged since: chaos seed 41.)
-        Effect.catchAll((e) =>
-          Effect.flatMap(log.currentGeneration(id), (now) => now === generation ? Effect.succeed(now) : Effect.fail(e))
-        ),
-        Effect.flatMap((now) =>
-          now === generation
-            ? Effect.void
-            : Effect.fail({ message: `the log is at generation ${now}, the session moves to ${generation}` })
-        ),
+      // A start reported failed may have happened all the same (the new segment was in place
+      // when a later step of it failed: a file descriptor or the disk ran out), and the log then
+      // appends to the new generation. The transcript is written, so the checkpoint is whole:
+      // the session moves with the log, as a daemon start finishes such a checkpoint. (Left
+      // behind, every later checkpoint read the old generation and failed, and a restore missed
+      // what was logged since: chaos seed 41.)
+      const started = yield* log.startGeneration(id).pipe(
+        Effect.catchAll((e) => Effect.flatMap(log.currentGeneration(id), (now) => now === generation ? Effect.succeed(now) : Effect.fail(e))),
         Effect.mapError(internal("event log"))
       )
+      if (started !== generation) {
+        return yield* new CoreInternal({ message: `event log: the log is at generation ${started}, the session moves to ${generation}` })
+      }
       yield* enterGeneration(s, { generation, snapshotCursor, messageCount, ...(next.snapshotId === undefined ? {} : { snapshotId: next.snapshotId }) })
       s.rewriteGeneration = rewrittenAt
       s.sessionFile = written.path
