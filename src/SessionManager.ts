@@ -12,6 +12,9 @@
  * internal/session/errors.ts      the core's typed errors and their one mapping to wire codes
  * internal/session/supervisor.ts  a worker's acquisition (slot, spawn, load, restore) and frame pump
  * internal/session/checkpoint.ts  snapshot intake, transcript write, new generation, prune
+ * internal/session/restore.ts     the restore read a new worker is sent
+ * internal/session/workerSlots.ts the bound on live workers (maxWorkers)
+ * internal/session/names.ts       names unique among live sessions (create, rename)
  * internal/delivery/attach.ts     attach, baseline, catch-up from the log, resync, detach
  * internal/delivery/replay.ts     the replay decision of an attach (pure)
  * internal/delivery/wireLines.ts  the wire lines of logged events
@@ -21,13 +24,17 @@
  * (which assigns the cursor and makes it durable), then handed to every attachment that is
  * live. Event history is never held in memory per client. The core talks to connections only
  * through {@link ConnectionPort}, so it runs in-process in tests (WorkerPool.layerInProcess).
+ *
+ * Owns: the registry of sessions (live and damaged), each session's entity fiber, the start-up
+ * load, and the one place where the core's errors become the wire's (`route`). Each file of the
+ * core says in its header what it owns; a session's fields are written by its entity or by the
+ * owner session.ts names, never here once the session exists.
  */
 import * as Chunk from "effect/Chunk"
 import * as Context from "effect/Context"
 import * as Effect from "effect/Effect"
 import * as ExecutionStrategy from "effect/ExecutionStrategy"
 import * as Either from "effect/Either"
-import * as Exit from "effect/Exit"
 import * as FiberMap from "effect/FiberMap"
 import * as FiberSet from "effect/FiberSet"
 import * as Layer from "effect/Layer"
@@ -44,6 +51,7 @@ import { makeDelivery } from "./internal/delivery/attach.js"
 import { bodyMessage, type LoggedBody, logged } from "./internal/delivery/wireLines.js"
 import { makeCheckpoints } from "./internal/session/checkpoint.js"
 import { makeEntity } from "./internal/session/entity.js"
+import { makeNames } from "./internal/session/names.js"
 import type { Input } from "./internal/session/mailbox.js"
 import * as Transition from "./internal/session/transition.js"
 import { type CoreError, toCommandError } from "./internal/session/errors.js"
@@ -90,6 +98,22 @@ export interface AttachOutcome {
   /** Sends the snapshot frames, `session_attached` and the events; run after the response. */
   readonly deliver: Effect.Effect<void>
 }
+
+/** What a session starts with, found by its create or its load (the rest starts empty). */
+type SessionStart = Pick<
+  Session,
+  | "generation"
+  | "sessionFile"
+  | "lastCursor"
+  | "generationEvents"
+  | "generationBytes"
+  | "messageCount"
+  | "baseMessageCount"
+  | "snapshotCursor"
+  | "rewriteGeneration"
+  | "launchEnv"
+  | "clientEnv"
+>
 
 /** The sessions of this daemon. */
 export class SessionManager extends Context.Tag("agentd/SessionManager")<SessionManager, {
@@ -159,11 +183,22 @@ export const make = Effect.gen(function*() {
   const checkpoints = makeCheckpoints(core)
   const delivery = makeDelivery(core, checkpoints)
   const supervisor = makeSupervisor(core)
-  const { runEntity, send, settleForShutdown, startFirstWorker } = makeEntity(core, checkpoints, supervisor, delivery)
+  const names = makeNames({
+    live: function*() {
+      for (const s of sessions.values()) if (!isClosed(s)) yield s.meta
+    },
+    damaged: () => Array.from(damaged.values(), (d) => ({ activeSessionId: d.activeSessionId, name: d.meta?.name }))
+  })
+  const { runEntity, send, settleForShutdown, startFirstWorker } = makeEntity(core, checkpoints, supervisor, delivery, names)
   const { attach, detachAttachment } = delivery
   const { transcript } = checkpoints
 
-  const newSession = (meta: SessionMeta, state: Transition.State): Effect.Effect<Session> =>
+  /**
+   * A session as it starts: `from` is what a create or a load found (its generation, its
+   * environment). Built whole here, so that once it exists only its owners write it (its entity,
+   * and the parts that act for it: see internal/session/session.ts).
+   */
+  const newSession = (meta: SessionMeta, state: Transition.State, from: Partial<SessionStart> = {}): Effect.Effect<Session> =>
     Effect.gen(function*() {
       return {
         ...yield* sessionScope,
@@ -175,17 +210,18 @@ export const make = Effect.gen(function*() {
         generationEvents: 0,
         generationBytes: 0,
         lastCursor: undefined,
+        launchEnv: undefined,
+        clientEnv: undefined,
+        sessionFile: undefined,
+        rewriteGeneration: undefined,
+        ...from,
         attachments: new Set(),
         publishLock: yield* Effect.makeSemaphore(1),
         readGate: yield* Effect.makeSemaphore(READ_GATE_PERMITS),
         lastUsed: Date.now(),
-        launchEnv: undefined,
-        clientEnv: undefined,
         state,
         handles: newHandles(),
         mailbox: yield* Queue.unbounded<Input>(),
-        sessionFile: undefined,
-        rewriteGeneration: undefined,
         shown: { busy: Transition.busyOf(state), worker: Transition.workerStateOf(state) }
       }
     })
@@ -197,83 +233,28 @@ export const make = Effect.gen(function*() {
       yield* FiberMap.run(entities, s.meta.activeSessionId, runEntity(s))
     })
 
-  // ------------------------------------------------------------------------------------------
-  // Names: unique among live sessions, judged here (a client's check-then-create would race).
-  // Each check and its claim happen in one synchronous step, so two racing commands cannot both
-  // pass it. Sessions loaded from an older state dir may share a name: they load all the same
-  // (addressable by id) and keep it until renamed.
-  // ------------------------------------------------------------------------------------------
-
-  /** Names of the creates under way (checked, not registered yet). */
-  const claimedNames = new Set<string>()
-  /** Renames one at a time: their meta writes land in the order of their claims. */
-  const renameLock = yield* Effect.makeSemaphore(1)
-
-  /** The session holding `name` (live, damaged, or being created), other than `except`. */
-  const holderOf = (name: string, except?: string): string | undefined => {
-    for (const s of sessions.values()) {
-      if (!isClosed(s) && s.meta.name === name && s.meta.activeSessionId !== except) return s.meta.activeSessionId
-    }
-    for (const d of damaged.values()) {
-      if (d.meta?.name === name && d.activeSessionId !== except) return d.activeSessionId
-    }
-    return claimedNames.has(name) ? "a session being created" : undefined
-  }
-
-  /**
-   * Checks `name` and, if it is free, runs `take` in the same synchronous step (the fiber cannot
-   * yield in between, so no other create or rename sees the name free meanwhile).
-   */
-  const claimName = (command: string, name: string, except: string | undefined, take: () => void): Effect.Effect<void, CommandError> =>
-    Effect.suspend(() => {
-      if (name.length === 0 || name.trim() !== name || /[\u0000-\u001f\u007f]/.test(name)) {
-        return Effect.fail(
-          new CommandError({
-            code: "invalid_command",
-            message: `Invalid \`${command}\` command: \`name\`: a name is not empty and has no control characters or surrounding spaces.`
-          })
-        )
-      }
-      const holder = holderOf(name, except)
-      if (holder === undefined) {
-        take()
-        return Effect.void
-      }
-      return Effect.fail(
-        new CommandError({
-          code: "name_taken",
-          message: `The name ${JSON.stringify(name)} is in use by ${holder.startsWith("s-") ? `session \`${holder}\`` : holder}.`
-        })
-      )
-    })
-
   const create = (cmd: CommandOf<"create">) => {
     const name = cmd.name
-    return name === undefined ? createSession(cmd) : Effect.acquireUseRelease(
+    if (name === undefined) return createSession(cmd)
+    return Effect.acquireUseRelease(
       // Claimed until the session is registered (or the create failed): then its name is in `sessions`.
-      claimName("create", name, undefined, () => claimedNames.add(name)),
+      Effect.suspend(() => {
+        const invalid = names.invalid("create", name)
+        if (invalid !== undefined) return Effect.fail(invalid)
+        const claimed = names.claim(name, undefined, "a session being created")
+        return typeof claimed === "function" ? Effect.succeed(claimed) : Effect.fail(toCommandError(claimed))
+      }),
       () => createSession(cmd),
-      () => Effect.sync(() => claimedNames.delete(name))
+      (release) => Effect.sync(release)
     )
   }
 
+  /** `rename`: the session's entity claims the name and saves it (see names.ts). */
   const rename = (cmd: CommandOf<"rename">) =>
-    route(cmd.activeSessionId, (s) =>
-      renameLock.withPermits(1)(Effect.gen(function*() {
-        const previous = s.meta
-        if (previous.name === cmd.name) return summary(s)
-        yield* claimName("rename", cmd.name, previous.activeSessionId, () => (s.meta = { ...previous, name: cmd.name }))
-        // Given back if it cannot be made durable (unless renamed again meanwhile).
-        yield* store.saveMeta(s.meta).pipe(
-          Effect.mapError(internal("session store")),
-          Effect.tapError(() =>
-            Effect.sync(() => {
-              if (s.meta.name === cmd.name) s.meta = previous
-            })
-          )
-        )
-        return summary(s)
-      })))
+    route(cmd.activeSessionId, (s) => {
+      const invalid = names.invalid("rename", cmd.name)
+      return invalid !== undefined ? Effect.fail(invalid) : send<SessionSummary>(s, (c) => ({ _tag: "Rename", name: cmd.name, ...c }))
+    })
 
   const createSession = (cmd: CommandOf<"create">) =>
     Effect.gen(function*() {
@@ -304,9 +285,10 @@ export const make = Effect.gen(function*() {
           new CommandError({ code: "invalid_command", message: "Invalid `create` command: `config` is nested too deeply to be stored." })
       })
       yield* store.create(meta).pipe(Effect.mapError(internal("session store")))
-      const s = yield* newSession(meta, Transition.initial)
-      s.launchEnv = cmd.launchEnv === undefined ? undefined : { ...cmd.launchEnv }
-      s.clientEnv = filterEnv(cmd.env)
+      const s = yield* newSession(meta, Transition.initial, {
+        launchEnv: cmd.launchEnv === undefined ? undefined : { ...cmd.launchEnv },
+        clientEnv: filterEnv(cmd.env)
+      })
       // An idle record: a session the journal does not name is idle all the same.
       yield* recordBestEffort(s, false, "created")
       // The first worker starts before the entity takes any input (nothing can race it yet).
@@ -321,17 +303,13 @@ export const make = Effect.gen(function*() {
 
   const loadSession = (meta: SessionMeta) =>
     Effect.gen(function*() {
-      const id = meta.activeSessionId
-      const s = yield* newSession(meta, Transition.loaded)
-      return yield* loadInto(s).pipe(
-        // A session that does not load (damaged) never runs: its scope goes now.
-        Effect.tapErrorCause(() => Scope.close(s.scope, Exit.void))
-      )
+      const { from, lastStatusBusy, endsWithTurnEnd } = yield* load(meta.activeSessionId)
+      return { session: yield* newSession(meta, Transition.loaded, from), lastStatusBusy, endsWithTurnEnd }
     })
 
-  const loadInto = (s: Session) =>
+  /** What a session's files say: where its generation stands, and how its last turn ended. */
+  const load = (id: string) =>
     Effect.gen(function*() {
-      const id = s.meta.activeSessionId
       let status = yield* log.status(id)
       const snapshot = yield* store.latestSnapshot(id)
       if (Option.isSome(snapshot) && snapshot.value.header.generation > status.generation) {
@@ -343,22 +321,30 @@ export const make = Effect.gen(function*() {
         while (generation < snapshot.value.header.generation) generation = yield* log.startGeneration(id)
         status = yield* log.status(id)
       }
-      s.generation = status.generation
-      s.sessionFile = Option.getOrUndefined(Option.map(snapshot, (found) => found.path))
-      s.lastCursor = Option.getOrUndefined(status.lastCursor)
-      s.generationEvents = status.generationEvents
-      s.generationBytes = status.generationBytes
+      const from: SessionStart = {
+        generation: status.generation,
+        sessionFile: Option.getOrUndefined(Option.map(snapshot, (found) => found.path)),
+        lastCursor: Option.getOrUndefined(status.lastCursor),
+        generationEvents: status.generationEvents,
+        generationBytes: status.generationBytes,
+        messageCount: 0,
+        baseMessageCount: 0,
+        snapshotCursor: undefined,
+        rewriteGeneration: undefined,
+        launchEnv: undefined,
+        clientEnv: undefined
+      }
       let after: Cursor.Cursor | undefined
       if (Option.isSome(snapshot)) {
-        s.messageCount = snapshot.value.header.messageCount
-        s.rewriteGeneration = snapshot.value.header.rewrittenAt
+        from.messageCount = snapshot.value.header.messageCount
+        from.rewriteGeneration = snapshot.value.header.rewrittenAt
         after = snapshot.value.header.cursor
       }
       const isCurrent = Option.isSome(snapshot) && snapshot.value.header.generation === status.generation
       let lastStatusBusy = false
       let endsWithTurnEnd = false
-      s.snapshotCursor = isCurrent ? after : undefined
-      s.baseMessageCount = s.messageCount
+      from.snapshotCursor = isCurrent ? after : undefined
+      from.baseMessageCount = from.messageCount
       if (Option.isSome(snapshot)) yield* store.checkTranscript(id, snapshot.value.header.generation)
       // Every retained event is read, not only those after the snapshot: damage anywhere in the
       // log is found now (and repaired, see `admit`), not by a client's replay later.
@@ -367,19 +353,19 @@ export const make = Effect.gen(function*() {
           Effect.sync(() => {
             if (after !== undefined && Cursor.compare(r.cursor, after) <= 0) return
             const body = r.event as unknown as LoggedBody
-            if (body.type === "session_event" && body.event.type === "message_end") s.messageCount++
+            if (body.type === "session_event" && body.event.type === "message_end") from.messageCount++
             if (body.type === "session_status") lastStatusBusy = body.state.busy
             endsWithTurnEnd = body.type === "session_event" && (body.event.type === "agent_end" || body.event.type === "turn_interrupted")
             // Without a transcript of the current generation, its snapshot is what was folded
             // before its first event.
             if (!isCurrent && r.cursor.generation < status.generation) {
-              s.snapshotCursor = r.cursor
-              s.baseMessageCount = s.messageCount
+              from.snapshotCursor = r.cursor
+              from.baseMessageCount = from.messageCount
             }
           })
         )
       )
-      return { session: s, lastStatusBusy, endsWithTurnEnd }
+      return { from, lastStatusBusy, endsWithTurnEnd }
     })
 
   // ------------------------------------------------------------------------------------------

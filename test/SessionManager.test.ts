@@ -20,7 +20,8 @@ import * as RecoveryJournal from "../src/RecoveryJournal.js"
 import { type CommandError, SessionManager } from "../src/SessionManager.js"
 import { type WorkerHandle, WorkerPool } from "../src/WorkerPool.js"
 import { describeMsg } from "./chaos/streamCheck.js"
-import { coreLayer, makeStored, MemoryConnection, waitFor, withCore } from "./support/core.js"
+import * as SessionStore from "../src/SessionStore.js"
+import { coreLayer, Gate, makeStored, MemoryConnection, waitFor, withCore } from "./support/core.js"
 
 // ---------------------------------------------------------------------------------------------
 // Helpers
@@ -1534,6 +1535,79 @@ describe("SessionManager (in-process)", () => {
             assert.notInclude(eventTypes(seq(c1)), "turn_interrupted")
           }), stored)
       }))
+  })
+
+  describe("names", () => {
+    /** Under the TestClock: yield (bounded) until `pred` holds. */
+    const spin = (what: string, pred: () => boolean) =>
+      Effect.gen(function*() {
+        for (let i = 0; i < 20_000; i++) {
+          if (pred()) return
+          yield* Effect.yieldNow()
+        }
+        return yield* Effect.dieMessage(`never: ${what}`)
+      })
+
+    it.scoped("a rename holds the old name until the new one is durable: a create of either name meanwhile is name_taken; a failed save gives the old one back", () =>
+      Effect.gen(function*() {
+        const stored = yield* makeStored
+        const store = Context.get(stored, SessionStore.SessionStore)
+        // A save that waits at the gate, then fails (the disk is full).
+        const gate = new Gate()
+        const failing = { on: false }
+        const saves = Context.add(stored, SessionStore.SessionStore, {
+          ...store,
+          saveMeta: (meta) =>
+            Effect.zipRight(
+              gate.pass,
+              failing.on ? Effect.fail(new SessionStore.SessionStoreError({ reason: "Io", detail: "ENOSPC" })) : store.saveMeta(meta)
+            )
+        })
+        yield* withCore({}, () =>
+          Effect.gen(function*() {
+            const sm = yield* SessionManager
+            const a = yield* sm.create({ type: "create", name: "x" } as any)
+            const b = yield* sm.create({ type: "create" } as any)
+            gate.close()
+            failing.on = true
+            const renaming = yield* Effect.fork(sm.rename({ type: "rename", activeSessionId: a.activeSessionId, name: "y" } as any))
+            yield* spin("the rename's save under way", () => gate.waiting === 1)
+            // Both names are held while the save may yet fail: the old one is not free.
+            yield* failsWith("a create of the old name", sm.create({ type: "create", name: "x" } as any), "name_taken")
+            yield* failsWith("a create of the new name", sm.create({ type: "create", name: "y" } as any), "name_taken")
+            yield* failsWith("another session renamed to the old name", sm.rename({ type: "rename", activeSessionId: b.activeSessionId, name: "x" } as any), "name_taken")
+            gate.open()
+            const outcome = yield* Effect.either(Fiber.join(renaming))
+            expectCode("the rename whose save failed", outcome, "internal")
+            const named = (yield* sm.list).sessions.filter((s) => s.name === "x").map((s) => s.activeSessionId)
+            assert.deepStrictEqual(named, [a.activeSessionId], "the old name is the renamed session's again, and only its")
+            // Storage back: the rename goes through, and the old name is free.
+            failing.on = false
+            assert.strictEqual((yield* sm.rename({ type: "rename", activeSessionId: a.activeSessionId, name: "y" } as any)).name, "y")
+            assert.strictEqual((yield* sm.create({ type: "create", name: "x" } as any)).state.name, "x")
+            assert.strictEqual((yield* store.loadMeta(a.activeSessionId)).name, "y", "durable")
+          }), saves)
+      }))
+
+    it.scoped("renames and creates racing for one name: exactly one wins, every other is name_taken; each answered once", () =>
+      withCore({}, () =>
+        Effect.gen(function*() {
+          const sm = yield* SessionManager
+          const RACERS = 8
+          const ids: Array<string> = []
+          for (let i = 0; i < RACERS; i++) ids.push((yield* sm.create({ type: "create", name: `own-${i}` } as any)).activeSessionId)
+          const racers: Array<Effect.Effect<string, CommandError>> = []
+          for (let i = 0; i < RACERS; i++) {
+            racers.push(Effect.map(sm.rename({ type: "rename", activeSessionId: ids[i]!, name: "r" } as any), (s) => s.activeSessionId))
+            racers.push(Effect.map(sm.create({ type: "create", name: "r" } as any), (c) => c.activeSessionId))
+          }
+          const outcomes = yield* Effect.all(racers.map(Effect.either), { concurrency: "unbounded" })
+          const won = outcomes.filter(Either.isRight)
+          assert.strictEqual(won.length, 1, JSON.stringify(outcomes))
+          for (const o of outcomes) if (Either.isLeft(o)) assert.strictEqual(o.left.code, "name_taken", o.left.message)
+          const named = (yield* sm.list).sessions.filter((s) => s.name === "r").map((s) => s.activeSessionId)
+          assert.deepStrictEqual(named, [won[0]!.right])
+        })))
   })
 
   describe("the in-process pool", () => {

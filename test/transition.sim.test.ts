@@ -41,6 +41,19 @@ describe("session lifecycle simulation", () => {
     expect(runs).toBeGreaterThan(0)
   }, 120_000)
 
+  it("holds its invariants with renames among the commands (each settled once, in every phase)", () => {
+    let steps = 0
+    for (let seed = FIRST_SEED; steps < STEPS / 10; seed++) {
+      const events = generate(seed, RUN_LENGTH, { renames: true })
+      const result = run(events)
+      steps += result.steps
+      if (result.violation !== undefined) {
+        const shrunk = shrink(events)
+        expect.fail(`seed ${seed} with renames: ${result.violation}\nshortest run found (${shrunk.events.length} events): ${shrunk.violation}\n${show(shrunk.events)}`)
+      }
+    }
+  }, 60_000)
+
   it("is deterministic: the same seed gives the same run", () => {
     expect(run(generate(7, 300))).toEqual(run(generate(7, 300)))
   })

@@ -25,7 +25,7 @@ import {
 import { SlotBook } from "../../src/internal/session/workerSlots.js"
 
 export type WorldEvent =
-  | { readonly k: "cmd"; readonly s: number; readonly c: 0 | 1 | 2 | 3 | 4 }
+  | { readonly k: "cmd"; readonly s: number; readonly c: 0 | 1 | 2 | 3 | 4 | 5 }
   | { readonly k: "deliver"; readonly s: number }
   | { readonly k: "emit"; readonly p: number }
   | { readonly k: "crash"; readonly p: number }
@@ -153,10 +153,14 @@ class World {
         if (this.stopping) return
         const i = e.s % this.sessions.length
         const req = this.nextReq++
-        const kinds = ["Prompt", "Abort", "Checkpoint", "Retry", "Kill"] as const
+        const kinds = ["Prompt", "Abort", "Checkpoint", "Retry", "Kill", "Rename"] as const
         const tag = kinds[e.c]
         this.requests.set(req, { session: i, kind: tag === "Prompt" ? "prompt" : "other", settled: 0 })
-        const input: Input = tag === "Prompt" ? { _tag: "Prompt", req, message: "m" } : { _tag: tag, req }
+        const input: Input = tag === "Prompt"
+          ? { _tag: "Prompt", req, message: "m" }
+          : tag === "Rename"
+          ? { _tag: "Rename", req, name: `n${req}` }
+          : { _tag: tag, req }
         this.sessions[i]!.mailbox.push(input)
         return
       }
@@ -362,6 +366,7 @@ class World {
       case "ShutdownDone":
         return this.settle(a.done)
       case "Archive":
+      case "Rename":
         return this.settle(a.req)
       case "ScheduleRestart":
         s.timers.push({ _tag: "RestartDue", epoch: a.epoch })
@@ -523,14 +528,19 @@ export const rng = (seed: number) => {
   }
 }
 
-/** A random run of `length` world events. */
-export const generate = (seed: number, length: number): Array<WorldEvent> => {
+/**
+ * A random run of `length` world events. `renames`: commands include `rename` (off by default,
+ * so that a seed names the same run it named before rename was an input).
+ */
+export const generate = (seed: number, length: number, options: { readonly renames?: boolean } = {}): Array<WorldEvent> => {
   const r = rng(seed)
   const int = (n: number) => Math.floor(r() * n)
   const out: Array<WorldEvent> = []
+  const kinds = options.renames === true ? [0, 0, 0, 1, 2, 2, 3, 5, 0, 1, 4] : [0, 0, 0, 1, 2, 2, 3, 0, 1, 4]
+  const common = kinds.length - 1
   for (let i = 0; i < length; i++) {
     const x = r()
-    if (x < 0.3) out.push({ k: "cmd", s: int(8), c: ([0, 0, 0, 1, 2, 2, 3, 0, 1, 4][int(r() < 0.03 ? 10 : 9)]) as 0 | 1 | 2 | 3 | 4 })
+    if (x < 0.3) out.push({ k: "cmd", s: int(8), c: kinds[int(r() < 0.03 ? kinds.length : common)] as 0 | 1 | 2 | 3 | 4 | 5 })
     else if (x < 0.65) out.push({ k: "deliver", s: int(8) })
     else if (x < 0.9) out.push({ k: "emit", p: int(8) })
     else if (x < 0.925) out.push({ k: "crash", p: int(8) })

@@ -70,6 +70,7 @@ export const inputsFor = (s: State): ReadonlyArray<Input> => {
     Checkpoint: { _tag: "Checkpoint", req: 1 },
     Retry: { _tag: "Retry", req: 1 },
     Kill: { _tag: "Kill", req: 1 },
+    Rename: { _tag: "Rename", req: 1, name: "n" },
     Passivate: { _tag: "Passivate" },
     ShuttingDown: { _tag: "ShuttingDown", done: 2, force: false },
     Restore: { _tag: "Restore" },

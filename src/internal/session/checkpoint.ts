@@ -4,6 +4,13 @@
  * step; a history rewrite (an engine replaced its transcript during a turn) arrives from the
  * worker as snapshot frames, is written whole and starts the next generation at once. Old
  * generations are pruned. Also the readers of the current generation's snapshot.
+ *
+ * Owns: a session's generation fields (`generation`, `snapshotCursor`, `baseMessageCount`, the
+ * counts reset at a new generation, `sessionFile`, `rewriteGeneration`), written only within a
+ * step of its entity (the `RunCheckpoint`, `CheckpointIfGrown` and `RewriteFrame` actions and
+ * the rewrite frames the entity hands over), under the whole read gate; the history rewrite
+ * under way (`rewrites`); and each session's snapshot entry in the cache (`entries`), which
+ * readers (attaches, resyncs) make when they first need it.
  */
 import * as Cause from "effect/Cause"
 import * as Deferred from "effect/Deferred"

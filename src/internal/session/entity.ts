@@ -6,8 +6,10 @@
  * order; what an action comes back with (a worker acquired, a turn refused, storage failing)
  * returns to `step` as an input.
  *
- * Owns: the session's `state` (its only writer), the tables of handles behind its ids, and
- * the effect of each action. The lifecycle's rules are `step`'s alone.
+ * Owns: the session's `state` (its only writer), the tables of handles behind its ids, the
+ * effect of each action, and the session's other fields that change after its start (`meta` by
+ * a rename, the next worker's environment, `lastUsed`); see session.ts for the fields whose
+ * owners act within its steps. The lifecycle's rules are `step`'s alone.
  */
 import * as Clock from "effect/Clock"
 import * as Deferred from "effect/Deferred"
@@ -30,6 +32,7 @@ import type { Checkpoints } from "./checkpoint.js"
 import type { AnyFrame, CheckpointReply, Input } from "./mailbox.js"
 import { CommandTakesEffect } from "./mailbox.js"
 import { type CoreError, CoreInternal, failed, internal, notFound, SessionBusy, shuttingDown, StorageUnavailable } from "./errors.js"
+import type { Names } from "./names.js"
 import { type Core, isClosed, PUBLISH_BATCH_BYTES, type Session, StorageFailed, storageUnavailable } from "./session.js"
 import { STORAGE_RETRY_INTERVAL, type Supervisor } from "./supervisor.js"
 import * as T from "./transition.js"
@@ -38,7 +41,7 @@ import * as T from "./transition.js"
 const SHUTDOWN_CUT_GRACE = "2 seconds"
 
 /** The session entity: one fiber per session takes every input from its mailbox, one at a time. */
-export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Supervisor, delivery: Delivery) => {
+export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Supervisor, delivery: Delivery, names: Names) => {
   const { config, journal, log, restartPolicy, sessions, slots, store, publish, publishAll, publishStatus, record, recordBestEffort, summary, fork, forkIn, post } = core
   const { abandonRewrite, rewriteFrame, runCheckpoint } = checkpoints
   const { detachAttachment } = delivery
@@ -238,8 +241,38 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
         const done = takeRequest(s, a.done)
         return done === undefined ? Effect.void : Effect.asVoid(Deferred.succeed(done, undefined))
       }
+      case "Rename":
+        return rename(s, a.req, a.name)
     }
   }
+
+  /**
+   * `rename`: the name is claimed and shown in one synchronous step (no racing create or rename
+   * sees it free meanwhile), then saved; a save that fails gives it back. The old name stays
+   * held until then, so no other session takes a name this one may have to take back.
+   * No `session_status`: a name is no lifecycle fact (the next summary carries it).
+   */
+  const rename = (s: Session, req: T.ReqId, name: string): Effect.Effect<void> =>
+    Effect.gen(function*() {
+      const reply = takeRequest(s, req)
+      if (reply === undefined) return
+      const previous = s.meta
+      const id = previous.activeSessionId
+      if (previous.name === name) return yield* Deferred.succeed(reply, summary(s))
+      const claimed = names.claim(name, id, id)
+      if (typeof claimed !== "function") return yield* Deferred.fail(reply, claimed)
+      const releaseOld = previous.name === undefined ? undefined : names.hold(previous.name, id)
+      s.meta = { ...previous, name }
+      // Once in the meta, the new name is held by the session itself.
+      claimed()
+      const saved = yield* Effect.either(store.saveMeta(s.meta))
+      releaseOld?.()
+      if (Either.isLeft(saved)) {
+        s.meta = previous
+        return yield* Deferred.fail(reply, internal("session store")(saved.left))
+      }
+      yield* Deferred.succeed(reply, summary(s))
+    })
 
   const workerHandleOfState = (s: Session) => {
     const w = T.workerOf(s.state)
@@ -465,6 +498,8 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
         return run(s, { _tag: "Retry", req: request(s, input.reply) })
       case "Kill":
         return run(s, { _tag: "Kill", req: request(s, input.reply) })
+      case "Rename":
+        return run(s, { _tag: "Rename", req: request(s, input.reply), name: input.name })
       case "Passivate":
         return run(s, { _tag: "Passivate" })
       case "SetEnv":

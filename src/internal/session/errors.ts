@@ -4,6 +4,8 @@
  * answers its callers (SessionManager's service; the socket server and the HTTP front both
  * reach the core through it). Storage failures under a step are `StorageFailed`
  * (session.ts): the core turns those into a stall or into `StorageUnavailable` itself.
+ *
+ * Owns: the core's error types and the one mapping of them to wire codes.
  */
 import * as Data from "effect/Data"
 import type { ErrorCode } from "../../Protocol.js"
@@ -24,6 +26,8 @@ export class StorageUnavailable extends Data.TaggedError("StorageUnavailable")<{
 export class ShuttingDown extends Data.TaggedError("ShuttingDown")<{ readonly message: string }> {}
 /** The session was created with telemetry on; the attach asked for it off. */
 export class TelemetryPolicyViolation extends Data.TaggedError("TelemetryPolicyViolation")<{ readonly message: string }> {}
+/** A create or rename asked for a name another live (or damaged) session has. */
+export class NameTaken extends Data.TaggedError("NameTaken")<{ readonly message: string }> {}
 /** A part below the core failed unexpectedly (a store, the cache, the log outside a step). */
 export class CoreInternal extends Data.TaggedError("CoreInternal")<{ readonly message: string }> {}
 
@@ -34,6 +38,7 @@ export type CoreError =
   | StorageUnavailable
   | ShuttingDown
   | TelemetryPolicyViolation
+  | NameTaken
   | CoreInternal
 
 export const notFound = (id: string) => new SessionNotFound({ activeSessionId: id, message: `No session \`${id}\`.` })
@@ -52,6 +57,7 @@ const CODES: { readonly [K in CoreError["_tag"]]: ErrorCode } = {
   StorageUnavailable: "storage_unavailable",
   ShuttingDown: "shutting_down",
   TelemetryPolicyViolation: "telemetry_policy_violation",
+  NameTaken: "name_taken",
   CoreInternal: "internal"
 }
 

@@ -3,6 +3,8 @@
  * worker's frames and exit with its handle, timers. The entity names the requests and workers
  * of these inputs by plain ids and hands them to `step` (transition.ts), which owns the
  * lifecycle; nothing here is state.
+ *
+ * Owns: the inputs' shapes, and `CommandTakesEffect`.
  */
 import type * as Deferred from "effect/Deferred"
 import * as FiberRef from "effect/FiberRef"
@@ -36,6 +38,8 @@ export type Input =
   | { readonly _tag: "Checkpoint" } & CommandInput<{ generation: number; snapshotId: string }>
   | { readonly _tag: "Retry" } & CommandInput<SessionSummary>
   | { readonly _tag: "Kill" } & CommandInput<{}>
+  /** A new name (checked valid by the caller; its claim is the entity's). */
+  | { readonly _tag: "Rename"; readonly name: string } & CommandInput<SessionSummary>
   | { readonly _tag: "Passivate" }
   /** An attach set the environment of the session's next worker. */
   | { readonly _tag: "SetEnv"; readonly launchEnv?: Record<string, string>; readonly clientEnv?: Record<string, string> }

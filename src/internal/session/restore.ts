@@ -10,6 +10,9 @@
  * pieces of about RESTORE_CHUNK_BYTES, cut at whole lines and written to the pipe as they are;
  * otherwise the store's lines are batched the same way. Each piece is written once the pipe has
  * room (its backpressure), so a 100 MB transcript is never one line nor one buffer.
+ *
+ * Owns: the restore read and its frames (no session field: it reads storage, and the session's
+ * id, and writes only to the worker's pipe).
  */
 import * as Data from "effect/Data"
 import * as Deferred from "effect/Deferred"

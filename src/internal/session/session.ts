@@ -3,6 +3,16 @@
  * of the core shares (lookup, publishing to the log and to attached clients, the journal).
  * The lifecycle itself is transition.ts's `step`, run by entity.ts; see SessionManager.ts for
  * the whole picture.
+ *
+ * Owns: the publisher (the stream's position: `lastCursor`, `messageCount`, the generation's
+ * counts, and `shown`, written under the session's publish lock by whoever publishes: the
+ * entity, or the loader before the entity starts) and the journal writer (`storage`).
+ *
+ * Who writes a `Session` once it exists: its entity (`state`, `handles`, `meta` by a rename,
+ * `launchEnv`/`clientEnv`, `lastUsed`, its scope's close), and the parts that act within the
+ * entity's steps or own a field: checkpoint.ts (the generation fields), the publisher here (the
+ * stream's position), delivery (`attachments`: an attach adds, a detach removes). Its create or
+ * its load builds it whole (SessionManager.ts `newSession`); nothing else writes it.
  */
 import type * as Context from "effect/Context"
 import * as Data from "effect/Data"

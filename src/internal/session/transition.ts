@@ -141,6 +141,8 @@ export type Input =
   | { readonly _tag: "Checkpoint"; readonly req: ReqId }
   | { readonly _tag: "Retry"; readonly req: ReqId }
   | { readonly _tag: "Kill"; readonly req: ReqId }
+  /** A new name for the session (no lifecycle fact: the same in every live phase). */
+  | { readonly _tag: "Rename"; readonly req: ReqId; readonly name: string }
   /** Give up the worker if between turns (another session waits for a slot). */
   | { readonly _tag: "Passivate" }
   /** The daemon stops; `done` is released once no turn runs; `force`: cut it here. */
@@ -228,6 +230,11 @@ export type Action =
   | { readonly _tag: "Archive"; readonly req: ReqId }
   /** A wait of the daemon's stop is released. */
   | { readonly _tag: "ShutdownDone"; readonly done: ReqId }
+  /**
+   * Claim the name (unless another session has it), make it durable in the session's metadata,
+   * then settle `req` with the summary (or `name_taken`, or the store's failure).
+   */
+  | { readonly _tag: "Rename"; readonly req: ReqId; readonly name: string }
 
 export type ActionTag = Action["_tag"]
 
@@ -698,6 +705,8 @@ const take = (s: State, input: Input, env: Env, policy: RestartPolicy, out: Arra
     }
     case "Kill":
       return kill(s, input.req, out)
+    case "Rename":
+      return out.push({ _tag: "Rename", req: input.req, name: input.name }), s
     case "Passivate":
       return s._tag === "Idle" && !s.stopping ? passivate(s, out) : s
     case "ShuttingDown":
@@ -885,6 +894,7 @@ const takeClosed = (input: Input, out: Array<Action>): State | undefined => {
     case "Checkpoint":
     case "Retry":
     case "Kill":
+    case "Rename":
       out.push(err(input.req, "SessionNotFound"))
       return
     case "Acquired":

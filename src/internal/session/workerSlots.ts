@@ -4,6 +4,8 @@
  * session that needs a worker when every slot is held waits for one (a prompt to it waits
  * too, reserved); meanwhile sessions between turns give theirs up (passivation). The warm
  * spare is not a session's worker and holds no slot.
+ *
+ * Owns: the slot count, the spawns waiting, the workers on their way out (no session field).
  */
 import * as Deferred from "effect/Deferred"
 import * as Effect from "effect/Effect"
