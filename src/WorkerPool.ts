@@ -548,6 +548,11 @@ class InProcessWorker implements WorkerHandle {
     })
   }
 
+  /** Whether it has exited (its fiber may still be ending: it is no live worker any more). */
+  get gone(): boolean {
+    return this.closed
+  }
+
   /** The worker is gone: the link closes both ways and `exited` completes (which ends its fiber). */
   exit(how: WorkerExit): void {
     this.closed = true
@@ -611,7 +616,9 @@ export const makeInProcess = (options: InProcessOptions = {}) =>
         return ready as WorkerHandle
       })
 
-    return WorkerPool.of({ acquire, live: Effect.sync(() => [...workers]) })
+    // An exited worker is not live, as a process that exited is not, even while its fiber ends
+    // (its slot is free already: listed, it looked like one worker too many).
+    return WorkerPool.of({ acquire, live: Effect.sync(() => [...workers].filter((w) => !w.gone)) })
   })
 
 /** {@link makeInProcess} as a layer. */

@@ -3,6 +3,10 @@
  * transition of its Phase, and above all every request that a transition must settle. Workers
  * are fibers of this process (test/support/core.ts); gates hold a worker at a chosen step so that
  * a command lands in a given phase deterministically (no fixed sleeps as synchronisation).
+ * Every test runs on the TestClock: no real time passes, a wait is the other fibers running
+ * (bounded: what never comes fails the test by name), and a timer fires only when a test moves
+ * the clock (a tool call's sleep, a restart's backoff). What `step` decides alone, phase by
+ * input, is in test/transition.table.test.ts.
  */
 import { assert, describe, it } from "@effect/vitest"
 import * as Deferred from "effect/Deferred"
@@ -21,7 +25,7 @@ import { type CommandError, SessionManager } from "../src/SessionManager.js"
 import { type WorkerHandle, WorkerPool } from "../src/WorkerPool.js"
 import { describeMsg } from "./chaos/streamCheck.js"
 import * as SessionStore from "../src/SessionStore.js"
-import { coreLayer, Gate, makeStored, MemoryConnection, waitFor, withCore } from "./support/core.js"
+import { coreLayer, Gate, makeStored, MemoryConnection, settle, until, waitUntil, withCore } from "./support/core.js"
 
 // ---------------------------------------------------------------------------------------------
 // Helpers
@@ -114,8 +118,14 @@ const open = (sm: Manager, name = "c1") =>
     return { id: created.activeSessionId, conn, created }
   })
 
-const waitReady = (conn: MemoryConnection) =>
-  waitFor("a ready, idle session", () => statuses(seq(conn)).at(-1) === "ready/idle", 5_000)
+/**
+ * Time passes while the test waits (forked into the test's scope): 10 ms of the TestClock each
+ * time the fibers had a chance to run. For tests that go through restart backoffs without
+ * being about their timing (the backoff test is).
+ */
+const ticking = Effect.forkScoped(Effect.forever(Effect.zipRight(settle, TestClock.adjust("10 millis"))))
+
+const waitReady = (conn: MemoryConnection) => until("a ready, idle session", () => statuses(seq(conn)).at(-1) === "ready/idle")
 
 /** A new session in the middle of a turn: the tool call of its `/sleep 10000` has started. */
 const openInToolCall = (sm: Manager) =>
@@ -123,7 +133,7 @@ const openInToolCall = (sm: Manager) =>
     const { conn, id } = yield* open(sm)
     yield* waitReady(conn)
     yield* prompt(sm, id, "/sleep 10000")
-    yield* waitFor("tool_execution_start", () => eventTypes(seq(conn)).includes("tool_execution_start"))
+    yield* until("tool_execution_start", () => eventTypes(seq(conn)).includes("tool_execution_start"))
     return { conn, id }
   })
 
@@ -133,24 +143,16 @@ const runTurn = (sm: Manager, id: string, conn: MemoryConnection, message: strin
     const before = turnsDone(seq(conn))
     const accepted = yield* prompt(sm, id, message)
     assert.deepStrictEqual(accepted, { accepted: true })
-    yield* waitFor(`the end of turn "${message}"`, () => turnsDone(seq(conn)) > before, 5_000)
+    yield* until(`the end of turn "${message}"`, () => turnsDone(seq(conn)) > before)
   })
 
-/** Polls an effect (real time). */
-const waitUntil = <E, R>(what: string, check: Effect.Effect<boolean, E, R>, ms = 5_000) =>
-  Effect.gen(function*() {
-    const deadline = Date.now() + ms
-    while (!(yield* check)) {
-      if (Date.now() > deadline) return yield* Effect.dieMessage(`timed out waiting for ${what}`)
-      yield* Effect.sleep("2 millis")
-    }
-  })
-
-/** Joins a fiber, failing the test if it is not done within `ms` (a request left hanging). */
-const joinWithin = <A, E>(what: string, fiber: Fiber.Fiber<A, E>, ms = 5_000) =>
-  Effect.either(Fiber.join(fiber)).pipe(
-    Effect.timeoutFail({ duration: ms, onTimeout: () => new Error(`${what} was never answered`) }),
-    Effect.orDie
+/** Joins a fiber, failing the test if it is never done while the core runs (a request left hanging). */
+const joinWithin = <A, E>(what: string, fiber: Fiber.Fiber<A, E>) =>
+  Effect.zipRight(
+    waitUntil(`${what} answered`, Effect.map(Fiber.poll(fiber), Option.isSome)).pipe(
+      Effect.catchAllDefect(() => Effect.dieMessage(`${what} was never answered`))
+    ),
+    Effect.either(Fiber.join(fiber))
   )
 
 /** The error code of a request that must fail. */
@@ -181,13 +183,16 @@ const workerOf = (id: string) =>
  */
 const barrier = (sm: Manager, id: string) => Effect.ignore(sm.retryWorker(id))
 
+/** Rounds of the abort-versus-natural-end race (AGENTD_TEST_ABORT_RACES; small by default, the suite is on a budget). */
+const ABORT_RACES = Number(process.env["AGENTD_TEST_ABORT_RACES"] ?? 18)
+
 /** Lines after the `n` first sequenced ones. */
 const since = (conn: MemoryConnection, n: number) => seq(conn).slice(n)
 
 // ---------------------------------------------------------------------------------------------
 
 describe("SessionManager (in-process)", () => {
-  it.scopedLive("a prompt runs a turn; a killed worker is restored and the session goes on", () =>
+  it.scoped("a prompt runs a turn; a killed worker is restored and the session goes on", () =>
     withCore({}, () =>
       Effect.gen(function*() {
         const sm = yield* SessionManager
@@ -197,22 +202,22 @@ describe("SessionManager (in-process)", () => {
         const outcome = yield* sm.attach("c1", conn, { type: "attach", activeSessionId } as any)
         yield* Effect.forkScoped(outcome.deliver)
         yield* sm.prompt({ type: "prompt", activeSessionId, message: "hello" } as any)
-        yield* waitFor("agent_end", () => conn.sequenced().some((l) => l.event?.type === "agent_end"))
+        yield* until("agent_end", () => conn.sequenced().some((l) => l.event?.type === "agent_end"))
         const [worker] = yield* pool.live
         worker!.kill()
-        yield* waitFor("recovering, then ready", () => {
+        yield* until("recovering, then ready", () => {
           const workers = conn.sequenced().filter((l) => l.type === "session_status").map((l) => l.state.worker)
           return workers.lastIndexOf("ready") > workers.indexOf("recovering") && workers.includes("recovering")
         })
         yield* sm.prompt({ type: "prompt", activeSessionId, message: "again" } as any)
-        yield* waitFor("second agent_end", () => conn.sequenced().filter((l) => l.event?.type === "agent_end").length === 2)
+        yield* until("second agent_end", () => conn.sequenced().filter((l) => l.event?.type === "agent_end").length === 2)
         const state = yield* sm.getState(activeSessionId)
         assert.strictEqual(state.messageCount, 4)
         assert.strictEqual(state.restarts, 1)
       })))
 
   describe("start and prompt", () => {
-    it.scopedLive("create with a config too deeply nested to store: invalid_command, and no session is left", () =>
+    it.scoped("create with a config too deeply nested to store: invalid_command, and no session is left", () =>
       withCore({}, () =>
         Effect.gen(function*() {
           const sm = yield* SessionManager
@@ -224,7 +229,7 @@ describe("SessionManager (in-process)", () => {
           assert.deepStrictEqual((yield* sm.list).sessions, [])
         })))
 
-    it.scopedLive("create answers `starting`; the worker's `ready` status is the first event (1:0), idle", () =>
+    it.scoped("create answers `starting`; the worker's `ready` status is the first event (1:0), idle", () =>
       withCore({}, () =>
         Effect.gen(function*() {
           const sm = yield* SessionManager
@@ -245,13 +250,13 @@ describe("SessionManager (in-process)", () => {
           assert.deepStrictEqual((yield* sm.list).sessions.map((s) => s.activeSessionId), [id])
         })))
 
-    it.scopedLive("a prompt reserved while the worker starts runs once, when it is ready; meanwhile a second prompt is session_busy and abort is {aborted:false}", () =>
+    it.scoped("a prompt reserved while the worker starts runs once, when it is ready; meanwhile a second prompt is session_busy and abort is {aborted:false}", () =>
       withCore({}, (ctl) =>
         Effect.gen(function*() {
           const sm = yield* SessionManager
           ctl.spawnGate.close()
           const { conn, id } = yield* open(sm)
-          yield* waitFor("the spawn held", () => ctl.spawnGate.waiting === 1)
+          yield* until("the spawn held", () => ctl.spawnGate.waiting === 1)
           const first = yield* Effect.fork(prompt(sm, id, "hello world"))
           yield* waitUntil("the prompt reserved the session", Effect.map(sm.getState(id), (s) => s.busy))
           assert.deepStrictEqual(statuses(seq(conn)), ["starting/busy"])
@@ -261,7 +266,7 @@ describe("SessionManager (in-process)", () => {
           ctl.spawnGate.open()
           const answer = yield* joinWithin("the reserved prompt", first)
           assert.deepStrictEqual(answer, Either.right({ accepted: true as const }))
-          yield* waitFor("the turn's end", () => turnsDone(seq(conn)) === 1)
+          yield* until("the turn's end", () => turnsDone(seq(conn)) === 1)
           const lines = seq(conn)
           assert.deepStrictEqual(dedupe(statuses(lines)), ["starting/busy", "ready/busy", "ready/idle"], show(lines))
           assert.deepStrictEqual(eventTypes(lines), [
@@ -290,7 +295,7 @@ describe("SessionManager (in-process)", () => {
           assert.strictEqual(state.messageCount, 2)
         })))
 
-    it.scopedLive("a prompt during a turn is session_busy; once the turn's idle status is out the next is accepted", () =>
+    it.scoped("a prompt during a turn is session_busy; once the turn's idle status is out the next is accepted", () =>
       withCore({}, (ctl) =>
         Effect.gen(function*() {
           const sm = yield* SessionManager
@@ -301,7 +306,7 @@ describe("SessionManager (in-process)", () => {
           yield* failsWith("a prompt during a turn", prompt(sm, id, "x"), "session_busy")
           assert.isTrue((yield* sm.getState(id)).busy)
           ctl.holdGate.open()
-          yield* waitFor("the held turn's end", () => turnsDone(seq(conn)) === 1)
+          yield* until("the held turn's end", () => turnsDone(seq(conn)) === 1)
           assert.isFalse((yield* sm.getState(id)).busy)
           yield* runTurn(sm, id, conn, "next")
           assert.deepStrictEqual((yield* messagesOf(sm, id)).contents, [
@@ -315,7 +320,7 @@ describe("SessionManager (in-process)", () => {
   })
 
   describe("abort", () => {
-    it.scopedLive("with no turn running: {aborted:false} at once, and nothing is logged", () =>
+    it.scoped("with no turn running: {aborted:false} at once, and nothing is logged", () =>
       withCore({}, () =>
         Effect.gen(function*() {
           const sm = yield* SessionManager
@@ -329,7 +334,7 @@ describe("SessionManager (in-process)", () => {
           assert.isFalse((yield* sm.getState(id)).busy)
         })))
 
-    it.scopedLive("during a /sleep turn: {aborted:true}, the turn ends with turn_interrupted{aborted}, then one idle status", () =>
+    it.scoped("during a /sleep turn: {aborted:true}, the turn ends with turn_interrupted{aborted}, then one idle status", () =>
       withCore({}, () =>
         Effect.gen(function*() {
           const sm = yield* SessionManager
@@ -337,11 +342,10 @@ describe("SessionManager (in-process)", () => {
           yield* waitReady(conn)
           const start = seq(conn).length
           yield* prompt(sm, id, "/sleep 10000")
-          yield* waitFor("tool_execution_start", () => eventTypes(seq(conn)).includes("tool_execution_start"))
-          const t0 = Date.now()
+          yield* until("tool_execution_start", () => eventTypes(seq(conn)).includes("tool_execution_start"))
+          // No time passes (TestClock): an answer at all says the sleep was cut, not waited for.
           assert.deepStrictEqual(yield* abort(sm, id), { aborted: true })
-          assert.isBelow(Date.now() - t0, 2_000, "the sleep was cut, not waited for")
-          yield* waitFor("the idle status", () => turnsDone(seq(conn)) === 1)
+          yield* until("the idle status", () => turnsDone(seq(conn)) === 1)
           const turn = since(conn, start)
           assert.deepStrictEqual(eventTypes(turn), [
             "agent_start",
@@ -361,7 +365,7 @@ describe("SessionManager (in-process)", () => {
           yield* assertMatchesLog(id, seq(conn))
         })))
 
-    it.scopedLive("an abort waits for a turn that cannot be cut yet; two aborts get the same answer", () =>
+    it.scoped("an abort waits for a turn that cannot be cut yet; two aborts get the same answer", () =>
       withCore({}, (ctl) =>
         Effect.gen(function*() {
           const sm = yield* SessionManager
@@ -370,11 +374,11 @@ describe("SessionManager (in-process)", () => {
           ctl.holdGate.close()
           ctl.cutGate.close()
           yield* prompt(sm, id, "/hold")
-          yield* waitFor("the hold", () => ctl.holdGate.waiting === 1)
+          yield* until("the hold", () => ctl.holdGate.waiting === 1)
           const a1 = yield* Effect.fork(abort(sm, id))
           const a2 = yield* Effect.fork(abort(sm, id))
           // The worker cuts the turn, whose end waits at the cut gate.
-          yield* waitFor("the turn being cut", () => ctl.cutGate.waiting === 1)
+          yield* until("the turn being cut", () => ctl.cutGate.waiting === 1)
           yield* barrier(sm, id)
           assert.isTrue(yield* isPending(a1), "an abort is answered at its turn's end")
           assert.isTrue(yield* isPending(a2))
@@ -382,7 +386,7 @@ describe("SessionManager (in-process)", () => {
           ctl.cutGate.open()
           assert.deepStrictEqual(yield* joinWithin("abort 1", a1), Either.right({ aborted: true }), show(seq(conn)))
           assert.deepStrictEqual(yield* joinWithin("abort 2", a2), Either.right({ aborted: true }))
-          yield* waitFor("the idle status", () => turnsDone(seq(conn)) === 1)
+          yield* until("the idle status", () => turnsDone(seq(conn)) === 1)
           const lines = seq(conn)
           assert.deepStrictEqual(events(lines).filter((e) => e.type === "turn_interrupted"), [{
             type: "turn_interrupted",
@@ -392,7 +396,7 @@ describe("SessionManager (in-process)", () => {
           assert.isFalse((yield* sm.getState(id)).busy)
         })))
 
-    it.scopedLive("an abort that reaches the worker after its agent_end (not yet read by the supervisor): {aborted:false}, the turn ends with agent_end only", () =>
+    it.scoped("an abort that reaches the worker after its agent_end (not yet read by the supervisor): {aborted:false}, the turn ends with agent_end only", () =>
       withCore({}, (ctl) =>
         Effect.gen(function*() {
           const sm = yield* SessionManager
@@ -408,27 +412,27 @@ describe("SessionManager (in-process)", () => {
           assert.isTrue(yield* isPending(aborting), "the turn is running for the supervisor")
           ctl.frameGate.open()
           assert.deepStrictEqual(yield* joinWithin("the abort", aborting), Either.right({ aborted: false }))
-          yield* waitFor("the idle status", () => turnsDone(since(conn, start)) === 1)
+          yield* until("the idle status", () => turnsDone(since(conn, start)) === 1)
           const turn = since(conn, start)
           assert.deepStrictEqual(eventTypes(turn).filter((t) => t === "agent_end" || t === "turn_interrupted"), ["agent_end"], show(turn))
           assert.strictEqual(statusOf(turn.at(-1)!), "ready/idle")
           assert.deepStrictEqual((yield* messagesOf(sm, id)).contents, ["user:quick one", "assistant:echo: quick one"])
         })))
 
-    it.scopedLive("abort racing the turn's natural end: answered once, and `aborted` says how the turn ended", () =>
+    it.scoped("abort racing the turn's natural end: answered once, and `aborted` says how the turn ended", () =>
       withCore({}, () =>
         Effect.gen(function*() {
           const sm = yield* SessionManager
           const { conn, id } = yield* open(sm)
           yield* waitReady(conn)
           const outcomes = { aborted: 0, completed: 0 }
-          for (let i = 0; i < 40; i++) {
+          for (let i = 0; i < ABORT_RACES; i++) {
             const start = seq(conn).length
             const message = i % 2 === 0 ? `/sleep ${i % 3}` : `race ${i}`
             yield* prompt(sm, id, message)
             for (let k = 0; k < i % 9; k++) yield* Effect.yieldNow()
             const [r1, r2] = yield* Effect.all([abort(sm, id), abort(sm, id)], { concurrency: "unbounded" })
-            yield* waitFor(`turn ${i}'s idle status`, () => turnsDone(since(conn, start)) === 1)
+            yield* until(`turn ${i}'s idle status`, () => turnsDone(since(conn, start)) === 1)
             const turn = since(conn, start)
             const ends = events(turn).filter((e) => e.type === "agent_end" || e.type === "turn_interrupted")
             assert.strictEqual(ends.length, 1, `one end for turn ${i}: ${show(turn)}`)
@@ -454,7 +458,7 @@ describe("SessionManager (in-process)", () => {
   })
 
   describe("checkpoint", () => {
-    it.scopedLive("idle: a new generation; attach shows it; cursors go on at generation+1, sequence 0", () =>
+    it.scoped("idle: a new generation; attach shows it; cursors go on at generation+1, sequence 0", () =>
       withCore({}, () =>
         Effect.gen(function*() {
           const sm = yield* SessionManager
@@ -477,7 +481,7 @@ describe("SessionManager (in-process)", () => {
           assert.strictEqual(cur(g2[0]!), "2:0")
           assertContiguous(seq(conn), true)
           yield* assertMatchesLog(id, seq(conn))
-          yield* waitFor("c2 has the turn", () => seq(c2).length === g2.length)
+          yield* until("c2 has the turn", () => seq(c2).length === g2.length)
           assert.deepStrictEqual(cursors(seq(c2)), cursors(g2))
           assert.deepStrictEqual((yield* messagesOf(sm, id)).contents, ["user:a b", "assistant:echo: a b", "user:c", "assistant:echo: c"])
           // A checkpoint with nothing new since the last one still starts a generation (empty).
@@ -490,13 +494,13 @@ describe("SessionManager (in-process)", () => {
           yield* assertMatchesLog(id, seq(conn))
         })))
 
-    it.scopedLive("asked while the worker starts: answered once it is ready, before a prompt that waited too", () =>
+    it.scoped("asked while the worker starts: answered once it is ready, before a prompt that waited too", () =>
       withCore({}, (ctl) =>
         Effect.gen(function*() {
           const sm = yield* SessionManager
           ctl.spawnGate.close()
           const { conn, id } = yield* open(sm)
-          yield* waitFor("the spawn held", () => ctl.spawnGate.waiting === 1)
+          yield* until("the spawn held", () => ctl.spawnGate.waiting === 1)
           const checkpoint = yield* Effect.fork(sm.checkpoint(id))
           const waiting = yield* Effect.fork(prompt(sm, id, "then"))
           yield* barrier(sm, id)
@@ -504,7 +508,7 @@ describe("SessionManager (in-process)", () => {
           ctl.spawnGate.open()
           assert.deepStrictEqual(yield* joinWithin("the checkpoint", checkpoint), Either.right({ generation: 2, snapshotId: `${id}~g2` }))
           assert.deepStrictEqual(yield* joinWithin("the prompt", waiting), Either.right({ accepted: true as const }))
-          yield* waitFor("the turn", () => turnsDone(seq(conn)) === 1)
+          yield* until("the turn", () => turnsDone(seq(conn)) === 1)
           const lines = seq(conn)
           // The prompt's reservation and the ready status are in generation 1; its turn in 2.
           assert.deepStrictEqual(lines.filter((l) => l["meta"].cursor.generation === 1).map(statusOf), ["starting/busy", "ready/busy"])
@@ -513,18 +517,20 @@ describe("SessionManager (in-process)", () => {
           yield* assertMatchesLog(id, lines)
         })))
 
-    it.scopedLive("asked during a turn: answered after the turn's end, with the turn in its snapshot", () =>
+    it.scoped("asked during a turn: answered after the turn's end, with the turn in its snapshot", () =>
       withCore({}, () =>
         Effect.gen(function*() {
           const sm = yield* SessionManager
           const { conn, id } = yield* open(sm)
           yield* waitReady(conn)
           yield* prompt(sm, id, "/sleep 150")
-          yield* waitFor("tool_execution_start", () => eventTypes(seq(conn)).includes("tool_execution_start"))
+          yield* until("tool_execution_start", () => eventTypes(seq(conn)).includes("tool_execution_start"))
           const checkpoint = yield* Effect.fork(sm.checkpoint(id))
           yield* barrier(sm, id)
           assert.isTrue(yield* isPending(checkpoint), "a checkpoint waits for the turn")
           assert.notInclude(eventTypes(seq(conn)), "agent_end")
+          // The tool call's 150 ms pass: the turn ends, then the checkpoint runs.
+          yield* TestClock.adjust("150 millis")
           const answer = yield* joinWithin("the checkpoint", checkpoint)
           assert.deepStrictEqual(answer, Either.right({ generation: 2, snapshotId: `${id}~g2` }))
           const lines = seq(conn)
@@ -540,7 +546,7 @@ describe("SessionManager (in-process)", () => {
           ])
         })))
 
-    it.scopedLive("two checkpoints asked during a turn are joined (one generation); two while idle are two", () =>
+    it.scoped("two checkpoints asked during a turn are joined (one generation); two while idle are two", () =>
       withCore({}, (ctl) =>
         Effect.gen(function*() {
           const sm = yield* SessionManager
@@ -560,7 +566,7 @@ describe("SessionManager (in-process)", () => {
           assert.deepStrictEqual(yield* sm.checkpoint(id), { generation: 5, snapshotId: `${id}~g5` })
         })))
 
-    it.scopedLive("a checkpoint needs no worker: with the worker's turn fiber still held past its agent_end it is answered at once; a prompt then runs at g+1:0", () =>
+    it.scoped("a checkpoint needs no worker: with the worker's turn fiber still held past its agent_end it is answered at once; a prompt then runs at g+1:0", () =>
       withCore({}, (ctl) =>
         Effect.gen(function*() {
           const sm = yield* SessionManager
@@ -574,7 +580,7 @@ describe("SessionManager (in-process)", () => {
           const waiting = yield* Effect.fork(prompt(sm, id, "after"))
           assert.deepStrictEqual(yield* joinWithin("the prompt", waiting), Either.right({ accepted: true as const }))
           ctl.holdGate.open()
-          yield* waitFor("the prompt's turn", () => turnsDone(seq(conn)) === 2)
+          yield* until("the prompt's turn", () => turnsDone(seq(conn)) === 2)
           const after = since(conn, logged)
           assert.strictEqual(cur(after[0]!), "2:0")
           assert.strictEqual(statusOf(after[0]!), "ready/busy")
@@ -584,7 +590,7 @@ describe("SessionManager (in-process)", () => {
           assert.deepStrictEqual(data.snapshot.messages.map((m) => m.content), ["/hold-after-end", "echo: /hold-after-end"])
         })))
 
-    it.scopedLive("a checkpoint and a prompt sent together: the checkpoint first, the prompt at g+1:0", () =>
+    it.scoped("a checkpoint and a prompt sent together: the checkpoint first, the prompt at g+1:0", () =>
       withCore({ retainGenerations: 100 }, () =>
         Effect.gen(function*() {
           const sm = yield* SessionManager
@@ -598,7 +604,7 @@ describe("SessionManager (in-process)", () => {
             })
             assert.deepStrictEqual(checkpoint, { generation: g, snapshotId: `${id}~g${g}` })
             assert.deepStrictEqual(accepted, { accepted: true })
-            yield* waitFor("the turn", () => turnsDone(since(conn, before)) === 1)
+            yield* until("the turn", () => turnsDone(since(conn, before)) === 1)
             assert.strictEqual(cur(since(conn, before)[0]!), `${g}:0`)
           }
           assertContiguous(seq(conn), true)
@@ -606,7 +612,7 @@ describe("SessionManager (in-process)", () => {
           assert.strictEqual((yield* messagesOf(sm, id)).total, 10)
         })))
 
-    it.scopedLive("automatic checkpoints (checkpointEvents: 5) never leave a prompt unanswered, even one sent right at agent_end", () =>
+    it.scoped("automatic checkpoints (checkpointEvents: 5) never leave a prompt unanswered, even one sent right at agent_end", () =>
       withCore({ checkpointEvents: 5 }, () =>
         Effect.gen(function*() {
           const sm = yield* SessionManager
@@ -615,15 +621,12 @@ describe("SessionManager (in-process)", () => {
           const n = 15
           for (let i = 0; i < n; i++) {
             const ends = eventTypes(seq(conn)).filter((t) => t === "agent_end").length
-            const answer = yield* Effect.either(prompt(sm, id, `p${i}`)).pipe(
-              Effect.timeoutFail({ duration: 5_000, onTimeout: () => new Error(`prompt ${i} was never answered`) }),
-              Effect.orDie
-            )
+            const answer = yield* joinWithin(`prompt ${i}`, yield* Effect.fork(prompt(sm, id, `p${i}`)))
             assert.deepStrictEqual(answer, Either.right({ accepted: true as const }), `prompt ${i}`)
             // The next prompt goes as soon as agent_end is seen, maybe before the idle status.
-            yield* waitFor(`agent_end ${i}`, () => eventTypes(seq(conn)).filter((t) => t === "agent_end").length > ends)
+            yield* until(`agent_end ${i}`, () => eventTypes(seq(conn)).filter((t) => t === "agent_end").length > ends)
           }
-          yield* waitFor("every turn's idle status", () => turnsDone(seq(conn)) === n)
+          yield* until("every turn's idle status", () => turnsDone(seq(conn)) === n)
           const lines = seq(conn)
           assertContiguous(lines, true)
           const generations = new Set(lines.map((l) => l["meta"].cursor.generation))
@@ -641,7 +644,7 @@ describe("SessionManager (in-process)", () => {
   })
 
   describe("worker crash", () => {
-    it.scopedLive("mid-turn: recovering, turn_interrupted{worker_crashed}, ready (idle); the next prompt works; every logged message is kept", () =>
+    it.scoped("mid-turn: recovering, turn_interrupted{worker_crashed}, ready (idle); the next prompt works; every logged message is kept", () =>
       withCore({}, () =>
         Effect.gen(function*() {
           const sm = yield* SessionManager
@@ -649,11 +652,11 @@ describe("SessionManager (in-process)", () => {
           yield* waitReady(conn)
           yield* runTurn(sm, id, conn, "before")
           yield* prompt(sm, id, "/sleep 10000")
-          yield* waitFor("tool_execution_start", () => eventTypes(seq(conn)).includes("tool_execution_start"))
+          yield* until("tool_execution_start", () => eventTypes(seq(conn)).includes("tool_execution_start"))
           const old = yield* workerOf(id)
           const start = seq(conn).length
           old.kill()
-          yield* waitFor("ready again", () => statuses(since(conn, start)).includes("ready/idle"))
+          yield* until("ready again", () => statuses(since(conn, start)).includes("ready/idle"))
           const after = since(conn, start)
           assert.deepStrictEqual(after.map((l) => describeMsg(l).replace(/@.*/, "")), [
             "status(busy=true,worker=recovering)",
@@ -679,7 +682,7 @@ describe("SessionManager (in-process)", () => {
           yield* assertMatchesLog(id, seq(conn))
         })))
 
-    it.scopedLive("an idle worker's crash: a prompt sent while it recovers waits and runs once ready", () =>
+    it.scoped("an idle worker's crash: a prompt sent while it recovers waits and runs once ready", () =>
       withCore({}, (ctl) =>
         Effect.gen(function*() {
           const sm = yield* SessionManager
@@ -689,30 +692,31 @@ describe("SessionManager (in-process)", () => {
           ctl.loadGate.close()
           const start = seq(conn).length
           ;(yield* workerOf(id)).kill()
-          yield* waitFor("the replacement loading", () => ctl.loadGate.waiting === 1)
+          yield* until("the replacement loading", () => ctl.loadGate.waiting === 1)
           const waiting = yield* Effect.fork(prompt(sm, id, "two"))
           yield* waitUntil("reserved", Effect.map(sm.getState(id), (s) => s.busy))
           assert.deepStrictEqual(yield* abort(sm, id), { aborted: false })
           assert.isTrue(yield* isPending(waiting))
           ctl.loadGate.open()
           assert.deepStrictEqual(yield* joinWithin("the prompt", waiting), Either.right({ accepted: true as const }))
-          yield* waitFor("its turn", () => turnsDone(since(conn, start)) === 1)
+          yield* until("its turn", () => turnsDone(since(conn, start)) === 1)
           const after = since(conn, start)
           assert.deepStrictEqual(dedupe(statuses(after)), ["recovering/idle", "recovering/busy", "ready/busy", "ready/idle"], show(after))
           assert.notInclude(eventTypes(after), "turn_interrupted")
           assert.deepStrictEqual((yield* messagesOf(sm, id)).contents, ["user:one", "assistant:echo: one", "user:two", "assistant:echo: two"])
         })))
 
-    it.scopedLive("the replacement crashes while it loads: backoff, a third worker; one turn_interrupted; a checkpoint and a prompt asked meanwhile are answered", () =>
+    it.scoped("the replacement crashes while it loads: backoff, a third worker; one turn_interrupted; a checkpoint and a prompt asked meanwhile are answered", () =>
       withCore({}, (ctl) =>
         Effect.gen(function*() {
           const sm = yield* SessionManager
+          yield* ticking
           const { conn, id } = yield* openInToolCall(sm)
           const start = seq(conn).length
           const first = yield* workerOf(id)
           ctl.loadGate.close()
           first.kill()
-          yield* waitFor("the replacement loading", () => ctl.loadGate.waiting === 1)
+          yield* until("the replacement loading", () => ctl.loadGate.waiting === 1)
           yield* waitUntil("the replacement is the session's", Effect.map(sm.getState(id), (s) => s.workerPid !== undefined && s.workerPid !== first.pid))
           const second = yield* workerOf(id)
           // Meanwhile: the cut turn has not ended yet (busy); a prompt waits for its end (a second
@@ -725,12 +729,12 @@ describe("SessionManager (in-process)", () => {
           const checkpoint = yield* Effect.fork(sm.checkpoint(id))
           yield* barrier(sm, id)
           second.kill()
-          yield* waitFor("the third worker loading", () => ctl.loadGate.stopped === 2 && ctl.loadGate.waiting === 1)
+          yield* until("the third worker loading", () => ctl.loadGate.stopped === 2 && ctl.loadGate.waiting === 1)
           assert.isTrue(yield* isPending(checkpoint))
           ctl.loadGate.open()
           assert.deepStrictEqual(yield* joinWithin("the checkpoint", checkpoint), Either.right({ generation: 2, snapshotId: `${id}~g2` }))
           assert.deepStrictEqual(yield* joinWithin("the waiting prompt", waiting), Either.right({ accepted: true as const }))
-          yield* waitFor("the cut turn and the waiting prompt's turn", () => turnsDone(since(conn, start)) === 2)
+          yield* until("the cut turn and the waiting prompt's turn", () => turnsDone(since(conn, start)) === 2)
           const after = since(conn, start)
           // The cut turn ends, then the waiting prompt's turn runs (after the checkpoint).
           assert.deepStrictEqual(after.slice(0, 5).map((l) => describeMsg(l).replace(/@.*/, "")), [
@@ -749,7 +753,7 @@ describe("SessionManager (in-process)", () => {
           yield* assertMatchesLog(id, seq(conn))
         })))
 
-    it.scopedLive("a checkpoint waiting on a turn cut by a crash is taken from the replacement", () =>
+    it.scoped("a checkpoint waiting on a turn cut by a crash is taken from the replacement", () =>
       withCore({}, () =>
         Effect.gen(function*() {
           const sm = yield* SessionManager
@@ -766,7 +770,7 @@ describe("SessionManager (in-process)", () => {
         })))
 
     for (const [where, frame] of [["after its begin frame", "session_snapshot_begin"], ["after its first chunk", "session_snapshot_chunk"]] as const) {
-      it.scopedLive(`a crash while a history rewrite streams in (${where}): the rewrite never happened; the turn is cut and the transcript is the files' one`, () =>
+      it.scoped(`a crash while a history rewrite streams in (${where}): the rewrite never happened; the turn is cut and the transcript is the files' one`, () =>
         withCore({ targetChunkBytes: 64 }, (ctl) =>
           Effect.gen(function*() {
             const sm = yield* SessionManager
@@ -776,7 +780,7 @@ describe("SessionManager (in-process)", () => {
             const start = seq(conn).length
             ctl.crashAfter = (f) => f.type === frame
             yield* prompt(sm, id, "/compact")
-            yield* waitFor("the cut turn's end", () => turnsDone(since(conn, start)) === 1)
+            yield* until("the cut turn's end", () => turnsDone(since(conn, start)) === 1)
             assert.isUndefined(ctl.crashAfter, "the worker died mid-rewrite")
             const after = since(conn, start)
             assert.deepStrictEqual(events(after).find((e) => e.type === "turn_interrupted"), { type: "turn_interrupted", reason: "worker_crashed" })
@@ -793,7 +797,7 @@ describe("SessionManager (in-process)", () => {
           })))
     }
 
-    it.scopedLive("/compact: a new generation at once, its snapshot sent as `replacement` frames before any of its events; a resume from before it is transcript_replaced", () =>
+    it.scoped("/compact: a new generation at once, its snapshot sent as `replacement` frames before any of its events; a resume from before it is transcript_replaced", () =>
       withCore({ retainGenerations: 100 }, () =>
         Effect.gen(function*() {
           const sm = yield* SessionManager
@@ -836,12 +840,12 @@ describe("SessionManager (in-process)", () => {
           yield* runTurn(sm, id, conn, "three")
           assert.deepStrictEqual(yield* sm.checkpoint(id), { generation: 3, snapshotId: `${id}~g3` })
           ;(yield* workerOf(id)).kill()
-          yield* waitFor("recovered", () => statuses(seq(conn)).at(-1) === "ready/idle" && statuses(seq(conn)).includes("recovering/idle"))
+          yield* until("recovered", () => statuses(seq(conn)).at(-1) === "ready/idle" && statuses(seq(conn)).includes("recovering/idle"))
           yield* runTurn(sm, id, conn, "/compact")
           assert.deepStrictEqual((yield* messagesOf(sm, id)).contents, ["assistant:compacted 4 messages"])
         })))
 
-    it.scopedLive("a crash right after the turn's agent_end: the turn ended normally (no turn_interrupted); an idle recovery follows", () =>
+    it.scoped("a crash right after the turn's agent_end: the turn ended normally (no turn_interrupted); an idle recovery follows", () =>
       withCore({}, (ctl) =>
         Effect.gen(function*() {
           const sm = yield* SessionManager
@@ -850,7 +854,7 @@ describe("SessionManager (in-process)", () => {
           const start = seq(conn).length
           ctl.crashAfter = (f) => f["eventType"] === "agent_end"
           yield* prompt(sm, id, "last words")
-          yield* waitFor("ready after the crash", () => statuses(since(conn, start)).at(-1) === "ready/idle" && statuses(since(conn, start)).includes("recovering/idle"))
+          yield* until("ready after the crash", () => statuses(since(conn, start)).at(-1) === "ready/idle" && statuses(since(conn, start)).includes("recovering/idle"))
           const after = since(conn, start)
           assert.deepStrictEqual(eventTypes(after).filter((t) => t === "agent_end" || t === "turn_interrupted"), ["agent_end"], show(after))
           assert.deepStrictEqual(dedupe(statuses(after)), ["ready/busy", "ready/idle", "recovering/idle", "ready/idle"], show(after))
@@ -859,15 +863,16 @@ describe("SessionManager (in-process)", () => {
           assertContiguous(seq(conn), true)
         })))
 
-    it.scopedLive("the replacement crashes right after it reports the cut turn: exactly one turn_interrupted, then idle", () =>
+    it.scoped("the replacement crashes right after it reports the cut turn: exactly one turn_interrupted, then idle", () =>
       withCore({}, (ctl) =>
         Effect.gen(function*() {
           const sm = yield* SessionManager
+          yield* ticking
           const { conn, id } = yield* openInToolCall(sm)
           const start = seq(conn).length
           ctl.crashAfter = (f) => f["eventType"] === "turn_interrupted"
           ;(yield* workerOf(id)).kill()
-          yield* waitFor("ready", () => statuses(since(conn, start)).at(-1) === "ready/idle")
+          yield* until("ready", () => statuses(since(conn, start)).at(-1) === "ready/idle")
           assert.isUndefined(ctl.crashAfter, "the replacement reported the cut turn and died")
           const after = since(conn, start)
           assert.deepStrictEqual(after.map((l) => describeMsg(l).replace(/@.*/, "")), [
@@ -882,7 +887,7 @@ describe("SessionManager (in-process)", () => {
           yield* assertMatchesLog(id, seq(conn))
         })))
 
-    it.scopedLive("a prompt between the replacement's turn_interrupted and its worker_ready waits: the next status after turn_interrupted is busy:false", () =>
+    it.scoped("a prompt between the replacement's turn_interrupted and its worker_ready waits: the next status after turn_interrupted is busy:false", () =>
       withCore({}, (ctl) =>
         Effect.gen(function*() {
           const sm = yield* SessionManager
@@ -891,7 +896,7 @@ describe("SessionManager (in-process)", () => {
           // The replacement reports the cut turn; its worker_ready is not read yet.
           ctl.pauseAfter = (f) => f["eventType"] === "turn_interrupted"
           ;(yield* workerOf(id)).kill()
-          yield* waitFor("turn_interrupted", () => eventTypes(since(conn, start)).includes("turn_interrupted"))
+          yield* until("turn_interrupted", () => eventTypes(since(conn, start)).includes("turn_interrupted"))
           // What a client reads now: the turn is reported cut, its idle status not out yet.
           const state = yield* sm.getState(id)
           assert.isTrue(state.busy, "busy until the status that ends the cut turn")
@@ -901,7 +906,7 @@ describe("SessionManager (in-process)", () => {
           yield* failsWith("a second prompt while one waits", prompt(sm, id, "y"), "session_busy")
           ctl.frameGate.open()
           assert.deepStrictEqual(yield* joinWithin("the waiting prompt", waiting), Either.right({ accepted: true as const }))
-          yield* waitFor("the cut turn and the waiting prompt's turn", () => turnsDone(since(conn, start)) === 2)
+          yield* until("the cut turn and the waiting prompt's turn", () => turnsDone(since(conn, start)) === 2)
           const after = since(conn, start)
           assert.deepStrictEqual(after.slice(0, 4).map((l) => describeMsg(l).replace(/@.*/, "")), [
             "status(busy=true,worker=recovering)",
@@ -914,19 +919,19 @@ describe("SessionManager (in-process)", () => {
           yield* assertMatchesLog(id, seq(conn))
         })))
 
-    it.scopedLive("a crash right after worker_ready, with a prompt waiting: the prompt is accepted, its turn is cut (worker_crashed), then idle", () =>
+    it.scoped("a crash right after worker_ready, with a prompt waiting: the prompt is accepted, its turn is cut (worker_crashed), then idle", () =>
       withCore({}, (ctl) =>
         Effect.gen(function*() {
           const sm = yield* SessionManager
           ctl.spawnGate.close()
           const { conn, id } = yield* open(sm)
-          yield* waitFor("the spawn held", () => ctl.spawnGate.waiting === 1)
+          yield* until("the spawn held", () => ctl.spawnGate.waiting === 1)
           const waiting = yield* Effect.fork(prompt(sm, id, "first"))
           yield* barrier(sm, id)
           ctl.crashAfter = (f) => f.type === "worker_ready" && f["activeSessionId"] !== undefined
           ctl.spawnGate.open()
           assert.deepStrictEqual(yield* joinWithin("the prompt", waiting), Either.right({ accepted: true as const }))
-          yield* waitFor("idle again", () => turnsDone(seq(conn)) === 1)
+          yield* until("idle again", () => turnsDone(seq(conn)) === 1)
           const lines = seq(conn)
           assert.deepStrictEqual(dedupe(statuses(lines)), ["starting/busy", "ready/busy", "recovering/busy", "ready/idle"], show(lines))
           assert.deepStrictEqual(events(lines).filter((e) => e.type === "turn_interrupted" || e.type === "agent_end"), [{
@@ -938,7 +943,7 @@ describe("SessionManager (in-process)", () => {
           assertContiguous(seq(conn), true)
         })))
 
-    it.scopedLive("a crash while an abort waits for the turn to be cut: the abort is {aborted:false}, the turn ends worker_crashed", () =>
+    it.scoped("a crash while an abort waits for the turn to be cut: the abort is {aborted:false}, the turn ends worker_crashed", () =>
       withCore({}, (ctl) =>
         Effect.gen(function*() {
           const sm = yield* SessionManager
@@ -947,14 +952,14 @@ describe("SessionManager (in-process)", () => {
           ctl.holdGate.close()
           ctl.cutGate.close()
           yield* prompt(sm, id, "/hold")
-          yield* waitFor("the hold", () => ctl.holdGate.waiting === 1)
+          yield* until("the hold", () => ctl.holdGate.waiting === 1)
           const waitingAbort = yield* Effect.fork(abort(sm, id))
-          yield* waitFor("the turn being cut", () => ctl.cutGate.waiting === 1)
+          yield* until("the turn being cut", () => ctl.cutGate.waiting === 1)
           yield* barrier(sm, id)
           const start = seq(conn).length
           ;(yield* workerOf(id)).kill()
           assert.deepStrictEqual(yield* joinWithin("the abort", waitingAbort), Either.right({ aborted: false }))
-          yield* waitFor("ready", () => statuses(since(conn, start)).at(-1) === "ready/idle")
+          yield* until("ready", () => statuses(since(conn, start)).at(-1) === "ready/idle")
           const after = since(conn, start)
           assert.deepStrictEqual(after.map((l) => describeMsg(l).replace(/@.*/, "")), [
             "status(busy=true,worker=recovering)",
@@ -965,22 +970,23 @@ describe("SessionManager (in-process)", () => {
   })
 
   describe("spawn failures", () => {
-    it.scopedLive("no worker can be spawned: `failed` after maxRestarts; a reserved prompt and a checkpoint get session_failed; retry_worker brings it back", () =>
+    it.scoped("no worker can be spawned: `failed` after maxRestarts; a reserved prompt and a checkpoint get session_failed; retry_worker brings it back", () =>
       withCore({ maxRestarts: 2 }, (ctl) =>
         Effect.gen(function*() {
           const sm = yield* SessionManager
+          yield* ticking
           yield* Ref.set(ctl.failing, "no spawn")
           // The first spawn is held until the prompt and the checkpoint wait for it.
           ctl.spawnGate.close()
           const { conn, id } = yield* open(sm)
-          yield* waitFor("the spawn held", () => ctl.spawnGate.waiting === 1)
+          yield* until("the spawn held", () => ctl.spawnGate.waiting === 1)
           const waitingPrompt = yield* Effect.fork(prompt(sm, id, "hello"))
           const waitingCheckpoint = yield* Effect.fork(sm.checkpoint(id))
           yield* barrier(sm, id)
           ctl.spawnGate.open()
           expectCode("the reserved prompt", yield* joinWithin("the reserved prompt", waitingPrompt), "session_failed")
           expectCode("the waiting checkpoint", yield* joinWithin("the checkpoint", waitingCheckpoint), "session_failed")
-          yield* waitFor("failed", () => statuses(seq(conn)).at(-1) === "failed/idle")
+          yield* until("failed", () => statuses(seq(conn)).at(-1) === "failed/idle")
           assert.deepStrictEqual(dedupe(statuses(seq(conn))), ["starting/busy", "recovering/busy", "failed/idle"], show(seq(conn)))
           assert.strictEqual(yield* Ref.get(ctl.starts), 3)
           const state = yield* sm.getState(id)
@@ -1006,10 +1012,11 @@ describe("SessionManager (in-process)", () => {
           assert.strictEqual((yield* sm.retryWorker(id)).worker, "ready")
         })))
 
-    it.scopedLive("a turn cut by a crash whose replacements cannot spawn: turn_interrupted{worker_crashed} then `failed`; its waiting checkpoint gets session_failed", () =>
+    it.scoped("a turn cut by a crash whose replacements cannot spawn: turn_interrupted{worker_crashed} then `failed`; its waiting checkpoint gets session_failed", () =>
       withCore({ maxRestarts: 2 }, (ctl) =>
         Effect.gen(function*() {
           const sm = yield* SessionManager
+          yield* ticking
           const { conn, id } = yield* openInToolCall(sm)
           const checkpoint = yield* Effect.fork(sm.checkpoint(id))
           yield* barrier(sm, id)
@@ -1017,7 +1024,7 @@ describe("SessionManager (in-process)", () => {
           const start = seq(conn).length
           ;(yield* workerOf(id)).kill()
           expectCode("the waiting checkpoint", yield* joinWithin("the checkpoint", checkpoint), "session_failed")
-          yield* waitFor("failed", () => statuses(seq(conn)).at(-1) === "failed/idle")
+          yield* until("failed", () => statuses(seq(conn)).at(-1) === "failed/idle")
           const after = since(conn, start)
           assert.deepStrictEqual(after.map((l) => describeMsg(l).replace(/@.*/, "")), [
             "status(busy=true,worker=recovering)",
@@ -1039,53 +1046,40 @@ describe("SessionManager (in-process)", () => {
     withCore({}, (ctl) =>
       Effect.gen(function*() {
         const sm = yield* SessionManager
-        /** Under the TestClock: yield (bounded) until `pred` holds. */
-        const spin = (what: string, pred: () => boolean) =>
-          Effect.gen(function*() {
-            for (let i = 0; i < 20_000; i++) {
-              if (pred()) return
-              yield* Effect.yieldNow()
-            }
-            return yield* Effect.dieMessage(`never: ${what}`)
-          })
-        /** Gives every fiber that can run a chance to (for "nothing happened" checks). */
-        const settle = Effect.gen(function*() {
-          for (let i = 0; i < 500; i++) yield* Effect.yieldNow()
-        })
         const starts = () => Effect.runSync(Ref.get(ctl.starts))
         const readies = (conn: MemoryConnection) => statuses(seq(conn)).filter((s) => s === "ready/idle").length
         const { conn, id } = yield* open(sm)
-        yield* spin("ready", () => readies(conn) === 1)
+        yield* until("ready", () => readies(conn) === 1)
         const kill = Effect.map(workerOf(id), (w) => w.kill())
 
         yield* kill
-        yield* spin("the immediate restart", () => readies(conn) === 2)
+        yield* until("the immediate restart", () => readies(conn) === 2)
         assert.strictEqual(starts(), 2)
 
         yield* kill
-        yield* spin("recovering", () => statuses(seq(conn)).at(-1) === "recovering/idle")
+        yield* until("recovering", () => statuses(seq(conn)).at(-1) === "recovering/idle")
         yield* settle
         assert.strictEqual(starts(), 2, "the second restart waits")
         yield* TestClock.adjust("99 millis")
         yield* settle
         assert.strictEqual(starts(), 2, "not before 100 ms")
         yield* TestClock.adjust("1 millis")
-        yield* spin("the restart after 100 ms", () => readies(conn) === 3)
+        yield* until("the restart after 100 ms", () => readies(conn) === 3)
         assert.strictEqual(starts(), 3)
 
         yield* kill
-        yield* spin("recovering", () => statuses(seq(conn)).at(-1) === "recovering/idle")
+        yield* until("recovering", () => statuses(seq(conn)).at(-1) === "recovering/idle")
         yield* TestClock.adjust("199 millis")
         yield* settle
         assert.strictEqual(starts(), 3, "not before 200 ms")
         yield* TestClock.adjust("1 millis")
-        yield* spin("the restart after 200 ms", () => readies(conn) === 4)
+        yield* until("the restart after 200 ms", () => readies(conn) === 4)
         assert.strictEqual(starts(), 4)
 
         // Past the window the crashes are forgotten: immediate again.
         yield* TestClock.adjust("61 seconds")
         yield* kill
-        yield* spin("an immediate restart in a new window", () => readies(conn) === 5)
+        yield* until("an immediate restart in a new window", () => readies(conn) === 5)
         assert.strictEqual(starts(), 5)
         const state = yield* sm.getState(id)
         assert.strictEqual(state.restarts, 4)
@@ -1093,21 +1087,21 @@ describe("SessionManager (in-process)", () => {
       })))
 
   describe("kill", () => {
-    it.scopedLive("while the worker starts: the reserved prompt and a checkpoint get session_not_found; the worker started meanwhile is stopped", () =>
+    it.scoped("while the worker starts: the reserved prompt and a checkpoint get session_not_found; the worker started meanwhile is stopped", () =>
       withCore({}, (ctl) =>
         Effect.gen(function*() {
           const sm = yield* SessionManager
           const pool = yield* WorkerPool
           ctl.spawnGate.close()
           const { conn, id } = yield* open(sm)
-          yield* waitFor("the spawn held", () => ctl.spawnGate.waiting === 1)
+          yield* until("the spawn held", () => ctl.spawnGate.waiting === 1)
           const waitingPrompt = yield* Effect.fork(prompt(sm, id, "hello"))
           const waitingCheckpoint = yield* Effect.fork(sm.checkpoint(id))
           assert.deepStrictEqual(yield* abort(sm, id), { aborted: false })
           // kill waits for the spawn under way (then stops its worker before it answers); the
           // session is closed for new commands at once.
           const kill = yield* Effect.fork(sm.kill(id))
-          yield* waitFor("session_closed", () => seq(conn).at(-1)?.["type"] === "session_closed")
+          yield* until("session_closed", () => seq(conn).at(-1)?.["type"] === "session_closed")
           const last = seq(conn).at(-1)!
           assert.strictEqual(last["reason"], "killed")
           yield* failsWith("prompt after kill", prompt(sm, id, "x"), "session_not_found")
@@ -1123,7 +1117,7 @@ describe("SessionManager (in-process)", () => {
           assert.strictEqual(yield* Ref.get(ctl.starts), 1)
         })))
 
-    it.scopedLive("during a turn: a waiting abort and checkpoint get session_not_found, clients get session_closed, then every command is session_not_found", () =>
+    it.scoped("during a turn: a waiting abort and checkpoint get session_not_found, clients get session_closed, then every command is session_not_found", () =>
       withCore({}, (ctl) =>
         Effect.gen(function*() {
           const sm = yield* SessionManager
@@ -1132,16 +1126,19 @@ describe("SessionManager (in-process)", () => {
           ctl.holdGate.close()
           ctl.cutGate.close()
           yield* prompt(sm, id, "/hold")
-          yield* waitFor("the hold", () => ctl.holdGate.waiting === 1)
+          yield* until("the hold", () => ctl.holdGate.waiting === 1)
           const waitingAbort = yield* Effect.fork(abort(sm, id))
           const waitingCheckpoint = yield* Effect.fork(sm.checkpoint(id))
-          yield* waitFor("the turn being cut", () => ctl.cutGate.waiting === 1)
+          yield* until("the turn being cut", () => ctl.cutGate.waiting === 1)
           yield* barrier(sm, id)
           assert.isTrue(yield* isPending(waitingAbort))
           const worker = yield* workerOf(id)
           const c2 = new MemoryConnection("c2")
           yield* attach(sm, id, c2)
-          yield* waitFor("c2 caught up", () => seq(c2).length === seq(conn).length)
+          yield* until("c2 caught up", () => seq(c2).length === seq(conn).length)
+          // (Its catch-up turns live a few steps after its last line: a kill before that is not
+          // what this test is about.)
+          yield* settle
           assert.deepStrictEqual(yield* sm.kill(id), {})
           assert.isTrue(yield* Deferred.isDone(worker.exited), "kill answers once the worker has stopped")
           expectCode("the waiting abort", yield* joinWithin("the abort", waitingAbort), "session_not_found")
@@ -1170,23 +1167,23 @@ describe("SessionManager (in-process)", () => {
   })
 
   describe("kill (more)", () => {
-    it.scopedLive("while a worker's spawn never completes: kill, and the prompt waiting for that worker, are still answered", () =>
+    it.scoped("while a worker's spawn never completes: kill, and the prompt waiting for that worker, are still answered", () =>
       withCore({}, (ctl) =>
         Effect.gen(function*() {
           const sm = yield* SessionManager
           ctl.spawnGate.close()
           const { id } = yield* open(sm)
-          yield* waitFor("the spawn held", () => ctl.spawnGate.waiting === 1)
+          yield* until("the spawn held", () => ctl.spawnGate.waiting === 1)
           const waiting = yield* Effect.fork(prompt(sm, id, "hello"))
           yield* barrier(sm, id)
           // The spawn stays stuck (a worker that never becomes ready): nothing it would decide.
           const kill = yield* Effect.fork(sm.kill(id))
-          assert.deepStrictEqual(yield* joinWithin("kill", kill, 2_000), Either.right({}))
-          expectCode("the waiting prompt", yield* joinWithin("the prompt", waiting, 2_000), "session_not_found")
+          assert.deepStrictEqual(yield* joinWithin("kill", kill), Either.right({}))
+          expectCode("the waiting prompt", yield* joinWithin("the prompt", waiting), "session_not_found")
         })))
   })
 
-  it.scopedLive("passivation (maxWorkers: 2): a new session passivates the least recently used idle one; a prompt wakes it (passivated, starting, ready) with its transcript", () =>
+  it.scoped("passivation (maxWorkers: 2): a new session passivates the least recently used idle one; a prompt wakes it (passivated, starting, ready) with its transcript", () =>
     withCore({ maxWorkers: 2 }, () =>
       Effect.gen(function*() {
         const sm = yield* SessionManager
@@ -1199,7 +1196,7 @@ describe("SessionManager (in-process)", () => {
         yield* runTurn(sm, b.id, b.conn, "b1")
         const c = yield* open(sm, "cc")
         yield* waitReady(c.conn)
-        yield* waitFor("a passivated", () => statuses(seq(a.conn)).at(-1) === "passivated/idle")
+        yield* until("a passivated", () => statuses(seq(a.conn)).at(-1) === "passivated/idle")
         const liveSessions = Effect.map(pool.live, (ws) => ws.filter((w) => !w.stopping).map((w) => w.activeSessionId).sort())
         yield* waitUntil("two workers: b's and c's", Effect.map(liveSessions, (ids) => ids.join() === [b.id, c.id].sort().join()))
         assert.notInclude(statuses(seq(b.conn)), "passivated/idle", "b was used more recently than a")
@@ -1215,7 +1212,7 @@ describe("SessionManager (in-process)", () => {
         assert.deepStrictEqual(dedupe(statuses(since(a.conn, start - 1))), ["passivated/idle", "starting/busy", "ready/busy", "ready/idle"])
         assert.deepStrictEqual((yield* messagesOf(sm, a.id)).contents, ["user:a1", "assistant:echo: a1", "user:a2", "assistant:echo: a2"])
         // Now b is the least recently used idle one.
-        yield* waitFor("b passivated", () => statuses(seq(b.conn)).at(-1) === "passivated/idle")
+        yield* until("b passivated", () => statuses(seq(b.conn)).at(-1) === "passivated/idle")
         assert.notInclude(statuses(seq(c.conn)), "passivated/idle")
         // A checkpoint of a passivated session needs no worker: answered, and it stays passivated.
         assert.deepStrictEqual(yield* sm.checkpoint(b.id), { generation: 3, snapshotId: `${b.id}~g3` })
@@ -1227,7 +1224,7 @@ describe("SessionManager (in-process)", () => {
         }
       })))
 
-  it.scopedLive("maxWorkers 2, both workers busy: a third session waits for a slot (its prompt too), never a third live worker; it runs once a turn ends and that session gives up its worker", () =>
+  it.scoped("maxWorkers 2, both workers busy: a third session waits for a slot (its prompt too), never a third live worker; it runs once a turn ends and that session gives up its worker", () =>
     withCore({ maxWorkers: 2 }, (ctl) =>
       Effect.gen(function*() {
         const sm = yield* SessionManager
@@ -1236,7 +1233,7 @@ describe("SessionManager (in-process)", () => {
         let most = 0
         yield* Effect.forkScoped(Effect.forever(Effect.zipRight(
           Effect.map(pool.live, (ws) => void (most = Math.max(most, ws.length))),
-          Effect.sleep("1 millis")
+          Effect.yieldNow()
         )))
         const a = yield* open(sm, "ca")
         const b = yield* open(sm, "cb")
@@ -1245,11 +1242,11 @@ describe("SessionManager (in-process)", () => {
         ctl.holdGate.close()
         yield* prompt(sm, a.id, "/hold")
         yield* prompt(sm, b.id, "/hold")
-        yield* waitFor("both turns held", () => ctl.holdGate.waiting === 2)
+        yield* until("both turns held", () => ctl.holdGate.waiting === 2)
         const c = yield* open(sm, "cc")
         const waiting = yield* Effect.fork(prompt(sm, c.id, "c1"))
         yield* barrier(sm, c.id)
-        yield* Effect.sleep("100 millis")
+        yield* settle
         const stateC = yield* sm.getState(c.id)
         assert.strictEqual(stateC.worker, "starting")
         assert.isTrue(stateC.busy, "its prompt is reserved")
@@ -1257,7 +1254,7 @@ describe("SessionManager (in-process)", () => {
         assert.strictEqual((yield* pool.live).length, 2)
         ctl.holdGate.open()
         assert.deepStrictEqual(yield* joinWithin("c's prompt", waiting), Either.right({ accepted: true as const }))
-        yield* waitFor("c's turn", () => turnsDone(seq(c.conn)) === 1)
+        yield* until("c's turn", () => turnsDone(seq(c.conn)) === 1)
         assert.deepStrictEqual((yield* messagesOf(sm, c.id)).contents, ["user:c1", "assistant:echo: c1"])
         assert.isAtLeast([a, b].filter((x) => statuses(seq(x.conn)).includes("passivated/idle")).length, 1, "a or b gave up its worker")
         assert.isAtMost(most, 2, "never more than maxWorkers live workers")
@@ -1267,7 +1264,7 @@ describe("SessionManager (in-process)", () => {
         for (const x of [a, b, c]) assertContiguous(seq(x.conn), true)
       })))
 
-  it.scopedLive("a passivated session whose worker cannot be spawned: the waking prompt gets session_failed; retry_worker restores it with its transcript", () =>
+  it.scoped("a passivated session whose worker cannot be spawned: the waking prompt gets session_failed; retry_worker restores it with its transcript", () =>
     withCore({ maxWorkers: 1, maxRestarts: 1 }, (ctl) =>
       Effect.gen(function*() {
         const sm = yield* SessionManager
@@ -1276,7 +1273,7 @@ describe("SessionManager (in-process)", () => {
         yield* runTurn(sm, a.id, a.conn, "a1")
         const b = yield* open(sm, "cb")
         yield* waitReady(b.conn)
-        yield* waitFor("a passivated", () => statuses(seq(a.conn)).at(-1) === "passivated/idle")
+        yield* until("a passivated", () => statuses(seq(a.conn)).at(-1) === "passivated/idle")
         yield* Ref.set(ctl.failing, "no spawn")
         const start = seq(a.conn).length
         yield* failsWith("a prompt that wakes it", prompt(sm, a.id, "a2"), "session_failed")
@@ -1292,7 +1289,7 @@ describe("SessionManager (in-process)", () => {
       })))
 
   describe("delivery", () => {
-    it.scopedLive("a client paused past outboxBytes gets every event once resumed: no gap, no duplicate, re-sent ones flagged replayed", () =>
+    it.scoped("a client paused past outboxBytes gets every event once resumed: no gap, no duplicate, re-sent ones flagged replayed", () =>
       withCore({ outboxBytes: 4096 }, () =>
         Effect.gen(function*() {
           const sm = yield* SessionManager
@@ -1300,14 +1297,14 @@ describe("SessionManager (in-process)", () => {
           yield* waitReady(c1)
           const c2 = new MemoryConnection("c2")
           yield* attach(sm, id, c2)
-          yield* waitFor("c2's baseline", () => seq(c2).length === 1)
+          yield* until("c2's baseline", () => seq(c2).length === 1)
           c2.pause()
           for (let i = 0; i < 4; i++) yield* runTurn(sm, id, c1, "/bulk 3000")
           assert.isAbove(c2.queuedBytes, 4096)
           c2.resume()
-          yield* waitFor("c2 caught up", () => seq(c2).length === seq(c1).length, 5_000)
+          yield* until("c2 caught up", () => seq(c2).length === seq(c1).length)
           yield* runTurn(sm, id, c1, "live again")
-          yield* waitFor("c2 has the live turn", () => seq(c2).length === seq(c1).length)
+          yield* until("c2 has the live turn", () => seq(c2).length === seq(c1).length)
           assert.deepStrictEqual(cursors(seq(c2)), cursors(seq(c1)))
           assert.deepStrictEqual(seq(c2).map(body), seq(c1).map(body))
           assertContiguous(seq(c2), true)
@@ -1318,7 +1315,7 @@ describe("SessionManager (in-process)", () => {
           assert.isTrue(seq(c1).slice(1).every((l) => l["meta"].replayed === undefined))
         })))
 
-    it.scopedLive("paused while checkpoints prune what it lacks (retainGenerations: 1): a resync snapshot, then contiguous events; never a silent jump", () =>
+    it.scoped("paused while checkpoints prune what it lacks (retainGenerations: 1): a resync snapshot, then contiguous events; never a silent jump", () =>
       withCore({ outboxBytes: 4096, retainGenerations: 1 }, () =>
         Effect.gen(function*() {
           const sm = yield* SessionManager
@@ -1326,7 +1323,7 @@ describe("SessionManager (in-process)", () => {
           yield* waitReady(c1)
           const c2 = new MemoryConnection("c2")
           yield* attach(sm, id, c2)
-          yield* waitFor("c2's baseline", () => seq(c2).length === 1)
+          yield* until("c2's baseline", () => seq(c2).length === 1)
           c2.pause()
           yield* runTurn(sm, id, c1, "/bulk 3000")
           yield* runTurn(sm, id, c1, "/bulk 3000")
@@ -1336,9 +1333,9 @@ describe("SessionManager (in-process)", () => {
           assert.deepStrictEqual(yield* sm.checkpoint(id), { generation: 3, snapshotId: `${id}~g3` })
           yield* runTurn(sm, id, c1, "in g3")
           c2.resume()
-          yield* waitFor("c2 caught up", () => seq(c2).at(-1) !== undefined && cur(seq(c2).at(-1)!) === cur(seq(c1).at(-1)!))
+          yield* until("c2 caught up", () => seq(c2).at(-1) !== undefined && cur(seq(c2).at(-1)!) === cur(seq(c1).at(-1)!))
           yield* runTurn(sm, id, c1, "live")
-          yield* waitFor("c2 has the live turn", () => cur(seq(c2).at(-1)!) === cur(seq(c1).at(-1)!))
+          yield* until("c2 has the live turn", () => cur(seq(c2).at(-1)!) === cur(seq(c1).at(-1)!))
 
           const lines = c2.lines
           const begins = lines.filter((l) => l["type"] === "session_snapshot_begin")
@@ -1376,12 +1373,12 @@ describe("SessionManager (in-process)", () => {
           })
           assert.strictEqual(data.replay.status, "partial")
           assert.strictEqual(data.replay.reason, "cursor_expired")
-          yield* waitFor("c3 caught up", () => seq(c3).length === fromG3.length)
+          yield* until("c3 caught up", () => seq(c3).length === fromG3.length)
           assert.strictEqual(c3.lines.find((l) => l["type"] === "session_snapshot_begin")?.["purpose"], "resync")
           assert.deepStrictEqual(cursors(seq(c3)), cursors(fromG3))
         })))
 
-    it.scopedLive("attach with a resume cursor replays exactly the events after it (across a checkpoint), then live ones", () =>
+    it.scoped("attach with a resume cursor replays exactly the events after it (across a checkpoint), then live ones", () =>
       withCore({}, () =>
         Effect.gen(function*() {
           const sm = yield* SessionManager
@@ -1403,14 +1400,14 @@ describe("SessionManager (in-process)", () => {
             eventCount: expected.length
           })
           assert.deepStrictEqual(data.snapshot.messages, [])
-          yield* waitFor("c3's replay", () => seq(c3).length === expected.length)
+          yield* until("c3's replay", () => seq(c3).length === expected.length)
           assert.strictEqual(c3.lines[0]!["type"], "session_attached")
           assert.deepStrictEqual(cursors(seq(c3)), cursors(expected))
           assert.deepStrictEqual(seq(c3).map(body), expected.map(body))
           assert.isTrue(seq(c3).every((l) => l["meta"].replayed === true))
           const n = seq(c3).length
           yield* runTurn(sm, id, c1, "five")
-          yield* waitFor("c3 live", () => seq(c3).length === seq(c1).length - mark - 1)
+          yield* until("c3 live", () => seq(c3).length === seq(c1).length - mark - 1)
           assert.deepStrictEqual(cursors(seq(c3)), cursors(seq(c1).slice(mark + 1)))
           assert.isTrue(since(c3, n).every((l) => l["meta"].replayed === undefined))
           // The last cursor: complete, nothing to replay.
@@ -1426,7 +1423,7 @@ describe("SessionManager (in-process)", () => {
           assert.strictEqual(unknown.snapshot.messageCount, 4)
         })))
 
-    it.scopedLive("attaching again on the same connection replaces the earlier attachment; detach ends delivery", () =>
+    it.scoped("attaching again on the same connection replaces the earlier attachment; detach ends delivery", () =>
       withCore({}, () =>
         Effect.gen(function*() {
           const sm = yield* SessionManager
@@ -1435,12 +1432,12 @@ describe("SessionManager (in-process)", () => {
           yield* runTurn(sm, id, c1, "one")
           const c2 = new MemoryConnection("c2")
           yield* attach(sm, id, c2)
-          yield* waitFor("c2's baseline", () => seq(c2).length === seq(c1).length)
+          yield* until("c2's baseline", () => seq(c2).length === seq(c1).length)
           const last = seq(c2).at(-1)!["meta"].cursor
           yield* attach(sm, id, c2, { resumeCursor: last })
           assert.strictEqual(sm.attachedCount("c2"), 1)
           yield* runTurn(sm, id, c1, "two")
-          yield* waitFor("c2 has the turn", () => cur(seq(c2).at(-1)!) === cur(seq(c1).at(-1)!))
+          yield* until("c2 has the turn", () => cur(seq(c2).at(-1)!) === cur(seq(c1).at(-1)!))
           assert.deepStrictEqual(cursors(seq(c2)), cursors(seq(c1)), "no event twice")
           yield* sm.detach("c2", id)
           assert.strictEqual(sm.attachedCount("c2"), 0)
@@ -1450,7 +1447,7 @@ describe("SessionManager (in-process)", () => {
         })))
   })
   describe("daemon restart (a second core over the same storage)", () => {
-    it.scopedLive("a session busy at the restart is restored with turn_interrupted{daemon_restarted}; an idle one is passivated and woken on demand; cursors go on", () =>
+    it.scoped("a session busy at the restart is restored with turn_interrupted{daemon_restarted}; an idle one is passivated and woken on demand; cursors go on", () =>
       Effect.gen(function*() {
         const stored = yield* makeStored
         const before = yield* withCore({}, () =>
@@ -1463,7 +1460,7 @@ describe("SessionManager (in-process)", () => {
             yield* runTurn(sm, busy.id, busy.conn, "before")
             yield* runTurn(sm, idle.id, idle.conn, "idle before")
             yield* prompt(sm, busy.id, "/sleep 10000")
-            yield* waitFor("tool_execution_start", () => eventTypes(seq(busy.conn)).includes("tool_execution_start"))
+            yield* until("tool_execution_start", () => eventTypes(seq(busy.conn)).includes("tool_execution_start"))
             return { busy: { id: busy.id, lines: seq(busy.conn) }, idle: { id: idle.id, lines: seq(idle.conn) } }
           }), stored)
         yield* withCore({}, () =>
@@ -1472,7 +1469,7 @@ describe("SessionManager (in-process)", () => {
             const c1 = new MemoryConnection("c1")
             const data = yield* attach(sm, before.busy.id, c1, { resumeCursor: before.busy.lines.at(-1)!["meta"].cursor })
             assert.strictEqual(data.replay.status, "complete")
-            yield* waitFor("ready", () => statuses(seq(c1)).at(-1) === "ready/idle")
+            yield* until("ready", () => statuses(seq(c1)).at(-1) === "ready/idle")
             assert.deepStrictEqual(seq(c1).map((l) => describeMsg(l).replace(/@.*/, "")), [
               "status(busy=true,worker=recovering)",
               "ev:turn_interrupted(daemon_restarted)",
@@ -1505,7 +1502,7 @@ describe("SessionManager (in-process)", () => {
           }), stored)
       }))
 
-    it.scopedLive("a turn whose agent_end was logged but not journaled when the daemon died is not cut: its idle status comes, no turn_interrupted", () =>
+    it.scoped("a turn whose agent_end was logged but not journaled when the daemon died is not cut: its idle status comes, no turn_interrupted", () =>
       Effect.gen(function*() {
         const stored = yield* makeStored
         const before = yield* withCore({}, () =>
@@ -1523,7 +1520,7 @@ describe("SessionManager (in-process)", () => {
             const sm = yield* SessionManager
             const c1 = new MemoryConnection("c1")
             yield* attach(sm, before.id, c1, { resumeCursor: before.lines.at(-1)!["meta"].cursor })
-            yield* waitFor("the idle status", () => statuses(seq(c1)).length > 0)
+            yield* until("the idle status", () => statuses(seq(c1)).length > 0)
             assert.deepStrictEqual(seq(c1).map((l) => describeMsg(l).replace(/@.*/, "")), [
               "ev:agent_end",
               "status(busy=false,worker=passivated)"
@@ -1538,15 +1535,6 @@ describe("SessionManager (in-process)", () => {
   })
 
   describe("names", () => {
-    /** Under the TestClock: yield (bounded) until `pred` holds. */
-    const spin = (what: string, pred: () => boolean) =>
-      Effect.gen(function*() {
-        for (let i = 0; i < 20_000; i++) {
-          if (pred()) return
-          yield* Effect.yieldNow()
-        }
-        return yield* Effect.dieMessage(`never: ${what}`)
-      })
 
     it.scoped("a rename holds the old name until the new one is durable: a create of either name meanwhile is name_taken; a failed save gives the old one back", () =>
       Effect.gen(function*() {
@@ -1571,7 +1559,7 @@ describe("SessionManager (in-process)", () => {
             gate.close()
             failing.on = true
             const renaming = yield* Effect.fork(sm.rename({ type: "rename", activeSessionId: a.activeSessionId, name: "y" } as any))
-            yield* spin("the rename's save under way", () => gate.waiting === 1)
+            yield* until("the rename's save under way", () => gate.waiting === 1)
             // Both names are held while the save may yet fail: the old one is not free.
             yield* failsWith("a create of the old name", sm.create({ type: "create", name: "x" } as any), "name_taken")
             yield* failsWith("a create of the new name", sm.create({ type: "create", name: "y" } as any), "name_taken")
@@ -1611,17 +1599,17 @@ describe("SessionManager (in-process)", () => {
   })
 
   describe("the in-process pool", () => {
-    it.scopedLive("a killed in-process worker ends at once (its turn does not run on), even though the core acquires it in an uninterruptible region", () =>
+    it.scoped("a killed in-process worker ends at once (its turn does not run on), even though the core acquires it in an uninterruptible region", () =>
       Effect.gen(function*() {
         const sm = yield* SessionManager
         const pool = yield* WorkerPool
         const { conn, id } = yield* open(sm)
         yield* waitReady(conn)
         yield* prompt(sm, id, "/sleep 1500")
-        yield* waitFor("tool_execution_start", () => eventTypes(seq(conn)).includes("tool_execution_start"))
+        yield* until("tool_execution_start", () => eventTypes(seq(conn)).includes("tool_execution_start"))
         const [worker] = yield* pool.live
         worker!.kill()
-        yield* waitUntil("the killed worker gone from the pool", Effect.map(pool.live, (ws) => !ws.includes(worker!)), 1_000)
+        yield* waitUntil("the killed worker gone from the pool", Effect.map(pool.live, (ws) => !ws.includes(worker!)))
       }).pipe(Effect.scoped, Effect.provide(coreLayer())))
   })
 })

@@ -432,6 +432,31 @@ export class MemoryConnection implements ConnectionPort {
   }
 }
 
+/**
+ * Yields before a wait gives up: a core in-process on the TestClock runs without time passing,
+ * so what a test waits for either comes once some fibers ran, or never (a timer the test did
+ * not advance, a wedge).
+ */
+const MAX_YIELDS = 100_000
+
+/** Waits (on the TestClock: no time passes, other fibers run) until `check` holds; dies naming `what`. */
+export const waitUntil = <E, R>(what: string, check: Effect.Effect<boolean, E, R>) =>
+  Effect.gen(function*() {
+    for (let i = 0; i < MAX_YIELDS; i++) {
+      if (yield* check) return
+      yield* Effect.yieldNow()
+    }
+    return yield* Effect.dieMessage(`never: ${what}`)
+  })
+
+/** Waits until `pred` holds (no time passes: see {@link waitUntil}). */
+export const until = (what: string, pred: () => boolean) => waitUntil(what, Effect.sync(pred))
+
+/** Gives every fiber that can run a chance to (for "nothing happened" checks, without time passing). */
+export const settle: Effect.Effect<void> = Effect.gen(function*() {
+  for (let i = 0; i < 500; i++) yield* Effect.yieldNow()
+})
+
 /** Waits (polling, real time) until `pred` holds for the connection; fails after `ms`. */
 export const waitFor = (what: string, pred: () => boolean, ms = 10_000) =>
   Effect.gen(function*() {
