@@ -1167,6 +1167,33 @@ describe("SessionManager (in-process)", () => {
   })
 
   describe("kill (more)", () => {
+    it.scoped("clients still catching up (attached just before the kill) or paused get session_closed, last, once", () =>
+      withCore({ outboxBytes: 256 }, () =>
+        Effect.gen(function*() {
+          const sm = yield* SessionManager
+          const { conn, id } = yield* open(sm)
+          // c3 stops reading: past outboxBytes its attachment is paused, resumed from the log later.
+          const c3 = new MemoryConnection("c3")
+          c3.pause()
+          yield* attach(sm, id, c3)
+          yield* waitReady(conn)
+          yield* runTurn(sm, id, conn, "hello there, a turn of some length")
+          // c2 attaches from the first cursor: its catch-up reads the log, not live yet at the kill.
+          const c2 = new MemoryConnection("c2")
+          yield* attach(sm, id, c2, { resumeCursor: { generation: 1, sequence: 0 } })
+          assert.deepStrictEqual(yield* sm.kill(id), {})
+          yield* settle
+          c3.resume()
+          for (const c of [conn, c2, c3]) {
+            const lines = seq(c)
+            assert.strictEqual(lines.at(-1)?.["type"], "session_closed", `${c.id}: ${show(lines)}`)
+            assert.strictEqual(lines.filter((l) => l["type"] === "session_closed").length, 1, `${c.id}: ${show(lines)}`)
+            for (let i = 1; i < lines.length; i++) {
+              assert.isTrue(lines[i]!["meta"].cursor.sequence > lines[i - 1]!["meta"].cursor.sequence, `${c.id}: in order, no duplicate: ${show(lines)}`)
+            }
+          }
+        })))
+
     it.scoped("while a worker's spawn never completes: kill, and the prompt waiting for that worker, are still answered", () =>
       withCore({}, (ctl) =>
         Effect.gen(function*() {

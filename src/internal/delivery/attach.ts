@@ -309,6 +309,9 @@ export const makeDelivery = (core: Core, checkpoints: Checkpoints): Delivery => 
           replay,
           ...(lastCursor === undefined ? {} : { lastEventCursor: lastCursor })
         }))
+        attachment.streaming = true
+        // Killed meanwhile: session_closed, and nothing more (the log is archived).
+        if (attachment.closedLine !== undefined) return outbox.offer(attachment.closedLine)
         yield* catchUp(attachment)
       })
       return { data: data as Protocol.DaemonAttachResult, deliver }

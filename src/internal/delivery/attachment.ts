@@ -16,6 +16,13 @@ export class Attachment {
   knownRewrite: number | undefined
   wake: (() => void) | undefined
   detached = false
+  /** `session_attached` was sent: from here on the client reads the session's stream. */
+  streaming = false
+  /**
+   * Its session was killed before `session_attached` was sent: the `session_closed` line that
+   * follows it (and ends the attachment). See the entity's `PublishClosed`.
+   */
+  closedLine: string | undefined
   /** Counted as delivered here for socket clients; an HTTP read counts what it sends itself. */
   readonly metered: boolean
 

@@ -21,13 +21,16 @@ import * as FiberId from "effect/FiberId"
 import * as FiberRef from "effect/FiberRef"
 import * as Queue from "effect/Queue"
 import * as Scope from "effect/Scope"
+import * as Stream from "effect/Stream"
 import { randomUUID } from "node:crypto"
+import * as Cursor from "../../Cursor.js"
 import type * as Protocol from "../../Protocol.js"
 import * as StateLayout from "../../StateLayout.js"
 import type { WorkerHandle } from "../../WorkerPool.js"
 import type * as WorkerProtocol from "../../WorkerProtocol.js"
 import type { Delivery } from "../delivery/attach.js"
-import { eventMessage, type Outgoing } from "../delivery/wireLines.js"
+import type { Attachment } from "../delivery/attachment.js"
+import { eventMessage, type Outgoing, wireLineOfRecord } from "../delivery/wireLines.js"
 import type { Checkpoints } from "./checkpoint.js"
 import type { AnyFrame, CheckpointReply, Input } from "./mailbox.js"
 import { CommandTakesEffect } from "./mailbox.js"
@@ -174,8 +177,13 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
         return publish(s, { type: "session_event", event: interrupted(a.reason) })
       case "PublishClosed":
         return Effect.gen(function*() {
-          yield* Effect.catchTag(publish(s, { type: "session_closed", reason: "killed" }), "StorageFailed", () => Effect.void)
+          const before = s.lastCursor
+          const closed = yield* Effect.either(publish(s, { type: "session_closed", reason: "killed" }))
+          // Attachments that publish did not hand the line to: catching up from the log (an
+          // attach just before the kill) or paused (a client over its limit).
+          const behind = [...s.attachments].filter((a) => a.mode !== "live")
           for (const attachment of [...s.attachments]) detachAttachment(attachment)
+          if (Either.isRight(closed) && behind.length > 0) yield* closedToBehind(s, before, behind)
         })
       case "Journal":
         return a.required ? Effect.asVoid(record(s, a.busy, a.op)) : recordBestEffort(s, a.busy, a.op)
@@ -272,6 +280,30 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
         return yield* Deferred.fail(reply, internal("session store")(saved.left))
       }
       yield* Deferred.succeed(reply, summary(s))
+    })
+
+  /**
+   * `session_closed` for attachments that were not live when it was logged: their catch-up
+   * (stopped by the detach, so nothing more comes from it) would have read it from the log, but
+   * the log moves to the archive next. Sent after what they were sent, whatever they had not
+   * caught up on yet (nothing of the session can be read any more). Without it such a client
+   * waited forever, told nothing.
+   */
+  const closedToBehind = (s: Session, before: Cursor.Cursor | undefined, behind: ReadonlyArray<Attachment>) =>
+    Effect.gen(function*() {
+      const id = s.meta.activeSessionId
+      const records = yield* Effect.either(Stream.runCollect(log.read(id, before)))
+      if (Either.isLeft(records)) return yield* Effect.logWarning(`session ${id}: session_closed not read back: ${records.left.message}`)
+      let last = undefined as Parameters<typeof wireLineOfRecord>[1] | undefined
+      for (const r of records.right) last = r
+      if (last === undefined) return
+      const line = wireLineOfRecord(JSON.stringify(id), last, false)
+      for (const a of behind) {
+        if (a.outbox.isClosed || (a.delivered !== undefined && !Cursor.isBefore(a.delivered, last.cursor))) continue
+        // Not before its attach's `session_attached` (which its delivery then follows with it).
+        if (a.streaming) a.outbox.offer(line)
+        else a.closedLine = line
+      }
     })
 
   const workerHandleOfState = (s: Session) => {
