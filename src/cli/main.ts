@@ -15,6 +15,7 @@ import { type Context, runOneShot } from "./commands.js"
 import { builtinEngines } from "./engines.js"
 import { report } from "./errors.js"
 import { EXIT } from "./exitCodes.js"
+import { parseListen } from "../internal/http/listen.js"
 import { addressOf, serveOptionsOf } from "./paths.js"
 
 export const VERSION = "0.1.0"
@@ -98,6 +99,7 @@ export const commands: ReadonlyArray<CommandSpec> = [
         name: "max-workers",
         kind: "integer",
         value: "N",
+        min: 1,
         description: "Live worker processes beyond which the least recently used idle session is passivated (default 32)."
       },
       {
@@ -125,6 +127,10 @@ export const commands: ReadonlyArray<CommandSpec> = [
         name: "http",
         kind: "string",
         value: "HOST:PORT",
+        check: (value) => {
+          const listen = parseListen(value)
+          return typeof listen === "string" ? listen : undefined
+        },
         description: "Also serve HTTP, SSE and WebSocket there (e.g. 127.0.0.1:7433; default $AGENTD_HTTP, else off). Every request needs the token `agentd http-token` prints."
       },
       {
