@@ -1,0 +1,164 @@
+/**
+ * Findings of the session-12 black-box audit: each test fails on the code it was found on (main
+ * at 7092896) and should pass once its finding is fixed. The block is skipped so that the suite
+ * stays green; turn a test on (or the block) as its fix lands.
+ *
+ * 1. `serve --max-workers 0` is accepted (`AGENTD_MAX_WORKERS=0` is refused), and then no
+ *    session ever gets a worker: every prompt waits forever, sessions stay `starting`, busy.
+ * 2. An invalid `--http` (or `AGENTD_HTTP`) value is found only after the daemon took the state
+ *    dir, bumped its supervisor generation and listened on its socket; it exits 1 (a usage
+ *    error is 2), and for `AGENTD_HTTP` the message names `--http`, not the variable.
+ * 3. `AGENTD_STORE=bogus` exits 1; section 8 says `--store` or `AGENTD_STORE` with any other
+ *    value exits 2 (`invalid store ...`), which `--store bogus` does.
+ * 4. `HEAD /login?token=...` answers 405, where `GET` answers 303 ("HEAD works where GET does").
+ * 5. An HTTP/1.1 request without a `Host` header gets Node's bare 400 (no body, no
+ *    `X-Request-Id`) instead of the JSON error every other refusal gets (421
+ *    `misdirected_request`, as an HTTP/1.0 request without `Host` already gets).
+ */
+import { spawn } from "node:child_process"
+import { randomUUID } from "node:crypto"
+import * as fs from "node:fs"
+import * as net from "node:net"
+import * as path from "node:path"
+import { describe, expect, it } from "vitest"
+import { killQuietly, processesWithEnv } from "../support/procfs.js"
+import { cleanUpAfterTests, DAEMON_BIN, freshStateDir, sharedDaemon, sleep } from "./harness.js"
+import { httpPortOf, request } from "./httpHarness.js"
+
+cleanUpAfterTests()
+
+/** The environment of a daemon run by `runServe`: no AGENTD_ setting of the test run's own. */
+const cleanEnv = (extra: Record<string, string>, mark: string): Record<string, string> => {
+  const env: Record<string, string> = {}
+  for (const [k, v] of Object.entries(process.env)) {
+    if (v === undefined || k.startsWith("AGENTD_") || k.startsWith("VITEST")) continue
+    env[k] = v
+  }
+  return { ...env, AGENTD_WARM_SPARE: "0", ...extra, AGENTD_E2E_MARK: mark }
+}
+
+/**
+ * Runs `agentd serve ARGS` and waits up to `timeoutMs` for it to exit by itself; a daemon still
+ * running then is SIGKILLed (its group and anything carrying its mark) and reported `code: null`.
+ */
+const runServe = async (
+  args: ReadonlyArray<string>,
+  env: Record<string, string> = {},
+  timeoutMs = 8_000
+): Promise<{ readonly code: number | null; readonly stderr: string }> => {
+  const mark = randomUUID()
+  const child = spawn(process.execPath, [DAEMON_BIN, "serve", ...args], {
+    env: cleanEnv(env, mark),
+    stdio: ["ignore", "ignore", "pipe"],
+    detached: true
+  })
+  let stderr = ""
+  child.stderr!.setEncoding("utf8").on("data", (d: string) => (stderr += d))
+  const exited = new Promise<number | null>((resolve) => child.once("exit", (code) => resolve(code)))
+  const code = await Promise.race([exited, sleep(timeoutMs).then(() => "running" as const)])
+  if (code === "running") {
+    try {
+      process.kill(-child.pid!, "SIGKILL")
+    } catch {
+      // gone meanwhile
+    }
+    await Promise.race([exited, sleep(3_000)])
+    for (const p of processesWithEnv("AGENTD_E2E_MARK", mark)) killQuietly(p, "SIGKILL")
+    return { code: null, stderr }
+  }
+  return { code, stderr }
+}
+
+/** One raw HTTP exchange on a TCP connection: what the daemon wrote until it closed. */
+const rawHttp = (port: number, text: string, timeoutMs = 5_000): Promise<string> =>
+  new Promise((resolve) => {
+    const socket = net.createConnection({ host: "127.0.0.1", port })
+    let out = ""
+    const done = () => {
+      clearTimeout(timer)
+      socket.destroy()
+      resolve(out)
+    }
+    const timer = setTimeout(done, timeoutMs)
+    socket.setEncoding("utf8")
+    socket.on("data", (d: string) => {
+      out += d
+      // One whole answer (headers and a Content-Length body) is enough.
+      const head = out.indexOf("\r\n\r\n")
+      const len = /content-length: *(\d+)/i.exec(out)
+      if (head >= 0 && len !== null && out.length >= head + 4 + Number(len[1])) done()
+    })
+    socket.on("close", done)
+    socket.on("error", done)
+    socket.on("connect", () => socket.write(text))
+  })
+
+describe.skip("audit findings (session 12)", () => {
+  it("1: `serve --max-workers 0` is a usage error (exit 2) like AGENTD_MAX_WORKERS=0, not a daemon whose prompts never run", async () => {
+    const stateDir = freshStateDir()
+    const r = await runServe(["--state-dir", stateDir, "--max-workers", "0"])
+    // On main it runs (then every prompt waits forever for a worker): killed here, code null.
+    expect(r.code, r.stderr).toBe(2)
+    expect(r.stderr).toMatch(/--max-workers/)
+    expect(fs.existsSync(stateDir)).toBe(false)
+  })
+
+  it("2: an invalid --http or AGENTD_HTTP is refused before the state dir is touched (exit 2, naming what was given)", async () => {
+    for (const bad of ["garbage", "127.0.0.1:99999"]) {
+      const stateDir = freshStateDir()
+      const r = await runServe(["--state-dir", stateDir, "--http", bad])
+      expect(r.code, r.stderr).toBe(2)
+      expect(r.stderr).toMatch(/--http/)
+      // On main the daemon first listens and writes supervisor-generation, events/, sessions/.
+      expect(r.stderr).not.toMatch(/agentd listening at/)
+      expect(fs.existsSync(stateDir), `${bad}: ${fs.existsSync(stateDir) ? fs.readdirSync(stateDir).join(",") : ""}`).toBe(false)
+    }
+    const stateDir = freshStateDir()
+    const env = await runServe(["--state-dir", stateDir], { AGENTD_HTTP: "garbage" })
+    expect(env.code, env.stderr).not.toBe(0)
+    expect(env.code, env.stderr).not.toBe(null)
+    expect(env.stderr).toMatch(/AGENTD_HTTP/)
+    expect(env.stderr).not.toMatch(/agentd listening at/)
+    expect(fs.existsSync(stateDir)).toBe(false)
+  })
+
+  it("3: AGENTD_STORE with an invalid value exits 2 (`invalid store ...`), as --store does", async () => {
+    const stateDir = freshStateDir()
+    const flag = await runServe(["--state-dir", stateDir, "--store", "bogus"])
+    expect(flag.code, flag.stderr).toBe(2)
+    const env = await runServe(["--state-dir", stateDir], { AGENTD_STORE: "bogus" })
+    expect(env.code, env.stderr).toBe(2)
+    expect(env.stderr).toMatch(/invalid store/)
+    expect(fs.existsSync(stateDir)).toBe(false)
+  })
+
+  describe("HTTP", () => {
+    const getDaemon = sharedDaemon({ extraArgs: ["--http", "127.0.0.1:0"] })
+    const http = async () => {
+      const daemon = getDaemon()
+      const port = await httpPortOf(daemon)
+      const token = fs.readFileSync(path.join(daemon.stateDir, "http-token"), "utf8").trim()
+      return { port, token }
+    }
+
+    it("4: HEAD /login answers as GET /login does (303 with the cookie), not 405", async () => {
+      const h = await http()
+      const get = await request(h, "GET", `/login?token=${h.token}`, { noAuth: true })
+      expect(get.status).toBe(303)
+      const head = await request(h, "HEAD", `/login?token=${h.token}`, { noAuth: true })
+      expect(head.status, head.text).toBe(303)
+      expect(String(head.headers["set-cookie"] ?? "")).toMatch(/agentd_token=/)
+    })
+
+    it("5: an HTTP/1.1 request without Host gets a JSON error with its request id (421 misdirected_request), not a bare 400", async () => {
+      const h = await http()
+      const http10 = await rawHttp(h.port, `GET /v1/status HTTP/1.0\r\nAuthorization: Bearer ${h.token}\r\n\r\n`)
+      expect(http10).toMatch(/^HTTP\/1\.1 421/)
+      const http11 = await rawHttp(h.port, `GET /v1/status HTTP/1.1\r\nAuthorization: Bearer ${h.token}\r\nConnection: close\r\n\r\n`)
+      expect(http11.split("\r\n")[0]).toBe("HTTP/1.1 421 Misdirected Request")
+      expect(http11).toMatch(/x-request-id:/i)
+      const body = http11.slice(http11.indexOf("\r\n\r\n") + 4)
+      expect(JSON.parse(body).error.code).toBe("misdirected_request")
+    })
+  })
+})
