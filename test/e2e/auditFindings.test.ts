@@ -14,6 +14,8 @@
  * 5. An HTTP/1.1 request without a `Host` header gets Node's bare 400 (no body, no
  *    `X-Request-Id`) instead of the JSON error every other refusal gets (421
  *    `misdirected_request`, as an HTTP/1.0 request without `Host` already gets).
+ * 6. The first `/metrics` scrape lacks `agentd_http_requests_total` (section 10: "Every metric
+ *    below is listed from the first scrape, at 0 until used"); it shows up from the second.
  */
 import { spawn } from "node:child_process"
 import { randomUUID } from "node:crypto"
@@ -140,6 +142,15 @@ describe.skip("audit findings (session 12)", () => {
       const token = fs.readFileSync(path.join(daemon.stateDir, "http-token"), "utf8").trim()
       return { port, token }
     }
+
+    // First in this block: the scrape must be the daemon's first HTTP request.
+    it("6: the first /metrics scrape lists agentd_http_requests_total", async () => {
+      const h = await http()
+      const first = await request(h, "GET", "/metrics")
+      expect(first.status).toBe(200)
+      expect(first.text).toMatch(/^# TYPE agentd_events_appended_total counter$/m)
+      expect(first.text).toMatch(/^# TYPE agentd_http_requests_total counter$/m)
+    })
 
     it("4: HEAD /login answers as GET /login does (303 with the cookie), not 405", async () => {
       const h = await http()
