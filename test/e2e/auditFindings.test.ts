@@ -16,10 +16,15 @@
  *    `misdirected_request`, as an HTTP/1.0 request without `Host` already gets).
  * 6. The first `/metrics` scrape lacks `agentd_http_requests_total` (section 10: "Every metric
  *    below is listed from the first scrape, at 0 until used"); it shows up from the second.
+ * 7. An SSE event stream (`live=sse`) of a session that is killed delivers `session_closed` and
+ *    then stays open for ever (keep-alives; `agentd_clients{transport="sse"}` stays 1), though
+ *    nothing can follow: a long-poll at the tail answers with `session_closed`, a half-closed
+ *    socket client attached to it is ended, and the next read of the stream is a 404.
  */
 import { spawn } from "node:child_process"
 import { randomUUID } from "node:crypto"
 import * as fs from "node:fs"
+import * as nodeHttp from "node:http"
 import * as net from "node:net"
 import * as path from "node:path"
 import { describe, expect, it } from "vitest"
@@ -150,6 +155,42 @@ describe.skip("audit findings (session 12)", () => {
       expect(first.status).toBe(200)
       expect(first.text).toMatch(/^# TYPE agentd_events_appended_total counter$/m)
       expect(first.text).toMatch(/^# TYPE agentd_http_requests_total counter$/m)
+    })
+
+    it("7: an SSE stream of a session that is killed ends after its session_closed", async () => {
+      const h = await http()
+      const created = await request(h, "POST", "/v1/sessions", { body: "{}" })
+      expect(created.status).toBe(201)
+      const id = created.json.activeSessionId as string
+      let text = ""
+      let ended = false
+      const req = nodeHttp.get({
+        host: "127.0.0.1",
+        port: h.port,
+        path: `/v1/sessions/${id}/events?offset=now&live=sse`,
+        headers: { host: `127.0.0.1:${h.port}`, authorization: `Bearer ${h.token}` },
+        agent: false
+      })
+      try {
+        const res = await new Promise<nodeHttp.IncomingMessage>((resolve, reject) => {
+          req.once("response", resolve)
+          req.once("error", reject)
+        })
+        expect(res.statusCode).toBe(200)
+        res.setEncoding("utf8")
+        res.on("data", (d: string) => (text += d))
+        res.on("end", () => (ended = true))
+        res.on("close", () => (ended = true))
+        const killed = await request(h, "DELETE", `/v1/sessions/${id}`)
+        expect(killed.status).toBe(200)
+        const deadline = Date.now() + 8_000
+        while (!ended && Date.now() < deadline) await sleep(50)
+        expect(text).toMatch(/"session_closed"/)
+        // On main the stream is still open here (and for ever).
+        expect(ended, "the SSE stream is still open after session_closed").toBe(true)
+      } finally {
+        req.destroy()
+      }
     })
 
     it("4: HEAD /login answers as GET /login does (303 with the cookie), not 405", async () => {
