@@ -20,6 +20,12 @@
  *    then stays open for ever (keep-alives; `agentd_clients{transport="sse"}` stays 1), though
  *    nothing can follow: a long-poll at the tail answers with `session_closed`, a half-closed
  *    socket client attached to it is ended, and the next read of the stream is a 404.
+ * 8. A socket client that sends commands and reads no response makes the daemon hold every
+ *    response in memory: it goes on reading and answering the client's commands however far
+ *    behind the client is (500 `get_messages` of a 1 MB message took the daemon's RSS from
+ *    158 MB to 359 MB and rising). Section 5: "A slow client is never allowed to grow the
+ *    daemon's memory without bound"; bounded, it would stop reading such a client's commands
+ *    once its outbox is full (8 MiB), and the client's own writes would back up.
  */
 import { spawn } from "node:child_process"
 import { randomUUID } from "node:crypto"
@@ -29,7 +35,7 @@ import * as net from "node:net"
 import * as path from "node:path"
 import { describe, expect, it } from "vitest"
 import { killQuietly, processesWithEnv } from "../support/procfs.js"
-import { cleanUpAfterTests, DAEMON_BIN, freshStateDir, sharedDaemon, sleep } from "./harness.js"
+import { cleanUpAfterTests, createSession, DAEMON_BIN, freshStateDir, sharedDaemon, sleep, waitIdle } from "./harness.js"
 import { httpPortOf, request } from "./httpHarness.js"
 
 cleanUpAfterTests()
@@ -139,7 +145,7 @@ describe.skip("audit findings (session 12)", () => {
     expect(fs.existsSync(stateDir)).toBe(false)
   })
 
-  describe("HTTP", () => {
+  describe("one shared daemon (with --http)", () => {
     const getDaemon = sharedDaemon({ extraArgs: ["--http", "127.0.0.1:0"] })
     const http = async () => {
       const daemon = getDaemon()
@@ -190,6 +196,30 @@ describe.skip("audit findings (session 12)", () => {
         expect(ended, "the SSE stream is still open after session_closed").toBe(true)
       } finally {
         req.destroy()
+      }
+    })
+
+    it("8: a client that reads no response is not answered without bound: the daemon stops reading its commands", async () => {
+      const daemon = getDaemon()
+      const c = await daemon.connect("writer")
+      const { id } = await createSession(c)
+      await c.ok({ type: "prompt", activeSessionId: id, message: "/bulk 1000000" })
+      await waitIdle(c, id, 30_000)
+      // 64 commands of 100 KB (an unknown field is ignored), each answered with ~1 MB.
+      const line = JSON.stringify({ type: "get_messages", activeSessionId: id, pad: "p".repeat(100_000) }) + "\n"
+      const s = net.createConnection({ path: daemon.socketPath })
+      try {
+        s.pause()
+        await new Promise<void>((resolve, reject) => {
+          s.once("connect", () => resolve())
+          s.once("error", reject)
+        })
+        for (let i = 0; i < 64; i++) s.write(line)
+        // On main every command is read (nothing stays unsent) and ~64 MB of answers pile up.
+        await sleep(3_000)
+        expect(s.writableLength, "the daemon read every command of a client that reads nothing").toBeGreaterThan(0)
+      } finally {
+        s.destroy()
       }
     })
 
