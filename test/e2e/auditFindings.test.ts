@@ -26,6 +26,11 @@
  *    158 MB to 359 MB and rising). Section 5: "A slow client is never allowed to grow the
  *    daemon's memory without bound"; bounded, it would stop reading such a client's commands
  *    once its outbox is full (8 MiB), and the client's own writes would back up.
+ * 9. `GET /v1/sessions/:id/messages?limit=-1` (or `1.5`, `1e2`) answers `Expected number,
+ *    actual "-1"`: the query value is a number, the message should say what is wrong with it
+ *    (the socket says `Expected a non-negative number, actual -1`).
+ * 10. A path with a doubled slash (`GET //v1/status`) is answered `No route for GET /status.`:
+ *    the path is read as a URL whose host is `v1`, so the message names a path never sent.
  */
 import { spawn } from "node:child_process"
 import { randomUUID } from "node:crypto"
@@ -221,6 +226,26 @@ describe.skip("audit findings (session 12)", () => {
       } finally {
         s.destroy()
       }
+    })
+
+    it("9: a bad messages?limit or offset gets a message that says what is wrong with the number", async () => {
+      const h = await http()
+      const created = await request(h, "POST", "/v1/sessions", { body: "{}" })
+      const id = created.json.activeSessionId as string
+      for (const q of ["limit=-1", "offset=-1", "limit=1.5"]) {
+        const r = await request(h, "GET", `/v1/sessions/${id}/messages?${q}`)
+        expect(r.status).toBe(400)
+        expect(r.json.error.code).toBe("invalid_command")
+        expect(r.json.error.message, q).not.toMatch(/Expected number, actual/)
+        expect(r.json.error.message, q).toMatch(/non-negative|integer|whole number|>= ?0/)
+      }
+    })
+
+    it("10: a 404 for a path with a doubled slash names the path as sent", async () => {
+      const h = await http()
+      const r = await request(h, "GET", "//v1/status")
+      expect(r.status).toBe(404)
+      expect(r.json.error.message).toContain("//v1/status")
     })
 
     it("4: HEAD /login answers as GET /login does (303 with the cookie), not 405", async () => {
