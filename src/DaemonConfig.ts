@@ -119,7 +119,10 @@ export const settings: Config.Config<Partial<DaemonConfigShape>> = Config.all({
   restartWindowMs: count("AGENTD_RESTART_WINDOW_MS", 1),
   clientEnvKeys: Config.option(Config.map(Config.string("AGENTD_CLIENT_ENV_KEYS"), (keys) =>
     keys.split(",").map((k) => k.trim()).filter((k) => k.length > 0))),
-  warmSpare: Config.option(Config.map(Config.string("AGENTD_WARM_SPARE"), (v) => v !== "0")),
+  warmSpare: Config.option(Config.map(
+    Config.string("AGENTD_WARM_SPARE").pipe(Config.validate({ message: "must be 0 (no spare) or 1", validation: (v) => v === "0" || v === "1" })),
+    (v) => v === "1"
+  )),
   shutdownGraceMs: count("AGENTD_SHUTDOWN_GRACE_MS", 0),
   // Checked with `--store` by the daemon (InvalidStore): one message and one exit code for both.
   store: Config.option(Config.string("AGENTD_STORE")),
