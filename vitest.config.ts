@@ -4,8 +4,9 @@ import LongestFirst from "./test/support/sequencer.js"
 export default defineConfig({
   test: {
     include: ["test/**/*.test.ts"],
-    // A private PostgreSQL for the store's suites when AGENTD_TEST_PG_URL names none.
-    globalSetup: ["test/support/pgGlobalSetup.ts"],
+    // A private PostgreSQL for the store's suites when AGENTD_TEST_PG_URL names none; the
+    // crash-test children bundled once.
+    globalSetup: ["test/support/pgGlobalSetup.ts", "test/support/fixturesGlobalSetup.ts"],
     // End-to-end tests spawn real processes; two cores are the budget.
     pool: "forks",
     // A fork runs file after file (a new process per file cost ~2.5 s each on a loaded 2-core

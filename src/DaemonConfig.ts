@@ -9,6 +9,7 @@ import * as Context from "effect/Context"
 import * as Effect from "effect/Effect"
 import * as Layer from "effect/Layer"
 import * as Option from "effect/Option"
+import { parseListen } from "./internal/http/listen.js"
 import * as path from "node:path"
 import { defaultStateDir, resolveSocketPath } from "./StatePaths.js"
 
@@ -96,9 +97,6 @@ export const defaults = (stateDir: string = defaultStateDir()): DaemonConfigShap
   httpLongPollMs: 20_000
 })
 
-/** `files` or a PostgreSQL URL: the values of {@link DaemonConfigShape.store}. */
-export const isStoreSetting = (store: string): boolean => store === "files" || /^postgres(ql)?:\/\//.test(store)
-
 /** A whole number of at least `min` under `name`, if set. */
 const count = (name: string, min: number) =>
   Config.option(Config.integer(name).pipe(Config.validate({ message: `must be an integer >= ${min}`, validation: (n) => n >= min })))
@@ -121,13 +119,17 @@ export const settings: Config.Config<Partial<DaemonConfigShape>> = Config.all({
   restartWindowMs: count("AGENTD_RESTART_WINDOW_MS", 1),
   clientEnvKeys: Config.option(Config.map(Config.string("AGENTD_CLIENT_ENV_KEYS"), (keys) =>
     keys.split(",").map((k) => k.trim()).filter((k) => k.length > 0))),
-  warmSpare: Config.option(Config.map(Config.string("AGENTD_WARM_SPARE"), (v) => v !== "0")),
+  warmSpare: Config.option(Config.map(
+    Config.string("AGENTD_WARM_SPARE").pipe(Config.validate({ message: "must be 0 (no spare) or 1", validation: (v) => v === "0" || v === "1" })),
+    (v) => v === "1"
+  )),
   shutdownGraceMs: count("AGENTD_SHUTDOWN_GRACE_MS", 0),
-  store: Config.option(Config.string("AGENTD_STORE").pipe(Config.validate({
-    message: "must be `files` or a PostgreSQL URL (postgres://...)",
-    validation: isStoreSetting
+  // Checked with `--store` by the daemon (InvalidStore): one message and one exit code for both.
+  store: Config.option(Config.string("AGENTD_STORE")),
+  http: Config.option(Config.string("AGENTD_HTTP").pipe(Config.validate({
+    message: "must be HOST:PORT, e.g. 127.0.0.1:7433",
+    validation: (value) => typeof parseListen(value) !== "string"
   }))),
-  http: Config.option(Config.string("AGENTD_HTTP")),
   httpInsecure: Config.option(Config.map(Config.string("AGENTD_HTTP_INSECURE"), (v) => v !== "0" && v !== "")),
   httpKeepAliveMs: count("AGENTD_HTTP_KEEPALIVE_MS", 1),
   httpLongPollMs: count("AGENTD_HTTP_LONG_POLL_MS", 1)

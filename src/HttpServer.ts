@@ -149,7 +149,9 @@ export const make = Effect.gen(function*() {
   /** Anything logged goes through this: the token never reaches a log. */
   const scrub = (text: string) => text.split(token).join("<token>")
 
-  const nodeServer = http.createServer()
+  // A request without `Host` reaches the Host check (421, a JSON body, its request id) instead
+  // of node's bare 400.
+  const nodeServer = http.createServer({ requireHostHeader: false })
   // The body limit is enforced while reading (readBody); node's own header limits stay.
   const server = yield* NodeHttpServer.make(() => nodeServer, { host: listen.host, port: listen.port }).pipe(
     Effect.mapError((e) => new HttpStartError({ message: `cannot listen on ${config.http}: ${scrub(String((e.cause as Error)?.message ?? e.message))}` }))
@@ -614,14 +616,19 @@ export const make = Effect.gen(function*() {
     }],
     [/^\/v1\/sessions\/([^/]+)\/messages$/, {
       GET: (ctx) => {
-        // Numbers when they are numbers; otherwise the text, for the schema to refuse by name.
-        const num = (name: string) => {
+        // A query value is text: one that is not a whole number is refused here, by what it is
+        // (the socket's schema would say it is a string). Bounds (limit <= 1000) stay the schema's.
+        const fields: Record<string, number> = {}
+        for (const name of ["offset", "limit"]) {
           const v = ctx.url.searchParams.get(name)
-          if (v === null) return {}
-          return { [name]: /^\d+$/.test(v) ? Number(v) : v }
+          if (v === null) continue
+          if (!/^\d+$/.test(v)) {
+            return refuse("invalid_command", `Invalid \`get_messages\` query: \`${name}\` must be a whole number >= 0, got ${JSON.stringify(v.slice(0, 32))}.`)
+          }
+          fields[name] = Number(v)
         }
         return Effect.flatMap(
-          command("get_messages", ctx, { activeSessionId: sessionId(ctx), ...num("offset"), ...num("limit") }, false),
+          command("get_messages", ctx, { activeSessionId: sessionId(ctx), ...fields }, false),
           (cmd) => Effect.map(run(manager.getMessages(cmd)), ok(ctx))
         )
       }
@@ -655,7 +662,8 @@ export const make = Effect.gen(function*() {
     const respond = Effect.gen(function*() {
       let url: URL
       try {
-        url = new URL(request.url, "http://localhost")
+        // Appended, not resolved: a path starting `//` would be read as a host (`//v1/status`).
+        url = request.url.startsWith("/") ? new URL(`http://localhost${request.url}`) : new URL(request.url, "http://localhost")
       } catch {
         return yield* refuse("not_found", "The request's path cannot be read.")
       }
@@ -664,7 +672,9 @@ export const make = Effect.gen(function*() {
       if (verdict._tag === "Refuse") return yield* refuse(verdict.code, verdict.message)
       const ctx = (params: ReadonlyArray<string>): RequestContext => ({ request, url, params, requestId })
       if (isLogin) {
-        if (request.method !== "GET") return yield* refuse("method_not_allowed", `${request.method} is not allowed on /login.`, { allow: "GET" })
+        if (request.method !== "GET" && request.method !== "HEAD") {
+          return yield* refuse("method_not_allowed", `${request.method} is not allowed on /login.`, { allow: "GET, HEAD" })
+        }
         return yield* login(ctx([]))
       }
       for (const [pattern, methods] of routes) {

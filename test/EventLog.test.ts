@@ -17,6 +17,7 @@ import * as Cursor from "../src/Cursor.js"
 import * as EventLog from "../src/EventLog.js"
 import * as PostgresStore from "../src/PostgresStore.js"
 import { describePg, freshSchema, storeLayer } from "./support/postgres.js"
+import { childProgram } from "./support/fixtures.js"
 
 /** A fresh directory under the OS temp dir, removed when the scope closes. */
 const tempDir = Effect.acquireRelease(
@@ -707,8 +708,8 @@ describe("EventLog (file only)", () => {
 // Crash test: real processes, SIGKILL at random moments
 // -----------------------------------------------------------------------------------------------
 
-// The compiled child (npm ci builds test/fixtures through `prepare`): no loader at start-up.
-const childPath = fileURLToPath(new URL("../dist/test/fixtures/eventLogChild.js", import.meta.url))
+// Bundled once for the run (test/support/fixturesGlobalSetup.ts): a start costs ~plain node's.
+const childPath = childProgram("eventLogChild")
 
 /**
  * Children SIGKILLed per lane (`AGENTD_CRASH_RUNS`, default 5: one of them early, while the log

@@ -23,8 +23,10 @@ import * as PostgresStore from "../src/PostgresStore.js"
 import * as RecoveryJournal from "../src/RecoveryJournal.js"
 import * as SessionStore from "../src/SessionStore.js"
 import { describePg, freshSchema } from "./support/postgres.js"
+import { childProgram } from "./support/fixtures.js"
 
-const childPath = fileURLToPath(new URL("../dist/test/fixtures/lockChild.js", import.meta.url))
+// Bundled once for the run (test/support/fixturesGlobalSetup.ts): a start costs ~plain node's.
+const childPath = childProgram("lockChild")
 
 /** A lockChild holding the store at `url` (it prints `locked <pid>`); SIGKILLed at scope end. */
 const holderProcess = (url: string, socketPath: string) =>

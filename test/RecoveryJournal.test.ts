@@ -17,6 +17,7 @@ import type * as Scope from "effect/Scope"
 import * as PostgresStore from "../src/PostgresStore.js"
 import * as RecoveryJournal from "../src/RecoveryJournal.js"
 import { describePg, storeLayer } from "./support/postgres.js"
+import { childProgram } from "./support/fixtures.js"
 
 // ---------------------------------------------------------------------------------------------
 // Helpers
@@ -393,8 +394,8 @@ describe("RecoveryJournal (file)", () => {
 // Crash test: real processes killed with SIGKILL at random moments
 
 const root = fileURLToPath(new URL("..", import.meta.url))
-// The compiled child (npm ci builds test/fixtures through `prepare`): no loader at start-up.
-const childPath = fileURLToPath(new URL("../dist/test/fixtures/journalChild.js", import.meta.url))
+// Bundled once for the run (test/support/fixturesGlobalSetup.ts): a start costs ~plain node's.
+const childPath = childProgram("journalChild")
 const SESSIONS = 3
 const LANES = 2
 /**

@@ -13,12 +13,12 @@ import * as fs from "node:fs"
 import * as os from "node:os"
 import * as path from "node:path"
 import type { Readable, Writable } from "node:stream"
-import { fileURLToPath } from "node:url"
 import { afterEach } from "vitest"
 import * as StateDirLock from "../src/StateDirLock.js"
+import { childProgram } from "./support/fixtures.js"
 
-// The compiled child (npm ci builds test/fixtures through `prepare`): no loader at start-up.
-const childPath = fileURLToPath(new URL("../dist/test/fixtures/lockChild.js", import.meta.url))
+// Bundled once for the run (test/support/fixturesGlobalSetup.ts): a start costs ~plain node's.
+const childPath = childProgram("lockChild")
 
 /** A lock child and the lines it printed. */
 class Child {

@@ -22,6 +22,10 @@ export interface OptionSpec {
   readonly repeatable?: boolean
   /** The accepted values, if the set is closed. */
   readonly choices?: ReadonlyArray<string>
+  /** An `integer` option's least value (default 0). */
+  readonly min?: number
+  /** What is wrong with a `string` option's value (undefined: nothing), judged at parse time. */
+  readonly check?: (value: string) => string | undefined
   readonly description: string
 }
 
@@ -169,10 +173,13 @@ export const parse = (commands: ReadonlyArray<CommandSpec>, argv: ReadonlyArray<
     }
     if (option.kind === "integer") {
       if (!/^\d+$/.test(value)) return usageError(`--${option.name} takes a whole number (got ${JSON.stringify(value)})`, command)
+      if (Number(value) < (option.min ?? 0)) return usageError(`--${option.name} takes a whole number of at least ${option.min} (got ${value})`, command)
       options.set(option.name, Number(value))
     } else if (option.repeatable === true) {
       options.set(option.name, [...((options.get(option.name) as ReadonlyArray<string> | undefined) ?? []), value])
     } else {
+      const wrong = option.check?.(value)
+      if (wrong !== undefined) return usageError(`--${option.name}: ${wrong}`, command)
       options.set(option.name, value)
     }
   }

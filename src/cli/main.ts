@@ -6,15 +6,17 @@
  *
  * A command line is a short-lived process, so each part loads only when needed: this module
  * and the one-shot commands (commands.ts) load no Effect; run.ts brings Effect and the
- * client SDK for `prompt`, `attach`, `serve` and `logs`, through `hooks.loadRun`; `serve`
- * loads the daemon's program through `hooks.loadServe`.
+ * client SDK for `prompt`, `attach`, `serve --detach` and `logs`, through `hooks.loadRun`;
+ * `serve` loads the daemon's program (its own copy of Effect) through `hooks.loadServe`, and
+ * nothing of run.ts: the daemon starts in every test and at every restart.
  */
 import { type CommandSpec, commandHelp, mainHelp, type OptionSpec, parse, usageLine, useColor } from "./args.js"
 import { type Context, runOneShot } from "./commands.js"
 import { builtinEngines } from "./engines.js"
 import { report } from "./errors.js"
 import { EXIT } from "./exitCodes.js"
-import { addressOf } from "./paths.js"
+import { parseListen } from "../internal/http/listen.js"
+import { addressOf, serveOptionsOf } from "./paths.js"
 
 export const VERSION = "0.1.0"
 
@@ -97,6 +99,7 @@ export const commands: ReadonlyArray<CommandSpec> = [
         name: "max-workers",
         kind: "integer",
         value: "N",
+        min: 1,
         description: "Live worker processes beyond which the least recently used idle session is passivated (default 32)."
       },
       {
@@ -124,6 +127,10 @@ export const commands: ReadonlyArray<CommandSpec> = [
         name: "http",
         kind: "string",
         value: "HOST:PORT",
+        check: (value) => {
+          const listen = parseListen(value)
+          return typeof listen === "string" ? listen : undefined
+        },
         description: "Also serve HTTP, SSE and WebSocket there (e.g. 127.0.0.1:7433; default $AGENTD_HTTP, else off). Every request needs the token `agentd http-token` prints."
       },
       {
@@ -351,6 +358,18 @@ export const main = async (argv: ReadonlyArray<string>, hooks: Hooks): Promise<n
         json: p.options.get("json") === true,
         color: useColor(process.stdout),
         stdoutIsTTY: process.stdout.isTTY === true
+      }
+      if (p.command.name === "serve" && p.options.get("detach") !== true) {
+        // The daemon's runtime owns the process from here (signals, exit code): the promise
+        // never settles and holds nothing open, so the process ends when the daemon does.
+        let daemon: Awaited<ReturnType<Hooks["loadServe"]>>
+        try {
+          daemon = await hooks.loadServe()
+        } catch (e) {
+          return report(e, p.command)
+        }
+        daemon.serve(serveOptionsOf(p, address))
+        return new Promise<never>(() => {})
       }
       const oneShot = runOneShot(p, ctx)
       if (oneShot !== undefined) return oneShot.then(() => EXIT.ok, (e: unknown) => report(e, p.command))

@@ -3,6 +3,7 @@ import * as path from "node:path"
 import * as Remote from "../internal/remote.js"
 import { defaultStateDir, resolveSocketPath } from "../StatePaths.js"
 import type { Parsed } from "./args.js"
+import type { ServeOptions } from "./main.js"
 
 export const stateDirOf = (p: Parsed) => path.resolve((p.options.get("state-dir") as string | undefined) ?? defaultStateDir())
 
@@ -28,4 +29,20 @@ export const addressOf = (p: Parsed, env: NodeJS.ProcessEnv = process.env): stri
     if (token !== undefined) env["AGENTD_TOKEN"] = token
   }
   return url
+}
+
+/** `agentd serve`'s options, resolved (`socketPath`: what addressOf gave). */
+export const serveOptionsOf = (p: Parsed, socketPath: string): ServeOptions => {
+  const int = (name: string) => p.options.get(name) as number | undefined
+  return {
+    stateDir: stateDirOf(p),
+    socketPath,
+    engine: p.options.get("engine") as string | undefined,
+    maxWorkers: int("max-workers"),
+    shutdownGraceMs: int("shutdown-grace-ms"),
+    logLevel: p.options.get("log-level") as string | undefined,
+    store: p.options.get("store") as string | undefined,
+    http: p.options.get("http") as string | undefined,
+    httpInsecure: p.options.get("http-insecure") === true
+  }
 }

@@ -12,8 +12,8 @@ import * as Logger from "effect/Logger"
 import type { Parsed } from "./args.js"
 import type { Context } from "./commands.js"
 import { CliError, EXIT, report, usage } from "./errors.js"
-import type { Hooks, ServeOptions } from "./main.js"
-import { stateDirOf } from "./paths.js"
+import type { Hooks } from "./main.js"
+import { serveOptionsOf, stateDirOf } from "./paths.js"
 import * as Prompt from "./prompt.js"
 
 /**
@@ -26,27 +26,9 @@ const program = (p: Parsed, ctx: Context, hooks: Hooks): Effect.Effect<void, unk
   const target = p.args[0]!
   const int = (name: string) => p.options.get(name) as number | undefined
   switch (p.command.name) {
-    case "serve": {
-      const options: ServeOptions = {
-        stateDir: stateDirOf(p),
-        socketPath: ctx.socketPath,
-        engine: p.options.get("engine") as string | undefined,
-        maxWorkers: int("max-workers"),
-        shutdownGraceMs: int("shutdown-grace-ms"),
-        logLevel: p.options.get("log-level") as string | undefined,
-        store: p.options.get("store") as string | undefined,
-        http: p.options.get("http") as string | undefined,
-        httpInsecure: p.options.get("http-insecure") === true
-      }
-      if (p.options.get("detach") === true) return Effect.flatMap(load(() => import("./daemon.js")), (m) => m.detach(ctx, options, hooks.self))
-      // The daemon's runtime owns the process from here (signals, exit code): this program
-      // waits without holding the event loop open (Effect.never would), so the process ends
-      // when the daemon does.
-      return Effect.promise(() => hooks.loadServe()).pipe(
-        Effect.flatMap((m) => Effect.sync(() => m.serve(options))),
-        Effect.zipRight(Effect.async<never>(() => {}))
-      )
-    }
+    case "serve":
+      // Only `serve --detach` comes here: main.ts starts a foreground daemon itself.
+      return Effect.flatMap(load(() => import("./daemon.js")), (m) => m.detach(ctx, serveOptionsOf(p, ctx.socketPath), hooks.self))
     case "prompt":
       return Effect.flatMap(
         Prompt.promptText(p.args[1], p.options.get("file") as string | undefined),

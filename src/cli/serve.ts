@@ -23,7 +23,27 @@ const levels: Record<string, LogLevel.LogLevel> = {
  * Runs the daemon; the process exits when it stops (0 after a graceful stop). `workerEntry`
  * is the worker program's file (default: worker.js next to the running bin).
  */
-export const serve = (options: ServeOptions & { readonly workerEntry: string }): void =>
+export const serve = (options: ServeOptions & { readonly workerEntry: string }): void => {
+  holdSecondSignals()
+  runDaemon(options)
+}
+
+/**
+ * The runtime below listens for the first SIGINT or SIGTERM only, and starts the graceful stop;
+ * a second one (Ctrl-C pressed twice) would then kill the process by the signal, skipping the
+ * rest of the stop (the clients' grace period, the workers). This listener stays: a later
+ * signal is only noted, and the stop, bounded by its grace period, ends with exit 0.
+ */
+const holdSecondSignals = (): void => {
+  let received = 0
+  const note = (signal: NodeJS.Signals) => {
+    if (++received > 1) process.stderr.write(`agentd: ${signal} again: the daemon is already stopping\n`)
+  }
+  process.on("SIGINT", note)
+  process.on("SIGTERM", note)
+}
+
+const runDaemon = (options: ServeOptions & { readonly workerEntry: string }): void =>
   Daemon.serve({
     stateDir: options.stateDir,
     socketPath: options.socketPath,

@@ -29,6 +29,8 @@ const escape = (v: string) => v.replace(/\\/g, "\\\\").replace(/"/g, '\\"').repl
 export const render = (sessions: ReadonlyArray<SessionSummary>, generation: number) =>
   Effect.gen(function*() {
     DaemonMetrics.registerAll()
+    // Listed from the first scrape, which is answered before its own request is counted.
+    httpRequests(200).unsafeValue([])
     for (const state of STATES) yield* Metric.set(sessionsByState(state), sessions.filter((s) => s.worker === state).length)
     yield* Metric.set(busySessions, sessions.filter((s) => s.busy).length)
     yield* Metric.set(supervisorGeneration, generation)
