@@ -96,6 +96,11 @@ const listen = (server: net.Server, socketPath: string) =>
   })
 
 const MAX_PENDING_LINES = 1024
+/**
+ * Bytes of complete lines read and not yet taken past which a connection is not read further
+ * (a line is at most maxLineBytes, which the decoder holds while it is incomplete).
+ */
+const MAX_PENDING_BYTES = 1024 * 1024
 /** At a stop, how long the sessions may take to answer the commands waiting in them. */
 const SETTLE_MS = 5_000
 /** At a stop, how long the answers then due may take to be queued for their connections. */
@@ -201,6 +206,8 @@ export const make = Effect.gen(function*() {
       const deliveries = yield* FiberSet.make()
       const closed = yield* Deferred.make<void>()
       let pending = 0
+      let pendingBytes = 0
+      const sizeOf = (item: LineItem | null) => (typeof item === "string" ? item.length : 0)
 
       outbox.offer(Protocol.encode({
         type: "daemon_hello",
@@ -217,9 +224,12 @@ export const make = Effect.gen(function*() {
       socket.on("data", (chunk: Buffer) => {
         const items = decoder.push(chunk)
         pending += items.length
-        for (const item of items) Queue.unsafeOffer(lines, item)
+        for (const item of items) {
+          pendingBytes += sizeOf(item)
+          Queue.unsafeOffer(lines, item)
+        }
         // A client that sends faster than we answer is paused, not buffered without bound.
-        if (pending > MAX_PENDING_LINES) socket.pause()
+        if (pending > MAX_PENDING_LINES || pendingBytes > MAX_PENDING_BYTES) socket.pause()
       })
       socket.on("end", () => {
         for (const item of [...decoder.end(), null]) Queue.unsafeOffer(lines, item)
@@ -332,7 +342,12 @@ export const make = Effect.gen(function*() {
         const item = yield* Queue.take(lines)
         if (item === null) break
         pending--
-        if (pending <= MAX_PENDING_LINES / 2 && socket.isPaused()) socket.resume()
+        pendingBytes -= sizeOf(item)
+        // Bounded: a client that does not read what it is sent (its outbox holds outboxBytes or
+        // more) has no further command run, and with the lines above taken no more is read from
+        // it, so its own writes back up; it goes on once it reads.
+        if (outbox.queuedBytes >= config.outboxBytes) yield* outbox.awaitBelow(config.outboxBytes)
+        if (pending <= MAX_PENDING_LINES / 2 && pendingBytes <= MAX_PENDING_BYTES / 2 && socket.isPaused()) socket.resume()
         // Bounded: a client whose answers wait is not read further meanwhile.
         while (owedAnswers.length >= MAX_PENDING_LINES) yield* written
         unanswered++
