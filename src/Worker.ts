@@ -29,6 +29,7 @@ import { LineDecoder } from "./JsonLines.js"
 import type { AgentEvent, AgentMessage, InterruptReason } from "./Protocol.js"
 import { chunkMessages, DEFAULT_TARGET_CHUNK_BYTES } from "./SnapshotCache.js"
 import * as WorkerProtocol from "./WorkerProtocol.js"
+import * as Utf8Batch from "./internal/utf8Batch.js"
 
 type LoadFrame = typeof WorkerProtocol.Load.Type
 
@@ -363,21 +364,23 @@ export const run = (pipe: WorkerPipe, options: RunOptions = {}) =>
         Stream.interruptWhenDeferred(aborted),
         // One pipe write per chunk of events the engine has ready, not one per event.
         Stream.runForEachChunk((outputs) => {
-          let frames = ""
+          // Encoded frame by frame into one buffer: a joined string of thousands of frames is a
+          // rope the pipe's write would flatten first (see utf8Batch).
+          Utf8Batch.begin()
           for (const output of outputs) {
             if (output instanceof TranscriptReplaced) {
               // The transcript is replaced; the supervisor is sent the new one, in order with
               // the events, as the snapshot of the generation that starts with it.
               s.messages = [...output.messages]
-              frames += replacementFrames(s, `${turnId}-replacement`)
+              Utf8Batch.put(replacementFrames(s, `${turnId}-replacement`))
               continue
             }
             foldEvent(s.messages, output)
             streaming.track(output)
             if (output.type === "agent_end") ended = true
-            frames += WorkerProtocol.encodeFrame({ type: "worker_event", event: output })
+            WorkerProtocol.putEventFrame(output)
           }
-          return pipe.sendRaw(frames)
+          return pipe.sendRaw(Utf8Batch.take())
         }),
         Effect.catchAll((e) => fail(e.message)),
         Effect.zipRight(interrupted),
@@ -528,6 +531,9 @@ export const main = (engines: Layer.Layer<Engine> = BuiltinEngines.layer): void 
   setInterval(() => {
     if (process.ppid !== parent) process.exit(0)
   }, 1000).unref()
+  // A profiled worker (AGENTD_WORKER_NODE_ARGS=--cpu-prof) is stopped by SIGTERM: exiting
+  // from it lets Node write the profile, which a death by the signal would not.
+  if (process.execArgv.some((arg) => arg.startsWith("--cpu-prof"))) process.once("SIGTERM", () => process.exit(0))
   const warmUp = process.argv.includes(WorkerProtocol.WARM_UP_FLAG)
   const program = run(pipe, { warmUp }).pipe(
     Effect.tapErrorCause((cause) => Effect.logError("the worker failed", cause)),

@@ -35,6 +35,17 @@ export const put = (text: string): void => {
   used += scratch.write(text, used, "utf8")
 }
 
+/** Appends bytes already encoded (a constant piece: no string to encode each time). */
+export const putBytes = (bytes: Uint8Array): void => {
+  if (scratch.length - used < bytes.length) {
+    const grown = Buffer.allocUnsafeSlow(Math.max(scratch.length * 2, used + bytes.length))
+    scratch.copy(grown, 0, 0, used)
+    scratch = grown
+  }
+  scratch.set(bytes, used)
+  used += bytes.length
+}
+
 /** The bytes written since `begin`, in a buffer of their own; ends the batch. */
 export const take = (): Buffer => {
   const out = Buffer.allocUnsafe(used)
