@@ -346,4 +346,4 @@ export const serve = (config: Partial<DaemonConfigShape> = {}) =>
   }).pipe(Effect.scoped, Effect.provide(DaemonLive(config)))
 
 /** Made-up chunks of events the daemon runs through its event path at start (see warmUpEventPath). */
-const EVENT_PATH_WARM_UP_ROUNDS = 40
+const EVENT_PATH_WARM_UP_ROUNDS = 10

@@ -520,7 +520,7 @@ export const run = (pipe: WorkerPipe, options: RunOptions = {}) =>
     yield* pipe.send({ type: "worker_ready", pid, messageCount: 0 })
     // The warm-up runs while nobody needs this worker: the first frame interrupts it (its
     // scratch dir is removed on the way), without waiting for it to wind down.
-    const warmUpTurn = warmUpTurnPath(engines, 10).pipe(
+    const warmUpTurn = warmUpTurnPath(engines, 3).pipe(
       // An embedder's registry without `echo`: the restore path was warmed all the same.
       Effect.catchAllCause((cause) => Effect.logDebug("turn warm-up skipped", cause))
     )
