@@ -350,6 +350,8 @@ export interface StartOptions {
   readonly extraArgs?: ReadonlyArray<string>
   /** Another build's `agentd.js` (default {@link DAEMON_BIN}), to compare two builds in one run. */
   readonly bin?: string
+  /** Node's flags for the daemon itself (e.g. `--cpu-prof`). */
+  readonly nodeArgs?: ReadonlyArray<string>
 }
 
 export class Daemon {
@@ -484,7 +486,7 @@ export const startDaemon = async (options: StartOptions = {}): Promise<Daemon> =
     env[k] = v
   }
   Object.assign(env, options.env ?? {}, { AGENTD_BENCH_MARK: mark })
-  const proc = spawn(process.execPath, [bin, "serve", "--state-dir", stateDir, ...(options.extraArgs ?? [])], {
+  const proc = spawn(process.execPath, [...(options.nodeArgs ?? []), bin, "serve", "--state-dir", stateDir, ...(options.extraArgs ?? [])], {
     cwd: root,
     env,
     stdio: ["ignore", "pipe", "pipe"],

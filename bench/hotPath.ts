@@ -20,6 +20,7 @@ import { type ChildProcess, spawn } from "node:child_process"
 import * as fs from "node:fs"
 import * as os from "node:os"
 import * as path from "node:path"
+import { cpuTicksOf, descendantsOf } from "../test/support/procfs.js"
 import { Client, createSession, type Daemon, isIdleStatus, nowMs, waitReady, withDaemon } from "./daemonHarness.js"
 import { printRatio } from "./report.js"
 
@@ -28,6 +29,10 @@ const CLIENTS = 100
 const TIMEOUT_MS = 120_000
 /** Relay runs; the figure is their median. */
 const RELAY_RUNS = 5
+
+/** CPU time of a process from /proc, in microseconds (clock ticks of 10 ms: figures over whole turns). */
+const cpuMicros = (pid: number): number => (cpuTicksOf(pid) ?? 0) * 10_000
+const childrenCpuMicros = (pid: number): number => descendantsOf(pid).reduce((sum, p) => sum + cpuMicros(p), 0)
 
 const median = (xs: ReadonlyArray<number>): number => [...xs].sort((a, b) => a - b)[Math.floor(xs.length / 2)]!
 
@@ -106,15 +111,15 @@ const startHelper = (src: string, args: ReadonlyArray<string>, children: Array<C
     child.stdout!.once("data", () => resolve(child))
   })
 
-/** Seconds for the relay to bring `WORDS + 1` lines to its client. */
-const relayOnce = async (): Promise<number> => {
+/** Seconds for the relay to bring `WORDS + 1` lines to its client, and the relay process's CPU per event. */
+const relayOnce = async (): Promise<{ seconds: number; cpuPerEvent: number }> => {
   const dir = fs.mkdtempSync(path.join(os.tmpdir(), "agentd-bench-hotpath-"))
   const children: Array<ChildProcess> = []
   let client: Client | undefined
   try {
     const clientPath = path.join(dir, "client.sock")
     const sourcePath = path.join(dir, "source.sock")
-    await startHelper(RELAY_SRC, [clientPath, sourcePath], children)
+    const relay = await startHelper(RELAY_SRC, [clientPath, sourcePath], children)
     client = await Client.connect(clientPath, "relay-client", false)
     const expected = WORDS + 1
     let count = 0
@@ -126,9 +131,10 @@ const relayOnce = async (): Promise<number> => {
     }
     const producer = await startHelper(PRODUCER_SRC, [sourcePath, String(WORDS)], children)
     const started = nowMs()
+    const cpuBefore = cpuMicros(relay.pid!)
     producer.stdin!.write("go\n")
     await withTimeout(done, () => `relay (${count} of ${expected} lines)`)
-    return (nowMs() - started) / 1000
+    return { seconds: (nowMs() - started) / 1000, cpuPerEvent: (cpuMicros(relay.pid!) - cpuBefore) / expected }
   } finally {
     client?.close()
     for (const child of children) {
@@ -196,6 +202,11 @@ interface Ours {
   readonly first: number
   readonly warm: number
   readonly hundred: number
+  /** CPU microseconds per delivered event over the warm 1-client turns: the daemon, its workers. */
+  readonly daemonCpuPerEvent: number
+  readonly workerCpuPerEvent: number
+  /** The daemon's CPU microseconds per delivery (event x client) over the timed 100-client turns. */
+  readonly daemonCpuPerDelivery: number
 }
 
 const measureOurs = (): Promise<Ours> =>
@@ -207,26 +218,47 @@ const measureOurs = (): Promise<Ours> =>
       const { id } = await createSession(ctl)
       await waitReady(ctl, id)
       const [one] = await attachAll(daemon, id, 1, "one")
-      const times: Array<number> = []
-      for (let i = 0; i < 4; i++) times.push(await turn(ctl, [one!], id))
+      const times: Array<number> = [await turn(ctl, [one!], id)]
+      const daemonBefore = cpuMicros(daemon.pid)
+      const workersBefore = childrenCpuMicros(daemon.pid)
+      for (let i = 1; i < 4; i++) times.push(await turn(ctl, [one!], id))
+      const daemonCpuPerEvent = (cpuMicros(daemon.pid) - daemonBefore) / (3 * (WORDS + 1))
+      const workerCpuPerEvent = (childrenCpuMicros(daemon.pid) - workersBefore) / (3 * (WORDS + 1))
       one!.close()
       const many = await attachAll(daemon, id, CLIENTS, "many")
       // Warm already; one turn untimed so that 100 connections' first writes are not measured.
       await turn(ctl, many, id)
+      const daemonBefore100 = cpuMicros(daemon.pid)
       const hundred = median([await turn(ctl, many, id), await turn(ctl, many, id), await turn(ctl, many, id)])
+      const daemonCpuPerDelivery = (cpuMicros(daemon.pid) - daemonBefore100) / (3 * (WORDS + 1) * CLIENTS)
       for (const c of many) c.close()
-      return { first: times[0]!, warm: median(times.slice(1)), hundred }
+      return { first: times[0]!, warm: median(times.slice(1)), hundred, daemonCpuPerEvent, workerCpuPerEvent, daemonCpuPerDelivery }
     }
   )
 
+/** The relay process's CPU microseconds per relayed event (median of `runs`), for other benchmarks' comparisons. */
+export const relayCpuPerEvent = async (runs = 3): Promise<number> => {
+  const cpu: Array<number> = []
+  for (let i = 0; i < runs; i++) cpu.push((await relayOnce()).cpuPerEvent)
+  return median(cpu)
+}
+
 export default async function hotPath(): Promise<void> {
   const ours = await measureOurs()
-  const relayRuns: Array<number> = []
+  const relayRuns: Array<{ seconds: number; cpuPerEvent: number }> = []
   for (let i = 0; i < RELAY_RUNS; i++) relayRuns.push(await relayOnce())
-  const relay = (WORDS + 1) / median(relayRuns)
+  const relay = (WORDS + 1) / median(relayRuns.map((r) => r.seconds))
+  const relayCpu = median(relayRuns.map((r) => r.cpuPerEvent))
   const baselineName = "envelope relay: producer process -> parse, wrap, stringify -> 1 client"
   printRatio({ what: `delivery of a ${WORDS}-word echo turn to 1 client, first turn after start`, unit: "events/s", ours: (WORDS + 1) / ours.first, baseline: relay, baselineName, target: 0.7 })
   printRatio({ what: `delivery of a ${WORDS}-word echo turn to 1 client, warm (median of turns 2-4)`, unit: "events/s", ours: (WORDS + 1) / ours.warm, baseline: relay, baselineName, target: 1.0 })
   printRatio({ what: `delivery of a ${WORDS}-word echo turn to ${CLIENTS} clients (events x clients)`, unit: "deliveries/s", ours: ((WORDS + 1) * CLIENTS) / ours.hundred, baseline: relay, baselineName, target: 5 })
   console.log(`  (agentd: prompt sent to agent_end received; relay: first write to last line, median of ${RELAY_RUNS} runs)`)
+  // CPU from /proc: what each costs the machine, which the load of other processes changes less than wall time.
+  console.log(
+    `CPU per event, warm 1-client turns: agentd daemon ${ours.daemonCpuPerEvent.toFixed(1)} us + worker ${ours.workerCpuPerEvent.toFixed(1)} us | ` +
+      `relay process ${relayCpu.toFixed(1)} us per relayed event | daemon/relay ${(ours.daemonCpuPerEvent / relayCpu).toFixed(2)}x (lower is better)`
+  )
+  console.log(`CPU per delivery, 100 clients: agentd daemon ${ours.daemonCpuPerDelivery.toFixed(2)} us per event x client`)
+  console.log(`  (load average at the end: ${os.loadavg().map((l) => l.toFixed(1)).join(", ")})`)
 }

@@ -14,6 +14,7 @@ const benches: Record<string, () => Promise<{ default: () => Promise<void> }>> =
   storeRecovery: () => import("./storeRecovery.js"),
   delivery: () => import("./delivery.js"),
   hotPath: () => import("./hotPath.js"),
+  streaming: () => import("./streaming.js"),
   httpDelivery: () => import("./httpDelivery.js"),
   httpCatchUp: () => import("./httpCatchUp.js"),
   attach: () => import("./attach.js"),

@@ -29,6 +29,7 @@ import * as SnapshotCache from "./SnapshotCache.js"
 import * as StateDirLock from "./StateDirLock.js"
 import * as StateLayout from "./StateLayout.js"
 import * as WorkerPool from "./WorkerPool.js"
+import { warmUpEventPath } from "./internal/delivery/warmUp.js"
 
 /** Reads, increments and durably stores the supervisor generation of a state dir. */
 export const nextSupervisorGeneration = (stateDir: string) =>
@@ -338,6 +339,13 @@ export const DaemonLive = (
 export const serve = (config: Partial<DaemonConfigShape> = {}) =>
   Effect.gen(function*() {
     const server = yield* DaemonServer.DaemonServer
+    // The event path is compiled while nobody waits for it, not during the first turn; after
+    // the start's own work (clients reconnecting, sessions restored), which it must not slow.
+    yield* Effect.forkScoped(Effect.delay(warmUpEventPath(EVENT_PATH_WARM_UP_ROUNDS), EVENT_PATH_WARM_UP_DELAY))
     yield* Deferred.await(server.shutdownRequested)
     yield* Effect.logInfo("shutdown requested")
-  }).pipe(Effect.provide(DaemonLive(config)))
+  }).pipe(Effect.scoped, Effect.provide(DaemonLive(config)))
+
+/** Made-up chunks of events the daemon runs through its event path at start (see warmUpEventPath). */
+const EVENT_PATH_WARM_UP_ROUNDS = 10
+const EVENT_PATH_WARM_UP_DELAY = "2 seconds"

@@ -130,11 +130,16 @@ export const lineCount = (lines: Uint8Array): number => {
 }
 
 const TURN_START = '{"type":"session_event","event":{"type":"agent_start"'
+/** Where an event's type starts in a logged `session_event`. */
+const EVENT_TYPE_AT = '{"type":"session_event","event":{"type":"'.length
 const TURN_ENDS = ['{"type":"session_event","event":{"type":"agent_end"', '{"type":"session_event","event":{"type":"turn_interrupted"']
 
 /** Whether a logged message starts or ends a turn (read from its head: events are never parsed on the live path). */
 const turnEdge = (event: EventData | EncodedEvent): "start" | "end" | undefined => {
   if (event instanceof EncodedEvent) {
+    // Most events are neither (message_update...): told by one character, before any prefix.
+    const first = event.json.charCodeAt(EVENT_TYPE_AT)
+    if (first !== 0x61 /* a */ && first !== 0x74 /* t */) return undefined
     if (event.json.startsWith(TURN_START)) return "start"
     return TURN_ENDS.some((p) => event.json.startsWith(p)) ? "end" : undefined
   }

@@ -10,6 +10,7 @@
  * never opens the state dir), it folds them, and reports `turn_interrupted` when the journal
  * said a turn was running.
  */
+import type * as Context from "effect/Context"
 import * as Deferred from "effect/Deferred"
 import * as Effect from "effect/Effect"
 import * as Either from "effect/Either"
@@ -29,6 +30,7 @@ import { LineDecoder } from "./JsonLines.js"
 import type { AgentEvent, AgentMessage, InterruptReason } from "./Protocol.js"
 import { chunkMessages, DEFAULT_TARGET_CHUNK_BYTES } from "./SnapshotCache.js"
 import * as WorkerProtocol from "./WorkerProtocol.js"
+import * as Utf8Batch from "./internal/utf8Batch.js"
 
 type LoadFrame = typeof WorkerProtocol.Load.Type
 
@@ -292,6 +294,41 @@ const warmUpRestore: Effect.Effect<void> = warmUpRestorePath(20).pipe(
   Effect.catchAllCause((cause) => Effect.logDebug("warm-up skipped", cause))
 )
 
+/**
+ * Runs `rounds` echo turns of a made-up prompt on a scratch session, through the same engine,
+ * fold and frame encoding as a real turn, and discards their frames: a spare runs them while it
+ * waits, so that the first real turn does not pay for compiling that path (it made the first
+ * turn after a start twice as slow as the next). Returns the bytes of frames encoded; fails
+ * when the registry has no `echo` engine.
+ */
+export const warmUpTurnPath = (engines: Context.Tag.Service<typeof Engine>, rounds: number) =>
+  Effect.gen(function*() {
+    const engine = yield* engines.make("echo", {})
+    const message = Array.from({ length: 2000 }, (_, i) => `w${i}`).join(" ")
+    let bytes = 0
+    for (let round = 0; round < rounds; round++) {
+      const messages: Array<AgentMessage> = []
+      const streaming = new StreamingMessage()
+      yield* engine.runTurn({ turnId: `warm-up-${round}`, message, history: messages }).pipe(
+        Stream.runForEachChunk((outputs) =>
+          Effect.sync(() => {
+            Utf8Batch.begin()
+            for (const output of outputs) {
+              if (output instanceof TranscriptReplaced) continue
+              foldEvent(messages, output)
+              streaming.track(output)
+              WorkerProtocol.putEventFrame(output)
+            }
+            bytes += Utf8Batch.take().length
+          })
+        )
+      )
+      // The first real frame interrupts the warm-up between two turns.
+      yield* Effect.yieldNow()
+    }
+    return bytes
+  })
+
 const isRestoreFrame = (frame: WorkerProtocol.SupervisorFrame): frame is RestoreFrame =>
   frame.type === "restore_messages" || frame.type === "restore_events" || frame.type === "restore_end" ||
   frame.type === "restore_failed"
@@ -363,21 +400,23 @@ export const run = (pipe: WorkerPipe, options: RunOptions = {}) =>
         Stream.interruptWhenDeferred(aborted),
         // One pipe write per chunk of events the engine has ready, not one per event.
         Stream.runForEachChunk((outputs) => {
-          let frames = ""
+          // Encoded frame by frame into one buffer: a joined string of thousands of frames is a
+          // rope the pipe's write would flatten first (see utf8Batch).
+          Utf8Batch.begin()
           for (const output of outputs) {
             if (output instanceof TranscriptReplaced) {
               // The transcript is replaced; the supervisor is sent the new one, in order with
               // the events, as the snapshot of the generation that starts with it.
               s.messages = [...output.messages]
-              frames += replacementFrames(s, `${turnId}-replacement`)
+              Utf8Batch.put(replacementFrames(s, `${turnId}-replacement`))
               continue
             }
             foldEvent(s.messages, output)
             streaming.track(output)
             if (output.type === "agent_end") ended = true
-            frames += WorkerProtocol.encodeFrame({ type: "worker_event", event: output })
+            WorkerProtocol.putEventFrame(output)
           }
-          return pipe.sendRaw(frames)
+          return pipe.sendRaw(Utf8Batch.take())
         }),
         Effect.catchAll((e) => fail(e.message)),
         Effect.zipRight(interrupted),
@@ -481,7 +520,11 @@ export const run = (pipe: WorkerPipe, options: RunOptions = {}) =>
     yield* pipe.send({ type: "worker_ready", pid, messageCount: 0 })
     // The warm-up runs while nobody needs this worker: the first frame interrupts it (its
     // scratch dir is removed on the way), without waiting for it to wind down.
-    let warmUp = options.warmUp === true ? yield* FiberSet.run(fibers, warmUpRestore) : undefined
+    const warmUpTurn = warmUpTurnPath(engines, 3).pipe(
+      // An embedder's registry without `echo`: the restore path was warmed all the same.
+      Effect.catchAllCause((cause) => Effect.logDebug("turn warm-up skipped", cause))
+    )
+    let warmUp = options.warmUp === true ? yield* FiberSet.run(fibers, Effect.zipRight(warmUpRestore, warmUpTurn)) : undefined
     const lines = yield* Queue.unbounded<string | undefined>()
     yield* FiberSet.run(
       fibers,
@@ -528,6 +571,9 @@ export const main = (engines: Layer.Layer<Engine> = BuiltinEngines.layer): void 
   setInterval(() => {
     if (process.ppid !== parent) process.exit(0)
   }, 1000).unref()
+  // A profiled worker (AGENTD_WORKER_NODE_ARGS=--cpu-prof) is stopped by SIGTERM: exiting
+  // from it lets Node write the profile, which a death by the signal would not.
+  if (process.execArgv.some((arg) => arg.startsWith("--cpu-prof"))) process.once("SIGTERM", () => process.exit(0))
   const warmUp = process.argv.includes(WorkerProtocol.WARM_UP_FLAG)
   const program = run(pipe, { warmUp }).pipe(
     Effect.tapErrorCause((cause) => Effect.logError("the worker failed", cause)),

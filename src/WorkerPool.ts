@@ -285,6 +285,13 @@ const defaultEntry = () => {
   return existsSync(compiled) ? compiled : fileURLToPath(new URL("./worker.js", import.meta.url))
 }
 
+/**
+ * Node's own flags for every worker (`AGENTD_WORKER_NODE_ARGS`, space-separated, e.g.
+ * `--cpu-prof --cpu-prof-dir=/tmp/p` to profile them: Node refuses `--cpu-prof` in NODE_OPTIONS).
+ */
+const workerNodeArgs = (): ReadonlyArray<string> =>
+  (process.env["AGENTD_WORKER_NODE_ARGS"] ?? "").split(" ").filter((arg) => arg.length > 0)
+
 /** Waits for the first frame of a new worker (`worker_ready`), or its death. */
 const awaitReady = <W extends WorkerHandle>(worker: W): Effect.Effect<W, WorkerSpawnError> =>
   Effect.gen(function*() {
@@ -316,7 +323,7 @@ const startAndAwaitReady = <W extends WorkerHandle, E>(start: Effect.Effect<W, E
 export const make = (options: WorkerPoolOptions = {}) =>
   Effect.gen(function*() {
     const entry = options.workerEntry ?? defaultEntry()
-    const execArgv = options.execArgv ?? []
+    const execArgv = options.execArgv ?? workerNodeArgs()
     const workers = new Set<WorkerProcess>()
     /** Sessions whose worker crashed: their next worker counts as a restart (metrics). */
     const crashed = new Set<string>()

@@ -22,6 +22,7 @@ import {
   SnapshotFailed,
   Tagged
 } from "./Protocol.js"
+import * as Utf8Batch from "./internal/utf8Batch.js"
 
 /** The worker argument that asks it to warm up its restore path while it waits for its first frame (the pool's spare). */
 export const WARM_UP_FLAG = "--warm-up"
@@ -156,11 +157,26 @@ const EVENT_FRAME_OPEN = `{"type":"worker_event","event":`
 const TYPE_KEY = `{"type":"`
 
 /** The `worker_event` frame of one event, as a JSON line (see {@link encodeFrame}). */
-export const encodeEventFrame = (event: AgentEvent): string => {
-  let json = JSON.stringify(event)
+export const encodeEventFrame = (event: AgentEvent): string => `${EVENT_FRAME_OPEN}${eventJsonOf(event)}}\n`
+
+/** An event's JSON text, its `type` first. */
+const eventJsonOf = (event: AgentEvent): string => {
+  const json = JSON.stringify(event)
   // Events are built with `type` first; put it first for one that was not.
-  if (!json.startsWith(TYPE_KEY)) json = JSON.stringify(Object.assign({ type: event.type }, event))
-  return `${EVENT_FRAME_OPEN}${json}}\n`
+  return json.startsWith(TYPE_KEY) ? json : JSON.stringify(Object.assign({ type: event.type }, event))
+}
+
+const EVENT_FRAME_OPEN_BYTES = Buffer.from(EVENT_FRAME_OPEN)
+const EVENT_FRAME_CLOSE_BYTES = Buffer.from("}\n")
+
+/**
+ * Appends the `worker_event` frame of one event to the open {@link Utf8Batch} (the bytes of
+ * {@link encodeEventFrame}, without joining the batch's frames into one string first).
+ */
+export const putEventFrame = (event: AgentEvent): void => {
+  Utf8Batch.putBytes(EVENT_FRAME_OPEN_BYTES)
+  Utf8Batch.put(eventJsonOf(event))
+  Utf8Batch.putBytes(EVENT_FRAME_CLOSE_BYTES)
 }
 
 /** A `worker_event` frame as the supervisor reads it: the event's type and its JSON text. */

@@ -7,7 +7,10 @@ import { assert, describe, it } from "@effect/vitest"
 import * as Effect from "effect/Effect"
 import { LineCutter } from "../src/internal/session/restore.js"
 import { LineDecoder } from "../src/JsonLines.js"
-import { warmUpRestorePath } from "../src/Worker.js"
+import * as EchoEngine from "../src/engines/EchoEngine.js"
+import { registry } from "../src/Engine.js"
+import { warmUpEventPath } from "../src/internal/delivery/warmUp.js"
+import { warmUpRestorePath, warmUpTurnPath } from "../src/Worker.js"
 
 /** Feeds `pieces` through a cutter; returns the bytes it let through, and its counts per cut. */
 const cutAll = (pieces: ReadonlyArray<string>) => {
@@ -69,5 +72,21 @@ describe("warm-up", () => {
   it.effect("the spare's warm-up restores its scratch session through the restore path (64 messages, a streamed one folded in)", () =>
     Effect.gen(function*() {
       assert.strictEqual(yield* warmUpRestorePath(3), 65)
+    }))
+
+  it.effect("the spare's turn warm-up runs echo turns through the engine and the frame encoding (2000 words each)", () =>
+    Effect.gen(function*() {
+      const bytes = yield* warmUpTurnPath(registry(EchoEngine.engines), 2)
+      // Two turns of 2001 message_update frames at least: the path really ran.
+      assert.isAbove(bytes, 2 * 2001 * 60)
+      // A registry without `echo` fails (the spare then logs and skips it).
+      assert.isTrue((yield* Effect.either(warmUpTurnPath(registry({}), 1)))._tag === "Left")
+    }))
+
+  it.effect("the daemon's warm-up runs made-up events through its event path (decode, read, log record, wire line)", () =>
+    Effect.gen(function*() {
+      const bytes = yield* warmUpEventPath(2)
+      // Two chunks of 600 wire lines of more than 150 bytes each.
+      assert.isAbove(bytes, 2 * 600 * 150)
     }))
 })

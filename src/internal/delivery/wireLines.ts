@@ -43,7 +43,11 @@ const EMITTED_AT = `,"emittedAt":`
 
 /** The wire line of a message: its body, then `activeSessionId` and `meta`. */
 export const wireLine = (sessionJson: string, open: string, cursor: Cursor.Cursor, emittedAt: number, replayed: boolean) =>
-  `${open},"activeSessionId":${sessionJson},"meta":{"cursor":{"generation":${cursor.generation},"sequence":${cursor.sequence}},"emittedAt":${emittedAt}${
+  `${open}${wireLineTail(sessionJson, cursor, emittedAt, replayed)}`
+
+/** What follows a message's body in its wire line: `activeSessionId`, `meta`, the line's end. */
+export const wireLineTail = (sessionJson: string, cursor: Cursor.Cursor, emittedAt: number, replayed: boolean) =>
+  `,"activeSessionId":${sessionJson},"meta":{"cursor":{"generation":${cursor.generation},"sequence":${cursor.sequence}},"emittedAt":${emittedAt}${
     replayed ? ",\"replayed\":true" : ""
   }}}\n`
 

@@ -35,7 +35,8 @@ import {
 import * as StateLayout from "../../StateLayout.js"
 import * as FileIo from "../fileIo.js"
 import * as AppendQueue from "./appendQueue.js"
-import { fail, isCursor, makeService, parseRecord, recordLine } from "./records.js"
+import { fail, isCursor, makeService, parseRecord, recordOpen } from "./records.js"
+import * as Utf8Batch from "../utf8Batch.js"
 
 const headerLine = (generation: number, after: Option.Option<Cursor.Cursor>): string =>
   JSON.stringify({ segment: Option.isSome(after) ? { generation, after: after.value } : { generation } }) + "\n"
@@ -357,14 +358,17 @@ export const make = (options: EventLogOptions): Effect.Effect<EventLogService, E
             continue
           }
           let end = done
-          let text = ""
+          // Piece by piece: a joined string would be a rope to flatten first (see utf8Batch).
+          Utf8Batch.begin()
           while (end < batch.length) {
             const next = batch[end]!
             if (next._tag !== "Append") break
-            text += recordLine(next.cursor, next.json)
+            Utf8Batch.put(recordOpen(next.cursor))
+            Utf8Batch.put(next.json)
+            Utf8Batch.put("}\n")
             end++
           }
-          const bytes = Buffer.from(text, "utf8")
+          const bytes = Utf8Batch.take()
           yield* fsWriteAllSync(h.sessionId, h.fd!, bytes, h.size)
           yield* fsDataSync(h.sessionId, h.fd!)
           h.size += bytes.length

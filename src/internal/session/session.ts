@@ -31,7 +31,8 @@ import type { SessionMeta, SessionStoreService } from "../../SessionStore.js"
 import type { SnapshotCacheService } from "../../SnapshotCache.js"
 import type { RestartPolicy, WorkerHandle, WorkerPool } from "../../WorkerPool.js"
 import type { Attachment } from "../delivery/attachment.js"
-import { bodyMessage, logged, type LoggedBody, type Outgoing, wireLine } from "../delivery/wireLines.js"
+import { bodyMessage, logged, type LoggedBody, type Outgoing, wireLineTail } from "../delivery/wireLines.js"
+import * as Utf8Batch from "../utf8Batch.js"
 import type { Input } from "./mailbox.js"
 import { busyOf, type ReqId, type State, type WorkerId, workerOf, workerStateOf } from "./transition.js"
 import { type CoreError, notFound, type SessionNotFound, StorageUnavailable } from "./errors.js"
@@ -264,15 +265,17 @@ export const makeCore = (deps: CoreDeps): Core => {
         Effect.mapError((e) => new StorageFailed({ what: "event log", message: e.message }))
       )
       const sessionJson = JSON.stringify(s.meta.activeSessionId)
-      let text = ""
+      // Encoded once for the whole batch, shared by every attached client; piece by piece (a
+      // joined string would be a rope of thousands of pieces to flatten first: see utf8Batch).
+      Utf8Batch.begin()
       for (let i = 0; i < messages.length; i++) {
         const m = messages[i]!
-        text += wireLine(sessionJson, m.open, cursors[i]!, emittedAt, false)
+        Utf8Batch.put(m.open)
+        Utf8Batch.put(wireLineTail(sessionJson, cursors[i]!, emittedAt, false))
         // Counted once logged, so the count never runs ahead of what get_messages can read.
         if (m.eventType === "message_end") s.messageCount++
       }
-      // Encoded once for the whole batch, shared by every attached client.
-      const lines = Buffer.from(text, "utf8")
+      const lines = Utf8Batch.take()
       const last = cursors[cursors.length - 1]!
       s.lastCursor = last
       s.generationEvents += messages.length

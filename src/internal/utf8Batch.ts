@@ -1,0 +1,56 @@
+/**
+ * Builds one buffer of UTF-8 text from many strings, written one by one into a scratch buffer
+ * the process keeps, then copied out at its exact size.
+ *
+ * Why: a batch of event lines joined with `+=` is a rope of thousands of pieces, and
+ * `Buffer.from(rope)` first flattens it (a copy, and garbage) before encoding it. On the
+ * daemon's event path (a worker's batch of events, logged, then sent to every client) that was
+ * the largest single cost: about 5 us per event, against 0.4 us written piece by piece here.
+ *
+ * Synchronous only: a batch is begun, filled and taken without yielding (one scratch buffer
+ * serves every caller of the process, one at a time).
+ */
+
+/** The scratch buffer's usual size; one grown past {@link KEEP_BYTES} for a large batch is dropped after it. */
+const INITIAL_BYTES = 256 * 1024
+const KEEP_BYTES = 4 * 1024 * 1024
+
+let scratch = Buffer.allocUnsafeSlow(INITIAL_BYTES)
+let used = 0
+
+/** Starts a batch (whatever a builder that threw halfway left is dropped). */
+export const begin = (): void => {
+  used = 0
+}
+
+/** Appends `text` to the batch, UTF-8 encoded exactly as `Buffer.from(text, "utf8")` would. */
+export const put = (text: string): void => {
+  // A UTF-16 unit takes at most 3 bytes in UTF-8.
+  const room = text.length * 3
+  if (scratch.length - used < room) {
+    const grown = Buffer.allocUnsafeSlow(Math.max(scratch.length * 2, used + room))
+    scratch.copy(grown, 0, 0, used)
+    scratch = grown
+  }
+  used += scratch.write(text, used, "utf8")
+}
+
+/** Appends bytes already encoded (a constant piece: no string to encode each time). */
+export const putBytes = (bytes: Uint8Array): void => {
+  if (scratch.length - used < bytes.length) {
+    const grown = Buffer.allocUnsafeSlow(Math.max(scratch.length * 2, used + bytes.length))
+    scratch.copy(grown, 0, 0, used)
+    scratch = grown
+  }
+  scratch.set(bytes, used)
+  used += bytes.length
+}
+
+/** The bytes written since `begin`, in a buffer of their own; ends the batch. */
+export const take = (): Buffer => {
+  const out = Buffer.allocUnsafe(used)
+  scratch.copy(out, 0, 0, used)
+  used = 0
+  if (scratch.length > KEEP_BYTES) scratch = Buffer.allocUnsafeSlow(INITIAL_BYTES)
+  return out
+}
