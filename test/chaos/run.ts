@@ -1289,6 +1289,10 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
     for (const o of observers) o.resume()
     reconnectAt.clear()
     const c = commanders[0]!
+    // A daemon restarted just before (a graceful stop's restart at the run's end): the commander
+    // is connected again by the maintain loop, within moments; a command sent before that would
+    // be taken for a dropped connection.
+    await waitUntil(() => c.connected, 10_000)
     await waitUntil(() => commanders.every((x) => x.pendingCount === 0), 60_000)
     // Each driver ends its loop once its turn has ended: bounded, so that a wedged session is
     // reported (with its state) rather than waited for forever.
