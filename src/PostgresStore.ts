@@ -50,7 +50,10 @@ export {
 } from "./internal/postgres/store.js"
 export type { Options } from "./internal/postgres/store.js"
 
-/** The event log in the store: one row per event keyed by (session, generation, sequence). */
+/**
+ * The event log in the store: one row per session and generation of a group commit, keyed by
+ * (session, generation, first sequence).
+ */
 export const eventLog: Layer.Layer<EventLog, never, SqlClient.SqlClient | Store.PostgresStore> = Layer.scoped(
   EventLog,
   PgEventLog.make

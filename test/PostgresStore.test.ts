@@ -17,6 +17,9 @@ import * as fs from "node:fs"
 import * as os from "node:os"
 import * as path from "node:path"
 import { fileURLToPath } from "node:url"
+import * as SqlClient from "@effect/sql/SqlClient"
+import * as PgClient from "@effect/sql-pg/PgClient"
+import * as Redacted from "effect/Redacted"
 import * as Cursor from "../src/Cursor.js"
 import * as EventLog from "../src/EventLog.js"
 import * as PostgresStore from "../src/PostgresStore.js"
@@ -162,6 +165,64 @@ describePg("PostgresStore", () => {
         assert.isTrue(record.busy)
         // Same state: still deduplicated against what was loaded.
         assert.isFalse(yield* journal.record({ activeSessionId: sid, sessionId: "engine-s", busy: true, operation: "prompt" }))
+      }).pipe(Effect.provide(storage(url)))
+    }))
+
+  it.scopedLive("the first schema's events (a row each) read back the same after migration 2; a read resumes inside a group commit's row; a row that does not add up is Corrupt", () =>
+    Effect.gen(function*() {
+      const url = yield* freshSchema
+      const raw = <A>(body: (sql: SqlClient.SqlClient) => Effect.Effect<A, unknown>) =>
+        Effect.flatMap(SqlClient.SqlClient, body).pipe(
+          Effect.provide(PgClient.layer({ url: Redacted.make(url), maxConnections: 1 })),
+          Effect.orDie,
+          Effect.scoped
+        )
+      const sid = "s-old"
+      // A store of the first schema: made now, then migration 2 undone by hand, as it was.
+      yield* Effect.scoped(Layer.build(storage(url)))
+      const astral = { text: "a \ud83d\ude00 \"b\"" }
+      yield* raw((sql) =>
+        Effect.gen(function*() {
+          yield* sql`DROP TABLE agentd_event_batches`
+          yield* sql`DELETE FROM agentd_migrations WHERE migration_id = 2`
+          yield* sql`CREATE TABLE agentd_events (session_id text NOT NULL, generation integer NOT NULL,
+            sequence integer NOT NULL, event text NOT NULL, PRIMARY KEY (session_id, generation, sequence))`
+          yield* sql`INSERT INTO agentd_generations VALUES (${sid}, 1, NULL, NULL)`
+          for (const [i, event] of [{ n: 0 }, astral, { n: 2 }].entries()) {
+            yield* sql`INSERT INTO agentd_events VALUES (${sid}, 1, ${i}, ${JSON.stringify(event)})`
+          }
+        })
+      )
+      yield* Effect.gen(function*() {
+        const log = yield* EventLog.EventLog
+        const all = (after?: Cursor.Cursor) =>
+          Effect.map(Stream.runCollect(log.read(sid, after)), (c) => Chunk.toReadonlyArray(c).map((r) => [r.cursor.sequence, r.event]))
+        assert.deepStrictEqual(yield* all(), [[0, { n: 0 }], [1, astral], [2, { n: 2 }]])
+        const status = yield* log.status(sid)
+        assert.strictEqual(status.generationEvents, 3)
+        // The same bytes as the file layer counts (UTF-8 of the astral character included).
+        const lines = [{ n: 0 }, astral, { n: 2 }].map((e, i) => `{"cursor":{"generation":1,"sequence":${i}},"event":${JSON.stringify(e)}}\n`)
+        assert.strictEqual(status.generationBytes, Buffer.byteLength(lines.join(""), "utf8"))
+        // One group commit of 12 events is one row: a read after any of them starts right after it.
+        const more = Array.from({ length: 12 }, (_, i) => i % 3 === 1 ? { ...astral, i } : { n: 3 + i })
+        yield* log.appendAll(sid, more)
+        for (const after of [2, 3, 7, 13, 14]) {
+          const got = yield* all(Cursor.make(1, after))
+          assert.deepStrictEqual(got.map(([seq]) => seq), Array.from({ length: 14 - after }, (_, i) => after + 1 + i))
+        }
+        assert.deepStrictEqual((yield* all(Cursor.make(1, 2))).map(([, e]) => e), more)
+        const generation = Chunk.toReadonlyArray(yield* Stream.runCollect(log.readGeneration(sid, 1)))
+        assert.deepStrictEqual(generation.map((r) => r.event), [{ n: 0 }, astral, { n: 2 }, ...more])
+      }).pipe(Effect.provide(storage(url)))
+      const rows = yield* raw((sql) => sql<{ count: number }>`SELECT count FROM agentd_event_batches ORDER BY first_sequence`)
+      assert.deepStrictEqual(rows.map((r) => r.count), [1, 1, 1, 12])
+      // Damaged: the lengths say more than the text holds.
+      yield* raw((sql) => sql`UPDATE agentd_event_batches SET lengths = array_append(lengths, 5), count = count + 1 WHERE count = 12`)
+      yield* Effect.gen(function*() {
+        const log = yield* EventLog.EventLog
+        const error = yield* Effect.flip(Stream.runDrain(log.read(sid, Cursor.make(1, 5))))
+        assert.strictEqual(error.reason, "Corrupt")
+        assert.include(error.message, "1:3 to 1:15")
       }).pipe(Effect.provide(storage(url)))
     }))
 

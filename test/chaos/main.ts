@@ -2,7 +2,8 @@
  * `npm run chaos -- [--seed S] [--seconds N] [--faults K] [--kinds a,b] [--store postgres] [--runs R] [--verbose] [--keep]`
  * (`--store postgres`: the daemon over a private PostgreSQL of the run, scripts/pg-test-server.sh;
  * its default kinds add `store_restart` and leave out `damage_files`)
- * `npm run chaos -- --regressions` runs every seed of seeds.json.
+ * `npm run chaos -- --regressions [--store postgres]` runs every seed of seeds.json (over PostgreSQL
+ * too: each seed keeps its kinds, and `damage_files` is skipped there).
  *
  * Each run starts the real built daemon, loads it, injects faults and checks the protocol's
  * promises (run.ts). A failed run prints its seed, its settings, the fault schedule up to the
@@ -76,6 +77,8 @@ const kindsOf = (v: string | boolean | undefined): ReadonlyArray<FaultKind> | un
 
 const main = async () => {
   const args = parse(process.argv.slice(2))
+  const store = args["store"] ?? "files"
+  if (store !== "files" && store !== "postgres") usage()
   if (args["regressions"] === true) {
     const seeds = JSON.parse(fs.readFileSync(path.join(here, "seeds.json"), "utf8")) as { seeds: Array<RegressionSeed> }
     let failed = 0
@@ -87,7 +90,9 @@ const main = async () => {
         faults: s.faults,
         ...(s.kinds ? { kinds: s.kinds } : {}),
         ...(s.settings ? { settings: s.settings } : {}),
-        ...(s.promptAtEnd === undefined ? {} : { promptAtEnd: s.promptAtEnd })
+        ...(s.promptAtEnd === undefined ? {} : { promptAtEnd: s.promptAtEnd }),
+        // A seed's own kinds are kept; `damage_files` is skipped over PostgreSQL (run.ts).
+        store: store as "files" | "postgres"
       })
       console.log(describeResult(r, { seconds: s.seconds, faults: s.faults, kinds: s.kinds, settings: s.settings ?? {}, promptAtEnd: s.promptAtEnd }))
       if (r.violation !== undefined) failed++
@@ -101,8 +106,6 @@ const main = async () => {
   const kinds = kindsOf(args["kinds"])
   const promptAtEnd = args["prompt-at-end"] === undefined ? undefined : Number(args["prompt-at-end"])
   if (promptAtEnd !== undefined && !(promptAtEnd >= 0 && promptAtEnd <= 1)) usage()
-  const store = args["store"] ?? "files"
-  if (store !== "files" && store !== "postgres") usage()
   let seed = args["seed"] === undefined ? Math.floor(Math.random() * 2 ** 31) : int(args["seed"], 0)
   let failed = 0
   for (let i = 0; i < runs; i++, seed++) {

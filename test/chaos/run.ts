@@ -34,7 +34,7 @@
  * a crash from before it), after which a restart resumes every client and adds no
  * `daemon_restarted`.
  */
-import { execFileSync } from "node:child_process"
+import { execFile, execFileSync } from "node:child_process"
 import * as fs from "node:fs"
 import * as net from "node:net"
 import * as os from "node:os"
@@ -1126,7 +1126,12 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
         // hangs, and nothing acknowledged is lost (the run's checks).
         if (pgDir === undefined) return log("store_restart: (files store: skipped)")
         const started = Date.now()
-        execFileSync(PG_SCRIPT, ["restart", pgDir], { stdio: "ignore" })
+        // Not execFileSync: the harness must go on reading its clients meanwhile, or the answers
+        // that came in during the restart look overdue to the watchdog (its timer runs before
+        // the sockets are read once the loop is free again).
+        await new Promise<void>((resolve, reject) =>
+          execFile(PG_SCRIPT, ["restart", pgDir], (error) => (error === null ? resolve() : reject(error)))
+        )
         lastStorageFaultAt = Date.now()
         log(`store_restart: PostgreSQL restarted in ${Date.now() - started} ms`)
         return
@@ -1284,6 +1289,10 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
     for (const o of observers) o.resume()
     reconnectAt.clear()
     const c = commanders[0]!
+    // A daemon restarted just before (a graceful stop's restart at the run's end): the commander
+    // is connected again by the maintain loop, within moments; a command sent before that would
+    // be taken for a dropped connection.
+    await waitUntil(() => c.connected, 10_000)
     await waitUntil(() => commanders.every((x) => x.pendingCount === 0), 60_000)
     // Each driver ends its loop once its turn has ended: bounded, so that a wedged session is
     // reported (with its state) rather than waited for forever.

@@ -1,12 +1,13 @@
 /**
- * The event log in PostgreSQL: `agentd_events` keyed by (session, generation, sequence) and one
- * `agentd_generations` row per retained generation saying where the history stood when it
- * began (see ./store.ts).
+ * The event log in PostgreSQL: `agentd_event_batches`, one row per session and generation of a
+ * flush keyed by (session, generation, first sequence), and one `agentd_generations` row per
+ * retained generation saying where the history stood when it began (see ./store.ts).
  *
  * Group commit (../eventLog/appendQueue.ts, grouped per store), across sessions: `append` assigns the cursor and
  * queues the event synchronously, then waits; one flusher fiber takes everything queued, in
- * every session, and writes it as one multi-row INSERT (one statement: one transaction, one WAL
- * flush; a flush that also starts generations is one explicit transaction), and acknowledges
+ * every session, and writes it as one INSERT of one row per session (one statement: one
+ * transaction, one WAL flush; a flush that also starts generations is one explicit
+ * transaction), and acknowledges
  * those appends only once the commit returned (durable: `synchronous_commit` is on by default).
  * Appends arriving meanwhile form the next batch. (One flusher per session, as on disk, was
  * 3x slower with 8 busy sessions, measured: 8 commits, each waiting for its own WAL flush.)
@@ -29,9 +30,21 @@ import { checkReadable, fail, makeService, recordBytes } from "../eventLog/recor
 const sqlFail = (sessionId: string, what: string) => (cause: SqlError) =>
   fail("Io", sessionId, `${what}: ${cause.message}`, cause)
 
-/** The same sum in SQL, over a generation's rows (for a session opened from the database). */
-const RECORD_BYTES_SQL =
-  `coalesce(sum(octet_length(event) + octet_length('{"cursor":{"generation":' || generation || ',"sequence":' || sequence || '},"event":}') + 1), 0)`
+/** The decimal digits of 0, 1, ..., n - 1 together. */
+const digitsBelow = (n: number): number => {
+  let total = 0
+  for (let digits = 1, low = 0, high = 10; low < n; digits++, low = high, high *= 10) {
+    total += (Math.min(n, high) - low) * digits
+  }
+  return total
+}
+
+/**
+ * `recordBytes` summed over a generation of `count` events (sequences 0 to count - 1) whose
+ * texts take `eventBytes` bytes in UTF-8 (for a session opened from the database).
+ */
+const generationBytes = (generation: number, count: number, eventBytes: number): number =>
+  count === 0 ? 0 : eventBytes + count * (recordBytes(Cursor.make(generation, 0), "") - 1) + digitsBelow(count)
 
 /** One open session; the fields under `// durable` describe what is committed. */
 interface Handle extends AppendQueue.QueueHandle {
@@ -56,6 +69,46 @@ const startOf = (row: { after_generation: number | null; after_sequence: number 
     ? Option.none()
     : Option.some(Cursor.make(row.after_generation, row.after_sequence))
 
+/** One row of `agentd_event_batches` as read, with its generation's start. */
+interface BatchRow {
+  readonly generation: number
+  readonly first_sequence: number
+  readonly count: number
+  readonly lengths: ReadonlyArray<number> | null
+  readonly events: string
+  readonly after_generation: number | null
+  readonly after_sequence: number | null
+}
+
+/** One event of a batch row. */
+interface Row {
+  readonly generation: number
+  readonly sequence: number
+  readonly event: string
+  readonly after_generation: number | null
+  readonly after_sequence: number | null
+}
+
+/** The events of a batch row, in order, from the first whose sequence is `from` or more. */
+const eventsOf = (row: BatchRow, sessionId: string, from: number): Array<Row> | EventLogError => {
+  const { after_generation, after_sequence, count, generation } = row
+  const first = row.first_sequence
+  const lengths = row.lengths ?? (count === 1 ? [row.events.length] : [])
+  if (lengths.length !== count || lengths.reduce((a, b) => a + b, 0) !== row.events.length) {
+    return fail("Corrupt", sessionId, `the events ${generation}:${first} to ${generation}:${first + count - 1} do not add up`)
+  }
+  const out: Array<Row> = []
+  let offset = 0
+  for (let i = 0; i < count; i++) {
+    const end = offset + lengths[i]!
+    if (first + i >= from) {
+      out.push({ generation, sequence: first + i, event: row.events.slice(offset, end), after_generation, after_sequence })
+    }
+    offset = end
+  }
+  return out
+}
+
 const toRecord = (row: { generation: number; sequence: number; event: string }, sessionId: string): EventRecord | EventLogError => {
   let event: unknown
   try {
@@ -67,8 +120,11 @@ const toRecord = (row: { generation: number; sequence: number; event: string }, 
   return { cursor: Cursor.make(row.generation, row.sequence), event, json: row.event }
 }
 
-/** Rows fetched per query when streaming a log. */
-const PAGE = 2000
+/**
+ * Batch rows fetched per query when streaming a log (a flush of one session is at most about
+ * 256 KB of events and usually far less: see PUBLISH_BATCH_BYTES).
+ */
+const PAGE = 64
 
 /**
  * Builds the PostgreSQL event log over the store's SqlClient (./store.ts: schema and lock); its
@@ -99,24 +155,66 @@ export const make: Effect.Effect<EventLogService, never, SqlClient.SqlClient | S
       for (const row of generations) h.starts.set(row.generation, startOf(row))
       const newest = generations[generations.length - 1]!
       const [tail] = yield* sql.unsafe<{ count: string; bytes: string }>(
-        `SELECT count(*) AS count, ${RECORD_BYTES_SQL} AS bytes FROM agentd_events WHERE session_id = $1 AND generation = $2`,
+        `SELECT coalesce(sum(count), 0) AS count, coalesce(sum(octet_length(events)), 0) AS bytes
+         FROM agentd_event_batches WHERE session_id = $1 AND generation = $2`,
         [h.key, newest.generation]
       )
       const count = Number(tail?.count ?? 0)
       h.generation = newest.generation
       h.count = count
-      h.bytes = Number(tail?.bytes ?? 0)
+      h.bytes = generationBytes(newest.generation, count, Number(tail?.bytes ?? 0))
       h.last = count > 0 ? Option.some(Cursor.make(newest.generation, count - 1)) : startOf(newest)
       h.next = Cursor.make(newest.generation, count)
       return h
     }).pipe(Effect.catchTag("SqlError", (e) => Effect.fail(sqlFail(sessionId, "opening the session's log failed")(e))))
 
-  const insertEvents = (key: string, generation: number, ops: ReadonlyArray<AppendQueue.AppendOp>) =>
-    sql.unsafe(
-      `INSERT INTO agentd_events (session_id, generation, sequence, event)
-       SELECT $1, $2, s, e FROM unnest($3::integer[], $4::text[]) AS t(s, e)`,
-      [key, generation, ops.map((op) => op.cursor.sequence), ops.map((op) => op.json)]
+  /** A run of consecutive appends of one session and generation: one row. */
+  interface BatchInsert {
+    readonly key: string
+    readonly generation: number
+    readonly ops: ReadonlyArray<AppendQueue.AppendOp>
+  }
+
+  /**
+   * Writes runs of appends in one statement, a row each: the events' texts one after the other,
+   * and their lengths (a text holds any character, so no separator could be trusted).
+   */
+  const insertBatches = (runs: ReadonlyArray<BatchInsert>) => {
+    const keys: Array<string> = []
+    const generations: Array<number> = []
+    const firsts: Array<number> = []
+    const counts: Array<number> = []
+    const lengths: Array<string | null> = []
+    const events: Array<string> = []
+    for (const run of runs) {
+      keys.push(run.key)
+      generations.push(run.generation)
+      firsts.push(run.ops[0]!.cursor.sequence)
+      counts.push(run.ops.length)
+      let text = ""
+      let lengthList = ""
+      for (const op of run.ops) {
+        text += op.json
+        lengthList += lengthList === "" ? String(op.json.length) : `,${op.json.length}`
+      }
+      lengths.push(run.ops.length === 1 ? null : lengthList)
+      events.push(text)
+    }
+    // One session (the usual flush): plain parameters, nothing for the driver to quote.
+    if (runs.length === 1) {
+      return sql.unsafe(
+        `INSERT INTO agentd_event_batches (session_id, generation, first_sequence, count, lengths, events)
+         VALUES ($1, $2, $3, $4, string_to_array($5, ',')::integer[], $6)`,
+        [keys[0]!, generations[0]!, firsts[0]!, counts[0]!, lengths[0]!, events[0]!]
+      )
+    }
+    return sql.unsafe(
+      `INSERT INTO agentd_event_batches (session_id, generation, first_sequence, count, lengths, events)
+       SELECT k, g, f, c, string_to_array(l, ',')::integer[], e
+       FROM unnest($1::text[], $2::integer[], $3::integer[], $4::integer[], $5::text[], $6::text[]) AS t(k, g, f, c, l, e)`,
+      [keys, generations, firsts, counts, lengths, events]
     )
+  }
 
   const insertGeneration = (key: string, generation: number, after: Option.Option<Cursor.Cursor>) =>
     sql`INSERT INTO agentd_generations (session_id, generation, after_generation, after_sequence)
@@ -136,7 +234,7 @@ export const make: Effect.Effect<EventLogService, never, SqlClient.SqlClient | S
       const flushRun = Effect.suspend(() => {
         const appends = run
         run = []
-        return appends.length === 0 ? Effect.void : insertEvents(h.key, generation, appends)
+        return appends.length === 0 ? Effect.void : insertBatches([{ key: h.key, generation, ops: appends }])
       })
       for (const op of ops) {
         if (op._tag === "Append") {
@@ -157,24 +255,21 @@ export const make: Effect.Effect<EventLogService, never, SqlClient.SqlClient | S
    * many sessions it carries.
    */
   const insertAll = (batch: Batch) => {
-    const keys: Array<string> = []
-    const generations: Array<number> = []
-    const sequences: Array<number> = []
-    const events: Array<string> = []
+    const runs: Array<BatchInsert> = []
     for (const [h, ops] of batch) {
+      // One generation per session here (no generation starts in this flush), but say so.
+      let run: Array<AppendQueue.AppendOp> = []
       for (const op of ops) {
         const append = op as AppendQueue.AppendOp
-        keys.push(h.key)
-        generations.push(append.cursor.generation)
-        sequences.push(append.cursor.sequence)
-        events.push(append.json)
+        if (run.length > 0 && run[0]!.cursor.generation !== append.cursor.generation) {
+          runs.push({ key: h.key, generation: run[0]!.cursor.generation, ops: run })
+          run = []
+        }
+        run.push(append)
       }
+      if (run.length > 0) runs.push({ key: h.key, generation: run[0]!.cursor.generation, ops: run })
     }
-    return sql.unsafe(
-      `INSERT INTO agentd_events (session_id, generation, sequence, event)
-       SELECT * FROM unnest($1::text[], $2::integer[], $3::integer[], $4::text[])`,
-      [keys, generations, sequences, events]
-    )
+    return insertBatches(runs)
   }
 
   /** Applies one session's committed ops to its handle and answers them. */
@@ -250,22 +345,17 @@ export const make: Effect.Effect<EventLogService, never, SqlClient.SqlClient | S
   const notRetained = (sessionId: string, generation: number) =>
     fail("GenerationNotFound", sessionId, `generation ${generation} is not retained`)
 
-  type Row = {
-    generation: number
-    sequence: number
-    event: string
-    after_generation: number | null
-    after_sequence: number | null
-  }
-
-  /** Committed rows strictly after (generation, sequence), each with its generation's start. */
+  /**
+   * Committed batch rows holding an event strictly after (generation, sequence), each with its
+   * generation's start (the first may hold events before it too).
+   */
   const page = (h: Handle, generation: number, sequence: number, onlyGeneration?: number) =>
-    sql.unsafe<Row>(
-      `SELECT e.generation, e.sequence, e.event, g.after_generation, g.after_sequence
-       FROM agentd_events e JOIN agentd_generations g ON g.session_id = e.session_id AND g.generation = e.generation
-       WHERE e.session_id = $1 AND (e.generation, e.sequence) > ($2, $3)
+    sql.unsafe<BatchRow>(
+      `SELECT e.generation, e.first_sequence, e.count, e.lengths, e.events, g.after_generation, g.after_sequence
+       FROM agentd_event_batches e JOIN agentd_generations g ON g.session_id = e.session_id AND g.generation = e.generation
+       WHERE e.session_id = $1 AND e.generation >= $2 AND (e.generation > $2 OR e.first_sequence + e.count > $3 + 1)
        ${onlyGeneration === undefined ? "" : "AND e.generation = $5"}
-       ORDER BY e.generation, e.sequence LIMIT $4`,
+       ORDER BY e.generation, e.first_sequence LIMIT $4`,
       onlyGeneration === undefined ? [h.key, generation, sequence, PAGE] : [h.key, generation, sequence, PAGE, onlyGeneration]
     ).pipe(Effect.mapError(sqlFail(h.sessionId, "reading the event log failed")))
 
@@ -314,10 +404,16 @@ export const make: Effect.Effect<EventLogService, never, SqlClient.SqlClient | S
             if (rows.length < PAGE) done = true
             if (rows.length === 0) return Effect.fail(Option.none())
             const out: Array<EventRecord> = []
-            for (const row of rows) {
-              const record = check(row)
-              if (record instanceof EventLogError) return Effect.fail(Option.some(record))
-              out.push(record)
+            for (const batch of rows) {
+              // A row may begin before the cursor read after: its events up to it are skipped.
+              const prev = previous
+              const events = eventsOf(batch, sessionId, prev !== undefined && prev.generation === batch.generation ? prev.sequence + 1 : 0)
+              if (events instanceof EventLogError) return Effect.fail(Option.some(events))
+              for (const row of events) {
+                const record = check(row)
+                if (record instanceof EventLogError) return Effect.fail(Option.some(record))
+                out.push(record)
+              }
             }
             return Effect.succeed(Chunk.unsafeFromArray(out))
           })
@@ -345,14 +441,18 @@ export const make: Effect.Effect<EventLogService, never, SqlClient.SqlClient | S
                 : Effect.fail(Option.none())
             }
             const out: Array<EventRecord> = []
-            for (const row of rows) {
-              const record = toRecord(row, sessionId)
-              if (record instanceof EventLogError) return Effect.fail(Option.some(record))
-              if (row.sequence !== next) {
-                return Effect.fail(Option.some(fail("Corrupt", sessionId, `event ${generation}:${next} is missing`)))
+            for (const batch of rows) {
+              const events = eventsOf(batch, sessionId, next)
+              if (events instanceof EventLogError) return Effect.fail(Option.some(events))
+              for (const row of events) {
+                const record = toRecord(row, sessionId)
+                if (record instanceof EventLogError) return Effect.fail(Option.some(record))
+                if (row.sequence !== next) {
+                  return Effect.fail(Option.some(fail("Corrupt", sessionId, `event ${generation}:${next} is missing`)))
+                }
+                next++
+                out.push(record)
               }
-              next++
-              out.push(record)
             }
             return Effect.succeed(Chunk.unsafeFromArray(out))
           })
@@ -370,7 +470,7 @@ export const make: Effect.Effect<EventLogService, never, SqlClient.SqlClient | S
       // Readers look generations up as they go: forget them before deleting.
       for (const g of doomed) h.starts.delete(g)
       yield* sql.withTransaction(Effect.zipRight(
-        sql`DELETE FROM agentd_events WHERE session_id = ${h.key} AND generation < ${keep}`,
+        sql`DELETE FROM agentd_event_batches WHERE session_id = ${h.key} AND generation < ${keep}`,
         sql`DELETE FROM agentd_generations WHERE session_id = ${h.key} AND generation < ${keep}`
       )).pipe(Effect.mapError(sqlFail(sessionId, "pruning the event log failed")))
       return doomed
@@ -387,7 +487,7 @@ export const make: Effect.Effect<EventLogService, never, SqlClient.SqlClient | S
           options?.archiveTo !== undefined
             ? sql.unsafe(`UPDATE ${table} SET session_id = $2 WHERE session_id = $1`, [h.key, `archive:${options.archiveTo}`])
             : sql.unsafe(`DELETE FROM ${table} WHERE session_id = $1`, [h.key])
-        yield* sql.withTransaction(Effect.zipRight(move("agentd_events"), move("agentd_generations"))).pipe(
+        yield* sql.withTransaction(Effect.zipRight(move("agentd_event_batches"), move("agentd_generations"))).pipe(
           Effect.mapError(sqlFail(sessionId, "removing the event log failed"))
         )
       }))

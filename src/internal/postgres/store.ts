@@ -4,8 +4,13 @@
  *
  * Schema (`@effect/sql` Migrator, table `agentd_migrations`), in the connection's schema
  * (`search_path`): one store is one schema of one database.
- * - `agentd_events (session_id, generation, sequence) -> event` the event log; `event` is the
- *   event's JSON text exactly as it was logged (text, not jsonb: jsonb reorders keys).
+ * - `agentd_event_batches (session_id, generation, first_sequence) -> count, lengths, events`
+ *   the event log, one row per session and generation of a flush (a group commit): its `count`
+ *   events from `first_sequence` on, their JSON texts exactly as logged one after the other in
+ *   `events` (text, not jsonb: jsonb reorders keys), `lengths` each text's length in UTF-16
+ *   code units (NULL for a row of one event). A row per event cost PostgreSQL a heap and an
+ *   index entry each and made live delivery half as fast as on files (measured); migration 2
+ *   moved the first schema's `agentd_events` rows here, one event each.
  * - `agentd_generations (session_id, generation) -> after_generation, after_sequence` one row
  *   per retained generation of a session's log: where the history stood when it began (a file
  *   segment's header).
@@ -136,6 +141,21 @@ const migrations = Migrator.fromRecord({
       host text NOT NULL,
       started_at text NOT NULL
     )`
+  }),
+  "2_event_batches": Effect.gen(function*() {
+    const sql = yield* SqlClient.SqlClient
+    yield* sql`CREATE TABLE agentd_event_batches (
+      session_id text NOT NULL,
+      generation integer NOT NULL,
+      first_sequence integer NOT NULL,
+      count integer NOT NULL,
+      lengths integer[],
+      events text NOT NULL,
+      PRIMARY KEY (session_id, generation, first_sequence)
+    )`
+    yield* sql`INSERT INTO agentd_event_batches (session_id, generation, first_sequence, count, lengths, events)
+      SELECT session_id, generation, sequence, 1, NULL, event FROM agentd_events`
+    yield* sql`DROP TABLE agentd_events`
   })
 })
 
