@@ -194,7 +194,7 @@ describe("audit findings (session 12)", () => {
       expect(first.text).toMatch(/^# TYPE agentd_http_requests_total counter$/m)
     })
 
-    it.skip("7: an SSE stream of a session that is killed ends after its session_closed", async () => {
+    it("7: an SSE stream of a session that is killed ends after its session_closed", async () => {
       const h = await http()
       const created = await request(h, "POST", "/v1/sessions", { body: "{}" })
       expect(created.status).toBe(201)

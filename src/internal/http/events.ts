@@ -253,7 +253,7 @@ const encoder = new TextEncoder()
 /** The SSE data event of a piece made only of whole event lines, by piece (null: not such a piece). */
 const dataEvents = new WeakMap<
   Uint8Array,
-  { readonly bytes: Uint8Array; readonly last: Cursor.Cursor; readonly count: number; readonly lineBytes: number } | null
+  { readonly bytes: Uint8Array; readonly last: Cursor.Cursor; readonly closes: boolean; readonly count: number; readonly lineBytes: number } | null
 >()
 
 const sharedDataEvent = (piece: Uint8Array) => {
@@ -268,6 +268,7 @@ const sharedDataEvent = (piece: Uint8Array) => {
       : {
         bytes: encoder.encode(`event: data\nid: ${Offset.encode(events.at(-1)!.cursor)}\ndata: [\ndata: ${events.map((e) => e.line).join(",\ndata: ")}\ndata: ]\n\n`),
         last: events.at(-1)!.cursor,
+        closes: isClosedLine(events.at(-1)!.line),
         count: events.length,
         lineBytes: events.reduce((n, e) => n + e.line.length, 0)
       }
@@ -276,7 +277,14 @@ const sharedDataEvent = (piece: Uint8Array) => {
   return found ?? undefined
 }
 
-/** The SSE stream of a read: data events (JSON arrays, `id:` = next offset), control events, keep-alives. */
+/** A session's last line: nothing follows `session_closed` (the session is gone for good). */
+const isClosedLine = (line: string) => line.startsWith('{"type":"session_closed"')
+
+/**
+ * The SSE stream of a read: data events (JSON arrays, `id:` = next offset), control events,
+ * keep-alives. It ends after a `session_closed`, as a socket client's connection to a killed
+ * session does: nothing can follow it, and a reconnect from its offset is answered 404.
+ */
 export const sseStream = (
   r: Reader,
   options: { readonly keepAliveMs: number; readonly cursor: () => string; readonly snapshotLink: (snapshotId: string) => string }
@@ -326,6 +334,10 @@ export const sseStream = (
           sent++
           sentBytes += item.line.length
           next = item.cursor
+          if (isClosedLine(item.line)) {
+            flush()
+            ended = true
+          }
           continue
         }
         flush()
@@ -359,6 +371,7 @@ export const sseStream = (
         sentBytes += shared.lineBytes
         next = shared.last
         text += control(caughtUp() && !r.port.hasItems ? { upToDate: true } : {})
+        if (shared.closes) ended = true
         continue
       }
       const items: Array<Item> = []
