@@ -126,10 +126,14 @@ export const settings: Config.Config<Partial<DaemonConfigShape>> = Config.all({
   shutdownGraceMs: count("AGENTD_SHUTDOWN_GRACE_MS", 0),
   // Checked with `--store` by the daemon (InvalidStore): one message and one exit code for both.
   store: Config.option(Config.string("AGENTD_STORE")),
-  http: Config.option(Config.string("AGENTD_HTTP").pipe(Config.validate({
-    message: "must be HOST:PORT, e.g. 127.0.0.1:7433",
-    validation: (value) => typeof parseListen(value) !== "string"
-  }))),
+  // Empty is off, as unset.
+  http: Config.option(Config.string("AGENTD_HTTP").pipe(
+    Config.validate({
+      message: "must be HOST:PORT, e.g. 127.0.0.1:7433",
+      validation: (value) => value.trim() === "" || typeof parseListen(value) !== "string"
+    }),
+    Config.map((value) => (value.trim() === "" ? undefined : value))
+  )),
   httpInsecure: Config.option(Config.map(Config.string("AGENTD_HTTP_INSECURE"), (v) => v !== "0" && v !== "")),
   httpKeepAliveMs: count("AGENTD_HTTP_KEEPALIVE_MS", 1),
   httpLongPollMs: count("AGENTD_HTTP_LONG_POLL_MS", 1)

@@ -522,6 +522,7 @@ console.log(JSON.stringify(report))
       // The named synchronous fs calls (the cursor file, the token file).
       "internal/fileIoSync.js",
       // The transport over a URL and the pure helpers it shares with the HTTP front (no Effect).
+      "internal/http/listen.js",
       "internal/http/security.js",
       "internal/http/token.js",
       "internal/remote.js"
