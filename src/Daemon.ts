@@ -158,6 +158,7 @@ export const workerPoolLayer: Layer.Layer<WorkerPool.WorkerPool, never, StorageC
   Effect.map(DaemonConfig, (config) =>
     WorkerPool.layer({
       warmSpare: config.warmSpare,
+      warmUp: config.warmUp,
       ...(config.workerEntry === undefined ? {} : { workerEntry: config.workerEntry })
     }))
 )
@@ -329,7 +330,7 @@ export const CoreLive = (
 export const DaemonLive = (
   config: Partial<DaemonConfigShape> | Layer.Layer<DaemonConfig, ConfigError.ConfigError> = {},
   layers: DaemonLayers = {}
-): Layer.Layer<DaemonServer.DaemonServer | SessionManager.SessionManager, DaemonStartError> =>
+): Layer.Layer<DaemonServer.DaemonServer | SessionManager.SessionManager | DaemonConfig, DaemonStartError> =>
   // The HTTP front, when asked for, starts after the socket and stops before it.
   HttpServer.layerIfConfigured.pipe(
     Layer.provideMerge(DaemonServer.layer.pipe(Layer.provideMerge(coreOver(configLayerOf(config), servedSupervisorInfoLayer, layers))))
@@ -339,9 +340,10 @@ export const DaemonLive = (
 export const serve = (config: Partial<DaemonConfigShape> = {}) =>
   Effect.gen(function*() {
     const server = yield* DaemonServer.DaemonServer
+    const { warmUp } = yield* DaemonConfig
     // The event path is compiled while nobody waits for it, not during the first turn; after
     // the start's own work (clients reconnecting, sessions restored), which it must not slow.
-    yield* Effect.forkScoped(Effect.delay(warmUpEventPath(EVENT_PATH_WARM_UP_ROUNDS), EVENT_PATH_WARM_UP_DELAY))
+    if (warmUp) yield* Effect.forkScoped(Effect.delay(warmUpEventPath(EVENT_PATH_WARM_UP_ROUNDS), EVENT_PATH_WARM_UP_DELAY))
     yield* Deferred.await(server.shutdownRequested)
     yield* Effect.logInfo("shutdown requested")
   }).pipe(Effect.scoped, Effect.provide(DaemonLive(config)))

@@ -44,6 +44,12 @@ export interface DaemonConfigShape {
   /** Keep a started worker ready for the next session or restore. */
   readonly warmSpare: boolean
   /**
+   * Compile the hot paths while nobody waits: the spare runs a few restores and echo turns, the
+   * daemon made-up events, 2 s after its start (~0.1-0.2 s of CPU each). Off: the first restore
+   * and turn of each worker are slower (a machine short of CPU, a test suite).
+   */
+  readonly warmUp: boolean
+  /**
    * At a graceful stop, how long clients are given to read what they are owed (the last
    * responses and events, `daemon_closing`) before every connection is closed, read or not.
    */
@@ -91,6 +97,7 @@ export const defaults = (stateDir: string = defaultStateDir()): DaemonConfigShap
   restartWindowMs: 60_000,
   clientEnvKeys: ["TERM", "LANG", "TZ"],
   warmSpare: true,
+  warmUp: true,
   shutdownGraceMs: 3000,
   httpInsecure: false,
   httpKeepAliveMs: 15_000,
@@ -119,6 +126,10 @@ export const settings: Config.Config<Partial<DaemonConfigShape>> = Config.all({
   restartWindowMs: count("AGENTD_RESTART_WINDOW_MS", 1),
   clientEnvKeys: Config.option(Config.map(Config.string("AGENTD_CLIENT_ENV_KEYS"), (keys) =>
     keys.split(",").map((k) => k.trim()).filter((k) => k.length > 0))),
+  warmUp: Config.option(Config.map(
+    Config.string("AGENTD_WARM_UP").pipe(Config.validate({ message: "must be 0 (no warm-up) or 1", validation: (v) => v === "0" || v === "1" })),
+    (v) => v === "1"
+  )),
   warmSpare: Config.option(Config.map(
     Config.string("AGENTD_WARM_SPARE").pipe(Config.validate({ message: "must be 0 (no spare) or 1", validation: (v) => v === "0" || v === "1" })),
     (v) => v === "1"

@@ -246,6 +246,8 @@ export class WorkerProcess implements WorkerHandle {
 export interface WorkerPoolOptions {
   /** Keep one worker started ahead of need (default true). */
   readonly warmSpare?: boolean
+  /** The spare warms up its restore and turn paths while it waits (default true). */
+  readonly warmUp?: boolean
   /** The worker entry script (default: `bin/worker.js` next to this module). */
   readonly workerEntry?: string
   /** Extra arguments for node before the entry (e.g. `--import tsx` when running from source). */
@@ -356,7 +358,7 @@ export const make = (options: WorkerPoolOptions = {}) =>
         const exited = yield* Deferred.make<WorkerExit>()
         const child = yield* Effect.try({
           try: () =>
-            spawn(process.execPath, [...execArgv, entry, ...(spare ? [WorkerProtocol.WARM_UP_FLAG] : [])], {
+            spawn(process.execPath, [...execArgv, entry, ...(spare && options.warmUp !== false ? [WorkerProtocol.WARM_UP_FLAG] : [])], {
               stdio: ["ignore", "pipe", "pipe", "pipe"],
               env: env === undefined ? process.env : { ...process.env, ...env },
               // A process group (and session) of its own: a terminal's Ctrl-C, sent to the

@@ -41,7 +41,9 @@ const attach = attachAndReplay
 
 describe("worker crash", () => {
   it("SIGKILL of the worker during a /sleep turn: recovering → turn_interrupted → ready; next prompt works; resume is complete", async () => {
-    const d = await useDaemon()
+    // With the warm-ups the suite's other daemons go without: the spare that takes the restore
+    // was warming up when the kill came.
+    const d = await useDaemon({ env: { AGENTD_WARM_UP: "1" } })
     const a = await d.connect("a")
     const { id } = await createSession(a)
     await attach(a, { activeSessionId: id })
