@@ -104,6 +104,13 @@ export const defaults = (stateDir: string = defaultStateDir()): DaemonConfigShap
   httpLongPollMs: 20_000
 })
 
+/** `0` (off; `off` says what that means) or `1` under `name`, if set; anything else is refused. */
+const onOff = (name: string, off: string) =>
+  Config.option(Config.map(
+    Config.string(name).pipe(Config.validate({ message: `must be 0 (${off}) or 1`, validation: (v) => v === "0" || v === "1" })),
+    (v) => v === "1"
+  ))
+
 /** A whole number of at least `min` under `name`, if set. */
 const count = (name: string, min: number) =>
   Config.option(Config.integer(name).pipe(Config.validate({ message: `must be an integer >= ${min}`, validation: (n) => n >= min })))
@@ -126,14 +133,8 @@ export const settings: Config.Config<Partial<DaemonConfigShape>> = Config.all({
   restartWindowMs: count("AGENTD_RESTART_WINDOW_MS", 1),
   clientEnvKeys: Config.option(Config.map(Config.string("AGENTD_CLIENT_ENV_KEYS"), (keys) =>
     keys.split(",").map((k) => k.trim()).filter((k) => k.length > 0))),
-  warmUp: Config.option(Config.map(
-    Config.string("AGENTD_WARM_UP").pipe(Config.validate({ message: "must be 0 (no warm-up) or 1", validation: (v) => v === "0" || v === "1" })),
-    (v) => v === "1"
-  )),
-  warmSpare: Config.option(Config.map(
-    Config.string("AGENTD_WARM_SPARE").pipe(Config.validate({ message: "must be 0 (no spare) or 1", validation: (v) => v === "0" || v === "1" })),
-    (v) => v === "1"
-  )),
+  warmUp: onOff("AGENTD_WARM_UP", "no warm-up"),
+  warmSpare: onOff("AGENTD_WARM_SPARE", "no spare"),
   shutdownGraceMs: count("AGENTD_SHUTDOWN_GRACE_MS", 0),
   // Checked with `--store` by the daemon (InvalidStore): one message and one exit code for both.
   store: Config.option(Config.string("AGENTD_STORE")),
