@@ -21,7 +21,8 @@ import * as EventLog from "./EventLog.js"
 import * as Metrics from "./Metrics.js"
 import * as HttpServer from "./HttpServer.js"
 import * as Fsx from "./internal/fileIo.js"
-import * as PostgresStore from "./PostgresStore.js"
+import { isPostgresUrl } from "./internal/postgres/url.js"
+import type * as PostgresStore from "./PostgresStore.js"
 import * as RecoveryJournal from "./RecoveryJournal.js"
 import * as SessionManager from "./SessionManager.js"
 import * as SessionStore from "./SessionStore.js"
@@ -173,7 +174,7 @@ export class InvalidStore extends Data.TaggedError("InvalidStore")<{ readonly st
 /** The configured store is one there is: checked before the state dir is touched, as the engine is. */
 const checkStore: Layer.Layer<never, InvalidStore, DaemonConfig> = Layer.effectDiscard(
   Effect.flatMap(DaemonConfig, (config) =>
-    config.store === undefined || config.store === "files" || PostgresStore.isPostgresUrl(config.store)
+    config.store === undefined || config.store === "files" || isPostgresUrl(config.store)
       ? Effect.void
       : Effect.fail(new InvalidStore({ store: config.store })))
 )
@@ -204,12 +205,15 @@ const storageLayers = (layers: DaemonLayers): Layer.Layer<
         layers.recoveryJournal ?? recoveryJournalLayer
       )
     }
-    if (!PostgresStore.isPostgresUrl(store)) return yield* new InvalidStore({ store })
+    if (!isPostgresUrl(store)) return yield* new InvalidStore({ store })
+    // Loaded only here: the PostgreSQL client's modules cost a files daemon ~0.1-0.2 s of CPU
+    // at every start (pg's load also loads Node's fetch implementation).
+    const pg = yield* Effect.promise(() => import("./PostgresStore.js"))
     return Layer.mergeAll(
-      layers.eventLog ?? PostgresStore.eventLog,
-      layers.sessionStore ?? PostgresStore.sessionStore,
-      layers.recoveryJournal ?? PostgresStore.recoveryJournal
-    ).pipe(Layer.provide(PostgresStore.layer({ url: store, socketPath: config.socketPath })))
+      layers.eventLog ?? pg.eventLog,
+      layers.sessionStore ?? pg.sessionStore,
+      layers.recoveryJournal ?? pg.recoveryJournal
+    ).pipe(Layer.provide(pg.layer({ url: store, socketPath: config.socketPath })))
   }))
 
 /**

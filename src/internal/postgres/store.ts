@@ -81,8 +81,7 @@ export const redactUrl = (url: string): string => {
   }
 }
 
-/** True when `store` names a PostgreSQL store rather than the state dir's files. */
-export const isPostgresUrl = (store: string): boolean => /^postgres(ql)?:\/\//.test(store)
+export { isPostgresUrl } from "./url.js"
 
 // ---------------------------------------------------------------------------------------------
 // Schema
