@@ -6,14 +6,16 @@
 //   with V8's code cache, `<bundle>.cache`, written here by running each once (the entry,
 //   dist/src/bin/agentd.cjs, the package's bin, is as tsc wrote it). Each bundle has its own
 //   copy of the modules both use (args.ts, errors.ts: see isCliError);
-// - serve.js: the daemon's program, loaded by `agentd serve` only;
+// - agentd-serve.cjs: the daemon's program, loaded by `agentd serve` only (with its code cache);
 // - worker.js: the worker program.
 // Measured on the 2-core dev machine (`npm run bench -- cliStartup`): Effect as hundreds of ES
 // modules cost ~1 s per start; one bundle of everything 0.3 s; the client-only bundle with its
 // code cache 0.17 s (1.66x `node -e 0`); the one-shot commands without Effect 1.1x. The rest of dist/ stays as tsc wrote it.
 import * as esbuild from "esbuild"
-import { spawnSync } from "node:child_process"
+import { spawn, spawnSync } from "node:child_process"
 import * as fs from "node:fs"
+import * as os from "node:os"
+import * as path from "node:path"
 import * as zlib from "node:zlib"
 
 const common = {
@@ -55,7 +57,25 @@ const esmBundle = {
   // Some dependencies call require(); an ES module bundle has to provide it (each chunk too).
   banner: { js: `import { createRequire as __agentdCreateRequire } from "node:module"; const require = __agentdCreateRequire(import.meta.url);` }
 }
-await esbuild.build({ ...esmBundle, entryPoints: { serve: "src/bin/serve.ts" } })
+// The daemon's program as a CommonJS bundle too, run through vm.Script with its code cache as the
+// command line's are: compiling it was ~90 ms of CPU at every daemon start (with the cache: a
+// third of that). Its modules locate files next to themselves (the worker program, the web
+// page) by import.meta.url, which is the bundle's own URL here.
+await esbuild.build({
+  ...common,
+  entryPoints: { "agentd-serve": "src/bin/serve.ts" },
+  outdir: "dist/src/bin",
+  outExtension: { ".js": ".cjs" },
+  format: "cjs",
+  supported: { "dynamic-import": false },
+  minifyWhitespace: true,
+  minifySyntax: true,
+  define: { "import.meta.url": "__agentdBundleUrl" },
+  banner: {
+    js: "(function (exports, require, module, __filename, __dirname) {const __agentdBundleUrl = require(\"node:url\").pathToFileURL(__filename).href;"
+  },
+  footer: { js: "\n})" }
+})
 // The worker splits at its dynamic imports: the model engines' code (@effect/ai and its
 // providers, ~60% of the bundle) is in chunks under worker-chunks/, read only by a worker whose
 // session runs a model engine. An echo worker (and every spare) reads worker.js and the chunk of
@@ -102,6 +122,34 @@ for (const [bundle, command] of [["agentd-run", "prompt"], ["agentd-cli", "statu
   })
   if (!fs.existsSync(cache)) {
     console.error(`bundle: no code cache written for ${bundle} (agentd ${command} exited ${run.status}): ${run.stderr}`)
+    process.exitCode = 1
+  }
+}
+
+// The daemon's code cache: one daemon started on a temporary state dir and stopped once it
+// listens writes it as it exits (what it compiled to start and stop).
+{
+  const cache = "dist/src/bin/agentd-serve.cjs.cache"
+  fs.rmSync(cache, { force: true })
+  const home = fs.mkdtempSync(path.join(os.tmpdir(), "agentd-bundle-"))
+  const env = { ...process.env, AGENTD_HOME: home, AGENTD_WRITE_CODE_CACHE: "1", AGENTD_WARM_UP: "0", AGENTD_WARM_SPARE: "0", AGENTD_HTTP: "" }
+  delete env.AGENTD_SOCKET
+  delete env.AGENTD_STORE
+  const daemon = spawn(process.execPath, ["dist/src/bin/agentd.cjs", "serve"], { env, stdio: ["ignore", "ignore", "pipe"] })
+  let stderr = ""
+  daemon.stderr.on("data", (chunk) => (stderr += chunk))
+  const exited = new Promise((resolve) => daemon.once("exit", resolve))
+  const deadline = Date.now() + 30_000
+  while (!fs.existsSync(path.join(home, "agentd.sock")) && Date.now() < deadline && daemon.exitCode === null) {
+    await new Promise((resolve) => setTimeout(resolve, 20))
+  }
+  spawnSync(process.execPath, ["dist/src/bin/agentd.cjs", "shutdown"], { env, stdio: "ignore" })
+  const timer = setTimeout(() => daemon.kill("SIGKILL"), 30_000)
+  await exited
+  clearTimeout(timer)
+  fs.rmSync(home, { recursive: true, force: true })
+  if (!fs.existsSync(cache)) {
+    console.error(`bundle: no code cache written for agentd-serve (the daemon exited ${daemon.exitCode}): ${stderr}`)
     process.exitCode = 1
   }
 }

@@ -18,14 +18,16 @@ import path = require("node:path")
 import vm = require("node:vm")
 import type * as Main from "../cli/main.js"
 import type * as Run from "../cli/run.js"
+import type * as Serve from "./serve.js"
 
 const cliBundle = path.join(__dirname, "agentd-cli.cjs")
 const runBundle = path.join(__dirname, "agentd-run.cjs")
+const serveBundle = path.join(__dirname, "agentd-serve.cjs")
 const bundled = fs.existsSync(cliBundle)
 
 const hooks: Main.Hooks = {
   loadRun: () => (bundled ? Promise.resolve(loadBundle<typeof Run>(runBundle)) : import("../cli/run.js")),
-  loadServe: () => import("./serve.js"),
+  loadServe: () => (bundled ? Promise.resolve(loadBundle<typeof Serve>(serveBundle)) : import("./serve.js")),
   self: [...process.execArgv, process.argv[1]!]
 }
 
@@ -50,7 +52,8 @@ function loadBundle<Exports>(bundle: string): Exports {
   const write = process.env["AGENTD_WRITE_CODE_CACHE"] === "1" ||
     (process.env["AGENTD_NO_CODE_CACHE"] !== "1" && (cachedData === undefined || script.cachedDataRejected === true))
   if (write) {
-    process.once("beforeExit", () => {
+    // On exit: a daemon ends with process.exit, which emits no beforeExit.
+    process.once("exit", () => {
       try {
         const temp = `${cacheFile}.${process.pid}.tmp`
         fs.writeFileSync(temp, script.createCachedData())
