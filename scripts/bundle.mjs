@@ -55,7 +55,10 @@ const esmBundle = {
   // Some dependencies call require(); an ES module bundle has to provide it (each chunk too).
   banner: { js: `import { createRequire as __agentdCreateRequire } from "node:module"; const require = __agentdCreateRequire(import.meta.url);` }
 }
-await esbuild.build({ ...esmBundle, entryPoints: { serve: "src/bin/serve.ts" } })
+// The daemon splits at its dynamic imports too: a cluster runner's code (@effect/cluster, its
+// RPC, src/Cluster.ts) is a chunk under serve-chunks/, read only by `serve --cluster`.
+fs.rmSync("dist/src/bin/serve-chunks", { recursive: true, force: true })
+await esbuild.build({ ...esmBundle, entryPoints: { serve: "src/bin/serve.ts" }, splitting: true, chunkNames: "serve-chunks/[name]-[hash]" })
 // The worker splits at its dynamic imports: the model engines' code (@effect/ai and its
 // providers, ~60% of the bundle) is in chunks under worker-chunks/, read only by a worker whose
 // session runs a model engine. An echo worker (and every spare) reads worker.js and the chunk of
