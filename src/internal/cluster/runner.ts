@@ -265,7 +265,8 @@ const makeRouter = (self: string, leaseMs: number) =>
         forward(given ?? `s-${randomUUID()}`, cmd),
       list: Effect.gen(function*() {
         const listings = yield* Effect.orElseSucceed(store.list(), () => [])
-        const mine = (yield* local.list).sessions
+        // A session of a shard this runner just lost is asked of its new owner, not listed from here.
+        const mine = (yield* local.list).sessions.filter((s) => s.worker === "damaged" || sharding.hasShardId(shardOf(s.activeSessionId)))
         const here = new Set(mine.map((s) => s.activeSessionId))
         const elsewhere = yield* Effect.forEach(
           listings.filter((l) => !here.has(listingId(l)) && l._tag !== "Unreadable"),
@@ -274,7 +275,7 @@ const makeRouter = (self: string, leaseMs: number) =>
         )
         return {
           sessions: [
-            ...mine.filter((s) => sharding.hasShardId(shardOf(s.activeSessionId)) || s.worker === "damaged").map(withRunner),
+            ...mine.map(withRunner),
             ...elsewhere.flatMap((o) => (Option.isSome(o) && o.value.worker !== "closed" ? [o.value] : []))
           ]
         }
