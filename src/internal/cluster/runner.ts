@@ -97,7 +97,8 @@ const shardingLayer = (settings: Partial<ShardingConfig.ShardingConfig["Type"]>)
     Layer.provide(Layer.orDie(SqlRunnerStorage.layerWith({ prefix: TABLE_PREFIX }))),
     Layer.provideMerge(ShardingConfig.layer(settings)),
     Layer.provide(RpcSerialization.layerMsgPack),
-    // A port already taken is a start failure of the daemon, said plainly.
+    // A runner port already taken (SocketServerError) stops the start as a defect: exit 1 with
+    // the error in the log. (A typed start error with its own message is still to do.)
     Layer.orDie
   )
 
