@@ -60,7 +60,8 @@ const esmBundle = {
 // The daemon's program as a CommonJS bundle too, run through vm.Script with its code cache as the
 // command line's are: compiling it was ~90 ms of CPU at every daemon start (with the cache: a
 // third of that). Its modules locate files next to themselves (the worker program, the web
-// page) by import.meta.url, which is the bundle's own URL here.
+// page) by import.meta.url, which is the bundle's own URL here. What it loads only when asked for
+// (the PostgreSQL store, a cluster runner's code) stays in the file, evaluated at its first use.
 await esbuild.build({
   ...common,
   entryPoints: { "agentd-serve": "src/bin/serve.ts" },

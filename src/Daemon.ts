@@ -171,12 +171,21 @@ export class InvalidStore extends Data.TaggedError("InvalidStore")<{ readonly st
   }
 }
 
+/** `cluster` (`--cluster`) without a PostgreSQL store: runners share their sessions through one. */
+export class ClusterNeedsPostgres extends Data.TaggedError("ClusterNeedsPostgres")<{ readonly store: string }> {
+  override get message(): string {
+    return `--cluster needs a PostgreSQL store (--store postgres://...), not \`${this.store}\`: the runners share their sessions, events and shard locks through it`
+  }
+}
+
 /** The configured store is one there is: checked before the state dir is touched, as the engine is. */
-const checkStore: Layer.Layer<never, InvalidStore, DaemonConfig> = Layer.effectDiscard(
-  Effect.flatMap(DaemonConfig, (config) =>
-    config.store === undefined || config.store === "files" || isPostgresUrl(config.store)
-      ? Effect.void
-      : Effect.fail(new InvalidStore({ store: config.store })))
+const checkStore: Layer.Layer<never, InvalidStore | ClusterNeedsPostgres, DaemonConfig> = Layer.effectDiscard(
+  Effect.flatMap(DaemonConfig, (config): Effect.Effect<void, InvalidStore | ClusterNeedsPostgres> =>
+    config.store !== undefined && config.store !== "files" && !isPostgresUrl(config.store)
+      ? Effect.fail(new InvalidStore({ store: config.store }))
+      : config.cluster === true && (config.store === undefined || !isPostgresUrl(config.store))
+      ? Effect.fail(new ClusterNeedsPostgres({ store: config.store ?? "files" }))
+      : Effect.void)
 )
 
 /**
@@ -213,8 +222,35 @@ const storageLayers = (layers: DaemonLayers): Layer.Layer<
       layers.eventLog ?? pg.eventLog,
       layers.sessionStore ?? pg.sessionStore,
       layers.recoveryJournal ?? pg.recoveryJournal
-    ).pipe(Layer.provide(pg.layer({ url: store, socketPath: config.socketPath })))
+    ).pipe(Layer.provide(pg.layer({
+      url: store,
+      socketPath: config.socketPath,
+      // Runners hold the store together; a single daemon still excludes them (and they it).
+      ...(config.cluster === true ? { lock: "shared" as const } : {})
+    })))
   }))
+
+/**
+ * The SessionManager the fronts use: the local one, or, with `cluster` (`--cluster`), the
+ * routing one of a cluster runner over it (Cluster.ts, loaded only then).
+ */
+const sessionsFront: Layer.Layer<
+  SessionManager.SessionManager,
+  never,
+  SessionManager.SessionManager | SessionStore.SessionStore | DaemonConfig
+> = Layer.unwrapEffect(Effect.gen(function*() {
+  const config = yield* DaemonConfig
+  if (config.cluster !== true || config.store === undefined) {
+    return Layer.effect(SessionManager.SessionManager, SessionManager.SessionManager)
+  }
+  const Cluster = yield* Effect.promise(() => import("./Cluster.js"))
+  return Cluster.layer(config.store)
+}))
+
+/** A cluster runner's SessionManager loads no session at start: it adopts those of the shards it gains. */
+const loadAtStart: Layer.Layer<SessionManager.LoadAtStart, never, DaemonConfig> = Layer.unwrapEffect(
+  Effect.map(DaemonConfig, (config) => Layer.succeed(SessionManager.LoadAtStart, config.cluster !== true))
+)
 
 /**
  * The layers {@link DaemonLive} is made of that an embedder may replace; each one left out is
@@ -284,6 +320,7 @@ export type DaemonStartError =
   | PostgresStore.PostgresStoreError
   | PostgresStore.PostgresStoreLocked
   | InvalidStore
+  | ClusterNeedsPostgres
   | HttpServer.HttpStartError
 
 /** Why the core ({@link CoreLive}) could not start: {@link DaemonStartError} less the socket's and the HTTP front's. */
@@ -308,7 +345,9 @@ const coreOver = <E>(
     (layers.snapshotCache ?? snapshotCacheLayer).pipe(Layer.provide(layers.fileSystem ?? NodeFileSystem.layer))
   ).pipe(Layer.provideMerge(info))
   const workers = (layers.workerPool ?? workerPoolLayer).pipe(Layer.provideMerge(storage))
-  return SessionManager.layer.pipe(Layer.provideMerge(workers))
+  return sessionsFront.pipe(
+    Layer.provideMerge(SessionManager.layer.pipe(Layer.provide(loadAtStart), Layer.provideMerge(workers)))
+  )
 }
 
 /**

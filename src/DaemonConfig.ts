@@ -73,6 +73,18 @@ export interface DaemonConfigShape {
   readonly httpKeepAliveMs: number
   /** How long a long-poll read at the tail waits for an event before answering 204. */
   readonly httpLongPollMs: number
+  /**
+   * Run as a runner of a cluster over the PostgreSQL store (`--cluster`, `AGENTD_CLUSTER=1`;
+   * docs/cluster.md): needs `store` to be a PostgreSQL URL.
+   */
+  readonly cluster?: boolean | undefined
+  /** `HOST:PORT` other runners reach this one at, and where it listens (`--runner-address`; default `<hostname>:34431`). */
+  readonly runnerAddress?: string | undefined
+  /**
+   * How long a runner's shard locks last without a refresh (`AGENTD_CLUSTER_LEASE_MS`, default
+   * 35000): the refresh runs every third of it, and a dead runner's shards move once it passed.
+   */
+  readonly clusterLeaseMs?: number | undefined
 }
 
 /** The configuration of the running daemon. */
@@ -148,7 +160,12 @@ export const settings: Config.Config<Partial<DaemonConfigShape>> = Config.all({
   )),
   httpInsecure: Config.option(Config.map(Config.string("AGENTD_HTTP_INSECURE"), (v) => v !== "0" && v !== "")),
   httpKeepAliveMs: count("AGENTD_HTTP_KEEPALIVE_MS", 1),
-  httpLongPollMs: count("AGENTD_HTTP_LONG_POLL_MS", 1)
+  httpLongPollMs: count("AGENTD_HTTP_LONG_POLL_MS", 1),
+  cluster: onOff("AGENTD_CLUSTER", "a single daemon"),
+  runnerAddress: Config.option(Config.string("AGENTD_RUNNER_ADDRESS").pipe(
+    Config.validate({ message: "must be HOST:PORT, e.g. 10.0.0.5:34431", validation: (value) => typeof parseListen(value) !== "string" })
+  )),
+  clusterLeaseMs: count("AGENTD_CLUSTER_LEASE_MS", 300)
 }).pipe(Config.map((all) => {
   const out: Record<string, unknown> = {}
   for (const [key, value] of Object.entries(all) as Array<[string, Option.Option<unknown>]>) {

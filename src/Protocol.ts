@@ -156,7 +156,9 @@ export const SessionSummary = Schema.Struct({
   telemetry: Schema.Boolean,
   lastEventCursor: optional(Cursor),
   /** Why a `damaged` session's files did not load (docs/protocol.md section 6). */
-  damage: optional(Schema.Struct({ reason: Schema.String }))
+  damage: optional(Schema.Struct({ reason: Schema.String })),
+  /** Cluster mode only: the address (`HOST:PORT`) of the runner that owns the session (docs/cluster.md). */
+  runner: optional(Schema.String)
 })
 export type SessionSummary = typeof SessionSummary.Type
 
@@ -500,7 +502,11 @@ export const StatusResult = Schema.Struct({
    * Extension: whether the recovery journal takes writes. `ok: false` (with the error) after a
    * journal write failed; new turns are refused `storage_unavailable` until one succeeds.
    */
-  storage: optional(Schema.Struct({ ok: Schema.Boolean, error: optional(Schema.String) }))
+  storage: optional(Schema.Struct({ ok: Schema.Boolean, error: optional(Schema.String) })),
+  /** Cluster mode only: this runner's address. */
+  runner: optional(Schema.String),
+  /** Cluster mode only: the live runners, the shards each holds, and whether the cluster deems it healthy. */
+  runners: optional(Schema.Array(Schema.Struct({ address: Schema.String, shards: NonNegativeInt, healthy: Schema.Boolean })))
 })
 export type StatusResult = typeof StatusResult.Type
 

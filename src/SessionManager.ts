@@ -32,9 +32,11 @@
  */
 import * as Chunk from "effect/Chunk"
 import * as Context from "effect/Context"
+import * as Deferred from "effect/Deferred"
 import * as Effect from "effect/Effect"
 import * as ExecutionStrategy from "effect/ExecutionStrategy"
 import * as Either from "effect/Either"
+import * as Exit from "effect/Exit"
 import * as FiberMap from "effect/FiberMap"
 import * as FiberSet from "effect/FiberSet"
 import * as Layer from "effect/Layer"
@@ -117,7 +119,8 @@ type SessionStart = Pick<
 
 /** The sessions of this daemon. */
 export class SessionManager extends Context.Tag("agentd/SessionManager")<SessionManager, {
-  readonly create: (cmd: CommandOf<"create">) => Effect.Effect<{ activeSessionId: string; state: SessionSummary }, CommandError>
+  /** `activeSessionId`: the id the new session takes (a cluster runner chooses it before routing the create to its owner). */
+  readonly create: (cmd: CommandOf<"create">, activeSessionId?: string) => Effect.Effect<{ activeSessionId: string; state: SessionSummary }, CommandError>
   readonly list: Effect.Effect<{ sessions: Array<SessionSummary> }>
   readonly status: Effect.Effect<unknown>
   readonly attach: (connectionId: string, outbox: ConnectionPort, cmd: CommandOf<"attach">) => Effect.Effect<AttachOutcome, CommandError>
@@ -140,7 +143,30 @@ export class SessionManager extends Context.Tag("agentd/SessionManager")<Session
    * one response before the connections close.
    */
   readonly settleForShutdown: Effect.Effect<void>
+  /**
+   * Loads a session of the store that this manager does not hold yet, as a daemon start does
+   * (restored at once when it was busy): a cluster runner that gained the session's shard. A
+   * session the store does not have is left alone; one already held is untouched.
+   */
+  readonly adopt: (activeSessionId: string) => Effect.Effect<void>
+  /**
+   * Drops a session from this manager without writing anything for it: its worker is killed
+   * (waited for), its entity stopped, its attachments ended, the commands waiting in it answered
+   * `internal`. What a cluster runner does with the sessions of a shard it lost (another runner
+   * may be writing them already); the store keeps the session whole, as after a crash.
+   */
+  readonly evict: (activeSessionId: string) => Effect.Effect<void>
+  /** Whether this manager holds the session (live or damaged). */
+  readonly holds: (activeSessionId: string) => boolean
 }>() {}
+
+/**
+ * Whether the manager loads every session of its store when it starts (the default). A cluster
+ * runner loads none then: it adopts the sessions of the shards it acquires, as it acquires them.
+ */
+export class LoadAtStart extends Context.Reference<LoadAtStart>()("agentd/SessionManager/LoadAtStart", {
+  defaultValue: () => true
+}) {}
 
 export const make = Effect.gen(function*() {
   const config = yield* DaemonConfig
@@ -233,9 +259,9 @@ export const make = Effect.gen(function*() {
       yield* FiberMap.run(entities, s.meta.activeSessionId, runEntity(s))
     })
 
-  const create = (cmd: CommandOf<"create">) => {
+  const create = (cmd: CommandOf<"create">, givenId?: string) => {
     const name = cmd.name
-    if (name === undefined) return createSession(cmd)
+    if (name === undefined) return createSession(cmd, givenId)
     return Effect.acquireUseRelease(
       // Claimed until the session is registered (or the create failed): then its name is in `sessions`.
       Effect.suspend(() => {
@@ -244,7 +270,7 @@ export const make = Effect.gen(function*() {
         const claimed = names.claim(name, undefined, "a session being created")
         return typeof claimed === "function" ? Effect.succeed(claimed) : Effect.fail(toCommandError(claimed))
       }),
-      () => createSession(cmd),
+      () => createSession(cmd, givenId),
       (release) => Effect.sync(release)
     )
   }
@@ -256,7 +282,7 @@ export const make = Effect.gen(function*() {
       return invalid !== undefined ? Effect.fail(invalid) : send<SessionSummary>(s, (c) => ({ _tag: "Rename", name: cmd.name, ...c }))
     })
 
-  const createSession = (cmd: CommandOf<"create">) =>
+  const createSession = (cmd: CommandOf<"create">, givenId?: string) =>
     Effect.gen(function*() {
       const engine = cmd.engine ?? config.engine
       yield* engines.validate(engine, cmd.config ?? {}).pipe(
@@ -267,7 +293,11 @@ export const make = Effect.gen(function*() {
           })
         )
       )
-      const activeSessionId = `s-${randomUUID()}`
+      const activeSessionId = givenId ?? `s-${randomUUID()}`
+      // A given id names a new session only (a create routed twice must not reopen one).
+      if (givenId !== undefined && (sessions.has(givenId) || damaged.has(givenId))) {
+        return yield* new CommandError({ code: "internal", message: `Session \`${givenId}\` exists already.` })
+      }
       const meta: SessionMeta = {
         activeSessionId,
         sessionId: activeSessionId,
@@ -456,7 +486,7 @@ export const make = Effect.gen(function*() {
    * Loads a session from its files and starts its entity; a session that does not load is kept
    * as damaged, after its event log's damage (if that is what failed) was moved aside.
    */
-  const admit = (meta: SessionMeta, journalBusy: boolean) =>
+  const admit = (meta: SessionMeta, journalSays: boolean | "ask the log") =>
     Effect.gen(function*() {
       const loaded = yield* Effect.either(loadSession(meta))
       if (Either.isLeft(loaded)) {
@@ -476,6 +506,9 @@ export const make = Effect.gen(function*() {
         return Option.none<Session>()
       }
       const { session: s, lastStatusBusy, endsWithTurnEnd } = loaded.right
+      // A session adopted from another runner: this manager's journal was read at its start, so
+      // whether a turn was running is what the shared log's last status says.
+      const journalBusy = journalSays === "ask the log" ? lastStatusBusy : journalSays
       if (journalBusy && !endsWithTurnEnd) {
         // It was running a turn when the daemon died: restored now, and the cut turn reported.
         yield* post(s, { _tag: "Restore" })
@@ -531,7 +564,7 @@ export const make = Effect.gen(function*() {
       return d === undefined ? Effect.flatMap(get(id), live) : onDamaged(d)
     }).pipe(Effect.mapError(toCommandError))
 
-  const listings = yield* store.list().pipe(Effect.orDie)
+  const listings = (yield* LoadAtStart) ? yield* store.list().pipe(Effect.orDie) : []
   const latest = yield* journal.latest()
   for (const listing of listings) {
     if (listing._tag === "Unreadable") {
@@ -540,6 +573,50 @@ export const make = Effect.gen(function*() {
     }
     yield* admit(listing.meta, latest.get(listing.meta.activeSessionId)?.busy === true)
   }
+
+  // ------------------------------------------------------------------------------------------
+  // A cluster runner's sessions come and go with its shards (docs/cluster.md).
+  // ------------------------------------------------------------------------------------------
+
+  /** `adopt`: one at a time with retry and kill of damaged sessions (each moves a session between the maps). */
+  const adopt = (id: string) =>
+    damagedLock.withPermits(1)(Effect.gen(function*() {
+      if (sessions.has(id) || damaged.has(id)) return
+      const meta = yield* Effect.either(store.loadMeta(id))
+      if (Either.isLeft(meta)) {
+        // Not in the store (a create on its way, or archived): nothing to adopt.
+        if (meta.left._tag === "SessionNotFound") return
+        return yield* markDamaged(id, undefined, meta.left.message, false)
+      }
+      yield* admit(meta.right, "ask the log")
+    })).pipe(Effect.catchAllCause((cause) => Effect.logError(`session ${id}: could not be adopted`, cause)))
+
+  /** `evict`: the worker is killed, not stopped: another runner may be restoring the session already. */
+  const evict = (id: string) =>
+    damagedLock.withPermits(1)(Effect.gen(function*() {
+      if (damaged.delete(id)) return
+      const s = sessions.get(id)
+      if (s === undefined) return
+      sessions.delete(id)
+      yield* FiberMap.remove(entities, id)
+      const workers = [...s.handles.workers.values()]
+      for (const worker of workers) worker.kill()
+      yield* Effect.forEach(workers, (worker) => Deferred.await(worker.exited), { discard: true }).pipe(
+        Effect.timeout("5 seconds"),
+        Effect.catchAllCause((cause) => Effect.logError(`session ${id}: its worker did not exit after SIGKILL`, cause))
+      )
+      yield* Scope.close(s.scope, Exit.void)
+      const moved = new CommandError({
+        code: "internal",
+        message: `Session \`${id}\` left this runner (its shard moved to another runner): send the command again.`
+      })
+      for (const waiting of s.handles.requests.values()) yield* Deferred.fail(waiting, moved)
+      for (const input of yield* Queue.takeAll(s.mailbox)) {
+        if ("reply" in input) yield* Deferred.fail(input.reply as Deferred.Deferred<unknown, unknown>, moved)
+      }
+      for (const attachment of [...s.attachments]) detachAttachment(attachment)
+      yield* Effect.logInfo(`session ${id} left this runner`)
+    }))
 
   return SessionManager.of({
     create,
@@ -595,7 +672,10 @@ export const make = Effect.gen(function*() {
     retryWorker: (id) => route(id, (s) => send<SessionSummary>(s, (c) => ({ _tag: "Retry", ...c })), retryDamaged),
     kill: (id) => route(id, (s) => send<{}>(s, (c) => ({ _tag: "Kill", ...c })), killDamaged),
     rename,
-    settleForShutdown
+    settleForShutdown,
+    adopt,
+    evict,
+    holds: (id) => damaged.has(id) || (sessions.has(id) && !isClosed(sessions.get(id)!))
   })
 })
 

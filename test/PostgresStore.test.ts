@@ -103,6 +103,25 @@ describePg("PostgresStore", () => {
       yield* Effect.scoped(Layer.build(PostgresStore.layer({ url, socketPath: "/run/third.sock" })))
     }))
 
+  it.scopedLive("cluster runners hold the store together (lock shared); a single daemon and runners refuse each other, naming the holder", () =>
+    Effect.gen(function*() {
+      const url = yield* freshSchema
+      yield* Effect.scoped(Effect.gen(function*() {
+        yield* Layer.build(PostgresStore.layer({ url, lock: "shared" }))
+        yield* Layer.build(PostgresStore.layer({ url, lock: "shared" }))
+        const single = yield* Effect.flip(Layer.build(PostgresStore.layer({ url, socketPath: "/run/single.sock" })))
+        assert.strictEqual(single._tag, "PostgresStoreLocked")
+        assert.include(single.message, "2 cluster runners (serve --cluster) hold the store")
+      }))
+      yield* Effect.scoped(Effect.gen(function*() {
+        yield* Layer.build(PostgresStore.layer({ url, socketPath: "/run/single.sock" }))
+        const runner = yield* Effect.flip(Layer.build(PostgresStore.layer({ url, lock: "shared" })))
+        assert.strictEqual(runner._tag, "PostgresStoreLocked")
+        assert.include(runner.message, `pid ${process.pid}`)
+        assert.include(runner.message, "socket /run/single.sock")
+      }))
+    }))
+
   it.scopedLive("a holder killed with SIGKILL leaves no lock behind: the store is taken again at once", () =>
     Effect.gen(function*() {
       const url = yield* freshSchema

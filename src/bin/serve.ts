@@ -1,5 +1,5 @@
 /**
- * The daemon's program as `agentd serve` loads it: bundled on its own (dist/src/bin/serve.js),
+ * The daemon's program as `agentd serve` loads it: bundled on its own (dist/src/bin/agentd-serve.cjs),
  * so that the other commands never load the daemon's modules.
  */
 import { fileURLToPath } from "node:url"

@@ -66,7 +66,9 @@ export const detach = (ctx: Context, options: ServeOptions, self: ReadonlyArray<
       ...(options.logLevel === undefined ? [] : ["--log-level", options.logLevel]),
       ...(options.store === undefined ? [] : ["--store", options.store]),
       ...(options.http === undefined ? [] : ["--http", options.http]),
-      ...(options.httpInsecure === true ? ["--http-insecure"] : [])
+      ...(options.httpInsecure === true ? ["--http-insecure"] : []),
+      ...(options.cluster === true ? ["--cluster"] : []),
+      ...(options.runnerAddress === undefined ? [] : ["--runner-address", options.runnerAddress])
     ]
     const child = spawn(process.execPath, args, { detached: true, stdio: ["ignore", fd, fd] })
     fs.closeSync(fd)

@@ -42,6 +42,10 @@ export interface ServeOptions {
   /** `HOST:PORT` of the HTTP front, if asked for. */
   readonly http?: string | undefined
   readonly httpInsecure?: boolean | undefined
+  /** Run as a cluster runner (docs/cluster.md). */
+  readonly cluster?: boolean | undefined
+  /** `HOST:PORT` of this runner. */
+  readonly runnerAddress?: string | undefined
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -138,6 +142,22 @@ export const commands: ReadonlyArray<CommandSpec> = [
         kind: "flag",
         description: "Allow --http on an address that is not loopback (put TLS in front of it)."
       },
+      {
+        name: "cluster",
+        kind: "flag",
+        description:
+          "Run as one runner of a cluster: sessions are sharded over every runner of the same --store (PostgreSQL only), any runner takes any session's commands (docs/cluster.md; default $AGENTD_CLUSTER)."
+      },
+      {
+        name: "runner-address",
+        kind: "string",
+        value: "HOST:PORT",
+        check: (value) => {
+          const listen = parseListen(value)
+          return typeof listen === "string" ? listen : undefined
+        },
+        description: "With --cluster: where the other runners reach this one, and where it listens (default $AGENTD_RUNNER_ADDRESS, else <hostname>:34431)."
+      },
       { name: "detach", kind: "flag", description: "Start the daemon in the background and return once it listens." },
       { name: "json", kind: "flag", description: "With --detach: print the daemon's pid, socket and log file as JSON." }
     ],
@@ -145,7 +165,8 @@ export const commands: ReadonlyArray<CommandSpec> = [
       "agentd serve",
       "agentd serve --detach --state-dir /tmp/agentd",
       "agentd serve --http 127.0.0.1:7433",
-      "agentd serve --store postgres://agentd@localhost/agentd"
+      "agentd serve --store postgres://agentd@localhost/agentd",
+      "agentd serve --store postgres://agentd@db/agentd --cluster --runner-address 10.0.0.5:34431"
     ]
   },
   {

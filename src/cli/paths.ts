@@ -43,6 +43,8 @@ export const serveOptionsOf = (p: Parsed, socketPath: string): ServeOptions => {
     logLevel: p.options.get("log-level") as string | undefined,
     store: p.options.get("store") as string | undefined,
     http: p.options.get("http") as string | undefined,
-    httpInsecure: p.options.get("http-insecure") === true
+    httpInsecure: p.options.get("http-insecure") === true,
+    cluster: p.options.get("cluster") === true,
+    runnerAddress: p.options.get("runner-address") as string | undefined
   }
 }

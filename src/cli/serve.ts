@@ -53,7 +53,9 @@ const runDaemon = (options: ServeOptions & { readonly workerEntry: string }): vo
     ...(options.shutdownGraceMs === undefined ? {} : { shutdownGraceMs: options.shutdownGraceMs }),
     ...(options.store === undefined ? {} : { store: options.store }),
     ...(options.http === undefined ? {} : { http: options.http }),
-    ...(options.httpInsecure === true ? { httpInsecure: true } : {})
+    ...(options.httpInsecure === true ? { httpInsecure: true } : {}),
+    ...(options.cluster === true ? { cluster: true } : {}),
+    ...(options.runnerAddress === undefined ? {} : { runnerAddress: options.runnerAddress })
   }).pipe(
     // The daemon logs to stderr; stdout stays free.
     Effect.provide(Logger.replace(Logger.defaultLogger, Logger.prettyLogger({ stderr: true, colors: false }))),
@@ -63,7 +65,7 @@ const runDaemon = (options: ServeOptions & { readonly workerEntry: string }): vo
         const message = ConfigError.isConfigError(error) ? `invalid setting: ${describeConfigError(error)}` : error.message
         process.stderr.write(`agentd: ${message}\n`)
         // `--engine` naming an engine that does not exist is a usage error.
-        process.exitCode = error._tag === "EngineError" || error._tag === "InvalidStore" ? 2 : 1
+        process.exitCode = error._tag === "EngineError" || error._tag === "InvalidStore" || error._tag === "ClusterNeedsPostgres" ? 2 : 1
       })
     ),
     NodeRuntime.runMain({ disableErrorReporting: false, disablePrettyLogger: true })

@@ -62,8 +62,13 @@ export class PostgresStoreLocked extends Data.TaggedError("PostgresStoreLocked")
   readonly pid: number | undefined
   readonly socketPath: string | undefined
   readonly host: string | undefined
+  /** How many cluster runners hold the store together (docs/cluster.md), when they are what holds it. */
+  readonly runners?: number | undefined
 }> {
   override get message(): string {
+    if (this.runners !== undefined && this.runners > 0) {
+      return `${this.runners} cluster runner${this.runners === 1 ? "" : "s"} (serve --cluster) hold the store ${this.url}: a single daemon cannot share it`
+    }
     return this.pid === undefined
       ? `another daemon (pid unknown, socket unknown: it left no holder record) holds the store ${this.url}`
       : `another daemon (pid ${this.pid}${this.host === undefined || this.host === os.hostname() ? "" : ` on ${this.host}`}, socket ${this.socketPath}) holds the store ${this.url}`
@@ -176,6 +181,11 @@ export interface Options {
   readonly socketPath?: string | undefined
   /** Connections in the pool besides the lock's (default 8). */
   readonly maxConnections?: number | undefined
+  /**
+   * `exclusive` (the default): one daemon holds the store. `shared`: the runners of a cluster
+   * (docs/cluster.md) hold it together; a single daemon and a runner still exclude each other.
+   */
+  readonly lock?: "exclusive" | "shared" | undefined
 }
 
 /** The advisory lock's key: one per schema, so two stores in one database do not collide. */
@@ -185,16 +195,28 @@ const LOCK_KEY = "agentd-store"
  * Takes the store's advisory lock on a connection kept for the scope's life, then says who holds
  * it. Fails {@link PostgresStoreLocked} naming the holder when another session has it.
  */
-const lock = (url: string, socketPath: string, waitForDeadHolder = true) =>
+const lock = (url: string, socketPath: string, waitForDeadHolder = true, shared = false) =>
   Effect.gen(function*() {
     const sql = yield* SqlClient.SqlClient
     const connection = yield* sql.reserve
     for (let attempt = 1;; attempt++) {
       const rows = yield* connection.executeValues(
-        "SELECT pg_try_advisory_lock(hashtext($1 || current_schema()))",
+        shared
+          ? "SELECT pg_try_advisory_lock_shared(hashtext($1 || current_schema()))"
+          : "SELECT pg_try_advisory_lock(hashtext($1 || current_schema()))",
         [LOCK_KEY]
       )
       if (rows[0]?.[0] === true) break
+      if (!shared) {
+        // Runners hold the key in share mode (bigint keys show as classid, the high half, and objid).
+        const runners = yield* connection.executeValues(
+          `SELECT count(*)::int FROM pg_locks WHERE locktype = 'advisory' AND mode = 'ShareLock' AND granted
+             AND objsubid = 1 AND ((classid::bigint << 32) | objid::bigint) = hashtext($1 || current_schema())::bigint`,
+          [LOCK_KEY]
+        )
+        const count = Number(runners[0]?.[0] ?? 0)
+        if (count > 0) return yield* new PostgresStoreLocked({ url, pid: undefined, socketPath: undefined, host: undefined, runners: count })
+      }
       const holder = yield* sql<{ pid: number; socket_path: string; host: string }>`
         SELECT pid, socket_path, host FROM agentd_holder WHERE id = 1`
       const h = holder[0]
@@ -207,6 +229,9 @@ const lock = (url: string, socketPath: string, waitForDeadHolder = true) =>
       }
       yield* Effect.sleep("100 millis")
     }
+    // The holder record names the one daemon that holds the store; runners holding it together
+    // leave it as it is (docs/cluster.md: `status` lists them).
+    if (shared) return connection
     yield* sql`INSERT INTO agentd_holder (id, pid, socket_path, host, started_at)
       VALUES (1, ${process.pid}, ${socketPath}, ${os.hostname()}, ${new Date().toISOString()})
       ON CONFLICT (id) DO UPDATE SET pid = EXCLUDED.pid, socket_path = EXCLUDED.socket_path,
@@ -224,7 +249,7 @@ const LOCK_CHECK = "2 seconds"
  * is logged at ERROR, naming it, and retried: two writers on one store is a broken promise to
  * be seen, not a reason to stop serving in the middle of turns.
  */
-const keepLock = (url: string, socketPath: string, first: SqlConnection.Connection) =>
+const keepLock = (url: string, socketPath: string, first: SqlConnection.Connection, shared: boolean) =>
   Effect.gen(function*() {
     const scope = yield* Effect.scope
     let connection = first
@@ -236,7 +261,7 @@ const keepLock = (url: string, socketPath: string, first: SqlConnection.Connecti
         lost = true
         yield* Effect.logWarning(`PostgreSQL store ${url}: the connection holding the store's lock is gone; taking the lock again`)
       }
-      const again = yield* Effect.either(Scope.extend(lock(url, socketPath, false), scope))
+      const again = yield* Effect.either(Scope.extend(lock(url, socketPath, false, shared), scope))
       if (again._tag === "Right") {
         connection = again.right
         lost = false
@@ -280,10 +305,11 @@ export const layer = (options: Options): Layer.Layer<
     PostgresStore,
     Effect.gen(function*() {
       yield* migrate.pipe(Effect.mapError(toStoreError(url, "schema migration failed")))
-      const connection = yield* lock(url, options.socketPath ?? "").pipe(
+      const shared = options.lock === "shared"
+      const connection = yield* lock(url, options.socketPath ?? "", true, shared).pipe(
         Effect.catchTag("SqlError", toStoreError(url, "cannot take the store's lock"))
       )
-      yield* keepLock(url, options.socketPath ?? "", connection)
+      yield* keepLock(url, options.socketPath ?? "", connection, shared)
       return { url }
     })
   )

@@ -1,0 +1,35 @@
+/**
+ * The `Session` entity of a cluster (docs/cluster.md): the thin door through which a command
+ * for a session reaches the runner that owns it. Its id is the session's `activeSessionId`,
+ * which @effect/cluster hashes to one of its shards; the runner holding that shard's lock runs
+ * the handler, which hands the command to its own SessionManager.
+ *
+ * Both messages are volatile (not persisted): a command is answered once, by the owner, over
+ * the runners' own connection; nothing is written to the cluster's message tables for it. A
+ * command whose owner dies before answering gets an error, never a second execution.
+ *
+ * Owns: the entity's protocol (its messages and the error that carries a wire error back).
+ */
+import * as Entity from "@effect/cluster/Entity"
+import * as Rpc from "@effect/rpc/Rpc"
+import * as Schema from "effect/Schema"
+
+/** A command's wire error (`{code, message}`), as the owner answered it. */
+export class RemoteCommandError extends Schema.TaggedError<RemoteCommandError>()("RemoteCommandError", {
+  code: Schema.String,
+  message: Schema.String
+}) {}
+
+export const SessionEntity = Entity.make("agentd/Session", [
+  /** A session command of the wire (docs/protocol.md section 3), decoded; its answer is the response's `data`. */
+  Rpc.make("Command", {
+    payload: { command: Schema.Unknown },
+    success: Schema.Unknown,
+    error: RemoteCommandError
+  }),
+  /**
+   * Wakes the entity on the runner that gained its shard: building it adopts the session (a busy
+   * one is restored at once, as at a daemon start), with no client command needed.
+   */
+  Rpc.make("Activate")
+])

@@ -1,0 +1,312 @@
+/**
+ * A cluster runner (`agentd serve --store postgres://... --cluster`; docs/cluster.md): the
+ * daemon joins @effect/cluster's sharding over the PostgreSQL store, and its SessionManager is
+ * replaced by one that routes each session's commands to the runner owning the session.
+ *
+ * - Sharding: @effect/cluster's socket runner (runners talk over TCP, msgpack), its runner and
+ *   message storage in the store's database (tables `agentd_cluster_*`), shard locks as
+ *   PostgreSQL advisory locks held on one connection per runner.
+ * - The `Session` entity (entity.ts): its handler runs on the owner. Building it adopts the
+ *   session into the local SessionManager; its scope closing (the shard released, lost, or the
+ *   runner stopping) evicts it, so the cluster waits for the session's worker to be gone before
+ *   it lets go of the shard's lock: that wait is the fencing.
+ * - The watcher: every {@link WATCH_INTERVAL} it reads which shards this runner holds, wakes the
+ *   entities of the sessions of newly held shards (their busy sessions are restored at once, as
+ *   at a daemon start), evicts what a lost shard left behind, and publishes the count for `status`.
+ * - The router: a SessionManager whose session commands run locally when this runner holds the
+ *   session, else go to the owner through the entity; `list` covers every runner's sessions.
+ *
+ * Owns: the sharding's layers and settings, the entity's handler, the watcher, the router.
+ */
+import { CurrentAddress } from "@effect/cluster/Entity"
+import * as EntityId from "@effect/cluster/EntityId"
+import * as RunnerAddress from "@effect/cluster/RunnerAddress"
+import * as RunnerHealth from "@effect/cluster/RunnerHealth"
+import * as Runners from "@effect/cluster/Runners"
+import * as Sharding from "@effect/cluster/Sharding"
+import * as ShardingConfig from "@effect/cluster/ShardingConfig"
+import * as ShardId from "@effect/cluster/ShardId"
+import * as SocketRunner from "@effect/cluster/SocketRunner"
+import * as SqlMessageStorage from "@effect/cluster/SqlMessageStorage"
+import * as SqlRunnerStorage from "@effect/cluster/SqlRunnerStorage"
+import * as NodeClusterSocket from "@effect/platform-node/NodeClusterSocket"
+import * as RpcSerialization from "@effect/rpc/RpcSerialization"
+import * as SqlClient from "@effect/sql/SqlClient"
+import * as Duration from "effect/Duration"
+import * as Effect from "effect/Effect"
+import * as Layer from "effect/Layer"
+import * as Option from "effect/Option"
+import { randomUUID } from "node:crypto"
+import * as os from "node:os"
+import { DaemonConfig } from "../../DaemonConfig.js"
+import type { CommandOf, SessionSummary } from "../../Protocol.js"
+import { CommandError, SessionManager } from "../../SessionManager.js"
+import { listingId, SessionStore } from "../../SessionStore.js"
+import { parseListen } from "../http/listen.js"
+import { RemoteCommandError, SessionEntity } from "./entity.js"
+
+/** The prefix of @effect/cluster's tables in the store (`agentd_cluster_runners`, `_messages`, `_replies`). */
+export const TABLE_PREFIX = "agentd_cluster"
+/** This project's own table: how many shards each runner holds, for `status`. */
+const SHARDS_TABLE = "agentd_cluster_shards"
+/** Default port of `--runner-address` (@effect/cluster's own default). */
+export const DEFAULT_RUNNER_PORT = 34431
+/** Default shard lease (@effect/cluster's default `shardLockExpiration`). */
+export const DEFAULT_LEASE_MS = 35_000
+/** How often the watcher reads which shards this runner holds. */
+const WATCH_INTERVAL = Duration.millis(250)
+/** Sessions asked about at once by `list` (one `get_state` each to their owners). */
+const LIST_CONCURRENCY = 8
+
+/** `HOST:PORT` of this runner: `--runner-address`, else `<hostname>:34431`. */
+export const runnerAddressOf = (configured: string | undefined): RunnerAddress.RunnerAddress => {
+  const parsed = configured === undefined ? undefined : parseListen(configured)
+  if (parsed === undefined || typeof parsed === "string") return RunnerAddress.make(os.hostname(), DEFAULT_RUNNER_PORT)
+  return RunnerAddress.make(parsed.host, parsed.port)
+}
+
+/**
+ * The sharding settings: the lease (`clusterLeaseMs`) and what follows from it. The locks are
+ * refreshed every third of it (the cluster's own rule); runners and assignments are re-read
+ * every sixth (at most 3 s, the cluster's default), so that a dead runner's shards are taken
+ * soon after its lease ran out.
+ */
+export const shardingSettings = (address: RunnerAddress.RunnerAddress, leaseMs: number): Partial<ShardingConfig.ShardingConfig["Type"]> => ({
+  runnerAddress: Option.some(address),
+  shardLockExpiration: Duration.millis(leaseMs),
+  shardLockRefreshInterval: Duration.millis(Math.min(10_000, Math.floor(leaseMs / 3))),
+  refreshAssignmentsInterval: Duration.millis(Math.min(3_000, Math.max(100, Math.floor(leaseMs / 6)))),
+  // A runner's health is judged by its heartbeat in the store (the lease), and by a ping at
+  // the same pace, not once a minute.
+  runnerHealthCheckInterval: Duration.millis(Math.max(1_000, leaseMs)),
+  // Commands to a session this runner owns skip the entity (see `route`); what goes through it
+  // locally need not be serialized to be checked.
+  simulateRemoteSerialization: false
+})
+
+/** @effect/cluster's sharding on this runner: socket transport, storage in the store's database. */
+const shardingLayer = (settings: Partial<ShardingConfig.ShardingConfig["Type"]>): Layer.Layer<
+  Sharding.Sharding | Runners.Runners | ShardingConfig.ShardingConfig,
+  never,
+  SqlClient.SqlClient
+> =>
+  SocketRunner.layer.pipe(
+    Layer.provide([NodeClusterSocket.layerSocketServer, NodeClusterSocket.layerClientProtocol]),
+    Layer.provide(RunnerHealth.layerPing.pipe(Layer.provide(Runners.layerRpc), Layer.provide(NodeClusterSocket.layerClientProtocol))),
+    Layer.provide(SqlMessageStorage.layerWith({ prefix: TABLE_PREFIX })),
+    Layer.provide(Layer.orDie(SqlRunnerStorage.layerWith({ prefix: TABLE_PREFIX }))),
+    Layer.provideMerge(ShardingConfig.layer(settings)),
+    Layer.provide(RpcSerialization.layerMsgPack),
+    // A runner port already taken (SocketServerError) stops the start as a defect: exit 1 with
+    // the error in the log. (A typed start error with its own message is still to do.)
+    Layer.orDie
+  )
+
+const toRemote = (e: CommandError) => new RemoteCommandError({ code: e.code, message: e.message })
+
+/**
+ * The entity's handlers on the owner. Building them adopts the session; the entity's scope
+ * closing evicts it (see the module's header).
+ */
+const entityLayer = (self: string) =>
+  SessionEntity.toLayer(
+    Effect.gen(function*() {
+      const local = yield* SessionManager
+      const id: string = (yield* CurrentAddress).entityId
+      yield* Effect.addFinalizer(() => local.evict(id))
+      yield* local.adopt(id)
+      const withRunner = (s: SessionSummary): SessionSummary => ({ ...s, runner: self })
+      const run = (command: any): Effect.Effect<unknown, CommandError> => {
+        switch (command?.type) {
+          case "create":
+            return Effect.map(local.create(command as CommandOf<"create">, id), (r) => ({ ...r, state: withRunner(r.state) }))
+          case "prompt":
+            return local.prompt(command as CommandOf<"prompt">)
+          case "abort":
+            return local.abort(command as CommandOf<"abort">)
+          case "get_state":
+            return Effect.map(local.getState(id), withRunner)
+          case "get_messages":
+            return local.getMessages(command as CommandOf<"get_messages">)
+          case "checkpoint":
+            return local.checkpoint(id)
+          case "retry_worker":
+            return Effect.map(local.retryWorker(id), withRunner)
+          case "kill":
+            return local.kill(id)
+          case "rename":
+            return Effect.map(local.rename(command as CommandOf<"rename">), withRunner)
+          default:
+            return Effect.fail(new CommandError({ code: "unknown_command", message: `\`${String(command?.type)}\` is not routed to a session's owner.` }))
+        }
+      }
+      return SessionEntity.of({
+        Command: (envelope) => Effect.mapError(run(envelope.payload.command), toRemote),
+        Activate: () => Effect.void
+      })
+    }),
+    // The session's own mailbox orders its inputs; reads must not queue behind a waiting prompt.
+    { concurrency: "unbounded", maxIdleTime: Duration.infinity }
+  )
+
+/** One runner as `status` lists it. */
+interface RunnerRow {
+  readonly address: string
+  readonly shards: number
+  readonly healthy: boolean
+}
+
+/**
+ * The runner: sharding, the entity, the watcher, and the routing SessionManager over the local
+ * one (which it takes from its context, built to load no session at start).
+ */
+export const layer: Layer.Layer<SessionManager, never, SessionManager | SessionStore | SqlClient.SqlClient | DaemonConfig> = Layer
+  .unwrapEffect(Effect.gen(function*() {
+    const config = yield* DaemonConfig
+    const address = runnerAddressOf(config.runnerAddress)
+    const self = `${address.host}:${address.port}`
+    const leaseMs = config.clusterLeaseMs ?? DEFAULT_LEASE_MS
+    const router = Layer.scoped(SessionManager, makeRouter(self, leaseMs))
+    return router.pipe(
+      Layer.provide(entityLayer(self)),
+      Layer.provideMerge(shardingLayer(shardingSettings(address, leaseMs)))
+    )
+  }))
+
+const makeRouter = (self: string, leaseMs: number) =>
+  Effect.gen(function*() {
+    const local = yield* SessionManager
+    const store = yield* SessionStore
+    const sql = yield* SqlClient.SqlClient
+    const sharding = yield* Sharding.Sharding
+    const client = yield* SessionEntity.client
+
+    const shardOf = (id: string) => sharding.getShardId(EntityId.make(id), SessionEntity.getShardGroup(EntityId.make(id)))
+    /** Whether this runner runs the session now: it holds the session and its shard's lock. */
+    const owns = (id: string) => local.holds(id) && sharding.hasShardId(shardOf(id))
+
+    /** A command sent to the session's owner; its wire error comes back as it was. */
+    const forward = <A>(id: string, command: unknown): Effect.Effect<A, CommandError> =>
+      client(id).Command({ command }).pipe(
+        Effect.map((data) => data as A),
+        Effect.catchAll((e) =>
+          Effect.fail(
+            e._tag === "RemoteCommandError"
+              ? new CommandError({ code: e.code as CommandError["code"], message: e.message })
+              : new CommandError({ code: "internal", message: `The runner of session \`${id}\` could not be reached: ${e.message}` })
+          )
+        ),
+        Effect.catchAllDefect((defect) =>
+          Effect.fail(new CommandError({ code: "internal", message: `The runner of session \`${id}\` did not answer: ${String(defect)}` }))
+        )
+      )
+
+    const withRunner = (s: SessionSummary): SessionSummary => ({ ...s, runner: self })
+
+    yield* sql.unsafe(`CREATE TABLE IF NOT EXISTS ${SHARDS_TABLE} (
+      address text PRIMARY KEY,
+      shards integer NOT NULL,
+      updated_at timestamptz NOT NULL DEFAULT now()
+    )`).pipe(Effect.orDie)
+    yield* Effect.addFinalizer(() => Effect.ignore(sql`DELETE FROM ${sql(SHARDS_TABLE)} WHERE address = ${self}`))
+
+    // The watcher (see the module's header).
+    const group = SessionEntity.getShardGroup(EntityId.make(""))
+    const { shardsPerGroup } = yield* ShardingConfig.ShardingConfig
+    const allShards = Array.from({ length: shardsPerGroup }, (_, i) => ShardId.make(group, i + 1))
+    let held = new Set<number>()
+    let published = -1
+    const watch = Effect.gen(function*() {
+      const now = new Set<number>()
+      for (const shard of allShards) if (sharding.hasShardId(shard)) now.add(shard.id)
+      const gained = [...now].filter((s) => !held.has(s))
+      const lost = [...held].filter((s) => !now.has(s))
+      held = now
+      if (gained.length > 0 || lost.length > 0) {
+        const listings = yield* Effect.orElseSucceed(store.list(), () => [])
+        const ids = listings.map(listingId)
+        const gainedSet = new Set(gained)
+        const lostSet = new Set(lost)
+        // What a lost shard's entities did not take with them (their scope evicts them first).
+        yield* Effect.forEach(ids.filter((id) => lostSet.has(shardOf(id).id) && local.holds(id)), local.evict, { discard: true })
+        yield* Effect.forEach(
+          ids.filter((id) => gainedSet.has(shardOf(id).id)),
+          (id) => Effect.catchAllCause(client(id).Activate(), (cause) => Effect.logWarning(`session ${id}: could not be activated`, cause)),
+          { concurrency: LIST_CONCURRENCY, discard: true }
+        )
+      }
+      if (now.size !== published) {
+        yield* sql`INSERT INTO ${sql(SHARDS_TABLE)} (address, shards, updated_at) VALUES (${self}, ${now.size}, now())
+          ON CONFLICT (address) DO UPDATE SET shards = EXCLUDED.shards, updated_at = EXCLUDED.updated_at`
+        published = now.size
+      }
+    }).pipe(Effect.catchAllCause((cause) => Effect.logWarning("cluster: the shard watcher failed once", cause)))
+    yield* Effect.forkScoped(Effect.forever(Effect.zipRight(watch, Effect.sleep(WATCH_INTERVAL))))
+
+    /** A session command: run here when this runner owns the session, else by its owner. */
+    const route = <A>(id: string, here: Effect.Effect<A, CommandError>, command: unknown): Effect.Effect<A, CommandError> =>
+      Effect.suspend(() => (owns(id) ? here : forward<A>(id, command)))
+
+    const runners: Effect.Effect<ReadonlyArray<RunnerRow>> = sql<{ address: string; healthy: boolean; shards: number }>`
+      SELECT r.address, r.healthy, COALESCE(s.shards, 0)::int AS shards
+      FROM ${sql(`${TABLE_PREFIX}_runners`)} r LEFT JOIN ${sql(SHARDS_TABLE)} s USING (address)
+      WHERE r.last_heartbeat > now() - make_interval(secs => ${Math.ceil(leaseMs / 1000)})
+      ORDER BY r.address`.pipe(
+      Effect.map((rows) => rows.map((r) => ({ address: r.address, shards: Number(r.shards), healthy: Boolean(r.healthy) }))),
+      Effect.catchAllCause((cause) => Effect.as(Effect.logWarning("cluster: runners could not be read", cause), []))
+    )
+
+    const summaryOfOwner = (id: string): Effect.Effect<SessionSummary, CommandError> =>
+      route(id, Effect.map(local.getState(id), withRunner), { type: "get_state", activeSessionId: id })
+
+    return SessionManager.of({
+      ...local,
+      create: (cmd, given) =>
+        // The id is chosen here, so that the create goes to the runner that will own the session.
+        forward(given ?? `s-${randomUUID()}`, cmd),
+      list: Effect.gen(function*() {
+        const listings = yield* Effect.orElseSucceed(store.list(), () => [])
+        // A session of a shard this runner just lost is asked of its new owner, not listed from here.
+        const mine = (yield* local.list).sessions.filter((s) => s.worker === "damaged" || sharding.hasShardId(shardOf(s.activeSessionId)))
+        const here = new Set(mine.map((s) => s.activeSessionId))
+        const elsewhere = yield* Effect.forEach(
+          listings.filter((l) => !here.has(listingId(l)) && l._tag !== "Unreadable"),
+          (l) => Effect.option(summaryOfOwner(listingId(l))),
+          { concurrency: LIST_CONCURRENCY }
+        )
+        return {
+          sessions: [
+            ...mine.map(withRunner),
+            ...elsewhere.flatMap((o) => (Option.isSome(o) && o.value.worker !== "closed" ? [o.value] : []))
+          ]
+        }
+      }),
+      status: Effect.gen(function*() {
+        const status = (yield* local.status) as Record<string, unknown>
+        return { ...status, runner: self, runners: yield* runners }
+      }),
+      attach: (connectionId, outbox, cmd) =>
+        Effect.suspend(() =>
+          owns(cmd.activeSessionId)
+            ? local.attach(connectionId, outbox, cmd)
+            : Effect.flatMap(summaryOfOwner(cmd.activeSessionId), (s) =>
+              Effect.fail(
+                new CommandError({
+                  code: "internal",
+                  message: `Session \`${cmd.activeSessionId}\` runs on runner ${s.runner ?? "unknown"}: attach through that runner ` +
+                    "(attaching through another runner is not supported yet)."
+                })
+              ))
+        ),
+      detach: (connectionId, id) =>
+        Effect.suspend(() => (local.holds(id) ? local.detach(connectionId, id) : Effect.asVoid(summaryOfOwner(id)))),
+      prompt: (cmd) => route(cmd.activeSessionId, local.prompt(cmd), cmd),
+      abort: (cmd) => route(cmd.activeSessionId, local.abort(cmd), cmd),
+      getState: (id) => summaryOfOwner(id),
+      getMessages: (cmd) => route(cmd.activeSessionId, local.getMessages(cmd), cmd),
+      checkpoint: (id) => route(id, local.checkpoint(id), { type: "checkpoint", activeSessionId: id }),
+      retryWorker: (id) => route(id, Effect.map(local.retryWorker(id), withRunner), { type: "retry_worker", activeSessionId: id }),
+      kill: (id) => route(id, local.kill(id), { type: "kill", activeSessionId: id }),
+      rename: (cmd) => route(cmd.activeSessionId, Effect.map(local.rename(cmd), withRunner), cmd)
+    })
+  })

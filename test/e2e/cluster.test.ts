@@ -1,0 +1,208 @@
+/**
+ * `serve --store postgres://... --cluster` (docs/cluster.md): two runners over one store, real
+ * `agentd serve` processes with their own state dirs and runner ports.
+ *
+ * 1. Routing: sessions created through runner A land on their owner (one of each is made);
+ *    prompted through runner B, their turns reach a client attached through the owner with
+ *    contiguous cursors; `get_state`, `get_messages` and `list` answer the same through either
+ *    runner, naming the owner (`runner`); `status` lists both runners and their shards; an
+ *    attach through a non-owner is refused naming the owner (not supported yet).
+ * 2. Failover: the owner SIGKILLed mid-turn; the session comes back `ready` on the other runner
+ *    once the lease ran out, its cut turn ended `turn_interrupted {reason: "daemon_restarted"}`,
+ *    its cursors contiguous with what a client saw through the dead runner, its old worker gone,
+ *    and it takes a new turn. The failover time is printed.
+ *
+ * The two runners are shared by both tests (the second kills one). The lease is shortened for
+ * the test (`AGENTD_CLUSTER_LEASE_MS`, default here 6000; `AGENTD_TEST_CLUSTER_LEASE_MS` sets
+ * it). Needs `npm run build` first, and PostgreSQL (test/support/postgres.ts). Shard locks are
+ * advisory locks of the whole database: only one cluster may run in it at a time.
+ */
+import * as fs from "node:fs"
+import { afterAll, beforeAll, expect, it } from "vitest"
+import { describePg, freshSchemaUrl } from "../support/postgres.js"
+import { attachAndReplay } from "./attach.js"
+import {
+  cleanUpAfterTests,
+  collectTurn,
+  collectUntil,
+  createSession,
+  cursorGap,
+  cursorOf,
+  type Daemon,
+  isEvent,
+  isIdleStatus,
+  type Msg,
+  freshStateDir,
+  sleep,
+  startDaemon,
+  waitGone
+} from "./harness.js"
+import { runCli } from "./cliRun.js"
+import { freePort } from "./httpHarness.js"
+
+cleanUpAfterTests()
+
+const LEASE_MS = Number(process.env["AGENTD_TEST_CLUSTER_LEASE_MS"] ?? 6000)
+
+it("--cluster without a PostgreSQL store exits 2 with a clear message, before the state dir is touched", async () => {
+  const stateDir = freshStateDir()
+  const flag = await runCli(["serve", "--state-dir", stateDir, "--store", "files", "--cluster"])
+  expect(flag.code, flag.stderr).toBe(2)
+  expect(flag.stderr).toMatch(/--cluster needs a PostgreSQL store/)
+  const env = await runCli(["serve", "--state-dir", stateDir], { env: { AGENTD_CLUSTER: "1" } })
+  expect(env.code, env.stderr).toBe(2)
+  expect(env.stderr).toMatch(/--cluster needs a PostgreSQL store/)
+  expect(fs.existsSync(stateDir)).toBe(false)
+})
+
+describePg("serve --cluster: two runners over one PostgreSQL store", () => {
+  let a: Daemon
+  let b: Daemon
+  let addressOf: Map<Daemon, string>
+  let drop: (() => Promise<void>) | undefined
+  /** A session owned by each runner, made by the first test. */
+  const ownedBy = new Map<string, string>()
+
+  const startRunner = async (url: string): Promise<{ daemon: Daemon; address: string }> => {
+    const address = `127.0.0.1:${await freePort()}`
+    const daemon = await startDaemon({
+      // Kept across the tests of this block (the second kills one); afterAll cleans them up.
+      shared: true,
+      extraArgs: ["--store", url, "--cluster", "--runner-address", address],
+      env: { AGENTD_CLUSTER_LEASE_MS: String(LEASE_MS), AGENTD_WARM_SPARE: "0" }
+    })
+    return { daemon, address }
+  }
+
+  beforeAll(async () => {
+    const store = await freshSchemaUrl()
+    drop = store.drop
+    // One after the other: the first makes the store's and the cluster's tables.
+    const ra = await startRunner(store.url)
+    const rb = await startRunner(store.url)
+    a = ra.daemon
+    b = rb.daemon
+    addressOf = new Map([[a, ra.address], [b, rb.address]])
+  }, 60_000)
+
+  afterAll(async () => {
+    await a?.cleanup()
+    await b?.cleanup()
+    await drop?.()
+  }, 30_000)
+
+  /** Polls `status` until both runners are listed holding every shard between them. */
+  const settled = async (client: Awaited<ReturnType<Daemon["connect"]>>, runners: number): Promise<Msg> => {
+    const deadline = Date.now() + 30_000
+    for (;;) {
+      const status = await client.ok({ type: "status" })
+      const listed = (status["runners"] ?? []) as Array<Msg>
+      const total = listed.reduce((n, r) => n + (r["shards"] as number), 0)
+      if (listed.length === runners && total === 300 && listed.every((r) => r["shards"] > 0 && r["healthy"] === true)) return status
+      if (Date.now() > deadline) throw new Error(`runners not settled: ${JSON.stringify(listed)}`)
+      await sleep(100)
+    }
+  }
+
+  it("a session made through A runs on its owner; prompted through B, its events reach a client attached to the owner", async () => {
+    const ca = await a.connect("A")
+    const cb = await b.connect("B")
+    const status = await settled(ca, 2)
+    expect(status["runner"]).toBe(addressOf.get(a))
+    expect((status["runners"] as Array<Msg>).map((r) => r["address"]).sort()).toEqual([addressOf.get(a), addressOf.get(b)].sort())
+
+    // Sessions made through A until one is owned by each runner (the shard is the hash of the id).
+    for (let i = 0; i < 20 && ownedBy.size < 2; i++) {
+      const { id, data } = await createSession(ca)
+      const owner = data["state"]["runner"] as string
+      expect([addressOf.get(a), addressOf.get(b)]).toContain(owner)
+      expect((await cb.ok({ type: "get_state", activeSessionId: id }))["runner"]).toBe(owner)
+      if (!ownedBy.has(owner)) ownedBy.set(owner, id)
+    }
+    expect(ownedBy.size).toBe(2)
+
+    for (const [owner, id] of ownedBy) {
+      const ownerDaemon = owner === addressOf.get(a) ? a : b
+      const other = ownerDaemon === a ? b : a
+      const watcher = await ownerDaemon.connect("owner")
+      await attachAndReplay(watcher, { activeSessionId: id })
+      // Prompted through B: forwarded to the owner when B is not it.
+      await cb.ok({ type: "prompt", activeSessionId: id, message: `through B to ${owner}` })
+      const turn = await collectTurn(watcher, id, 20_000)
+      expect(turn.filter(isEvent("message_end")).map((m) => m["event"]["message"]["content"])).toEqual([
+        `through B to ${owner}`,
+        `echo: through B to ${owner}`
+      ])
+      // The baseline then the turn, one after the other.
+      expect(cursorGap(watcher.sequenced(id))).toBeUndefined()
+
+      // Reads through either runner agree and name the owner.
+      for (const c of [ca, cb]) {
+        const state = await c.ok({ type: "get_state", activeSessionId: id })
+        expect(state).toMatchObject({ runner: owner, busy: false, worker: "ready", messageCount: 2 })
+        const page = await c.ok({ type: "get_messages", activeSessionId: id })
+        expect(page["messages"].map((m: Msg) => m["content"])).toEqual([`through B to ${owner}`, `echo: through B to ${owner}`])
+      }
+
+      // Attach through the runner that does not own it: refused, naming the owner (not done yet).
+      const stranger = await other.connect("stranger")
+      const refused = await stranger.request({ type: "attach", activeSessionId: id })
+      expect(refused["success"]).toBe(false)
+      expect(refused["error"]["message"]).toContain(owner)
+    }
+
+    // `list` through either runner: every session of the cluster, each with its owner.
+    for (const c of [ca, cb]) {
+      const listed = new Map(((await c.ok({ type: "list" }))["sessions"] as Array<Msg>).map((s) => [s["activeSessionId"], s["runner"]]))
+      for (const [owner, id] of ownedBy) expect(listed.get(id)).toBe(owner)
+    }
+  }, 60_000)
+
+  it("the owner SIGKILLed mid-turn: the session comes back ready on the other runner, cursors contiguous", async () => {
+    expect(ownedBy.size).toBe(2)
+    const victim = b
+    const survivor = a
+    const id = ownedBy.get(addressOf.get(victim)!)!
+    const watcher = await victim.connect("owner")
+    const cs = await survivor.connect("survivor")
+    await attachAndReplay(watcher, { activeSessionId: id })
+    // A turn that is still running when its runner dies (a tool call that sleeps).
+    await cs.ok({ type: "prompt", activeSessionId: id, message: "/sleep 60000" })
+    await collectUntil(watcher, id, isEvent("tool_execution_start"), 20_000)
+    const before = await cs.ok({ type: "get_state", activeSessionId: id })
+    expect(before).toMatchObject({ busy: true, runner: addressOf.get(victim) })
+    const oldWorker = before["workerPid"] as number
+    const seen = watcher.sequenced(id)
+    const lastSeen = cursorOf(seen[seen.length - 1]!)
+
+    const killedAt = Date.now()
+    await victim.sigkill()
+    let state: Msg
+    for (;;) {
+      const r = await cs.request({ type: "get_state", activeSessionId: id }, 30_000)
+      state = r["data"] ?? {}
+      if (state["runner"] === addressOf.get(survivor) && state["worker"] === "ready" && state["busy"] === false) break
+      if (Date.now() - killedAt > 60_000) throw new Error(`no failover after 60 s: ${JSON.stringify(r)}`)
+      await sleep(100)
+    }
+    const failoverMs = Date.now() - killedAt
+    process.stderr.write(`[cluster.test] failover (owner SIGKILL to ready on the other runner), lease ${LEASE_MS} ms: ${failoverMs} ms\n`)
+    // The dead runner's worker is gone: the session has one live worker, the new one.
+    expect(await waitGone([oldWorker], 5_000)).toEqual([])
+    expect(state["workerPid"]).not.toBe(oldWorker)
+
+    // Resumed through the survivor from the last cursor seen through the dead runner.
+    const resumed = await attachAndReplay(cs, { activeSessionId: id, resumeCursor: lastSeen })
+    expect(resumed.data["replay"]["status"]).toBe("complete")
+    const after = [...resumed.replayed]
+    if (!after.some(isIdleStatus)) after.push(...await collectUntil(cs, id, isIdleStatus, 20_000))
+    expect(cursorGap([...seen, ...after])).toBeUndefined()
+    expect(after.find(isEvent("turn_interrupted"))?.["event"]).toEqual({ type: "turn_interrupted", reason: "daemon_restarted" })
+
+    // It takes a new turn on its new owner.
+    await cs.ok({ type: "prompt", activeSessionId: id, message: "after the failover" })
+    const turn = await collectTurn(cs, id, 20_000)
+    expect(turn.filter(isEvent("message_end")).map((m) => m["event"]["message"]["content"])).toEqual(["after the failover", "echo: after the failover"])
+    expect(cursorGap(cs.sequenced(id))).toBeUndefined()
+  }, 90_000)
+})
