@@ -106,6 +106,9 @@ class SseParser {
   }
 }
 
+/** SSE data events received (all readers): how finely the daemon batches. */
+let sseDataEvents = 0
+
 /** One SSE reader: every data event's array parsed, `onUpdate` per `message_update`; `close` ends it. */
 const sseReader = (port: number, token: string, target: string, onUpdate: () => void) =>
   new Promise<{ readonly close: () => void }>((resolve, reject) => {
@@ -116,6 +119,7 @@ const sseReader = (port: number, token: string, target: string, onUpdate: () => 
       res.setEncoding("utf8")
       const parser = new SseParser((type, data) => {
         if (type !== "data") return
+        sseDataEvents++
         for (const m of JSON.parse(data) as Array<Msg>) if (isUpdate(m)) onUpdate()
       })
       res.on("data", (text: string) => parser.push(text))
@@ -129,6 +133,8 @@ const sseReader = (port: number, token: string, target: string, onUpdate: () => 
 interface Turn {
   readonly rate: number
   readonly ticks: number
+  /** SSE only: data events per reader over the turn. */
+  readonly dataEvents?: number
 }
 
 const measureSocket = async (daemon: Daemon, ctl: Client, id: string, n: number): Promise<Turn> => {
@@ -180,6 +186,7 @@ const measureSse = async (daemon: Daemon, port: number, token: string, ctl: Clie
       }))
     }
     await sleep(200)
+    sseDataEvents = 0
     const text = message()
     const ticks = cpuTicksOf(daemon.pid)!
     const started = nowMs()
@@ -190,7 +197,7 @@ const measureSse = async (daemon: Daemon, port: number, token: string, ctl: Clie
     await waitReady(ctl, id, 30_000)
     const wrong = counts.filter((k) => k !== EVENTS)
     if (wrong.length > 0) throw new Error(`SSE readers got ${wrong.join(",")} updates, expected ${EVENTS}`)
-    return { rate: (EVENTS * n) / seconds, ticks: used }
+    return { rate: (EVENTS * n) / seconds, ticks: used, dataEvents: sseDataEvents / n }
   } finally {
     for (const r of readers) r.close()
   }
@@ -198,6 +205,9 @@ const measureSse = async (daemon: Daemon, port: number, token: string, ctl: Clie
 
 /** Daemon CPU per delivered event in microseconds, over all of `turns`. */
 const cpuPerEvent = (turns: ReadonlyArray<Turn>, n: number) => (turns.reduce((t, x) => t + x.ticks, 0) * TICK_US) / (turns.length * EVENTS * n)
+
+/** Median over turns of the events per SSE data event a reader got. */
+const eventsPerDataEvent = (turns: ReadonlyArray<Turn>) => Math.round(median(turns.map((t) => EVENTS / (t.dataEvents ?? NaN))))
 
 export default async function httpDelivery(): Promise<void> {
   await withHttpDaemon(
@@ -235,13 +245,14 @@ export default async function httpDelivery(): Promise<void> {
           const socketUs = cpuPerEvent(socket, n)
           console.log(
             `${what}, daemon CPU per delivered event over ${RUNS} turns: SSE ${sseUs.toFixed(2)} us | socket ${socketUs.toFixed(2)} us | ` +
-              `ratio socket/SSE ${(socketUs / sseUs).toFixed(2)}x (higher is better) | load average ${load()}`
+              `ratio socket/SSE ${(socketUs / sseUs).toFixed(2)}x (higher is better) | ${eventsPerDataEvent(sse)} events per SSE data event | ` +
+              `load average ${load()}`
           )
         } else {
           const turns = ONLY === "sse" ? sse : socket
           console.log(
             `${ONLY} only, ${n} client(s): median ${Math.round(median(turns.map((t) => t.rate)))} events/s, daemon CPU per delivered event ` +
-              `${cpuPerEvent(turns, n).toFixed(2)} us | load average ${load()}`
+              `${cpuPerEvent(turns, n).toFixed(2)} us${ONLY === "sse" ? ` | ${eventsPerDataEvent(sse)} events per SSE data event` : ""} | load average ${load()}`
           )
         }
       }
