@@ -22,7 +22,7 @@
  */
 import * as http from "node:http"
 import * as os from "node:os"
-import { cpuTicksOf } from "../test/support/procfs.js"
+import * as fs from "node:fs"
 import { type Client, createSession, type Daemon, isIdleStatus, type Msg, nowMs, runTurn, sleep, waitReady } from "./daemonHarness.js"
 import { NO_AUTO_CHECKPOINT, withHttpDaemon } from "./httpHarness.js"
 import { printRatio } from "./report.js"
@@ -129,10 +129,19 @@ const sseReader = (port: number, token: string, target: string, onUpdate: () => 
     req.end()
   })
 
+/** User and system CPU ticks of a process (fields 14 and 15 of /proc/<pid>/stat). */
+const cpuTicks = (pid: number): { readonly user: number; readonly system: number } => {
+  const stat = fs.readFileSync(`/proc/${pid}/stat`, "utf8")
+  const fields = stat.slice(stat.lastIndexOf(")") + 2).split(" ")
+  return { user: Number(fields[11]), system: Number(fields[12]) }
+}
+
 /** What one timed turn gave: aggregate events/s and the daemon's CPU ticks over it. */
 interface Turn {
   readonly rate: number
   readonly ticks: number
+  /** Of which in the kernel (system time). */
+  readonly systemTicks: number
   /** SSE only: data events per reader over the turn. */
   readonly dataEvents?: number
 }
@@ -160,14 +169,14 @@ const measureSocket = async (daemon: Daemon, ctl: Client, id: string, n: number)
       }
     })
     const text = message()
-    const ticks = cpuTicksOf(daemon.pid)!
+    const before = cpuTicks(daemon.pid)
     const started = nowMs()
     await ctl.ok({ type: "prompt", activeSessionId: id, message: text })
     await withTimeout(done, TIMEOUT_MS, () => `socket: ${counts.join(",")}`)
     const seconds = (nowMs() - started) / 1000
-    const used = cpuTicksOf(daemon.pid)! - ticks
+    const after = cpuTicks(daemon.pid)
     await Promise.all(clients.map((c) => c.waitFor((m) => m["activeSessionId"] === id && isIdleStatus(m), 30_000, "idle")))
-    return { rate: (EVENTS * n) / seconds, ticks: used }
+    return { rate: (EVENTS * n) / seconds, ticks: after.user + after.system - before.user - before.system, systemTicks: after.system - before.system }
   } finally {
     for (const c of clients) c.close()
   }
@@ -188,23 +197,28 @@ const measureSse = async (daemon: Daemon, port: number, token: string, ctl: Clie
     await sleep(200)
     sseDataEvents = 0
     const text = message()
-    const ticks = cpuTicksOf(daemon.pid)!
+    const before = cpuTicks(daemon.pid)
     const started = nowMs()
     await ctl.ok({ type: "prompt", activeSessionId: id, message: text })
     await withTimeout(done, TIMEOUT_MS, () => `SSE: ${counts.join(",")}`)
     const seconds = (nowMs() - started) / 1000
-    const used = cpuTicksOf(daemon.pid)! - ticks
+    const after = cpuTicks(daemon.pid)
     await waitReady(ctl, id, 30_000)
     const wrong = counts.filter((k) => k !== EVENTS)
     if (wrong.length > 0) throw new Error(`SSE readers got ${wrong.join(",")} updates, expected ${EVENTS}`)
-    return { rate: (EVENTS * n) / seconds, ticks: used, dataEvents: sseDataEvents / n }
+    return { rate: (EVENTS * n) / seconds, ticks: after.user + after.system - before.user - before.system, systemTicks: after.system - before.system, dataEvents: sseDataEvents / n }
   } finally {
     for (const r of readers) r.close()
   }
 }
 
 /** Daemon CPU per delivered event in microseconds, over all of `turns`. */
-const cpuPerEvent = (turns: ReadonlyArray<Turn>, n: number) => (turns.reduce((t, x) => t + x.ticks, 0) * TICK_US) / (turns.length * EVENTS * n)
+const cpuPerEvent = (turns: ReadonlyArray<Turn>, n: number, pick: (t: Turn) => number = (t) => t.ticks) =>
+  (turns.reduce((sum, t) => sum + pick(t), 0) * TICK_US) / (turns.length * EVENTS * n)
+
+/** `<all> us (<system> in the kernel)`. */
+const cpuText = (turns: ReadonlyArray<Turn>, n: number) =>
+  `${cpuPerEvent(turns, n).toFixed(2)} us (${cpuPerEvent(turns, n, (t) => t.systemTicks).toFixed(2)} system)`
 
 /** Median over turns of the events per SSE data event a reader got. */
 const eventsPerDataEvent = (turns: ReadonlyArray<Turn>) => Math.round(median(turns.map((t) => EVENTS / (t.dataEvents ?? NaN))))
@@ -244,7 +258,7 @@ export default async function httpDelivery(): Promise<void> {
           const sseUs = cpuPerEvent(sse, n)
           const socketUs = cpuPerEvent(socket, n)
           console.log(
-            `${what}, daemon CPU per delivered event over ${RUNS} turns: SSE ${sseUs.toFixed(2)} us | socket ${socketUs.toFixed(2)} us | ` +
+            `${what}, daemon CPU per delivered event over ${RUNS} turns: SSE ${cpuText(sse, n)} | socket ${cpuText(socket, n)} | ` +
               `ratio socket/SSE ${(socketUs / sseUs).toFixed(2)}x (higher is better) | ${eventsPerDataEvent(sse)} events per SSE data event | ` +
               `load average ${load()}`
           )
@@ -252,7 +266,7 @@ export default async function httpDelivery(): Promise<void> {
           const turns = ONLY === "sse" ? sse : socket
           console.log(
             `${ONLY} only, ${n} client(s): median ${Math.round(median(turns.map((t) => t.rate)))} events/s, daemon CPU per delivered event ` +
-              `${cpuPerEvent(turns, n).toFixed(2)} us${ONLY === "sse" ? ` | ${eventsPerDataEvent(sse)} events per SSE data event` : ""} | load average ${load()}`
+              `${cpuText(turns, n)}${ONLY === "sse" ? ` | ${eventsPerDataEvent(sse)} events per SSE data event` : ""} | load average ${load()}`
           )
         }
       }

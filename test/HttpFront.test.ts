@@ -12,7 +12,7 @@ import * as os from "node:os"
 import * as path from "node:path"
 import * as Cursor from "../src/Cursor.js"
 import { statusOf } from "../src/internal/http/errors.js"
-import { type Reader, readPage } from "../src/internal/http/events.js"
+import { dataEventOf, type Reader, readPage } from "../src/internal/http/events.js"
 import { cursorOfLine, type Item, LineSorter } from "../src/internal/http/lines.js"
 import * as Offset from "../src/internal/http/offset.js"
 import { StreamPort } from "../src/internal/http/port.js"
@@ -147,6 +147,44 @@ describe("HTTP event lines", () => {
     const lost: Array<Item> = []
     sorter.push(`{"type":"session_snapshot_begin","activeSessionId":"s-1","snapshotId":"snap-3","purpose":"resync"}\n`, lost)
     assert.deepStrictEqual(lost, [{ _tag: "Lost", reason: "resync" }])
+  })
+
+  it("a batch's SSE data event is made from its bytes: the lines as they are, one `data:` line each, `id:` its last offset", () => {
+    // Multi-byte text everywhere, a line's end cut inside a character by the window the cursor
+    // is read from, and a line whose content looks like a meta.
+    const long = "é".repeat(200) + "😀"
+    const lines = [
+      line("session_event", 3, 7, `,"event":{"type":"message_update","delta":"${long}"}`),
+      line("session_event", 3, 8, `,"event":{"type":"x","text":",\\"meta\\":{\\"cursor\\":{\\"generation\\":9,\\"sequence\\":9}"}`),
+      line("session_status", 3, 9, `,"state":{"name":"${"ü".repeat(120)}"}`)
+    ]
+    const piece = new TextEncoder().encode(lines.map((l) => `${l}\n`).join(""))
+    const made = dataEventOf(piece)
+    assert.isNotNull(made)
+    const text = new TextDecoder().decode(made!.bytes)
+    assert.strictEqual(text, `event: data\nid: ${Offset.encode(Cursor.make(3, 9))}\ndata: [\ndata: ${lines.join(",\ndata: ")}\ndata: ]\n\n`)
+    // What an EventSource hands its listener: the data lines joined with LF, a JSON array.
+    const data = text.split("\n").filter((l) => l.startsWith("data: ")).map((l) => l.slice(6)).join("\n")
+    assert.deepStrictEqual(JSON.parse(data), lines.map((l) => JSON.parse(l)))
+    assert.deepStrictEqual(made!.last, Cursor.make(3, 9))
+    assert.strictEqual(made!.count, 3)
+    assert.strictEqual(made!.lineBytes, piece.length - 3)
+    assert.isFalse(made!.closes)
+    // A Uint8Array over part of a larger buffer (an offset into it) reads the same.
+    const within = new Uint8Array(piece.length + 10)
+    within.set(piece, 5)
+    assert.strictEqual(new TextDecoder().decode(dataEventOf(within.subarray(5, 5 + piece.length))!.bytes), text)
+    const closing = dataEventOf(new TextEncoder().encode(`${line("session_event", 3, 10)}\n${line("session_closed", 3, 11)}\n`))
+    assert.isTrue(closing!.closes)
+    assert.deepStrictEqual(closing!.last, Cursor.make(3, 11))
+    // Not only whole event lines: sorted line by line by the caller instead.
+    const enc = (t: string) => new TextEncoder().encode(t)
+    assert.isNull(dataEventOf(enc("")))
+    assert.isNull(dataEventOf(enc(`${lines[0]}\n${lines[1]}`)))
+    assert.isNull(dataEventOf(enc(`${lines[0]}\n{"type":"session_snapshot_begin","snapshotId":"x","purpose":"replacement"}\n`)))
+    assert.isNull(dataEventOf(enc(`{"type":"session_attached","activeSessionId":"s-1"}\n${lines[0]}\n`)))
+    assert.isNull(dataEventOf(enc(`${lines[0]}\n\n`)))
+    assert.isNull(dataEventOf(enc(`{"type":"session_event","event":{}}\n`)))
   })
 })
 
