@@ -24,7 +24,7 @@ import * as http from "node:http"
 import * as os from "node:os"
 import * as fs from "node:fs"
 import { type Client, createSession, type Daemon, isIdleStatus, type Msg, nowMs, runTurn, sleep, waitReady } from "./daemonHarness.js"
-import { NO_AUTO_CHECKPOINT, withHttpDaemon } from "./httpHarness.js"
+import { get, NO_AUTO_CHECKPOINT, withHttpDaemon } from "./httpHarness.js"
 import { printRatio } from "./report.js"
 
 const WORDS = 20_000
@@ -142,6 +142,8 @@ interface Turn {
   readonly ticks: number
   /** Of which in the kernel (system time). */
   readonly systemTicks: number
+  /** The clients' CPU time (this process's) over the turn, in microseconds. */
+  readonly clientUs: number
   /** SSE only: data events per reader over the turn. */
   readonly dataEvents?: number
 }
@@ -170,13 +172,15 @@ const measureSocket = async (daemon: Daemon, ctl: Client, id: string, n: number)
     })
     const text = message()
     const before = cpuTicks(daemon.pid)
+    const clientBefore = process.cpuUsage()
     const started = nowMs()
     await ctl.ok({ type: "prompt", activeSessionId: id, message: text })
     await withTimeout(done, TIMEOUT_MS, () => `socket: ${counts.join(",")}`)
     const seconds = (nowMs() - started) / 1000
     const after = cpuTicks(daemon.pid)
+    const client = process.cpuUsage(clientBefore)
     await Promise.all(clients.map((c) => c.waitFor((m) => m["activeSessionId"] === id && isIdleStatus(m), 30_000, "idle")))
-    return { rate: (EVENTS * n) / seconds, ticks: after.user + after.system - before.user - before.system, systemTicks: after.system - before.system }
+    return { rate: (EVENTS * n) / seconds, ticks: after.user + after.system - before.user - before.system, systemTicks: after.system - before.system, clientUs: client.user + client.system }
   } finally {
     for (const c of clients) c.close()
   }
@@ -198,23 +202,34 @@ const measureSse = async (daemon: Daemon, port: number, token: string, ctl: Clie
     sseDataEvents = 0
     const text = message()
     const before = cpuTicks(daemon.pid)
+    const clientBefore = process.cpuUsage()
     const started = nowMs()
     await ctl.ok({ type: "prompt", activeSessionId: id, message: text })
     await withTimeout(done, TIMEOUT_MS, () => `SSE: ${counts.join(",")}`)
     const seconds = (nowMs() - started) / 1000
     const after = cpuTicks(daemon.pid)
+    const client = process.cpuUsage(clientBefore)
     await waitReady(ctl, id, 30_000)
     const wrong = counts.filter((k) => k !== EVENTS)
     if (wrong.length > 0) throw new Error(`SSE readers got ${wrong.join(",")} updates, expected ${EVENTS}`)
-    return { rate: (EVENTS * n) / seconds, ticks: after.user + after.system - before.user - before.system, systemTicks: after.system - before.system, dataEvents: sseDataEvents / n }
+    return { rate: (EVENTS * n) / seconds, ticks: after.user + after.system - before.user - before.system, systemTicks: after.system - before.system, clientUs: client.user + client.system, dataEvents: sseDataEvents / n }
   } finally {
     for (const r of readers) r.close()
   }
 }
 
+/** The daemon's count of slow-client pauses so far (readers that fell an outbox behind, then caught up from the log). */
+const pausesOf = async (port: number, token: string): Promise<number> => {
+  const res = await get({ port, token }, "/metrics")
+  return Number(/^agentd_slow_client_pauses_total(?:\{[^}]*\})? (\d+)/m.exec(res.text)?.[1] ?? 0)
+}
+
 /** Daemon CPU per delivered event in microseconds, over all of `turns`. */
 const cpuPerEvent = (turns: ReadonlyArray<Turn>, n: number, pick: (t: Turn) => number = (t) => t.ticks) =>
   (turns.reduce((sum, t) => sum + pick(t), 0) * TICK_US) / (turns.length * EVENTS * n)
+
+/** The clients' CPU per delivered event, in microseconds. */
+const clientPerEvent = (turns: ReadonlyArray<Turn>, n: number) => turns.reduce((sum, t) => sum + t.clientUs, 0) / (turns.length * EVENTS * n)
 
 /** `<all> us (<system> in the kernel)`. */
 const cpuText = (turns: ReadonlyArray<Turn>, n: number) =>
@@ -241,9 +256,15 @@ export default async function httpDelivery(): Promise<void> {
         const socket: Array<Turn> = []
         const sse: Array<Turn> = []
         // Interleaved, so that drift in the machine's load hits both alike.
+        let socketPauses = 0
+        let ssePauses = 0
         for (let i = 0; i < RUNS; i++) {
+          const p0 = await pausesOf(port, token)
           if (ONLY !== "sse") socket.push(await measureSocket(daemon, ctl, id, n))
+          const p1 = await pausesOf(port, token)
           if (ONLY !== "socket") sse.push(await measureSse(daemon, port, token, ctl, id, n))
+          socketPauses += p1 - p0
+          ssePauses += (await pausesOf(port, token)) - p1
         }
         const what = `live delivery of ${EVENTS} message_update events to ${n} client${n === 1 ? "" : "s"} over SSE`
         if (ONLY === undefined) {
@@ -260,6 +281,8 @@ export default async function httpDelivery(): Promise<void> {
           console.log(
             `${what}, daemon CPU per delivered event over ${RUNS} turns: SSE ${cpuText(sse, n)} | socket ${cpuText(socket, n)} | ` +
               `ratio socket/SSE ${(socketUs / sseUs).toFixed(2)}x (higher is better) | ${eventsPerDataEvent(sse)} events per SSE data event | ` +
+              `slow-reader pauses: SSE ${ssePauses}, socket ${socketPauses} | ` +
+              `the clients' own CPU per event: SSE ${clientPerEvent(sse, n).toFixed(2)} us, socket ${clientPerEvent(socket, n).toFixed(2)} us | ` +
               `load average ${load()}`
           )
         } else {

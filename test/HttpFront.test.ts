@@ -7,12 +7,14 @@ import { assert, describe, it } from "@effect/vitest"
 import * as Effect from "effect/Effect"
 import * as Fiber from "effect/Fiber"
 import * as Option from "effect/Option"
+import * as Stream from "effect/Stream"
+import * as TestClock from "effect/TestClock"
 import * as fs from "node:fs"
 import * as os from "node:os"
 import * as path from "node:path"
 import * as Cursor from "../src/Cursor.js"
 import { statusOf } from "../src/internal/http/errors.js"
-import { dataEventOf, type Reader, readPage } from "../src/internal/http/events.js"
+import { dataEventOf, type Reader, readPage, sseStream } from "../src/internal/http/events.js"
 import { cursorOfLine, type Item, LineSorter } from "../src/internal/http/lines.js"
 import * as Offset from "../src/internal/http/offset.js"
 import { StreamPort } from "../src/internal/http/port.js"
@@ -186,6 +188,52 @@ describe("HTTP event lines", () => {
     assert.isNull(dataEventOf(enc(`${lines[0]}\n\n`)))
     assert.isNull(dataEventOf(enc(`{"type":"session_event","event":{}}\n`)))
   })
+})
+
+describe("HTTP SSE stream", () => {
+  const line = (sequence: number) =>
+    `{"type":"session_event","event":{"type":"message_update","delta":"x"},"activeSessionId":"s","meta":{"cursor":{"generation":1,"sequence":${sequence}},"emittedAt":0}}\n`
+
+  it.scoped("a keep-alive after every keepAliveMs without a write, none while data flows; the stream ends when its port closes", () =>
+    Effect.gen(function*() {
+      const port = new StreamPort()
+      const reader: Reader = { port, sorter: new LineSorter(), pending: [], from: undefined, target: undefined, rewritten: false }
+      const written: Array<string> = []
+      const fiber = yield* sseStream(reader, { keepAliveMs: 1000, cursor: () => "c", snapshotLink: (id) => id }).pipe(
+        Stream.runForEach((bytes) => Effect.sync(() => written.push(new TextDecoder().decode(bytes)))),
+        Effect.forkScoped
+      )
+      const settle = Effect.repeatN(Effect.yieldNow(), 20)
+      const keepAlives = () => written.filter((w) => w === ": keep-alive\n\n").length
+      yield* settle
+      assert.match(written[0]!, /^retry: 1000\n\nevent: control\n/)
+      yield* TestClock.adjust(999)
+      yield* settle
+      assert.strictEqual(keepAlives(), 0)
+      yield* TestClock.adjust(1)
+      yield* settle
+      assert.strictEqual(keepAlives(), 1)
+      // Data every 600 ms for 3 s: no keep-alive meanwhile.
+      for (let i = 0; i < 5; i++) {
+        yield* TestClock.adjust(600)
+        port.offer(line(i))
+        yield* settle
+      }
+      assert.strictEqual(keepAlives(), 1)
+      assert.strictEqual(written.filter((w) => w.startsWith("event: data\n")).length, 5)
+      // Silent again: the next keep-alive 1000 ms after the last write, then every 1000 ms.
+      yield* TestClock.adjust(999)
+      yield* settle
+      assert.strictEqual(keepAlives(), 1)
+      yield* TestClock.adjust(1)
+      yield* settle
+      assert.strictEqual(keepAlives(), 2)
+      yield* TestClock.adjust(1000)
+      yield* settle
+      assert.strictEqual(keepAlives(), 3)
+      port.close()
+      yield* Fiber.join(fiber)
+    }))
 })
 
 describe("HTTP token file", () => {

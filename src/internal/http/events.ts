@@ -7,6 +7,7 @@
  * module only turns what the port receives into JSON arrays or SSE events.
  */
 import * as Chunk from "effect/Chunk"
+import * as Clock from "effect/Clock"
 import * as Data from "effect/Data"
 import * as Effect from "effect/Effect"
 import * as Option from "effect/Option"
@@ -316,6 +317,8 @@ export const dataEventOf = (piece: Uint8Array): SharedDataEvent | null => {
   return { bytes: out, last, closes: isClosedAt(bytes, lastStart), count, lineBytes: size - count }
 }
 
+const KEEP_ALIVE = encoder.encode(": keep-alive\n\n")
+
 /** A session's last line: nothing follows `session_closed` (the session is gone for good). */
 const isClosedLine = (line: string) => line.startsWith('{"type":"session_closed"')
 
@@ -331,6 +334,25 @@ export const sseStream = (
   let next = r.from
   let ended = false
   let first = true
+  /** When the stream last wrote (Clock millis): a keep-alive is due `keepAliveMs` after it. */
+  let lastWrite = 0
+  let keepAliveDue = false
+  // One timer for the stream's life that wakes an idle reader for its keep-alive, rather than a
+  // timeout around every wait for items: an Effect.timeout per step (a race of two fibers) cost
+  // more than all the rest of a step, and a step is taken per batch per reader.
+  const keepAlive = Effect.gen(function*() {
+    for (;;) {
+      const now = yield* Clock.currentTimeMillis
+      const wait = lastWrite + options.keepAliveMs - now
+      if (wait > 0) {
+        yield* Effect.sleep(wait)
+        continue
+      }
+      keepAliveDue = true
+      lastWrite = now
+      r.port.nudge()
+    }
+  })
   const control = (extra: Record<string, unknown>) =>
     `event: control\ndata: ${JSON.stringify({ streamNextOffset: Offset.encode(next), streamCursor: options.cursor(), ...extra })}\n\n`
   const caughtUp = () => r.target === undefined || (next !== undefined && !Cursor.isBefore(next, r.target))
@@ -341,13 +363,17 @@ export const sseStream = (
     if (ended) return yield* Effect.fail(Option.none())
     if (first) {
       first = false
+      lastWrite = yield* Clock.currentTimeMillis
       // Retry hint for EventSource, and the reader told at once where it stands when nothing is owed.
       const head = `retry: 1000\n\n${caughtUp() && r.pending.length === 0 ? control({ upToDate: true }) : ""}`
       return Chunk.of(encoder.encode(head))
     }
     if (r.pending.length === 0) {
-      const ready = yield* Effect.interruptible(r.port.awaitItems).pipe(Effect.timeout(options.keepAliveMs), Effect.option)
-      if (Option.isNone(ready)) return Chunk.of(encoder.encode(": keep-alive\n\n"))
+      if (!r.port.hasItems && !keepAliveDue) yield* Effect.interruptible(r.port.awaitItems)
+      lastWrite = yield* Clock.currentTimeMillis
+      const due = keepAliveDue
+      keepAliveDue = false
+      if (due && !r.port.hasItems && !r.port.isClosed) return Chunk.of(KEEP_ALIVE)
     }
     const out: Array<Uint8Array> = []
     let text = ""
@@ -422,5 +448,5 @@ export const sseStream = (
     if (sent > 0) Metrics.delivered("http", sent, sentBytes)
     return Chunk.unsafeFromArray(out)
   })
-  return Stream.repeatEffectChunkOption(step)
+  return Stream.unwrapScoped(Effect.as(Effect.forkScoped(keepAlive), Stream.repeatEffectChunkOption(step)))
 }
