@@ -55,7 +55,8 @@ const withTimeout = <A>(p: Promise<A>, ms: number, what: () => string): Promise<
 /**
  * An SSE stream parsed as EventSource parses it (WHATWG HTML, "event stream interpretation"):
  * lines end with LF, CR LF or CR; a blank line dispatches the event; `data` lines are joined with
- * LF; `id` sets the last event id; comments (`:`) are ignored.
+ * LF; `id` sets the last event id; comments (`:`) are ignored. Lines are read in place in the
+ * chunk's text (no string per line but the values kept), as a native EventSource does.
  */
 class SseParser {
   lastEventId = ""
@@ -67,7 +68,7 @@ class SseParser {
   constructor(private readonly dispatch: (type: string, data: string, lastEventId: string) => void) {}
 
   push(text: string): void {
-    let all = this.carry + text
+    let all = this.carry.length === 0 ? text : this.carry + text
     if (this.pendingCr && all.charCodeAt(0) === 10) all = all.slice(1)
     this.pendingCr = false
     let start = 0
@@ -77,32 +78,38 @@ class SseParser {
       if (cr >= 0 && cr < start) cr = all.indexOf("\r", start)
       const lf = all.indexOf("\n", start)
       if (cr >= 0 && (lf < 0 || cr < lf)) {
-        this.line(all.slice(start, cr))
+        this.line(all, start, cr)
         if (cr + 1 === all.length) this.pendingCr = true
         start = all.charCodeAt(cr + 1) === 10 ? cr + 2 : cr + 1
       } else if (lf >= 0) {
-        this.line(all.slice(start, lf))
+        this.line(all, start, lf)
         start = lf + 1
       } else break
     }
-    this.carry = all.slice(start)
+    this.carry = start === 0 ? all : all.slice(start)
   }
 
-  private line(line: string): void {
-    if (line.length === 0) {
+  /** The line `all[start, end)`. */
+  private line(all: string, start: number, end: number): void {
+    if (start === end) {
       if (this.dataLines.length > 0) this.dispatch(this.eventType || "message", this.dataLines.join("\n"), this.lastEventId)
       this.dataLines = []
       this.eventType = ""
       return
     }
-    if (line.charCodeAt(0) === 58) return
-    const colon = line.indexOf(":")
-    const field = colon < 0 ? line : line.slice(0, colon)
-    let value = colon < 0 ? "" : line.slice(colon + 1)
-    if (value.charCodeAt(0) === 32) value = value.slice(1)
-    if (field === "data") this.dataLines.push(value)
-    else if (field === "event") this.eventType = value
-    else if (field === "id" && !value.includes("\0")) this.lastEventId = value
+    if (all.charCodeAt(start) === 58) return
+    let colon = all.indexOf(":", start)
+    if (colon < 0 || colon > end) colon = end
+    // The value: after the colon and one space, if any.
+    let from = colon === end ? end : colon + 1
+    if (from < end && all.charCodeAt(from) === 32) from++
+    const field = colon - start
+    if (field === 4 && all.startsWith("data", start)) this.dataLines.push(all.slice(from, end))
+    else if (field === 5 && all.startsWith("event", start)) this.eventType = all.slice(from, end)
+    else if (field === 2 && all.startsWith("id", start)) {
+      const id = all.slice(from, end)
+      if (!id.includes("\0")) this.lastEventId = id
+    }
   }
 }
 
