@@ -127,6 +127,11 @@ const PREFIX_BYTES = 160
  */
 export class Client {
   rawHook: RawLineHook | undefined
+  /**
+   * Called with every parsed message before it is queued; returning true consumes it (a bench
+   * that parses what it counts, as a real client does, without queueing it).
+   */
+  messageHook: ((msg: Msg) => boolean) | undefined
   /** Bytes received (all lines, newlines included). */
   bytesReceived = 0
   badLines = 0
@@ -218,6 +223,7 @@ export class Client {
       this.badLines++
       return
     }
+    if (this.messageHook?.(msg) === true) return
     this.recent.push(describe(msg))
     if (this.recent.length > 12) this.recent.shift()
     this.inbox.deliver(msg)

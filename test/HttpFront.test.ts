@@ -7,12 +7,14 @@ import { assert, describe, it } from "@effect/vitest"
 import * as Effect from "effect/Effect"
 import * as Fiber from "effect/Fiber"
 import * as Option from "effect/Option"
+import * as Stream from "effect/Stream"
+import * as TestClock from "effect/TestClock"
 import * as fs from "node:fs"
 import * as os from "node:os"
 import * as path from "node:path"
 import * as Cursor from "../src/Cursor.js"
 import { statusOf } from "../src/internal/http/errors.js"
-import { type Reader, readPage } from "../src/internal/http/events.js"
+import { dataEventOf, type Reader, readPage, sseStream } from "../src/internal/http/events.js"
 import { cursorOfLine, type Item, LineSorter } from "../src/internal/http/lines.js"
 import * as Offset from "../src/internal/http/offset.js"
 import { StreamPort } from "../src/internal/http/port.js"
@@ -148,6 +150,90 @@ describe("HTTP event lines", () => {
     sorter.push(`{"type":"session_snapshot_begin","activeSessionId":"s-1","snapshotId":"snap-3","purpose":"resync"}\n`, lost)
     assert.deepStrictEqual(lost, [{ _tag: "Lost", reason: "resync" }])
   })
+
+  it("a batch's SSE data event is made from its bytes: the lines as they are, one `data:` line each, `id:` its last offset", () => {
+    // Multi-byte text everywhere, a line's end cut inside a character by the window the cursor
+    // is read from, and a line whose content looks like a meta.
+    const long = "é".repeat(200) + "😀"
+    const lines = [
+      line("session_event", 3, 7, `,"event":{"type":"message_update","delta":"${long}"}`),
+      line("session_event", 3, 8, `,"event":{"type":"x","text":",\\"meta\\":{\\"cursor\\":{\\"generation\\":9,\\"sequence\\":9}"}`),
+      line("session_status", 3, 9, `,"state":{"name":"${"ü".repeat(120)}"}`)
+    ]
+    const piece = new TextEncoder().encode(lines.map((l) => `${l}\n`).join(""))
+    const made = dataEventOf(piece)
+    assert.isNotNull(made)
+    const text = new TextDecoder().decode(made!.bytes)
+    assert.strictEqual(text, `event: data\nid: ${Offset.encode(Cursor.make(3, 9))}\ndata: [\ndata: ${lines.join(",\ndata: ")}\ndata: ]\n\n`)
+    // What an EventSource hands its listener: the data lines joined with LF, a JSON array.
+    const data = text.split("\n").filter((l) => l.startsWith("data: ")).map((l) => l.slice(6)).join("\n")
+    assert.deepStrictEqual(JSON.parse(data), lines.map((l) => JSON.parse(l)))
+    assert.deepStrictEqual(made!.last, Cursor.make(3, 9))
+    assert.strictEqual(made!.count, 3)
+    assert.strictEqual(made!.lineBytes, piece.length - 3)
+    assert.isFalse(made!.closes)
+    // A Uint8Array over part of a larger buffer (an offset into it) reads the same.
+    const within = new Uint8Array(piece.length + 10)
+    within.set(piece, 5)
+    assert.strictEqual(new TextDecoder().decode(dataEventOf(within.subarray(5, 5 + piece.length))!.bytes), text)
+    const closing = dataEventOf(new TextEncoder().encode(`${line("session_event", 3, 10)}\n${line("session_closed", 3, 11)}\n`))
+    assert.isTrue(closing!.closes)
+    assert.deepStrictEqual(closing!.last, Cursor.make(3, 11))
+    // Not only whole event lines: sorted line by line by the caller instead.
+    const enc = (t: string) => new TextEncoder().encode(t)
+    assert.isNull(dataEventOf(enc("")))
+    assert.isNull(dataEventOf(enc(`${lines[0]}\n${lines[1]}`)))
+    assert.isNull(dataEventOf(enc(`${lines[0]}\n{"type":"session_snapshot_begin","snapshotId":"x","purpose":"replacement"}\n`)))
+    assert.isNull(dataEventOf(enc(`{"type":"session_attached","activeSessionId":"s-1"}\n${lines[0]}\n`)))
+    assert.isNull(dataEventOf(enc(`${lines[0]}\n\n`)))
+    assert.isNull(dataEventOf(enc(`{"type":"session_event","event":{}}\n`)))
+  })
+})
+
+describe("HTTP SSE stream", () => {
+  const line = (sequence: number) =>
+    `{"type":"session_event","event":{"type":"message_update","delta":"x"},"activeSessionId":"s","meta":{"cursor":{"generation":1,"sequence":${sequence}},"emittedAt":0}}\n`
+
+  it.scoped("a keep-alive after every keepAliveMs without a write, none while data flows; the stream ends when its port closes", () =>
+    Effect.gen(function*() {
+      const port = new StreamPort()
+      const reader: Reader = { port, sorter: new LineSorter(), pending: [], from: undefined, target: undefined, rewritten: false }
+      const written: Array<string> = []
+      const fiber = yield* sseStream(reader, { keepAliveMs: 1000, cursor: () => "c", snapshotLink: (id) => id }).pipe(
+        Stream.runForEach((bytes) => Effect.sync(() => written.push(new TextDecoder().decode(bytes)))),
+        Effect.forkScoped
+      )
+      const settle = Effect.repeatN(Effect.yieldNow(), 20)
+      const keepAlives = () => written.filter((w) => w === ": keep-alive\n\n").length
+      yield* settle
+      assert.match(written[0]!, /^retry: 1000\n\nevent: control\n/)
+      yield* TestClock.adjust(999)
+      yield* settle
+      assert.strictEqual(keepAlives(), 0)
+      yield* TestClock.adjust(1)
+      yield* settle
+      assert.strictEqual(keepAlives(), 1)
+      // Data every 600 ms for 3 s: no keep-alive meanwhile.
+      for (let i = 0; i < 5; i++) {
+        yield* TestClock.adjust(600)
+        port.offer(line(i))
+        yield* settle
+      }
+      assert.strictEqual(keepAlives(), 1)
+      assert.strictEqual(written.filter((w) => w.startsWith("event: data\n")).length, 5)
+      // Silent again: the next keep-alive 1000 ms after the last write, then every 1000 ms.
+      yield* TestClock.adjust(999)
+      yield* settle
+      assert.strictEqual(keepAlives(), 1)
+      yield* TestClock.adjust(1)
+      yield* settle
+      assert.strictEqual(keepAlives(), 2)
+      yield* TestClock.adjust(1000)
+      yield* settle
+      assert.strictEqual(keepAlives(), 3)
+      port.close()
+      yield* Fiber.join(fiber)
+    }))
 })
 
 describe("HTTP token file", () => {

@@ -7,6 +7,7 @@
  * module only turns what the port receives into JSON arrays or SSE events.
  */
 import * as Chunk from "effect/Chunk"
+import * as Clock from "effect/Clock"
 import * as Data from "effect/Data"
 import * as Effect from "effect/Effect"
 import * as Option from "effect/Option"
@@ -17,7 +18,7 @@ import type { EventLogService } from "../../EventLog.js"
 import type * as Protocol from "../../Protocol.js"
 import type { CommandError } from "../../SessionManager.js"
 import { wireLineOfRecord } from "../delivery/wireLines.js"
-import { type Item, LineSorter } from "./lines.js"
+import { cursorOfLine, isClosedAt, isSequencedAt, type Item, LineSorter } from "./lines.js"
 import * as Offset from "./offset.js"
 import { StreamPort } from "./port.js"
 
@@ -250,32 +251,73 @@ export const rewriteFields = (c: RewriteControl, link: (snapshotId: string) => s
 
 const encoder = new TextEncoder()
 
+/** The SSE data event of a batch of whole event lines, shared by every reader of the batch. */
+interface SharedDataEvent {
+  readonly bytes: Uint8Array
+  /** The batch's last cursor: the event's `id:`. */
+  readonly last: Cursor.Cursor
+  /** The batch ends with `session_closed`. */
+  readonly closes: boolean
+  readonly count: number
+  readonly lineBytes: number
+}
+
 /** The SSE data event of a piece made only of whole event lines, by piece (null: not such a piece). */
-const dataEvents = new WeakMap<
-  Uint8Array,
-  { readonly bytes: Uint8Array; readonly last: Cursor.Cursor; readonly closes: boolean; readonly count: number; readonly lineBytes: number } | null
->()
+const dataEvents = new WeakMap<Uint8Array, SharedDataEvent | null>()
 
 const sharedDataEvent = (piece: Uint8Array) => {
   let found = dataEvents.get(piece)
   if (found === undefined) {
-    const items: Array<Item> = []
-    const sorter = new LineSorter()
-    sorter.push(piece, items)
-    const events = items.filter((i): i is Extract<Item, { _tag: "Event" }> => i._tag === "Event")
-    found = events.length === 0 || events.length !== items.length || sorter.pending || sorter.inSnapshot
-      ? null
-      : {
-        bytes: encoder.encode(`event: data\nid: ${Offset.encode(events.at(-1)!.cursor)}\ndata: [\ndata: ${events.map((e) => e.line).join(",\ndata: ")}\ndata: ]\n\n`),
-        last: events.at(-1)!.cursor,
-        closes: isClosedLine(events.at(-1)!.line),
-        count: events.length,
-        lineBytes: events.reduce((n, e) => n + e.line.length, 0)
-      }
+    found = dataEventOf(piece)
     dataEvents.set(piece, found)
   }
   return found ?? undefined
 }
+
+const NEWLINE = 0x0a
+const DATA_SEPARATOR = Buffer.from(",\ndata: ")
+const DATA_END = Buffer.from("\ndata: ]\n\n")
+/** How much of a line's end holds its `meta` (its cursor, `emittedAt`, `replayed`), with room to spare. */
+const META_TAIL_BYTES = 256
+
+/**
+ * `event: data`, `id:` the last line's offset, and the lines as a JSON array, one a `data:` line,
+ * made from the piece's bytes: the lines are copied as they are, never decoded to strings, parsed
+ * or encoded again (that was most of what SSE cost more than the socket per event). Null when the
+ * piece is not made only of whole sequenced lines (the caller sorts it line by line instead).
+ */
+export const dataEventOf = (piece: Uint8Array): SharedDataEvent | null => {
+  const bytes = Buffer.isBuffer(piece) ? piece : Buffer.from(piece.buffer, piece.byteOffset, piece.byteLength)
+  const size = bytes.length
+  if (size === 0 || bytes[size - 1] !== NEWLINE) return null
+  const ends: Array<number> = []
+  for (let at = 0; at < size;) {
+    if (!isSequencedAt(bytes, at)) return null
+    const nl = bytes.indexOf(NEWLINE, at)
+    ends.push(nl)
+    at = nl + 1
+  }
+  const count = ends.length
+  const lastStart = count === 1 ? 0 : ends[count - 2]! + 1
+  const lastEnd = ends[count - 1]!
+  // The cursor is read from the line's end as cursorOfLine reads it; latin1 maps bytes to
+  // characters one to one, and the `meta` it looks for is ASCII.
+  const last = cursorOfLine(bytes.toString("latin1", Math.max(lastStart, lastEnd - META_TAIL_BYTES), lastEnd))
+  if (last === undefined) return null
+  const head = `event: data\nid: ${Offset.encode(last)}\ndata: [\ndata: `
+  const out = Buffer.allocUnsafe(head.length + (size - count) + (count - 1) * DATA_SEPARATOR.length + DATA_END.length)
+  let pos = out.write(head, 0, "latin1")
+  let start = 0
+  for (let i = 0; i < count; i++) {
+    if (i > 0) pos += DATA_SEPARATOR.copy(out, pos)
+    pos += bytes.copy(out, pos, start, ends[i])
+    start = ends[i]! + 1
+  }
+  DATA_END.copy(out, pos)
+  return { bytes: out, last, closes: isClosedAt(bytes, lastStart), count, lineBytes: size - count }
+}
+
+const KEEP_ALIVE = encoder.encode(": keep-alive\n\n")
 
 /** A session's last line: nothing follows `session_closed` (the session is gone for good). */
 const isClosedLine = (line: string) => line.startsWith('{"type":"session_closed"')
@@ -292,6 +334,25 @@ export const sseStream = (
   let next = r.from
   let ended = false
   let first = true
+  /** When the stream last wrote (Clock millis): a keep-alive is due `keepAliveMs` after it. */
+  let lastWrite = 0
+  let keepAliveDue = false
+  // One timer for the stream's life that wakes an idle reader for its keep-alive, rather than a
+  // timeout around every wait for items: an Effect.timeout per step (a race of two fibers) cost
+  // more than all the rest of a step, and a step is taken per batch per reader.
+  const keepAlive = Effect.gen(function*() {
+    for (;;) {
+      const now = yield* Clock.currentTimeMillis
+      const wait = lastWrite + options.keepAliveMs - now
+      if (wait > 0) {
+        yield* Effect.sleep(wait)
+        continue
+      }
+      keepAliveDue = true
+      lastWrite = now
+      r.port.nudge()
+    }
+  })
   const control = (extra: Record<string, unknown>) =>
     `event: control\ndata: ${JSON.stringify({ streamNextOffset: Offset.encode(next), streamCursor: options.cursor(), ...extra })}\n\n`
   const caughtUp = () => r.target === undefined || (next !== undefined && !Cursor.isBefore(next, r.target))
@@ -302,13 +363,17 @@ export const sseStream = (
     if (ended) return yield* Effect.fail(Option.none())
     if (first) {
       first = false
+      lastWrite = yield* Clock.currentTimeMillis
       // Retry hint for EventSource, and the reader told at once where it stands when nothing is owed.
       const head = `retry: 1000\n\n${caughtUp() && r.pending.length === 0 ? control({ upToDate: true }) : ""}`
       return Chunk.of(encoder.encode(head))
     }
     if (r.pending.length === 0) {
-      const ready = yield* Effect.interruptible(r.port.awaitItems).pipe(Effect.timeout(options.keepAliveMs), Effect.option)
-      if (Option.isNone(ready)) return Chunk.of(encoder.encode(": keep-alive\n\n"))
+      if (!r.port.hasItems && !keepAliveDue) yield* Effect.interruptible(r.port.awaitItems)
+      lastWrite = yield* Clock.currentTimeMillis
+      const due = keepAliveDue
+      keepAliveDue = false
+      if (due && !r.port.hasItems && !r.port.isClosed) return Chunk.of(KEEP_ALIVE)
     }
     const out: Array<Uint8Array> = []
     let text = ""
@@ -383,5 +448,5 @@ export const sseStream = (
     if (sent > 0) Metrics.delivered("http", sent, sentBytes)
     return Chunk.unsafeFromArray(out)
   })
-  return Stream.repeatEffectChunkOption(step)
+  return Stream.unwrapScoped(Effect.as(Effect.forkScoped(keepAlive), Stream.repeatEffectChunkOption(step)))
 }

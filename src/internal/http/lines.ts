@@ -25,6 +25,25 @@ export const cursorOfLine = (line: string): Cursor.Cursor | undefined => {
 
 const decoder = new TextDecoder()
 
+const SEQUENCED_BYTES = SEQUENCED.map((p) => Buffer.from(p))
+const CLOSED_BYTES = SEQUENCED_BYTES[2]!
+
+/** Do the bytes at `at` start with `prefix`? */
+const startsWithAt = (bytes: Uint8Array, at: number, prefix: Uint8Array): boolean => {
+  if (at + prefix.length > bytes.length) return false
+  for (let i = 0; i < prefix.length; i++) if (bytes[at + i] !== prefix[i]) return false
+  return true
+}
+
+/** Is the line starting at `at` a sequenced message (what {@link LineSorter} sorts as an Event)? */
+export const isSequencedAt = (bytes: Uint8Array, at: number): boolean => {
+  for (let i = 0; i < SEQUENCED_BYTES.length; i++) if (startsWithAt(bytes, at, SEQUENCED_BYTES[i]!)) return true
+  return false
+}
+
+/** Is the line starting at `at` a `session_closed` (a session's last line)? */
+export const isClosedAt = (bytes: Uint8Array, at: number): boolean => startsWithAt(bytes, at, CLOSED_BYTES)
+
 export class LineSorter {
   private carry = ""
   /** The replacement snapshot whose frames are being passed over. */

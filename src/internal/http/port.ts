@@ -89,6 +89,13 @@ export class StreamPort implements ConnectionPort {
     })
   })
 
+  /** Resumes a reader waiting in `awaitItems` with nothing offered (its stream has something of its own to write). */
+  nudge(): void {
+    const reader = this.reader
+    this.reader = undefined
+    reader?.()
+  }
+
   get hasItems(): boolean {
     return this.items.length > 0
   }
