@@ -25,6 +25,7 @@ import * as ScheduleIntervals from "effect/ScheduleIntervals"
 import * as Schema from "effect/Schema"
 import type * as Scope from "effect/Scope"
 import { type ChildProcess, spawn } from "node:child_process"
+import { availableParallelism } from "node:os"
 import { existsSync } from "./internal/fileIoSync.js"
 import type * as net from "node:net"
 import { fileURLToPath } from "node:url"
@@ -252,7 +253,22 @@ export interface WorkerPoolOptions {
   readonly workerEntry?: string
   /** Extra arguments for node before the entry (e.g. `--import tsx` when running from source). */
   readonly execArgv?: ReadonlyArray<string>
+  /**
+   * Workers booting at once, at most (default: the CPUs, at least 2); later starts wait for
+   * one of them to be ready. See {@link defaultStartConcurrency}.
+   */
+  readonly startConcurrency?: number
 }
+
+/**
+ * How many workers boot at once by default: one per CPU, at least 2. A worker's start is
+ * ~0.1-0.3 s of CPU; 200 sessions created together (bench/streaming.ts) started 200 processes
+ * at once on 2 cores, each then took more than the 30 s a start is given, and the failed starts
+ * were retried, into more of the same (load average 146; the prompts waited over 60 s). Started
+ * a few at a time, each start takes what it costs and the ready timeout measures one start, not
+ * a queue.
+ */
+export const defaultStartConcurrency = (): number => Math.max(2, availableParallelism())
 
 /** Starts and tracks worker processes. */
 export class WorkerPool extends Context.Tag("agentd/WorkerPool")<WorkerPool, {
@@ -327,6 +343,16 @@ export const make = (options: WorkerPoolOptions = {}) =>
     const entry = options.workerEntry ?? defaultEntry()
     const execArgv = options.execArgv ?? workerNodeArgs()
     const workers = new Set<WorkerProcess>()
+    const starts = Effect.unsafeMakeSemaphore(Math.max(1, options.startConcurrency ?? defaultStartConcurrency()))
+    /**
+     * Spawns a worker and waits until it is ready, once one of the `starts` permits is free. The
+     * worker gets the daemon's environment of now, when it is asked for, not of when it spawns.
+     */
+    const startLimited = (env: Readonly<Record<string, string>> | undefined, spare = false) => {
+      const now: Record<string, string> = {}
+      for (const [key, value] of Object.entries(process.env)) if (value !== undefined) now[key] = value
+      return starts.withPermits(1)(startAndAwaitReady(spawnWorker(env === undefined ? now : Object.assign(now, env), spare)))
+    }
     /** Sessions whose worker crashed: their next worker counts as a restart (metrics). */
     const crashed = new Set<string>()
     let spare: Effect.Effect<WorkerProcess, WorkerSpawnError> | undefined
@@ -421,7 +447,7 @@ export const make = (options: WorkerPoolOptions = {}) =>
       }
       // Started now: the process boots while nobody waits for it; whoever takes it waits for its outcome.
       const outcome = Deferred.unsafeMake<WorkerProcess, WorkerSpawnError>(FiberId.none)
-      runSpare(Effect.flatMap(Effect.exit(startAndAwaitReady(spawnWorker(undefined, true))), (exit) => Deferred.done(outcome, exit)))
+      runSpare(Effect.flatMap(Effect.exit(startLimited(undefined, true)), (exit) => Deferred.done(outcome, exit)))
       spare = Deferred.await(outcome)
     }
 
@@ -452,7 +478,7 @@ export const make = (options: WorkerPoolOptions = {}) =>
             worker = undefined
           }
         }
-        if (worker === undefined) worker = yield* startAndAwaitReady(spawnWorker(env))
+        if (worker === undefined) worker = yield* startLimited(env)
         worker.activeSessionId = activeSessionId
         if (crashed.delete(activeSessionId)) Metrics.count(Metrics.workerRestarts)
         return worker

@@ -7,7 +7,9 @@ import type { Readable, Writable } from "node:stream"
 import { fileURLToPath } from "node:url"
 import { assert, describe, it } from "@effect/vitest"
 import * as Context from "effect/Context"
+import * as Deferred from "effect/Deferred"
 import * as Effect from "effect/Effect"
+import * as Fiber from "effect/Fiber"
 import * as Either from "effect/Either"
 import * as Layer from "effect/Layer"
 import * as Logger from "effect/Logger"
@@ -16,6 +18,7 @@ import * as Schema from "effect/Schema"
 import type * as Scope from "effect/Scope"
 import * as PostgresStore from "../src/PostgresStore.js"
 import * as RecoveryJournal from "../src/RecoveryJournal.js"
+import { makeService } from "../src/internal/recoveryJournal/service.js"
 import { describePg, storeLayer } from "./support/postgres.js"
 import { childProgram } from "./support/fixtures.js"
 
@@ -218,6 +221,38 @@ for (const implementation of implementations) {
       }))
   })
 }
+
+describe("RecoveryJournal group commit", () => {
+  it.effect("records asked for while a write is under way go together in the next write, in order, each answered", () =>
+    Effect.gen(function*() {
+      const release = yield* Deferred.make<void>()
+      const writes: Array<ReadonlyArray<string>> = []
+      const write = (records: ReadonlyArray<RecoveryJournal.JournalRecord>) =>
+        Effect.gen(function*() {
+          writes.push(records.map((r) => r.operation))
+          // The first write is slow (an fsync behind many others): the other records queue.
+          if (writes.length === 1) yield* Deferred.await(release)
+        })
+      const journal = yield* makeService({ latest: new Map(), lines: 0 }, {
+        append: (record) => write([record]),
+        appendAll: write,
+        compact: () => Effect.void,
+        remove: () => Effect.void
+      })
+      const fibers = yield* Effect.forEach(
+        Array.from({ length: 50 }, (_, i) => i),
+        (i) => Effect.fork(journal.record(input(`s${i % 10}`, true, `op-${i}`)))
+      )
+      for (let i = 0; i < 20; i++) yield* Effect.yieldNow()
+      yield* Deferred.succeed(release, undefined)
+      const changed = yield* Fiber.joinAll(fibers)
+      assert.isTrue(changed.every((c) => c))
+      // One at a time, that was 50 write+fsync round trips.
+      assert.deepStrictEqual(writes, [["op-0"], Array.from({ length: 49 }, (_, i) => `op-${i + 1}`)])
+      const latest = yield* journal.latest()
+      for (let s = 0; s < 10; s++) assert.strictEqual(latest.get(`s${s}`)?.operation, `op-${40 + s}`)
+    }))
+})
 
 // ---------------------------------------------------------------------------------------------
 // File-specific behaviour

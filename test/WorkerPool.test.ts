@@ -2,6 +2,7 @@ import { assert, describe, it } from "@effect/vitest"
 import * as Deferred from "effect/Deferred"
 import * as Effect from "effect/Effect"
 import * as Exit from "effect/Exit"
+import * as Fiber from "effect/Fiber"
 import * as Scope from "effect/Scope"
 import * as TestClock from "effect/TestClock"
 import { spawn } from "node:child_process"
@@ -96,6 +97,24 @@ describe("WorkerPool", () => {
         assert.throws(() => process.kill(pid, 0), /ESRCH/, `worker ${pid} still alive`)
       }
     }), 30_000)
+
+  it.live("at most startConcurrency workers boot at once; the next starts once one is ready (200 at once timed out)", () =>
+    Effect.gen(function*() {
+      const dir = fs.mkdtempSync(path.join(os.tmpdir(), "agentd-held-"))
+      yield* Effect.addFinalizer(() => Effect.sync(() => fs.rmSync(dir, { recursive: true, force: true })))
+      const heldEntry = path.resolve(path.dirname(fileURLToPath(import.meta.url)), "fixtures", "heldWorker.mjs")
+      const pool = yield* WorkerPool.make({ warmSpare: false, workerEntry: heldEntry, startConcurrency: 2 })
+      const started = () => fs.readdirSync(dir).filter((f) => f.startsWith("start-")).length
+      const fibers = yield* Effect.forEach([1, 2, 3, 4], (i) => Effect.fork(pool.acquire(`s-${i}`, { HELD_WORKER_DIR: dir })))
+      while (started() < 2) yield* Effect.sleep("10 millis")
+      // Two booting and held: the other two are not even spawned (spawning is synchronous).
+      assert.strictEqual((yield* pool.live).length, 2)
+      fs.writeFileSync(path.join(dir, "release"), "")
+      const workers = yield* Fiber.joinAll(fibers)
+      assert.strictEqual(started(), 4)
+      assert.strictEqual(new Set(workers.map((w) => w.pid)).size, 4)
+      for (const w of workers) yield* w.stop()
+    }).pipe(Effect.scoped), 30_000)
 
   it.live("a worker restores a session from the supervisor's restore frames, a 20 MB message and a cut turn included", () =>
     withPool((pool) =>

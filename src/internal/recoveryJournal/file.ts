@@ -134,25 +134,29 @@ export const make = (options: Options): Effect.Effect<RecoveryJournalService, Re
         needsNewline = false
       })
 
+    /** Appends lines and fsyncs once. */
+    const appendLines = (records: ReadonlyArray<JournalRecord>) =>
+      Effect.gen(function*() {
+        const lines = records.map((record) => JSON.stringify(record) + "\n").join("")
+        const target = yield* openHandle
+        yield* Fsx.appendDurable(target, path, (needsNewline ? "\n" : "") + lines).pipe(
+          Effect.tapError(() =>
+            Effect.zipRight(
+              // Part of the line may be on disk: start a fresh line and a fresh handle next time.
+              Effect.sync(() => {
+                needsNewline = true
+              }),
+              closeHandle
+            )
+          ),
+          Effect.mapError(fail("append"))
+        )
+        needsNewline = false
+      })
+
     const backend: Backend = {
-      append: (record) =>
-        Effect.gen(function*() {
-          const line = JSON.stringify(record)
-          const target = yield* openHandle
-          yield* Fsx.appendDurable(target, path, (needsNewline ? "\n" : "") + line + "\n").pipe(
-            Effect.tapError(() =>
-              Effect.zipRight(
-                // Part of the line may be on disk: start a fresh line and a fresh handle next time.
-                Effect.sync(() => {
-                  needsNewline = true
-                }),
-                closeHandle
-              )
-            ),
-            Effect.mapError(fail("append"))
-          )
-          needsNewline = false
-        }),
+      append: (record) => appendLines([record]),
+      appendAll: appendLines,
       compact: rewrite,
       remove: (_, records) => rewrite(records)
     }
