@@ -18,6 +18,12 @@ import { EXIT } from "./exitCodes.js"
 import { parseListen } from "../internal/http/listen.js"
 import { addressOf, serveOptionsOf } from "./paths.js"
 
+/** A HOST:PORT option (`--http`, `--runner-address`): what is wrong with it, or undefined. */
+const checkListen = (value: string): string | undefined => {
+  const listen = parseListen(value)
+  return typeof listen === "string" ? listen : undefined
+}
+
 export const VERSION = "0.1.0"
 
 /** What the entry point gives the command line. */
@@ -131,10 +137,7 @@ export const commands: ReadonlyArray<CommandSpec> = [
         name: "http",
         kind: "string",
         value: "HOST:PORT",
-        check: (value) => {
-          const listen = parseListen(value)
-          return typeof listen === "string" ? listen : undefined
-        },
+        check: checkListen,
         description: "Also serve HTTP, SSE and WebSocket there (e.g. 127.0.0.1:7433; default $AGENTD_HTTP, else off). Every request needs the token `agentd http-token` prints."
       },
       {
@@ -152,10 +155,7 @@ export const commands: ReadonlyArray<CommandSpec> = [
         name: "runner-address",
         kind: "string",
         value: "HOST:PORT",
-        check: (value) => {
-          const listen = parseListen(value)
-          return typeof listen === "string" ? listen : undefined
-        },
+        check: checkListen,
         description: "With --cluster: where the other runners reach this one, and where it listens (default $AGENTD_RUNNER_ADDRESS, else <hostname>:34431)."
       },
       { name: "detach", kind: "flag", description: "Start the daemon in the background and return once it listens." },
