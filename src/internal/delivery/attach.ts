@@ -88,6 +88,8 @@ export const makeDelivery = (core: Core, checkpoints: Checkpoints): Delivery => 
       const chosen = yield* Effect.either(s.readGate.withPermits(1)(
         Effect.map(currentSnapshotEntry(s), (entry) => ({ entry, cursor: s.snapshotCursor, rewrite: s.rewriteGeneration }))
       ))
+      // Detached while it waited for the read gate: nothing more goes to the client for it.
+      if (a.detached || a.outbox.isClosed) return false
       if (Either.isLeft(chosen)) {
         // The client must hear that its state is gone: it attaches again.
         yield* Effect.logWarning(`resync of ${s.meta.activeSessionId} failed: ${chosen.left.message}`)
@@ -323,6 +325,11 @@ export const makeDelivery = (core: Core, checkpoints: Checkpoints): Delivery => 
       const s = a.session
       const base = { activeSessionId: s.meta.activeSessionId, snapshotId }
       const reader = yield* cache.retain(snapshotId)
+      // Detached (or replaced by a new attach on its connection) while the snapshot was being
+      // retained: that detach or attach is answered, and nothing of this attachment may follow
+      // (a begin here reached the client in the middle of its new attachment's frames: chaos
+      // seed 830).
+      if (a.detached || a.outbox.isClosed) return false
       a.outbox.offer(Protocol.encode({
         type: "session_snapshot_begin",
         ...base,
