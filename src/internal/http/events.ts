@@ -18,7 +18,7 @@ import type { EventLogService } from "../../EventLog.js"
 import type * as Protocol from "../../Protocol.js"
 import type { CommandError } from "../../SessionManager.js"
 import { wireLineOfRecord } from "../delivery/wireLines.js"
-import { cursorOfLine, isClosedAt, isSequencedAt, type Item, LineSorter } from "./lines.js"
+import { cursorOfLine, isClosedAt, isClosedLine, isSequencedAt, type Item, LineSorter } from "./lines.js"
 import * as Offset from "./offset.js"
 import { StreamPort } from "./port.js"
 
@@ -318,9 +318,6 @@ export const dataEventOf = (piece: Uint8Array): SharedDataEvent | null => {
 }
 
 const KEEP_ALIVE = encoder.encode(": keep-alive\n\n")
-
-/** A session's last line: nothing follows `session_closed` (the session is gone for good). */
-const isClosedLine = (line: string) => line.startsWith('{"type":"session_closed"')
 
 /**
  * The SSE stream of a read: data events (JSON arrays, `id:` = next offset), control events,

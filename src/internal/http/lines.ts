@@ -11,7 +11,9 @@ export type Item =
   | { readonly _tag: "Rewrite"; readonly snapshotId: string; readonly cursor: Cursor.Cursor | undefined }
   | { readonly _tag: "Lost"; readonly reason: string }
 
-const SEQUENCED = ['{"type":"session_event"', '{"type":"session_status"', '{"type":"session_closed"']
+/** How a `session_closed` line starts: a session's last line. */
+const CLOSED = '{"type":"session_closed"'
+const SEQUENCED = ['{"type":"session_event"', '{"type":"session_status"', CLOSED]
 const META = ',"meta":{"cursor":{"generation":'
 const META_PATTERN = /^,"meta":\{"cursor":\{"generation":(\d+),"sequence":(\d+)\}/
 
@@ -26,7 +28,7 @@ export const cursorOfLine = (line: string): Cursor.Cursor | undefined => {
 const decoder = new TextDecoder()
 
 const SEQUENCED_BYTES = SEQUENCED.map((p) => Buffer.from(p))
-const CLOSED_BYTES = SEQUENCED_BYTES[2]!
+const CLOSED_BYTES = Buffer.from(CLOSED)
 
 /** Do the bytes at `at` start with `prefix`? */
 const startsWithAt = (bytes: Uint8Array, at: number, prefix: Uint8Array): boolean => {
@@ -40,6 +42,9 @@ export const isSequencedAt = (bytes: Uint8Array, at: number): boolean => {
   for (let i = 0; i < SEQUENCED_BYTES.length; i++) if (startsWithAt(bytes, at, SEQUENCED_BYTES[i]!)) return true
   return false
 }
+
+/** Is this line a `session_closed` (a session's last line)? */
+export const isClosedLine = (line: string): boolean => line.startsWith(CLOSED)
 
 /** Is the line starting at `at` a `session_closed` (a session's last line)? */
 export const isClosedAt = (bytes: Uint8Array, at: number): boolean => startsWithAt(bytes, at, CLOSED_BYTES)
