@@ -237,7 +237,13 @@ const storageLayers = (layers: DaemonLayers): Layer.Layer<
 const sessionsFront: Layer.Layer<
   SessionManager.SessionManager,
   never,
-  SessionManager.SessionManager | SessionStore.SessionStore | DaemonConfig
+  | SessionManager.SessionManager
+  | SessionManager.SupervisorInfo
+  | SessionStore.SessionStore
+  | RecoveryJournal.RecoveryJournal
+  | SnapshotCache.SnapshotCache
+  | WorkerPool.WorkerPool
+  | DaemonConfig
 > = Layer.unwrapEffect(Effect.gen(function*() {
   const config = yield* DaemonConfig
   if (config.cluster !== true || config.store === undefined) {

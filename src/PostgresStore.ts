@@ -25,6 +25,7 @@
  * @since 0.1.0
  */
 import type * as SqlClient from "@effect/sql/SqlClient"
+import * as Effect from "effect/Effect"
 import * as Layer from "effect/Layer"
 import { EventLog } from "./EventLog.js"
 import * as PgEventLog from "./internal/postgres/eventLog.js"
@@ -56,7 +57,7 @@ export type { Options } from "./internal/postgres/store.js"
  */
 export const eventLog: Layer.Layer<EventLog, never, SqlClient.SqlClient | Store.PostgresStore> = Layer.scoped(
   EventLog,
-  PgEventLog.make
+  Effect.flatMap(Store.PostgresStore, (store) => PgEventLog.makeWith({ notify: store.shared }))
 )
 
 /** The session registry, snapshot headers and append-only transcripts in the store. */

@@ -44,6 +44,7 @@ import { CommandError, SessionManager } from "../../SessionManager.js"
 import { listingId, SessionStore } from "../../SessionStore.js"
 import { parseListen } from "../http/listen.js"
 import { RemoteCommandError, SessionEntity } from "./entity.js"
+import { LogTail } from "./logTail.js"
 
 /** The prefix of @effect/cluster's tables in the store (`agentd_cluster_runners`, `_messages`, `_replies`). */
 export const TABLE_PREFIX = "agentd_cluster"
@@ -160,7 +161,7 @@ interface RunnerRow {
  * The runner: sharding, the entity, the watcher, and the routing SessionManager over the local
  * one (which it takes from its context, built to load no session at start).
  */
-export const layer: Layer.Layer<SessionManager, never, SessionManager | SessionStore | SqlClient.SqlClient | DaemonConfig> = Layer
+export const layer: Layer.Layer<SessionManager, never, SessionManager | SessionStore | SqlClient.SqlClient | DaemonConfig | LogTail> = Layer
   .unwrapEffect(Effect.gen(function*() {
     const config = yield* DaemonConfig
     const address = runnerAddressOf(config.runnerAddress)
@@ -180,6 +181,7 @@ const makeRouter = (self: string, leaseMs: number) =>
     const sql = yield* SqlClient.SqlClient
     const sharding = yield* Sharding.Sharding
     const client = yield* SessionEntity.client
+    const tails = yield* LogTail
 
     const shardOf = (id: string) => sharding.getShardId(EntityId.make(id), SessionEntity.getShardGroup(EntityId.make(id)))
     /** Whether this runner runs the session now: it holds the session and its shard's lock. */
@@ -285,21 +287,7 @@ const makeRouter = (self: string, leaseMs: number) =>
         const status = (yield* local.status) as Record<string, unknown>
         return { ...status, runner: self, runners: yield* runners }
       }),
-      attach: (connectionId, outbox, cmd) =>
-        Effect.suspend(() =>
-          owns(cmd.activeSessionId)
-            ? local.attach(connectionId, outbox, cmd)
-            : Effect.flatMap(summaryOfOwner(cmd.activeSessionId), (s) =>
-              Effect.fail(
-                new CommandError({
-                  code: "internal",
-                  message: `Session \`${cmd.activeSessionId}\` runs on runner ${s.runner ?? "unknown"}: attach through that runner ` +
-                    "(attaching through another runner is not supported yet)."
-                })
-              ))
-        ),
-      detach: (connectionId, id) =>
-        Effect.suspend(() => (local.holds(id) ? local.detach(connectionId, id) : Effect.asVoid(summaryOfOwner(id)))),
+      ...attachments(local, tails, owns, summaryOfOwner),
       prompt: (cmd) => route(cmd.activeSessionId, local.prompt(cmd), cmd),
       abort: (cmd) => route(cmd.activeSessionId, local.abort(cmd), cmd),
       getState: (id) => summaryOfOwner(id),
@@ -310,3 +298,35 @@ const makeRouter = (self: string, leaseMs: number) =>
       rename: (cmd) => route(cmd.activeSessionId, Effect.map(local.rename(cmd), withRunner), cmd)
     })
   })
+
+/**
+ * Attach, detach and the HTTP event reads (which attach too): through the local session when
+ * this runner owns it, else through its log tail (logTail.ts). One connection has one
+ * attachment per session: attaching through one drops the other.
+ */
+const attachments = (
+  local: SessionManager["Type"],
+  tails: LogTail["Type"],
+  owns: (id: string) => boolean,
+  summaryOfOwner: (id: string) => Effect.Effect<SessionSummary, CommandError>
+): Pick<SessionManager["Type"], "attach" | "detach" | "detachAll" | "attachedCount"> => ({
+  attach: (connectionId, outbox, cmd) =>
+    Effect.suspend(() => {
+      const id = cmd.activeSessionId
+      return owns(id)
+        ? Effect.zipRight(tails.detach(connectionId, id), local.attach(connectionId, outbox, cmd))
+        : Effect.zipRight(
+          local.holds(id) ? Effect.ignore(local.detach(connectionId, id)) : Effect.void,
+          tails.attach(connectionId, outbox, cmd, summaryOfOwner(id))
+        )
+    }),
+  detach: (connectionId, id) =>
+    Effect.suspend(() => {
+      const here = local.holds(id) ? local.detach(connectionId, id) : Effect.void
+      // Of a session attached nowhere here: the owner says whether it exists.
+      if (tails.attachedTo(connectionId, id)) return Effect.zipRight(tails.detach(connectionId, id), Effect.ignore(here))
+      return local.holds(id) ? here : Effect.asVoid(summaryOfOwner(id))
+    }),
+  detachAll: (connectionId) => Effect.zipRight(tails.detachAll(connectionId), local.detachAll(connectionId)),
+  attachedCount: (connectionId) => tails.attachedCount(connectionId) + local.attachedCount(connectionId)
+})

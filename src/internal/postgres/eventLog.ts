@@ -127,12 +127,45 @@ const toRecord = (row: { generation: number; sequence: number; event: string }, 
 const PAGE = 64
 
 /**
+ * The channel of the event log's notifications: one per group commit per session written (its
+ * payload the session's key, see {@link sessionKey}), sent in the commit's own statement or
+ * transaction so that it is delivered once the events are readable, never before.
+ */
+export const NOTIFY_CHANNEL = "agentd_events"
+
+/** The key of a session's rows, which a notification carries (undefined: an id no log can hold). */
+export const sessionKey = (sessionId: string): string | undefined => {
+  const name = sanitizeSessionId(sessionId)
+  return name._tag === "Left" ? undefined : name.right
+}
+
+/** Options of {@link makeWith}. */
+export interface Options {
+  /** Notify {@link NOTIFY_CHANNEL} at every group commit (the runners of a cluster read each other's logs). */
+  readonly notify: boolean
+  /**
+   * A reader of a log another process writes (a cluster runner's log tail of a session owned
+   * elsewhere): nothing is kept in memory, every operation reads where the log stands; its
+   * writes are defects. (The writer's view, kept once read, would be stale at once.)
+   */
+  readonly readOnly?: boolean | undefined
+}
+
+/**
  * Builds the PostgreSQL event log over the store's SqlClient (./store.ts: schema and lock); its
  * scope owns the flusher fibers.
  */
-export const make: Effect.Effect<EventLogService, never, SqlClient.SqlClient | Scope.Scope> = Effect.gen(function*() {
+export const make: Effect.Effect<EventLogService, never, SqlClient.SqlClient | Scope.Scope> = Effect.suspend(() =>
+  makeWith({ notify: false })
+)
+
+export const makeWith = (options: Options): Effect.Effect<EventLogService, never, SqlClient.SqlClient | Scope.Scope> =>
+  Effect.gen(function*() {
   const sql = yield* SqlClient.SqlClient
-  const openHandle = (sessionId: string): Effect.Effect<Handle, EventLogError> =>
+  const openHandle = (sessionId: string): Effect.Effect<Handle, EventLogError> => open(sessionId, true)
+  /** A handle whose generations only are read (a reader's, for reading events). */
+  const openStarts = (sessionId: string): Effect.Effect<Handle, EventLogError> => open(sessionId, false)
+  const open = (sessionId: string, counted: boolean): Effect.Effect<Handle, EventLogError> =>
     Effect.gen(function*() {
       const name = sanitizeSessionId(sessionId)
       if (name._tag === "Left") return yield* Effect.fail(name.left)
@@ -154,6 +187,8 @@ export const make: Effect.Effect<EventLogService, never, SqlClient.SqlClient | S
       if (generations.length === 0) return h
       for (const row of generations) h.starts.set(row.generation, startOf(row))
       const newest = generations[generations.length - 1]!
+      h.generation = newest.generation
+      if (!counted) return h
       const [tail] = yield* sql.unsafe<{ count: string; bytes: string }>(
         `SELECT coalesce(sum(count), 0) AS count, coalesce(sum(octet_length(events)), 0) AS bytes
          FROM agentd_event_batches WHERE session_id = $1 AND generation = $2`,
@@ -202,19 +237,27 @@ export const make: Effect.Effect<EventLogService, never, SqlClient.SqlClient | S
     }
     // One session (the usual flush): plain parameters, nothing for the driver to quote.
     if (runs.length === 1) {
+      const insert = `INSERT INTO agentd_event_batches (session_id, generation, first_sequence, count, lengths, events)
+         VALUES ($1, $2, $3, $4, string_to_array($5, ',')::integer[], $6)`
       return sql.unsafe(
-        `INSERT INTO agentd_event_batches (session_id, generation, first_sequence, count, lengths, events)
-         VALUES ($1, $2, $3, $4, string_to_array($5, ',')::integer[], $6)`,
+        options.notify ? `WITH i AS (${insert} RETURNING session_id) ${NOTIFY_SELECT}` : insert,
         [keys[0]!, generations[0]!, firsts[0]!, counts[0]!, lengths[0]!, events[0]!]
       )
     }
-    return sql.unsafe(
-      `INSERT INTO agentd_event_batches (session_id, generation, first_sequence, count, lengths, events)
+    const insert = `INSERT INTO agentd_event_batches (session_id, generation, first_sequence, count, lengths, events)
        SELECT k, g, f, c, string_to_array(l, ',')::integer[], e
-       FROM unnest($1::text[], $2::integer[], $3::integer[], $4::integer[], $5::text[], $6::text[]) AS t(k, g, f, c, l, e)`,
+       FROM unnest($1::text[], $2::integer[], $3::integer[], $4::integer[], $5::text[], $6::text[]) AS t(k, g, f, c, l, e)`
+    return sql.unsafe(
+      options.notify ? `WITH i AS (${insert} RETURNING session_id) ${NOTIFY_SELECT}` : insert,
       [keys, generations, firsts, counts, lengths, events]
     )
   }
+
+  /**
+   * The notification of each session a statement inserted, in that statement: one statement is
+   * one transaction, and PostgreSQL delivers a notification at its transaction's commit.
+   */
+  const NOTIFY_SELECT = `SELECT pg_notify('${NOTIFY_CHANNEL}', k) FROM (SELECT DISTINCT session_id AS k FROM i) AS n`
 
   const insertGeneration = (key: string, generation: number, after: Option.Option<Cursor.Cursor>) =>
     sql`INSERT INTO agentd_generations (session_id, generation, after_generation, after_sequence)
@@ -247,6 +290,8 @@ export const make: Effect.Effect<EventLogService, never, SqlClient.SqlClient | S
         }
       }
       yield* flushRun
+      // In the flush's transaction (delivered at its commit), for a generation started too.
+      if (options.notify) yield* sql`SELECT pg_notify(${NOTIFY_CHANNEL}, ${h.key})`
     })
 
   /**
@@ -332,7 +377,15 @@ export const make: Effect.Effect<EventLogService, never, SqlClient.SqlClient | S
     flush: writeBatch,
     grouping: { _tag: "Store", lock: writeLock }
   })
-  const { append, appendAll, handleFor, startGeneration } = queue
+  const readOnly = options.readOnly === true
+  /** The handle for status reads: the writer's, kept; a reader's, read again each time. */
+  const handleFor = readOnly ? openHandle : queue.handleFor
+  /** The handle for event reads (they need its generations only; a reader counts nothing). */
+  const startsFor = readOnly ? openStarts : queue.handleFor
+  const readOnlyWrite = Effect.dieMessage("a read-only event log was written")
+  const { append, appendAll, startGeneration } = readOnly
+    ? { append: () => readOnlyWrite, appendAll: () => readOnlyWrite, startGeneration: () => readOnlyWrite }
+    : queue
 
   const statusOf = (h: Handle): EventLogStatus => ({
     generation: h.generation,
@@ -360,7 +413,7 @@ export const make: Effect.Effect<EventLogService, never, SqlClient.SqlClient | S
     ).pipe(Effect.mapError(sqlFail(h.sessionId, "reading the event log failed")))
 
   const read = (sessionId: string, after?: Cursor.Cursor): Stream.Stream<EventRecord, EventLogError> =>
-    Stream.unwrap(Effect.map(handleFor(sessionId), (h) => {
+    Stream.unwrap(Effect.map(startsFor(sessionId), (h) => {
       const segments = segmentsOf(h)
       // What the log already knows is gone: fail before reading anything.
       const gone = checkReadable(sessionId, h.starts, segments, after)
@@ -423,7 +476,7 @@ export const make: Effect.Effect<EventLogService, never, SqlClient.SqlClient | S
     })).pipe(Stream.withSpan("EventLog.read"))
 
   const readGeneration = (sessionId: string, generation: number): Stream.Stream<EventRecord, EventLogError> =>
-    Stream.unwrap(Effect.map(handleFor(sessionId), (h) => {
+    Stream.unwrap(Effect.map(startsFor(sessionId), (h) => {
       if (h.starts.size === 0 && generation === h.generation) return Stream.empty
       if (!h.starts.has(generation)) return Stream.fail(notRetained(sessionId, generation))
       let next = 0
@@ -462,6 +515,7 @@ export const make: Effect.Effect<EventLogService, never, SqlClient.SqlClient | S
     })).pipe(Stream.withSpan("EventLog.readGeneration"))
 
   const prune = Effect.fn("EventLog.prune")(function*(sessionId: string, keepFromGeneration: number) {
+    if (readOnly) return yield* readOnlyWrite
     const h = yield* handleFor(sessionId)
     return yield* writeLock.withPermits(1)(Effect.gen(function*() {
       const keep = Math.min(keepFromGeneration, h.generation)
@@ -479,6 +533,7 @@ export const make: Effect.Effect<EventLogService, never, SqlClient.SqlClient | S
 
   const remove = Effect.fn("EventLog.remove")(
     function*(sessionId: string, options?: { readonly archiveTo?: string }) {
+      if (readOnly) return yield* readOnlyWrite
       const h = yield* handleFor(sessionId)
       yield* writeLock.withPermits(1)(Effect.gen(function*() {
         yield* queue.kill(h, fail("Closed", sessionId, "the session's event log was removed"))
@@ -499,3 +554,4 @@ export const make: Effect.Effect<EventLogService, never, SqlClient.SqlClient | S
     append, appendAll, read, readGeneration, startGeneration, prune, remove
   })
 })
+

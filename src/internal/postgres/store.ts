@@ -171,6 +171,11 @@ const migrate = Migrator.make({})({ loader: migrations, table: "agentd_migration
 /** The store this daemon holds: its URL (redacted) and the lock's connection. */
 export class PostgresStore extends Context.Tag("agentd/PostgresStore")<PostgresStore, {
   readonly url: string
+  /**
+   * Held in share mode by the runners of a cluster: then every group commit of the event log
+   * also notifies the other runners (their log tails: internal/cluster/logTail.ts).
+   */
+  readonly shared: boolean
 }>() {}
 
 /** Options of {@link layer}. */
@@ -310,7 +315,7 @@ export const layer = (options: Options): Layer.Layer<
         Effect.catchTag("SqlError", toStoreError(url, "cannot take the store's lock"))
       )
       yield* keepLock(url, options.socketPath ?? "", connection, shared)
-      return { url }
+      return { url, shared }
     })
   )
   return store.pipe(Layer.provideMerge(client))
