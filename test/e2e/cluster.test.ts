@@ -6,7 +6,7 @@
  *    prompted through runner B, their turns reach a client attached through the owner with
  *    contiguous cursors; `get_state`, `get_messages` and `list` answer the same through either
  *    runner, naming the owner (`runner`); `status` lists both runners and their shards; an
- *    attach through a non-owner is refused naming the owner (not supported yet).
+ *    attach through a non-owner answers (test/e2e/clusterEvents.test.ts: its events).
  * 2. Failover: the owner SIGKILLed mid-turn; the session comes back `ready` on the other runner
  *    once the lease ran out, its cut turn ended `turn_interrupted {reason: "daemon_restarted"}`,
  *    its cursors contiguous with what a client saw through the dead runner, its old worker gone,
@@ -144,11 +144,11 @@ describePg("serve --cluster: two runners over one PostgreSQL store", () => {
         expect(page["messages"].map((m: Msg) => m["content"])).toEqual([`through B to ${owner}`, `echo: through B to ${owner}`])
       }
 
-      // Attach through the runner that does not own it: refused, naming the owner (not done yet).
+      // Attach through the runner that does not own it: the same events (clusterEvents.test.ts
+      // covers it in depth).
       const stranger = await other.connect("stranger")
-      const refused = await stranger.request({ type: "attach", activeSessionId: id })
-      expect(refused["success"]).toBe(false)
-      expect(refused["error"]["message"]).toContain(owner)
+      const through = await attachAndReplay(stranger, { activeSessionId: id })
+      expect(through.data["lastEventCursor"]).toEqual(cursorOf(watcher.sequenced(id).at(-1)!))
     }
 
     // `list` through either runner: every session of the cluster, each with its owner.
