@@ -32,6 +32,9 @@ export class Wakeup {
         return Effect.succeed(true)
       }
       const notified = Effect.async<boolean>((resume) => {
+        // Checked again here: a notification may come between the check above and this
+        // registration (the race starts this fiber later), and must not wait for the poll.
+        if (this.owed) return resume(Effect.succeed(true))
         this.waiter = () => resume(Effect.succeed(true))
         return Effect.sync(() => {
           this.waiter = undefined
