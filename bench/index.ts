@@ -20,7 +20,8 @@ const benches: Record<string, () => Promise<{ default: () => Promise<void> }>> =
   attach: () => import("./attach.js"),
   checkpoint: () => import("./checkpoint.js"),
   cliStartup: () => import("./cliStartup.js"),
-  webOpen: () => import("./webOpen.js")
+  webOpen: () => import("./webOpen.js"),
+  clusterDelivery: () => import("./clusterDelivery.js")
 }
 
 const STORES = ["storeAppend", "storeDelivery", "storeRecovery"]

@@ -95,6 +95,20 @@ export class SupervisorInfo extends Context.Tag("agentd/SupervisorInfo")<Supervi
   readonly eventLogRoot: string
 }>() {}
 
+/** Where an ended attachment stood, for another delivery to continue it (see `evict`). */
+export interface HandedOver {
+  readonly connectionId: string
+  readonly outbox: ConnectionPort
+  /** The last cursor sent to the client. */
+  readonly delivered: Cursor.Cursor | undefined
+  /** Events up to this cursor are flagged replayed. */
+  readonly attachCursor: Cursor.Cursor | undefined
+  /** The latest history rewrite the client's state includes. */
+  readonly knownRewrite: number | undefined
+  /** Re-sent events are flagged replayed. */
+  readonly resumed: boolean
+}
+
 export interface AttachOutcome {
   readonly data: Protocol.DaemonAttachResult
   /** Sends the snapshot frames, `session_attached` and the events; run after the response. */
@@ -153,9 +167,11 @@ export class SessionManager extends Context.Tag("agentd/SessionManager")<Session
    * Drops a session from this manager without writing anything for it: its worker is killed
    * (waited for), its entity stopped, its attachments ended, the commands waiting in it answered
    * `internal`. What a cluster runner does with the sessions of a shard it lost (another runner
-   * may be writing them already); the store keeps the session whole, as after a crash.
+   * may be writing them already); the store keeps the session whole, as after a crash. Its
+   * attachments that were streaming are given to `handOver` once ended (a runner's log tail
+   * continues them from where they stood).
    */
-  readonly evict: (activeSessionId: string) => Effect.Effect<void>
+  readonly evict: (activeSessionId: string, handOver?: (attachments: ReadonlyArray<HandedOver>) => Effect.Effect<void>) => Effect.Effect<void>
   /** Whether this manager holds the session (live or damaged). */
   readonly holds: (activeSessionId: string) => boolean
 }>() {}
@@ -592,7 +608,7 @@ export const make = Effect.gen(function*() {
     })).pipe(Effect.catchAllCause((cause) => Effect.logError(`session ${id}: could not be adopted`, cause)))
 
   /** `evict`: the worker is killed, not stopped: another runner may be restoring the session already. */
-  const evict = (id: string) =>
+  const evict = (id: string, handOver?: (attachments: ReadonlyArray<HandedOver>) => Effect.Effect<void>) =>
     damagedLock.withPermits(1)(Effect.gen(function*() {
       if (damaged.delete(id)) return
       const s = sessions.get(id)
@@ -614,7 +630,16 @@ export const make = Effect.gen(function*() {
       for (const input of yield* Queue.takeAll(s.mailbox)) {
         if ("reply" in input) yield* Deferred.fail(input.reply as Deferred.Deferred<unknown, unknown>, moved)
       }
-      for (const attachment of [...s.attachments]) detachAttachment(attachment)
+      const streaming: Array<HandedOver> = []
+      for (const a of [...s.attachments]) {
+        detachAttachment(a)
+        // One still sending its baseline ends here (its client attaches again).
+        if (a.streaming && !a.outbox.isClosed) {
+          const { attachCursor, connectionId, delivered, knownRewrite, outbox, resumed } = a
+          streaming.push({ connectionId, outbox, delivered, attachCursor, knownRewrite, resumed })
+        }
+      }
+      if (handOver !== undefined && streaming.length > 0) yield* handOver(streaming)
       yield* Effect.logInfo(`session ${id} left this runner`)
     }))
 

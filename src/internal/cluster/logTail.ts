@@ -51,7 +51,7 @@ import { DaemonConfig } from "../../DaemonConfig.js"
 import type { EventRecord } from "../../EventLog.js"
 import type { CommandOf, SessionSummary } from "../../Protocol.js"
 import { RecoveryJournal } from "../../RecoveryJournal.js"
-import { type AttachOutcome, CommandError, type ConnectionPort, SupervisorInfo } from "../../SessionManager.js"
+import { type AttachOutcome, CommandError, type ConnectionPort, type HandedOver, SupervisorInfo } from "../../SessionManager.js"
 import { SessionStore, SnapshotHeader } from "../../SessionStore.js"
 import { SnapshotCache } from "../../SnapshotCache.js"
 import * as StateLayout from "../../StateLayout.js"
@@ -75,6 +75,8 @@ export const IDLE = Duration.seconds(30)
 const RECONNECT = Duration.seconds(1)
 /** Its `application_name`: how a test finds (and cuts) it in `pg_stat_activity`. */
 export const LISTEN_APPLICATION = "agentd-log-tail"
+/** How long a handover may take (a follower's open: a few reads). */
+const HANDOVER_TIMEOUT = Duration.seconds(5)
 /** Lines handed to live attachments at once (one encode each), as the owner's publish does. */
 const BATCH_BYTES = 256 * 1024
 
@@ -114,6 +116,11 @@ export class LogTail extends Context.Tag("agentd/cluster/LogTail")<LogTail, {
   readonly detach: (connectionId: string, activeSessionId: string) => Effect.Effect<void>
   readonly detachAll: (connectionId: string) => Effect.Effect<void>
   readonly attachedCount: (connectionId: string) => number
+  /**
+   * Takes over the clients of a session this runner's SessionManager just let go of (its shard
+   * moved): each goes on from the last cursor it was sent, read from the log.
+   */
+  readonly handOver: (activeSessionId: string) => (attachments: ReadonlyArray<HandedOver>) => Effect.Effect<void>
 }>() {}
 
 /** The tails over the store at `url` (their LISTEN connection is their own). */
@@ -508,7 +515,18 @@ export const make = (url: string) =>
         Effect.sync(() => {
           for (const a of [...(connections.get(connectionId)?.values() ?? [])]) delivery.detachAttachment(a)
         }),
-      attachedCount: (connectionId) => connections.get(connectionId)?.size ?? 0
+      attachedCount: (connectionId) => connections.get(connectionId)?.size ?? 0,
+      handOver: (id) => (list) =>
+        Effect.gen(function*() {
+          const f = yield* followerOf(id, Effect.fail(new CommandError({ code: "internal", message: "the session is moving" })))
+          for (const from of list) {
+            if (!from.outbox.isClosed) yield* FiberSet.run(f.session.fibers, delivery.continueAttachment(f.session, from))
+          }
+        }).pipe(
+          // Not for long: the runner may be stopping (its clients' connections close then).
+          Effect.timeout(HANDOVER_TIMEOUT),
+          Effect.catchAllCause((cause) => Effect.logWarning(`session ${id}: its clients could not be handed to the log tail`, cause))
+        )
     })
   })
 

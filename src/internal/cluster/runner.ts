@@ -113,8 +113,10 @@ const entityLayer = (self: string) =>
   SessionEntity.toLayer(
     Effect.gen(function*() {
       const local = yield* SessionManager
+      const tails = yield* LogTail
       const id: string = (yield* CurrentAddress).entityId
-      yield* Effect.addFinalizer(() => local.evict(id))
+      // Its clients attached here go on reading through this runner's log tail.
+      yield* Effect.addFinalizer(() => local.evict(id, tails.handOver(id)))
       yield* local.adopt(id)
       const withRunner = (s: SessionSummary): SessionSummary => ({ ...s, runner: self })
       const run = (command: any): Effect.Effect<unknown, CommandError> => {
@@ -230,7 +232,11 @@ const makeRouter = (self: string, leaseMs: number) =>
         const gainedSet = new Set(gained)
         const lostSet = new Set(lost)
         // What a lost shard's entities did not take with them (their scope evicts them first).
-        yield* Effect.forEach(ids.filter((id) => lostSet.has(shardOf(id).id) && local.holds(id)), local.evict, { discard: true })
+        yield* Effect.forEach(
+          ids.filter((id) => lostSet.has(shardOf(id).id) && local.holds(id)),
+          (id) => local.evict(id, tails.handOver(id)),
+          { discard: true }
+        )
         yield* Effect.forEach(
           ids.filter((id) => gainedSet.has(shardOf(id).id)),
           (id) => Effect.catchAllCause(client(id).Activate(), (cause) => Effect.logWarning(`session ${id}: could not be activated`, cause)),

@@ -15,7 +15,7 @@ import * as Metrics from "../../Metrics.js"
 import type { EventRecord } from "../../EventLog.js"
 import * as Protocol from "../../Protocol.js"
 import type { AgentMessage, CommandOf } from "../../Protocol.js"
-import type { ConnectionPort } from "../../SessionManager.js"
+import type { ConnectionPort, HandedOver } from "../../SessionManager.js"
 import { type CoreError, internal, TelemetryPolicyViolation } from "../session/errors.js"
 import { type Core, type Session, snapshotIdOf } from "../session/session.js"
 import type { Checkpoints } from "../session/checkpoint.js"
@@ -39,6 +39,12 @@ export interface Delivery {
   ) => Effect.Effect<{ data: Protocol.DaemonAttachResult; deliver: Effect.Effect<void> }, CoreError>
   /** Ends an attachment (synchronously: nothing more is delivered to it). */
   readonly detachAttachment: (a: Attachment) => void
+  /**
+   * Continues a client's stream that another delivery of the session ended (a cluster runner's
+   * session moved: its log tail takes the clients over): registered at once; its delivery, the
+   * catch-up from `from.delivered`, is the effect returned.
+   */
+  readonly continueAttachment: (session: Session, from: HandedOver) => Effect.Effect<void>
 }
 
 /** Attachments: attach (replay decision, baseline), catch-up from the log, resync, detach. */
@@ -420,5 +426,20 @@ export const makeDelivery = (core: Core, checkpoints: Checkpoints): Delivery => 
       Effect.mapError(internal("event log"))
     )
 
-  return { attach, detachAttachment }
+  const continueAttachment = (s: Session, from: HandedOver) => {
+    const a = new Attachment(s, from.outbox, from.connectionId, config.outboxBytes, from.attachCursor)
+    a.delivered = from.delivered
+    a.knownRewrite = from.knownRewrite
+    a.resumed = from.resumed
+    a.streaming = true
+    const previous = connections.get(from.connectionId)?.get(s.meta.activeSessionId)
+    if (previous !== undefined) detachAttachment(previous)
+    s.attachments.add(a)
+    let byConn = connections.get(from.connectionId)
+    if (byConn === undefined) connections.set(from.connectionId, byConn = new Map())
+    byConn.set(s.meta.activeSessionId, a)
+    return catchUp(a)
+  }
+
+  return { attach, detachAttachment, continueAttachment }
 }
