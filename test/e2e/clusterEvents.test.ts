@@ -12,6 +12,9 @@
  *    through the survivor keeps going without re-attaching (the session moves to its runner:
  *    its tail reads what the new owner writes), the owner's client resumes through the
  *    survivor with its cursor; both end with the same events, no gap, no duplicate.
+ * 3. A third runner joins and takes shards from the one running: clients attached to the old
+ *    owner of a moved session keep receiving its turns (its log tail takes them over from their
+ *    last cursor), no gap, no duplicate.
  *
  * One cluster for the file. Needs `npm run build` first, and PostgreSQL (test/support/postgres.ts).
  */
@@ -80,18 +83,21 @@ describePg("serve --cluster: attach and event reads through a runner that does n
     httpB = { port: await httpPortOf(b), token: fs.readFileSync(path.join(b.stateDir, "http-token"), "utf8").trim() }
   }, 60_000)
 
+  let c: Daemon | undefined
+
   afterAll(async () => {
+    await c?.cleanup()
     await a?.cleanup()
     await b?.cleanup()
     await drop?.()
   }, 30_000)
 
-  const settled = async (client: Client): Promise<void> => {
-    const deadline = Date.now() + 30_000
+  const settled = async (client: Client, runners = 2): Promise<void> => {
+    const deadline = Date.now() + 60_000
     for (;;) {
       const listed = ((await client.ok({ type: "status" }))["runners"] ?? []) as Array<Msg>
       const total = listed.reduce((n, r) => n + (r["shards"] as number), 0)
-      if (listed.length === 2 && total === 300 && listed.every((r) => r["shards"] > 0 && r["healthy"] === true)) return
+      if (listed.length === runners && total === 300 && listed.every((r) => r["shards"] > 0 && r["healthy"] === true)) return
       if (Date.now() > deadline) throw new Error(`runners not settled: ${JSON.stringify(listed)}`)
       await sleep(100)
     }
@@ -242,5 +248,37 @@ describePg("serve --cluster: attach and event reads through a runner that does n
     expect(cursorGap(all)).toBeUndefined()
     expect(all.map(key)).toEqual(onSurvivor.sequenced(id).map(key))
     expect((await cs.ok({ type: "get_state", activeSessionId: id }))["runner"]).toBe(addressOf.get(survivor))
+  }, 120_000)
+
+  it("a runner joins and takes shards: clients attached to the old owner go on without re-attaching (its log tail takes them over)", async () => {
+    // After the previous test only B runs: it owns every session made now.
+    const cb = await b.connect("before-join")
+    await settled(cb, 1)
+    const ids: Array<string> = []
+    for (let i = 0; i < 8; i++) ids.push((await createSession(cb)).id)
+    const watch = await b.connect("watch")
+    for (const id of ids) {
+      await attachAndReplay(watch, { activeSessionId: id })
+      await cb.ok({ type: "prompt", activeSessionId: id, message: `before ${id}` })
+      await collectTurn(watch, id, 20_000)
+    }
+    const rc = await startRunner(url, false)
+    c = rc.daemon
+    addressOf.set(c, rc.address)
+    await settled(cb, 2)
+    const moved: Array<string> = []
+    for (const id of ids) {
+      // The entity of a moved session is built on its new owner by its first message.
+      const state = await cb.ok({ type: "get_state", activeSessionId: id })
+      if (state["runner"] === rc.address) moved.push(id)
+    }
+    expect(moved.length, "sessions moved to the new runner").toBeGreaterThan(0)
+    const cc = await c.connect("on-C")
+    for (const id of ids) {
+      await cc.ok({ type: "prompt", activeSessionId: id, message: `after ${id}` })
+      const turn = await collectTurn(watch, id, 20_000)
+      expect(turn.filter(isEvent("message_end")).map((m) => m["event"]["message"]["content"])).toEqual([`after ${id}`, `echo: after ${id}`])
+      expect(cursorGap(watch.sequenced(id)), id).toBeUndefined()
+    }
   }, 120_000)
 })
