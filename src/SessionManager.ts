@@ -174,6 +174,11 @@ export class SessionManager extends Context.Tag("agentd/SessionManager")<Session
   readonly evict: (activeSessionId: string, handOver?: (attachments: ReadonlyArray<HandedOver>) => Effect.Effect<void>) => Effect.Effect<void>
   /** Whether this manager holds the session (live or damaged). */
   readonly holds: (activeSessionId: string) => boolean
+  /**
+   * An attach's `launchEnv` and `env` for the session's next worker, without the attach: what a
+   * cluster runner sends the owner for an attach it serves from its log tail.
+   */
+  readonly setEnv: (cmd: Pick<CommandOf<"attach">, "activeSessionId" | "launchEnv" | "env">) => Effect.Effect<void, CommandError>
 }>() {}
 
 /**
@@ -700,7 +705,14 @@ export const make = Effect.gen(function*() {
     settleForShutdown,
     adopt,
     evict,
-    holds: (id) => damaged.has(id) || (sessions.has(id) && !isClosed(sessions.get(id)!))
+    holds: (id) => damaged.has(id) || (sessions.has(id) && !isClosed(sessions.get(id)!)),
+    setEnv: (cmd) =>
+      route(cmd.activeSessionId, (s) =>
+        post(s, {
+          _tag: "SetEnv",
+          ...(cmd.launchEnv === undefined ? {} : { launchEnv: { ...cmd.launchEnv } }),
+          ...(cmd.env === undefined ? {} : { clientEnv: filterEnv(cmd.env) ?? {} })
+        }))
   })
 })
 

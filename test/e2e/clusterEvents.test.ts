@@ -14,7 +14,8 @@
  *    survivor with its cursor; both end with the same events, no gap, no duplicate.
  * 3. A third runner joins and takes shards from the one running: clients attached to the old
  *    owner of a moved session keep receiving its turns (its log tail takes them over from their
- *    last cursor), no gap, no duplicate.
+ *    last cursor), no gap, no duplicate. An attach's `launchEnv` through the non-owner reaches
+ *    the owner's next worker.
  *
  * One cluster for the file. Needs `npm run build` first, and PostgreSQL (test/support/postgres.ts).
  */
@@ -200,7 +201,9 @@ describePg("serve --cluster: attach and event reads through a runner that does n
       const sseCursors = sse.messages.filter((m) => m["meta"] !== undefined).map(cursorOf)
       for (let i = 1; i < sseCursors.length; i++) expect(compareCursor(sseCursors[i - 1]!, sseCursors[i]!)).toBeLessThan(0)
 
-      // A kill through the non-owner: both clients get the same `session_closed`.
+      // A kill through the non-owner: both clients get the same `session_closed`. Its LISTEN
+      // cut first: its tail then reads after the kill moved the log to the archive.
+      expect(await cutListen()).toBeGreaterThan(0)
       await other.ok({ type: "kill", activeSessionId: id })
       const closedOwner = await owner.waitFor((m) => m["type"] === "session_closed" && m["activeSessionId"] === id, 20_000)
       const closedOther = await other.waitFor((m) => m["type"] === "session_closed" && m["activeSessionId"] === id, 20_000)
@@ -280,5 +283,19 @@ describePg("serve --cluster: attach and event reads through a runner that does n
       expect(turn.filter(isEvent("message_end")).map((m) => m["event"]["message"]["content"])).toEqual([`after ${id}`, `echo: after ${id}`])
       expect(cursorGap(watch.sequenced(id)), id).toBeUndefined()
     }
-  }, 120_000)
+
+    // An attach's launch environment through a runner that does not own the session reaches
+    // the owner's next worker (a bad NODE_OPTIONS: its workers cannot start, the session fails).
+    const onB = ids.find((id) => !moved.includes(id))!
+    const poison = await cc.request({ type: "attach", activeSessionId: onB, launchEnv: { NODE_OPTIONS: "--no-such-option" } })
+    expect(poison["success"], JSON.stringify(poison)).toBe(true)
+    const state = await cc.ok({ type: "get_state", activeSessionId: onB })
+    expect(state["runner"]).toBe(addressOf.get(b))
+    process.kill(state["workerPid"] as number, "SIGKILL")
+    const deadline = Date.now() + 60_000
+    while ((await cc.ok({ type: "get_state", activeSessionId: onB }))["worker"] !== "failed") {
+      if (Date.now() > deadline) throw new Error("the session's workers started with the launch env of an attach through another runner")
+      await sleep(200)
+    }
+  }, 150_000)
 })

@@ -46,6 +46,7 @@ import * as Schema from "effect/Schema"
 import * as Scope from "effect/Scope"
 import * as Stream from "effect/Stream"
 import { createRequire } from "node:module"
+import * as nodePath from "node:path"
 import * as Cursor from "../../Cursor.js"
 import { DaemonConfig } from "../../DaemonConfig.js"
 import type { EventRecord } from "../../EventLog.js"
@@ -60,6 +61,7 @@ import { makeDelivery } from "../delivery/attach.js"
 import type { Attachment } from "../delivery/attachment.js"
 import { type LoggedBody, wireLineOfRecord } from "../delivery/wireLines.js"
 import * as PgEventLog from "../postgres/eventLog.js"
+import * as PgSessionStore from "../postgres/sessionStore.js"
 import { makeCheckpoints } from "../session/checkpoint.js"
 import { toCommandError } from "../session/errors.js"
 import { makeCore, newHandles, notFound, READ_GATE_PERMITS, type Session } from "../session/session.js"
@@ -258,12 +260,12 @@ export const make = (url: string) =>
         sessions.delete(s.meta.activeSessionId)
         s.state = { ...s.state, _tag: "Closed" } as Transition.State
         const attachments = [...s.attachments]
-        // As the owner's kill does: an attachment that was not live (catching up, paused) gets
-        // the closing line after what it was sent, the log being gone next.
-        const behind = attachments.filter((a) => a.mode !== "live")
         for (const a of attachments) delivery.detachAttachment(a)
         if (closedLine !== undefined) {
-          for (const a of behind) {
+          // As the owner's kill does: an attachment that was not sent it (catching up, paused,
+          // or the log archived before the tail read it) gets the closing line after what it
+          // was sent, the log being gone.
+          for (const a of attachments) {
             if (a.outbox.isClosed || (a.delivered !== undefined && !Cursor.isBefore(a.delivered, closedLine.cursor))) continue
             if (a.streaming) a.outbox.offer(closedLine.line)
             else a.closedLine = closedLine.line
@@ -277,7 +279,8 @@ export const make = (url: string) =>
     /** The archived log's last event, if it is the session's `session_closed` (a kill archived it before it was read). */
     const archivedClose = (f: Follower) =>
       Effect.gen(function*() {
-        const prefix = `archive:archive/${f.key}-`
+        // The key `kill` moves the log's rows to: `archive:` + the archive's path + `/events`.
+        const prefix = `archive:${nodePath.join(PgSessionStore.BASE, `archive/${StateLayout.safeSegment(f.session.meta.activeSessionId)}-`)}`
         const rows = yield* sql<{ generation: number; first_sequence: number; count: number; lengths: ReadonlyArray<number> | null; events: string }>`
           SELECT generation, first_sequence, count, lengths, events FROM agentd_event_batches
           WHERE starts_with(session_id, ${prefix}) ORDER BY generation DESC, first_sequence DESC LIMIT 1`
@@ -305,9 +308,11 @@ export const make = (url: string) =>
         let batch: Array<EventRecord> = []
         let bytes = 0
         let closed: EventRecord | undefined
+        let records = 0
         const read = yield* Effect.either(log.read(id, s.lastCursor).pipe(
           Stream.runForEach((r) =>
             Effect.gen(function*() {
+              records++
               if (closed !== undefined) return
               if (r.cursor.generation > s.generation) {
                 yield* publish(f, batch)
@@ -330,14 +335,17 @@ export const make = (url: string) =>
         if (closed !== undefined) {
           return yield* drop(f, { cursor: closed.cursor, line: wireLineOfRecord(JSON.stringify(id), closed, false) })
         }
-        if (Either.isLeft(read)) {
+        // Nothing read and no generation left, or the read failed: the log may be gone (killed
+        // elsewhere, its log archived before this read: a read of a removed log ends empty).
+        if (Either.isLeft(read) || (newest === 0 && records === 0)) {
           // Gone from the store: killed (its log archived, perhaps before this read).
           const meta = yield* Effect.either(store.loadMeta(id))
           if (Either.isLeft(meta) && meta.left._tag === "SessionNotFound") {
             const close = yield* Effect.orElseSucceed(archivedClose(f), () => undefined)
             return yield* drop(f, close)
           }
-          return yield* Effect.logWarning(`log tail of ${id}: ${read.left.message}`)
+          if (Either.isLeft(read)) yield* Effect.logWarning(`log tail of ${id}: ${read.left.message}`)
+          return
         }
         if (newest > s.generation) yield* enterGeneration(f, newest)
       })

@@ -56,6 +56,8 @@ export const DEFAULT_RUNNER_PORT = 34431
 export const DEFAULT_LEASE_MS = 35_000
 /** How often the watcher reads which shards this runner holds. */
 const WATCH_INTERVAL = Duration.millis(250)
+/** The entity's own command (never a wire command): an attach's environment, see the router's `attach`. */
+const SET_ENV = "agentd/set_env"
 /** Sessions asked about at once by `list` (one `get_state` each to their owners). */
 const LIST_CONCURRENCY = 8
 
@@ -139,6 +141,9 @@ const entityLayer = (self: string) =>
             return local.kill(id)
           case "rename":
             return Effect.map(local.rename(command as CommandOf<"rename">), withRunner)
+          case SET_ENV:
+            // An attach served by another runner's log tail: its environment is the owner's to set.
+            return local.setEnv({ ...command, activeSessionId: id })
           default:
             return Effect.fail(new CommandError({ code: "unknown_command", message: `\`${String(command?.type)}\` is not routed to a session's owner.` }))
         }
@@ -293,7 +298,12 @@ const makeRouter = (self: string, leaseMs: number) =>
         const status = (yield* local.status) as Record<string, unknown>
         return { ...status, runner: self, runners: yield* runners }
       }),
-      ...attachments(local, tails, owns, summaryOfOwner),
+      ...attachments(local, tails, owns, summaryOfOwner, (cmd) =>
+        forward(cmd.activeSessionId, {
+          type: SET_ENV,
+          ...(cmd.launchEnv === undefined ? {} : { launchEnv: cmd.launchEnv }),
+          ...(cmd.env === undefined ? {} : { env: cmd.env })
+        })),
       prompt: (cmd) => route(cmd.activeSessionId, local.prompt(cmd), cmd),
       abort: (cmd) => route(cmd.activeSessionId, local.abort(cmd), cmd),
       getState: (id) => summaryOfOwner(id),
@@ -314,7 +324,9 @@ const attachments = (
   local: SessionManager["Type"],
   tails: LogTail["Type"],
   owns: (id: string) => boolean,
-  summaryOfOwner: (id: string) => Effect.Effect<SessionSummary, CommandError>
+  summaryOfOwner: (id: string) => Effect.Effect<SessionSummary, CommandError>,
+  /** Sends an attach's `launchEnv` and `env` to the owner. */
+  setEnvOnOwner: (cmd: CommandOf<"attach">) => Effect.Effect<unknown, CommandError>
 ): Pick<SessionManager["Type"], "attach" | "detach" | "detachAll" | "attachedCount"> => ({
   attach: (connectionId, outbox, cmd) =>
     Effect.suspend(() => {
@@ -323,7 +335,12 @@ const attachments = (
         ? Effect.zipRight(tails.detach(connectionId, id), local.attach(connectionId, outbox, cmd))
         : Effect.zipRight(
           local.holds(id) ? Effect.ignore(local.detach(connectionId, id)) : Effect.void,
-          tails.attach(connectionId, outbox, cmd, summaryOfOwner(id))
+          tails.attach(connectionId, outbox, cmd, summaryOfOwner(id)).pipe(
+            // Before the response, as through the owner: it comes before any command this
+            // client sends after the attach.
+            Effect.tap(() => (cmd.launchEnv === undefined && cmd.env === undefined ? Effect.void : setEnvOnOwner(cmd))),
+            Effect.onError(() => tails.detach(connectionId, id))
+          )
         )
     }),
   detach: (connectionId, id) =>

@@ -45,7 +45,8 @@ import {
   snapshotNotFound
 } from "../sessionStore/shared.js"
 
-const BASE = "postgres:/"
+/** What the store's paths start with (an archived session's log is keyed `archive:` + its archive's path + `/events`). */
+export const BASE = "postgres:/"
 
 const ioError = (activeSessionId: string | undefined) => (cause: SqlError) =>
   new SessionStoreError({
