@@ -159,8 +159,8 @@ export const make: Effect.Effect<EventLogService, never, SqlClient.SqlClient | S
   makeWith({ notify: false })
 )
 
-export const makeWith = (options: Options): Effect.Effect<EventLogService, never, SqlClient.SqlClient | Scope.Scope> =>
-  Effect.gen(function*() {
+/** {@link make} with its options (a cluster runner's store notifies; a log tail reads only). */
+export const makeWith = (options: Options): Effect.Effect<EventLogService, never, SqlClient.SqlClient | Scope.Scope> => Effect.gen(function*() {
   const sql = yield* SqlClient.SqlClient
   const openHandle = (sessionId: string): Effect.Effect<Handle, EventLogError> => open(sessionId, true)
   /** A handle whose generations only are read (a reader's, for reading events). */
