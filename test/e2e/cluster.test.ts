@@ -15,11 +15,11 @@
  * The two runners are shared by both tests (the second kills one). The lease is shortened for
  * the test (`AGENTD_CLUSTER_LEASE_MS`, default here 6000; `AGENTD_TEST_CLUSTER_LEASE_MS` sets
  * it). Needs `npm run build` first, and PostgreSQL (test/support/postgres.ts). Shard locks are
- * advisory locks of the whole database: only one cluster may run in it at a time.
+ * advisory locks of the whole database: each cluster test file has a database of its own.
  */
 import * as fs from "node:fs"
 import { afterAll, beforeAll, expect, it } from "vitest"
-import { describePg, freshSchemaUrl } from "../support/postgres.js"
+import { describePg, freshDatabaseUrl } from "../support/postgres.js"
 import { attachAndReplay } from "./attach.js"
 import {
   cleanUpAfterTests,
@@ -75,7 +75,7 @@ describePg("serve --cluster: two runners over one PostgreSQL store", () => {
   }
 
   beforeAll(async () => {
-    const store = await freshSchemaUrl()
+    const store = await freshDatabaseUrl()
     drop = store.drop
     // One after the other: the first makes the store's and the cluster's tables.
     const ra = await startRunner(store.url)

@@ -23,7 +23,7 @@ import * as fs from "node:fs"
 import { createRequire } from "node:module"
 import * as path from "node:path"
 import { afterAll, beforeAll, expect, it } from "vitest"
-import { describePg, freshSchemaUrl } from "../support/postgres.js"
+import { describePg, freshDatabaseUrl } from "../support/postgres.js"
 import { attachAndReplay } from "./attach.js"
 import {
   cleanUpAfterTests,
@@ -73,7 +73,7 @@ describePg("serve --cluster: attach and event reads through a runner that does n
   }
 
   beforeAll(async () => {
-    const store = await freshSchemaUrl()
+    const store = await freshDatabaseUrl()
     drop = store.drop
     url = store.url
     const ra = await startRunner(store.url, false)

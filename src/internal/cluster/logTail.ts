@@ -139,6 +139,8 @@ export const make = (url: string) =>
     const scope = yield* Effect.scope
     const fibers = yield* FiberSet.make()
     const followers = new Map<string, Follower>()
+    /** Each follower's session's follower (a dropped one's too: an attach may still hold it). */
+    const ofSession = new WeakMap<Session, Follower>()
     const byKey = new Map<string, Follower>()
     const base = makeCore({
       config,
@@ -177,7 +179,7 @@ export const make = (url: string) =>
       // The next worker's environment is the owner's to set: not through a follower.
       post: () => Effect.void,
       publishedState: (s: Session) =>
-        s.publishLock.withPermits(1)(Effect.sync(() => ({ state: stateOf(followers.get(s.meta.activeSessionId)!), lastCursor: s.lastCursor })))
+        s.publishLock.withPermits(1)(Effect.sync(() => ({ state: stateOf(ofSession.get(s)!), lastCursor: s.lastCursor })))
     }
     const checkpoints = makeCheckpoints(core)
     const delivery = makeDelivery(core, checkpoints)
@@ -272,8 +274,8 @@ export const make = (url: string) =>
           }
         }
         yield* checkpoints.disposeSnapshotEntry(s)
-        // Its tail runs in this scope: closed last (the tail may be the one dropping it).
-        yield* Effect.forkDaemon(Scope.close(s.scope, Exit.void))
+        // Its tail runs in this scope: closed from another fiber (the tail may be the one dropping it).
+        yield* FiberSet.run(fibers, Scope.close(s.scope, Exit.void))
       })
 
     /** The archived log's last event, if it is the session's `session_closed` (a kill archived it before it was read). */
@@ -426,6 +428,7 @@ export const make = (url: string) =>
           logged: false,
           closed: false
         }
+        ofSession.set(s, f)
         // The current generation's events (its status among them), then its tail.
         yield* pull(f)
         if (f.closed) return yield* Effect.fail(notFound(id))
