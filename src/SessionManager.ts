@@ -56,7 +56,7 @@ import { makeEntity } from "./internal/session/entity.js"
 import { makeNames } from "./internal/session/names.js"
 import type { Input } from "./internal/session/mailbox.js"
 import * as Transition from "./internal/session/transition.js"
-import { type CoreError, toCommandError } from "./internal/session/errors.js"
+import { type CoreError, metaWriteFailed, toCommandError } from "./internal/session/errors.js"
 import { CommandError, internal, isClosed, makeCore, newHandles, notFound, READ_GATE_PERMITS, type Session } from "./internal/session/session.js"
 import * as WorkerSlots from "./internal/session/workerSlots.js"
 import { makeSupervisor } from "./internal/session/supervisor.js"
@@ -314,7 +314,7 @@ export const make = Effect.gen(function*() {
         catch: () =>
           new CommandError({ code: "invalid_command", message: "Invalid `create` command: `config` is nested too deeply to be stored." })
       })
-      yield* store.create(meta).pipe(Effect.mapError(internal("session store")))
+      yield* store.create(meta).pipe(Effect.mapError(metaWriteFailed))
       const s = yield* newSession(meta, Transition.initial, {
         launchEnv: cmd.launchEnv === undefined ? undefined : { ...cmd.launchEnv },
         clientEnv: filterEnv(cmd.env)

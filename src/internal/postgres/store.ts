@@ -15,6 +15,8 @@
  *   per retained generation of a session's log: where the history stood when it began (a file
  *   segment's header).
  * - `agentd_sessions (active_session_id) -> meta, created_at` the session registry.
+ * - `agentd_session_names (name) -> active_session_id`: who holds each name (migration 3), so
+ *   that names are unique across every daemon of the store, written with the session's meta.
  * - `agentd_snapshots (active_session_id, generation) -> header, body_bytes` one row per
  *   published transcript header, as the file store's; `agentd_transcript_lines
  *   (active_session_id, epoch, line_no) -> line` the append-only transcripts: an ordinary
@@ -44,6 +46,7 @@ import * as Layer from "effect/Layer"
 import * as Redacted from "effect/Redacted"
 import * as Scope from "effect/Scope"
 import * as os from "node:os"
+import { nameOfMetaText } from "./sessionStore.js"
 
 /** The store could not be reached or its schema could not be made. */
 export class PostgresStoreError extends Data.TaggedError("PostgresStoreError")<{
@@ -160,8 +163,27 @@ const migrations = Migrator.fromRecord({
     yield* sql`INSERT INTO agentd_event_batches (session_id, generation, first_sequence, count, lengths, events)
       SELECT session_id, generation, sequence, 1, NULL, event FROM agentd_events`
     yield* sql`DROP TABLE agentd_events`
+  }),
+  // Names unique among live sessions across every daemon of the store (the runners of a cluster
+  // each know only their own sessions): one row per claimed name. Sessions of an older store that
+  // share a name keep it; the oldest holds the claim.
+  "3_session_names": Effect.gen(function*() {
+    const sql = yield* SqlClient.SqlClient
+    yield* sql`CREATE TABLE agentd_session_names (
+      name text PRIMARY KEY,
+      active_session_id text NOT NULL UNIQUE
+    )`
+    const rows = yield* sql<{ active_session_id: string; meta: string }>`SELECT active_session_id, meta FROM agentd_sessions
+      WHERE active_session_id NOT LIKE 'archive/%' ORDER BY created_at, active_session_id`
+    for (const row of rows) {
+      const name = nameOfMetaText(row.meta)
+      if (name === undefined) continue
+      yield* sql`INSERT INTO agentd_session_names (name, active_session_id) VALUES (${name}, ${row.active_session_id})
+        ON CONFLICT DO NOTHING`
+    }
   })
 })
+
 
 const migrate = Migrator.make({})({ loader: migrations, table: "agentd_migrations" })
 
