@@ -24,6 +24,7 @@ import * as Redacted from "effect/Redacted"
 import * as Cursor from "../src/Cursor.js"
 import * as EventLog from "../src/EventLog.js"
 import * as PostgresStore from "../src/PostgresStore.js"
+import { isSchemaRace } from "../src/internal/postgres/store.js"
 import * as RecoveryJournal from "../src/RecoveryJournal.js"
 import * as SessionStore from "../src/SessionStore.js"
 import { describePg, freshSchema } from "./support/postgres.js"
@@ -374,4 +375,22 @@ describePg("PostgresStore", () => {
       const records = Chunk.toReadonlyArray(yield* Stream.runCollect(log.read("s")))
       assert.deepStrictEqual(records.map((r) => r.cursor), Array.from({ length: next.sequence + 1 }, (_, i) => Cursor.make(1, i)))
     }), { timeout: 60_000 })
+})
+
+it("a lost race to create a schema object is told from any other failure, at any depth of causes", () => {
+  const pg = (code: string) => Object.assign(new Error("pg"), { code })
+  const cases: Array<[unknown, boolean]> = [
+    [pg("23505"), true], // the catalog's unique index (CREATE TABLE IF NOT EXISTS raced)
+    [pg("42P07"), true], // duplicate_table
+    [pg("42710"), true], // duplicate_object
+    [{ _tag: "SqlError", cause: pg("42P07") }, true],
+    [{ _tag: "MigrationError", cause: { _tag: "SqlError", cause: pg("23505") } }, true],
+    [pg("42P01"), false], // undefined_table
+    [pg("08006"), false], // connection failure
+    [{ cause: { cause: { cause: { cause: pg("23505") } } } }, false], // deeper than any layer wraps it
+    [new Error("no code"), false],
+    [undefined, false],
+    ["23505", false]
+  ]
+  for (const [error, expected] of cases) assert.strictEqual(isSchemaRace(error), expected, JSON.stringify(error))
 })

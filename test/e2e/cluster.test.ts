@@ -78,9 +78,9 @@ describePg("serve --cluster: two runners over one PostgreSQL store", () => {
   beforeAll(async () => {
     const store = await freshSchemaUrl()
     drop = store.drop
-    // One after the other: the first makes the store's and the cluster's tables.
-    const ra = await startRunner(store.url)
-    const rb = await startRunner(store.url)
+    // At the same moment, on a new store: both race to make the store's and the cluster's tables
+    // (a race that one of them lost, and died of, in about one start in three before it was retried).
+    const [ra, rb] = await Promise.all([startRunner(store.url), startRunner(store.url)])
     a = ra.daemon
     b = rb.daemon
     addressOf = new Map([[a, ra.address], [b, rb.address]])

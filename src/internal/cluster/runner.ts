@@ -43,6 +43,7 @@ import type { CommandOf, SessionSummary } from "../../Protocol.js"
 import { CommandError, SessionManager } from "../../SessionManager.js"
 import { listingId, SessionStore } from "../../SessionStore.js"
 import { parseListen } from "../http/listen.js"
+import { retrySchemaRace, retryingSchemaRace } from "../postgres/store.js"
 import { RemoteCommandError, SessionEntity } from "./entity.js"
 
 /** The prefix of @effect/cluster's tables in the store (`agentd_cluster_runners`, `_messages`, `_replies`). */
@@ -93,8 +94,9 @@ const shardingLayer = (settings: Partial<ShardingConfig.ShardingConfig["Type"]>)
   SocketRunner.layer.pipe(
     Layer.provide([NodeClusterSocket.layerSocketServer, NodeClusterSocket.layerClientProtocol]),
     Layer.provide(RunnerHealth.layerPing.pipe(Layer.provide(Runners.layerRpc), Layer.provide(NodeClusterSocket.layerClientProtocol))),
-    Layer.provide(SqlMessageStorage.layerWith({ prefix: TABLE_PREFIX })),
-    Layer.provide(Layer.orDie(SqlRunnerStorage.layerWith({ prefix: TABLE_PREFIX }))),
+    // Their tables are made at start: runners that start together on a new store race for them.
+    Layer.provide(retryingSchemaRace(SqlMessageStorage.layerWith({ prefix: TABLE_PREFIX }))),
+    Layer.provide(Layer.orDie(retryingSchemaRace(SqlRunnerStorage.layerWith({ prefix: TABLE_PREFIX })))),
     Layer.provideMerge(ShardingConfig.layer(settings)),
     Layer.provide(RpcSerialization.layerMsgPack),
     // A runner port already taken (SocketServerError) stops the start as a defect: exit 1 with
@@ -207,7 +209,7 @@ const makeRouter = (self: string, leaseMs: number) =>
       address text PRIMARY KEY,
       shards integer NOT NULL,
       updated_at timestamptz NOT NULL DEFAULT now()
-    )`).pipe(Effect.orDie)
+    )`).pipe(Effect.retry(retrySchemaRace), Effect.orDie)
     yield* Effect.addFinalizer(() => Effect.ignore(sql`DELETE FROM ${sql(SHARDS_TABLE)} WHERE address = ${self}`))
 
     // The watcher (see the module's header).

@@ -44,6 +44,7 @@ import * as Data from "effect/Data"
 import * as Effect from "effect/Effect"
 import * as Layer from "effect/Layer"
 import * as Redacted from "effect/Redacted"
+import * as Schedule from "effect/Schedule"
 import * as Scope from "effect/Scope"
 import * as os from "node:os"
 import { nameOfMetaText } from "./sessionStore.js"
@@ -187,6 +188,49 @@ const migrations = Migrator.fromRecord({
 
 const migrate = Migrator.make({})({ loader: migrations, table: "agentd_migrations" })
 
+/**
+ * PostgreSQL's answers to a `CREATE TABLE IF NOT EXISTS` (or index, or type) that raced the same
+ * statement of another session: the catalog's unique index (23505), or the object made meanwhile
+ * (42P07, 42710). Daemons that start together on a new store (a cluster's runners) meet them.
+ */
+const SCHEMA_RACE_CODES = new Set(["23505", "42P07", "42710"])
+
+/** Whether `error` (or a cause under it) is a lost race to create the same schema object. */
+export const isSchemaRace = (error: unknown): boolean => {
+  for (let e = error, depth = 0; typeof e === "object" && e !== null && depth < 4; e = (e as { cause?: unknown }).cause, depth++) {
+    const code = (e as { code?: unknown }).code
+    if (typeof code === "string" && SCHEMA_RACE_CODES.has(code)) return true
+  }
+  return false
+}
+
+/**
+ * Setting up a schema again after losing such a race: the other session's objects exist by then,
+ * and `IF NOT EXISTS` passes. A few tries, 100 ms apart; any other failure is not retried.
+ */
+export const retrySchemaRace = Schedule.intersect(Schedule.spaced("100 millis"), Schedule.recurs(10)).pipe(
+  Schedule.whileInput(isSchemaRace)
+)
+
+/** A lost schema race that a layer raised as a defect, carried as a failure while it is retried. */
+class SchemaRaceDefect {
+  constructor(readonly cause: unknown) {}
+}
+
+/**
+ * `layer`, built again after a lost schema race ({@link retrySchemaRace}), whether the race
+ * reached it as a failure or as a defect (@effect/cluster's storages run their migrations under
+ * `orDie`).
+ */
+export const retryingSchemaRace = <A, E, R>(layer: Layer.Layer<A, E, R>): Layer.Layer<A, E, R> =>
+  Layer.scopedContext(
+    Layer.build(layer).pipe(
+      Effect.catchAllDefect((defect) => isSchemaRace(defect) ? Effect.fail(new SchemaRaceDefect(defect)) : Effect.die(defect)),
+      Effect.retry(retrySchemaRace),
+      Effect.catchIf((e): e is SchemaRaceDefect => e instanceof SchemaRaceDefect, (e) => Effect.die(e.cause))
+    )
+  )
+
 // ---------------------------------------------------------------------------------------------
 // The store
 
@@ -326,7 +370,7 @@ export const layer = (options: Options): Layer.Layer<
   const store = Layer.scoped(
     PostgresStore,
     Effect.gen(function*() {
-      yield* migrate.pipe(Effect.mapError(toStoreError(url, "schema migration failed")))
+      yield* migrate.pipe(Effect.retry(retrySchemaRace), Effect.mapError(toStoreError(url, "schema migration failed")))
       const shared = options.lock === "shared"
       const connection = yield* lock(url, options.socketPath ?? "", true, shared).pipe(
         Effect.catchTag("SqlError", toStoreError(url, "cannot take the store's lock"))
