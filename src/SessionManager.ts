@@ -122,6 +122,11 @@ export class SessionManager extends Context.Tag("agentd/SessionManager")<Session
   /** `activeSessionId`: the id the new session takes (a cluster runner chooses it before routing the create to its owner). */
   readonly create: (cmd: CommandOf<"create">, activeSessionId?: string) => Effect.Effect<{ activeSessionId: string; state: SessionSummary }, CommandError>
   readonly list: Effect.Effect<{ sessions: Array<SessionSummary> }>
+  /**
+   * The sessions this daemon runs: all of them on a single daemon; on a cluster runner, those of
+   * its shards only (`list` covers the cluster, asking each owner). What its `/metrics` counts.
+   */
+  readonly listHere: Effect.Effect<{ sessions: Array<SessionSummary> }>
   readonly status: Effect.Effect<unknown>
   readonly attach: (connectionId: string, outbox: ConnectionPort, cmd: CommandOf<"attach">) => Effect.Effect<AttachOutcome, CommandError>
   readonly detach: (connectionId: string, activeSessionId: string) => Effect.Effect<void, CommandError>
@@ -618,11 +623,14 @@ export const make = Effect.gen(function*() {
       yield* Effect.logInfo(`session ${id} left this runner`)
     }))
 
+  const list = Effect.suspend(() =>
+    Effect.forEach([...sessions.values()].filter((s) => !isClosed(s)), (s) => Effect.map(publishedState(s), ({ state }) => state))
+  ).pipe(Effect.map((summaries) => ({ sessions: [...summaries, ...Array.from(damaged.values(), damagedSummary)] })))
+
   return SessionManager.of({
     create,
-    list: Effect.suspend(() =>
-      Effect.forEach([...sessions.values()].filter((s) => !isClosed(s)), (s) => Effect.map(publishedState(s), ({ state }) => state))
-    ).pipe(Effect.map((summaries) => ({ sessions: [...summaries, ...Array.from(damaged.values(), damagedSummary)] }))),
+    list,
+    listHere: list,
     status: Effect.gen(function*() {
       const live = yield* pool.live
       return {

@@ -261,15 +261,21 @@ const makeRouter = (self: string, leaseMs: number) =>
     const summaryOfOwner = (id: string): Effect.Effect<SessionSummary, CommandError> =>
       route(id, Effect.map(local.getState(id), withRunner), { type: "get_state", activeSessionId: id })
 
+    /** This runner's sessions: a session of a shard it just lost is its new owner's to list. */
+    const listMine = Effect.map(
+      local.list,
+      ({ sessions }) => sessions.filter((s) => s.worker === "damaged" || sharding.hasShardId(shardOf(s.activeSessionId)))
+    )
+
     return SessionManager.of({
       ...local,
       create: (cmd, given) =>
         // The id is chosen here, so that the create goes to the runner that will own the session.
         forward(given ?? `s-${randomUUID()}`, cmd),
+      listHere: Effect.map(listMine, (sessions) => ({ sessions: sessions.map(withRunner) })),
       list: Effect.gen(function*() {
         const listings = yield* Effect.orElseSucceed(store.list(), () => [])
-        // A session of a shard this runner just lost is asked of its new owner, not listed from here.
-        const mine = (yield* local.list).sessions.filter((s) => s.worker === "damaged" || sharding.hasShardId(shardOf(s.activeSessionId)))
+        const mine = yield* listMine
         const here = new Set(mine.map((s) => s.activeSessionId))
         const elsewhere = yield* Effect.forEach(
           listings.filter((l) => !here.has(listingId(l)) && l._tag !== "Unreadable"),
