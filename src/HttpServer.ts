@@ -555,7 +555,8 @@ export const make = Effect.gen(function*() {
 
   const metrics: Handler = (ctx) =>
     Effect.gen(function*() {
-      const list = yield* run(manager.list)
+      // This daemon's sessions (a cluster runner's own: scraping every runner counts each once).
+      const list = yield* run(manager.listHere)
       const text = yield* Metrics.render(list.sessions, info.generation)
       return HttpServerResponse.text(text, {
         contentType: "text/plain; version=0.0.4",

@@ -56,7 +56,7 @@ import { makeEntity } from "./internal/session/entity.js"
 import { makeNames } from "./internal/session/names.js"
 import type { Input } from "./internal/session/mailbox.js"
 import * as Transition from "./internal/session/transition.js"
-import { type CoreError, toCommandError } from "./internal/session/errors.js"
+import { type CoreError, metaWriteFailed, toCommandError } from "./internal/session/errors.js"
 import { CommandError, internal, isClosed, makeCore, newHandles, notFound, READ_GATE_PERMITS, type Session } from "./internal/session/session.js"
 import * as WorkerSlots from "./internal/session/workerSlots.js"
 import { makeSupervisor } from "./internal/session/supervisor.js"
@@ -136,6 +136,11 @@ export class SessionManager extends Context.Tag("agentd/SessionManager")<Session
   /** `activeSessionId`: the id the new session takes (a cluster runner chooses it before routing the create to its owner). */
   readonly create: (cmd: CommandOf<"create">, activeSessionId?: string) => Effect.Effect<{ activeSessionId: string; state: SessionSummary }, CommandError>
   readonly list: Effect.Effect<{ sessions: Array<SessionSummary> }>
+  /**
+   * The sessions this daemon runs: all of them on a single daemon; on a cluster runner, those of
+   * its shards only (`list` covers the cluster, asking each owner). What its `/metrics` counts.
+   */
+  readonly listHere: Effect.Effect<{ sessions: Array<SessionSummary> }>
   readonly status: Effect.Effect<unknown>
   readonly attach: (connectionId: string, outbox: ConnectionPort, cmd: CommandOf<"attach">) => Effect.Effect<AttachOutcome, CommandError>
   readonly detach: (connectionId: string, activeSessionId: string) => Effect.Effect<void, CommandError>
@@ -335,7 +340,7 @@ export const make = Effect.gen(function*() {
         catch: () =>
           new CommandError({ code: "invalid_command", message: "Invalid `create` command: `config` is nested too deeply to be stored." })
       })
-      yield* store.create(meta).pipe(Effect.mapError(internal("session store")))
+      yield* store.create(meta).pipe(Effect.mapError(metaWriteFailed))
       const s = yield* newSession(meta, Transition.initial, {
         launchEnv: cmd.launchEnv === undefined ? undefined : { ...cmd.launchEnv },
         clientEnv: filterEnv(cmd.env)
@@ -648,11 +653,14 @@ export const make = Effect.gen(function*() {
       yield* Effect.logInfo(`session ${id} left this runner`)
     }))
 
+  const list = Effect.suspend(() =>
+    Effect.forEach([...sessions.values()].filter((s) => !isClosed(s)), (s) => Effect.map(publishedState(s), ({ state }) => state))
+  ).pipe(Effect.map((summaries) => ({ sessions: [...summaries, ...Array.from(damaged.values(), damagedSummary)] })))
+
   return SessionManager.of({
     create,
-    list: Effect.suspend(() =>
-      Effect.forEach([...sessions.values()].filter((s) => !isClosed(s)), (s) => Effect.map(publishedState(s), ({ state }) => state))
-    ).pipe(Effect.map((summaries) => ({ sessions: [...summaries, ...Array.from(damaged.values(), damagedSummary)] }))),
+    list,
+    listHere: list,
     status: Effect.gen(function*() {
       const live = yield* pool.live
       return {

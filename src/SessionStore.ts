@@ -119,6 +119,8 @@ export class SessionNotFound extends Data.TaggedError("SessionNotFound")<{
 /** Why a store operation failed. */
 export type SessionStoreErrorReason =
   | "AlreadyExists"
+  /** The name is held by another live session of the store (checked by a shared store, across daemons). */
+  | "NameTaken"
   | "SnapshotNotFound"
   | "InvalidInput"
   | "Corrupt"

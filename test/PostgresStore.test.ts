@@ -8,6 +8,7 @@ import { assert, it } from "@effect/vitest"
 import * as Chunk from "effect/Chunk"
 import * as Context from "effect/Context"
 import * as Effect from "effect/Effect"
+import * as Either from "effect/Either"
 import * as Exit from "effect/Exit"
 import * as Layer from "effect/Layer"
 import * as Option from "effect/Option"
@@ -23,6 +24,7 @@ import * as Redacted from "effect/Redacted"
 import * as Cursor from "../src/Cursor.js"
 import * as EventLog from "../src/EventLog.js"
 import * as PostgresStore from "../src/PostgresStore.js"
+import { isSchemaRace } from "../src/internal/postgres/store.js"
 import * as RecoveryJournal from "../src/RecoveryJournal.js"
 import * as SessionStore from "../src/SessionStore.js"
 import { describePg, freshSchema } from "./support/postgres.js"
@@ -122,6 +124,87 @@ describePg("PostgresStore", () => {
       }))
     }))
 
+  it.scopedLive("names are unique across every daemon of the store: two runners racing for a name, one wins; a rename moves the claim, an archive frees it; migration 3 keeps an older store's names", () =>
+    Effect.gen(function*() {
+      const url = yield* freshSchema
+      const meta = (id: string, name?: string): SessionStore.SessionMeta => ({
+        activeSessionId: id,
+        sessionId: id,
+        engine: "echo",
+        telemetry: false,
+        createdAt: "2026-01-01T00:00:00.000Z",
+        ...(name === undefined ? {} : { name })
+      })
+      const runner = (n: number) =>
+        Effect.map(
+          Layer.build(PostgresStore.layerStorage({ url, socketPath: `/run/r${n}.sock`, lock: "shared" })),
+          (ctx) => Context.get(ctx, SessionStore.SessionStore)
+        )
+      const nameTaken = (e: unknown) => (e as { reason?: string }).reason === "NameTaken"
+      yield* Effect.scoped(Effect.gen(function*() {
+        const [a, b] = [yield* runner(1), yield* runner(2)]
+        // 20 races of two creates with one name, one on each runner, at once: exactly one wins.
+        for (let i = 0; i < 20; i++) {
+          const [x, y] = yield* Effect.all([
+            Effect.either(a.create(meta(`s-a${i}`, `race ${i}`))),
+            Effect.either(b.create(meta(`s-b${i}`, `race ${i}`)))
+          ], { concurrency: 2 })
+          assert.strictEqual([x, y].filter(Either.isRight).length, 1, `race ${i}`)
+          const lost = [x, y].find(Either.isLeft)!.left
+          assert.isTrue(nameTaken(lost), String(lost))
+          assert.match(lost.message, new RegExp(`The name "race ${i}" is in use by session \`s-[ab]${i}\``))
+        }
+        // The loser's session was not registered either (one transaction).
+        const ids = (yield* a.list()).map(SessionStore.listingId)
+        assert.strictEqual(ids.length, 20)
+        const holder = (i: number) => ids.includes(`s-a${i}`) ? { store: a, id: `s-a${i}` } : { store: b, id: `s-b${i}` }
+        // A rename on the other runner to a held name: refused; the session keeps its own.
+        const h0 = holder(0)
+        const h1 = holder(1)
+        const renamed = yield* Effect.flip(b.saveMeta(meta(h1.id, "race 0")))
+        assert.isTrue(nameTaken(renamed), String(renamed))
+        assert.strictEqual((yield* a.loadMeta(h1.id)).name, "race 1")
+        // Saving a meta with its name unchanged claims nothing new.
+        yield* b.saveMeta({ ...meta(h1.id, "race 1"), config: { x: 1 } })
+        // A rename moves the claim: the old name is free, the new one held.
+        yield* a.saveMeta(meta(h0.id, "renamed 0"))
+        yield* b.create(meta("s-c0", "race 0"))
+        assert.isTrue(nameTaken(yield* Effect.flip(b.create(meta("s-c1", "renamed 0")))))
+        // Dropping the name frees it.
+        yield* a.saveMeta(meta(h0.id))
+        yield* b.create(meta("s-c2", "renamed 0"))
+        // An archived session's name is free again.
+        yield* a.archive(h1.id)
+        yield* b.create(meta("s-c3", "race 1"))
+      }))
+      // An older store (before migration 3) whose live sessions share a name: they load, the
+      // oldest holds the claim, and each still saves its meta.
+      const raw = <A>(body: (sql: SqlClient.SqlClient) => Effect.Effect<A, unknown>) =>
+        Effect.flatMap(SqlClient.SqlClient, body).pipe(
+          Effect.provide(PgClient.layer({ url: Redacted.make(url), maxConnections: 1 })),
+          Effect.orDie,
+          Effect.scoped
+        )
+      yield* raw((sql) =>
+        Effect.gen(function*() {
+          yield* sql`DROP TABLE agentd_session_names`
+          yield* sql`DELETE FROM agentd_migrations WHERE migration_id = 3`
+          yield* sql`DELETE FROM agentd_sessions`
+          for (const [id, at] of [["s-new", "2026-02-01"], ["s-old", "2026-01-01"]] as const) {
+            yield* sql`INSERT INTO agentd_sessions VALUES (${id}, ${JSON.stringify({ ...meta(id, "twin"), createdAt: at })}, ${at})`
+          }
+          yield* sql`INSERT INTO agentd_sessions VALUES ('s-bad', '{not json', '2026-01-01')`
+        })
+      )
+      yield* Effect.scoped(Effect.gen(function*() {
+        const store = yield* runner(3)
+        yield* store.saveMeta({ ...meta("s-new", "twin"), createdAt: "2026-02-01", config: { y: 2 } })
+        yield* store.saveMeta({ ...meta("s-old", "twin"), config: { y: 3 } })
+        const taken = yield* Effect.flip(store.create(meta("s-third", "twin")))
+        assert.include(taken.message, "session `s-old`")
+      }))
+    }), { timeout: 60_000 })
+
   it.scopedLive("a holder killed with SIGKILL leaves no lock behind: the store is taken again at once", () =>
     Effect.gen(function*() {
       const url = yield* freshSchema
@@ -203,7 +286,8 @@ describePg("PostgresStore", () => {
       yield* raw((sql) =>
         Effect.gen(function*() {
           yield* sql`DROP TABLE agentd_event_batches`
-          yield* sql`DELETE FROM agentd_migrations WHERE migration_id = 2`
+          yield* sql`DROP TABLE agentd_session_names`
+          yield* sql`DELETE FROM agentd_migrations WHERE migration_id >= 2`
           yield* sql`CREATE TABLE agentd_events (session_id text NOT NULL, generation integer NOT NULL,
             sequence integer NOT NULL, event text NOT NULL, PRIMARY KEY (session_id, generation, sequence))`
           yield* sql`INSERT INTO agentd_generations VALUES (${sid}, 1, NULL, NULL)`
@@ -291,4 +375,22 @@ describePg("PostgresStore", () => {
       const records = Chunk.toReadonlyArray(yield* Stream.runCollect(log.read("s")))
       assert.deepStrictEqual(records.map((r) => r.cursor), Array.from({ length: next.sequence + 1 }, (_, i) => Cursor.make(1, i)))
     }), { timeout: 60_000 })
+})
+
+it("a lost race to create a schema object is told from any other failure, at any depth of causes", () => {
+  const pg = (code: string) => Object.assign(new Error("pg"), { code })
+  const cases: Array<[unknown, boolean]> = [
+    [pg("23505"), true], // the catalog's unique index (CREATE TABLE IF NOT EXISTS raced)
+    [pg("42P07"), true], // duplicate_table
+    [pg("42710"), true], // duplicate_object
+    [{ _tag: "SqlError", cause: pg("42P07") }, true],
+    [{ _tag: "MigrationError", cause: { _tag: "SqlError", cause: pg("23505") } }, true],
+    [pg("42P01"), false], // undefined_table
+    [pg("08006"), false], // connection failure
+    [{ cause: { cause: { cause: { cause: pg("23505") } } } }, false], // deeper than any layer wraps it
+    [new Error("no code"), false],
+    [undefined, false],
+    ["23505", false]
+  ]
+  for (const [error, expected] of cases) assert.strictEqual(isSchemaRace(error), expected, JSON.stringify(error))
 })

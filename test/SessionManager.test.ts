@@ -1470,6 +1470,48 @@ describe("SessionManager (in-process)", () => {
           yield* runTurn(sm, id, c1, "three")
           assert.strictEqual(c2.lines.length, n, "nothing after detach")
         })))
+
+    // An attach's snapshot frames follow its answer from another fiber: between the two, its
+    // connection may attach again or detach. The old attachment must then send nothing, not even
+    // the begin of a snapshot it was about to stream (chaos seed 830 saw a stale begin arrive in
+    // the middle of the new attachment's frames: "snapshot_begin in phase snapshot").
+    const CHUNKED = ["attach_snapshot", "event_sequence", "chunked_snapshot"]
+    for (const then of ["attach again", "detach"] as const) {
+      it.scoped(`an attach held before its snapshot's first frame, then ${then === "detach" ? "detached" : "replaced by a new attach on its connection"}, sends nothing more`, () =>
+        withCore({}, (control) =>
+          Effect.gen(function*() {
+            const sm = yield* SessionManager
+            const { conn: c1, id } = yield* open(sm)
+            yield* waitReady(c1)
+            yield* runTurn(sm, id, c1, "one two")
+            const c2 = new MemoryConnection("c2")
+            control.retainGate.close()
+            const held = yield* attach(sm, id, c2, { capabilities: CHUNKED })
+            assert.isDefined(held.snapshotStream, "a baseline streamed as frames")
+            yield* until("the first attach at the cache's retain", () => control.retainGate.waiting === 1)
+            if (then === "detach") yield* sm.detach("c2", id)
+            else {
+              const again = yield* attach(sm, id, c2, { resumeCursor: seq(c1).at(-1)!["meta"].cursor, capabilities: CHUNKED })
+              assert.deepStrictEqual(again.replay, { status: "complete", eventCount: 0 })
+              yield* until("the new attachment's session_attached", () => c2.lines.some((l) => l["type"] === "session_attached"))
+            }
+            const before = c2.lines.map((l) => l["type"])
+            control.retainGate.open()
+            yield* settle
+            assert.deepStrictEqual(c2.lines.map((l) => l["type"]), before, "nothing from the replaced attachment")
+            assert.notInclude(before, "session_snapshot_begin")
+            // The connection's live attachment (if any) still gets the next turn, once.
+            yield* runTurn(sm, id, c1, "three")
+            yield* settle
+            if (then === "detach") assert.deepStrictEqual(c2.lines.map((l) => l["type"]), before)
+            else {
+              const fresh = seq(c2)
+              assert.deepStrictEqual(cursors(fresh), cursors(seq(c1)).slice(-fresh.length))
+              assert.isAbove(fresh.length, 0)
+              assert.strictEqual(c2.lines.filter((l) => l["type"] === "session_attached").length, 1)
+            }
+          })))
+    }
   })
   describe("daemon restart (a second core over the same storage)", () => {
     it.scoped("a session busy at the restart is restored with turn_interrupted{daemon_restarted}; an idle one is passivated and woken on demand; cursors go on", () =>

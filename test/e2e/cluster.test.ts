@@ -7,7 +7,8 @@
  *    contiguous cursors; `get_state`, `get_messages` and `list` answer the same through either
  *    runner, naming the owner (`runner`); `status` lists both runners and their shards; an
  *    attach through a non-owner answers (test/e2e/clusterEvents.test.ts: its events).
- * 2. Failover: the owner SIGKILLed mid-turn; the session comes back `ready` on the other runner
+ * 2. Names: unique across the runners (two creates of one name at once through both, a rename).
+ * 3. Failover: the owner SIGKILLed mid-turn; the session comes back `ready` on the other runner
  *    once the lease ran out, its cut turn ended `turn_interrupted {reason: "daemon_restarted"}`,
  *    its cursors contiguous with what a client saw through the dead runner, its old worker gone,
  *    and it takes a new turn. The failover time is printed.
@@ -77,9 +78,9 @@ describePg("serve --cluster: two runners over one PostgreSQL store", () => {
   beforeAll(async () => {
     const store = await freshDatabaseUrl()
     drop = store.drop
-    // One after the other: the first makes the store's and the cluster's tables.
-    const ra = await startRunner(store.url)
-    const rb = await startRunner(store.url)
+    // At the same moment, on a new store: both race to make the store's and the cluster's tables
+    // (a race that one of them lost, and died of, in about one start in three before it was retried).
+    const [ra, rb] = await Promise.all([startRunner(store.url), startRunner(store.url)])
     a = ra.daemon
     b = rb.daemon
     addressOf = new Map([[a, ra.address], [b, rb.address]])
@@ -156,6 +157,37 @@ describePg("serve --cluster: two runners over one PostgreSQL store", () => {
       const listed = new Map(((await c.ok({ type: "list" }))["sessions"] as Array<Msg>).map((s) => [s["activeSessionId"], s["runner"]]))
       for (const [owner, id] of ownedBy) expect(listed.get(id)).toBe(owner)
     }
+  }, 60_000)
+
+  it("names are unique across the cluster: two creates of one name through A and B at once, exactly one wins; a rename to a held name is refused through either runner", async () => {
+    const ca = await a.connect("A names")
+    const cb = await b.connect("B names")
+    // Each pair's two sessions get random ids: about half the pairs have their two creates on
+    // two different owners, which see only their own sessions' names.
+    const owners = new Set<string>()
+    const winners: Array<{ id: string; name: string }> = []
+    for (let i = 0; i < 12; i++) {
+      const name = `twin ${i}`
+      const answers = await Promise.all([ca, cb].map((c) => c.request({ type: "create", name })))
+      const won = answers.filter((r) => r["success"] === true)
+      expect(won.length, JSON.stringify(answers)).toBe(1)
+      const lost = answers.find((r) => r["success"] !== true)!
+      expect(lost["error"]["code"], JSON.stringify(lost)).toBe("name_taken")
+      owners.add(won[0]!["data"]["state"]["runner"])
+      winners.push({ id: won[0]!["data"]["activeSessionId"], name })
+    }
+    expect(owners.size, "the winners are spread over both runners").toBe(2)
+    // A rename, sent through either runner, to a name held by a session of the other owner.
+    const [first, second] = [winners[0]!, winners.find((w, i) => i > 0)!]
+    for (const c of [ca, cb]) {
+      const refused = await c.request({ type: "rename", activeSessionId: second.id, name: first.name })
+      expect(refused["error"]?.["code"], JSON.stringify(refused)).toBe("name_taken")
+    }
+    // Killed, a session gives its name back to the whole cluster.
+    await ca.ok({ type: "kill", activeSessionId: first.id })
+    const again = await cb.ok({ type: "create", name: first.name })
+    expect(again["state"]["name"]).toBe(first.name)
+    for (const w of [...winners.slice(1), { id: again["activeSessionId"] as string }]) await cb.ok({ type: "kill", activeSessionId: w.id })
   }, 60_000)
 
   it("the owner SIGKILLed mid-turn: the session comes back ready on the other runner, cursors contiguous", async () => {

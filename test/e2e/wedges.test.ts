@@ -506,7 +506,7 @@ describe("wedge 4: a worker that cannot be spawned", () => {
     await stateUntil(a, id, (s) => s["worker"] === "passivated", 10_000, "passivated")
     const b = await d.connect("b")
     await b.ok({ type: "attach", activeSessionId: id, launchEnv: BAD })
-    const r1 = await b.request({ type: "prompt", activeSessionId: id, message: "wake up" }, 10_000)
+    const r1 = await b.request({ type: "prompt", activeSessionId: id, message: "wake up" }, 20_000)
     expect(errorCode(r1), JSON.stringify(r1)).toBe("session_failed")
     await stateUntil(a, id, (s) => s["worker"] === "failed" && s["busy"] === false, ANSWER_MS, "failed and not busy")
     const r2 = await b.request({ type: "prompt", activeSessionId: id, message: "still failed" }, ANSWER_MS)

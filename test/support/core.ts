@@ -95,6 +95,11 @@ export interface SpawnControl {
    * workers write waits in their links (the supervisor has not seen it yet).
    */
   readonly frameGate: Gate
+  /**
+   * Passed by every `retain` of the snapshot cache, before the entry is retained: an attach
+   * streaming a snapshot waits there, between its answer and its first frame.
+   */
+  readonly retainGate: Gate
   /** Turns whose engine stream has ended (its last event written to the worker's link). */
   readonly turnsEnded: Ref.Ref<number>
   /**
@@ -121,6 +126,7 @@ export const makeSpawnControl = Effect.gen(function*() {
   const holdGate = new Gate()
   const cutGate = new Gate()
   const frameGate = new Gate()
+  const retainGate = new Gate()
   const control: SpawnControl = {
     failing: yield* Ref.make<string | undefined>(undefined),
     starts: yield* Ref.make(0),
@@ -130,10 +136,11 @@ export const makeSpawnControl = Effect.gen(function*() {
     holdGate,
     cutGate,
     frameGate,
+    retainGate,
     crashAfter: undefined,
     pauseAfter: undefined,
     openAll: Effect.sync(() => {
-      for (const g of [spawnGate, loadGate, holdGate, cutGate, frameGate]) g.open()
+      for (const g of [spawnGate, loadGate, holdGate, cutGate, frameGate, retainGate]) g.open()
     })
   }
   return control
@@ -302,11 +309,21 @@ export const makeStored: Effect.Effect<StoredContext, never, Scope.Scope> = Effe
  * The core's layers. Storage, journal and cache are in memory; `config` overrides the
  * daemon's defaults (the state dir is never touched: nothing is written to disk).
  */
+/** The memory cache, its `retain` passing `gate` first. */
+const gatedCache = (gate: Gate): Layer.Layer<SnapshotCache.SnapshotCache> =>
+  Layer.effect(
+    SnapshotCache.SnapshotCache,
+    Effect.map(SnapshotCache.SnapshotCache, (cache) => ({
+      ...cache,
+      retain: (snapshotId: string) => Effect.zipRight(gate.pass, cache.retain(snapshotId))
+    }))
+  ).pipe(Layer.provide(SnapshotCache.layerMemory))
+
 export const coreLayer = (config: Partial<DaemonConfigShape> = {}, spawn?: SpawnControl, stored?: StoredContext) => {
   const durable = stored === undefined ? durableLayer() : Layer.succeedContext(stored)
   const storage = Layer.mergeAll(
     durable,
-    SnapshotCache.layerMemory,
+    spawn === undefined ? SnapshotCache.layerMemory : gatedCache(spawn.retainGate),
     spawn === undefined ? EchoEngine.layer : testEngine(spawn)
   )
   const pool = WorkerPool.layerInProcess({

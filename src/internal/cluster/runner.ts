@@ -43,6 +43,7 @@ import type { CommandOf, SessionSummary } from "../../Protocol.js"
 import { CommandError, SessionManager } from "../../SessionManager.js"
 import { listingId, SessionStore } from "../../SessionStore.js"
 import { parseListen } from "../http/listen.js"
+import { retrySchemaRace, retryingSchemaRace } from "../postgres/store.js"
 import { RemoteCommandError, SessionEntity } from "./entity.js"
 import { LogTail } from "./logTail.js"
 
@@ -96,8 +97,9 @@ const shardingLayer = (settings: Partial<ShardingConfig.ShardingConfig["Type"]>)
   SocketRunner.layer.pipe(
     Layer.provide([NodeClusterSocket.layerSocketServer, NodeClusterSocket.layerClientProtocol]),
     Layer.provide(RunnerHealth.layerPing.pipe(Layer.provide(Runners.layerRpc), Layer.provide(NodeClusterSocket.layerClientProtocol))),
-    Layer.provide(SqlMessageStorage.layerWith({ prefix: TABLE_PREFIX })),
-    Layer.provide(Layer.orDie(SqlRunnerStorage.layerWith({ prefix: TABLE_PREFIX }))),
+    // Their tables are made at start: runners that start together on a new store race for them.
+    Layer.provide(retryingSchemaRace(SqlMessageStorage.layerWith({ prefix: TABLE_PREFIX }))),
+    Layer.provide(Layer.orDie(retryingSchemaRace(SqlRunnerStorage.layerWith({ prefix: TABLE_PREFIX })))),
     Layer.provideMerge(ShardingConfig.layer(settings)),
     Layer.provide(RpcSerialization.layerMsgPack),
     // A runner port already taken (SocketServerError) stops the start as a defect: exit 1 with
@@ -216,7 +218,7 @@ const makeRouter = (self: string, leaseMs: number) =>
       address text PRIMARY KEY,
       shards integer NOT NULL,
       updated_at timestamptz NOT NULL DEFAULT now()
-    )`).pipe(Effect.orDie)
+    )`).pipe(Effect.retry(retrySchemaRace), Effect.orDie)
     yield* Effect.addFinalizer(() => Effect.ignore(sql`DELETE FROM ${sql(SHARDS_TABLE)} WHERE address = ${self}`))
 
     // The watcher (see the module's header).
@@ -272,15 +274,21 @@ const makeRouter = (self: string, leaseMs: number) =>
     const summaryOfOwner = (id: string): Effect.Effect<SessionSummary, CommandError> =>
       route(id, Effect.map(local.getState(id), withRunner), { type: "get_state", activeSessionId: id })
 
+    /** This runner's sessions: a session of a shard it just lost is its new owner's to list. */
+    const listMine = Effect.map(
+      local.list,
+      ({ sessions }) => sessions.filter((s) => s.worker === "damaged" || sharding.hasShardId(shardOf(s.activeSessionId)))
+    )
+
     return SessionManager.of({
       ...local,
       create: (cmd, given) =>
         // The id is chosen here, so that the create goes to the runner that will own the session.
         forward(given ?? `s-${randomUUID()}`, cmd),
+      listHere: Effect.map(listMine, (sessions) => ({ sessions: sessions.map(withRunner) })),
       list: Effect.gen(function*() {
         const listings = yield* Effect.orElseSucceed(store.list(), () => [])
-        // A session of a shard this runner just lost is asked of its new owner, not listed from here.
-        const mine = (yield* local.list).sessions.filter((s) => s.worker === "damaged" || sharding.hasShardId(shardOf(s.activeSessionId)))
+        const mine = yield* listMine
         const here = new Set(mine.map((s) => s.activeSessionId))
         const elsewhere = yield* Effect.forEach(
           listings.filter((l) => !here.has(listingId(l)) && l._tag !== "Unreadable"),

@@ -59,6 +59,16 @@ const ioError = (activeSessionId: string | undefined) => (cause: SqlError) =>
 const isSqlError = (u: unknown): u is SqlError => Predicate.isTagged(u, "SqlError")
 
 /** SQL failures of `effect` become `Io` errors of the session; the caller's own errors pass. */
+/** The `name` of a stored meta, if it has one (a meta that does not parse has none here). */
+export const nameOfMetaText = (text: string): string | undefined => {
+  try {
+    const name = (JSON.parse(text) as { name?: unknown }).name
+    return typeof name === "string" ? name : undefined
+  } catch {
+    return undefined
+  }
+}
+
 const io = (activeSessionId: string | undefined) => <A, E, R>(effect: Effect.Effect<A, E, R>) =>
   Effect.catchIf(effect, isSqlError, (e) => Effect.fail(ioError(activeSessionId)(e))) as Effect.Effect<
     A,
@@ -118,21 +128,54 @@ export const make: Effect.Effect<SessionStoreService, never, SqlClient.SqlClient
       Effect.flatMap((found) => (found ? Effect.void : Effect.fail(new SessionNotFound({ activeSessionId: id }))))
     )
 
+  /**
+   * Claims `name` for the session (within the caller's transaction): `NameTaken` when another
+   * session holds it. Every daemon of the store (the runners of a cluster) sees the same claims,
+   * where each daemon's own check sees only its sessions.
+   */
+  const claimName = (id: string, name: string) =>
+    Effect.gen(function*() {
+      const k = key(id)
+      const claimed = yield* sql`INSERT INTO agentd_session_names (name, active_session_id) VALUES (${name}, ${k})
+        ON CONFLICT DO NOTHING RETURNING 1 AS one`
+      if (claimed.length > 0) return
+      const holder = yield* sql<{ active_session_id: string }>`SELECT active_session_id FROM agentd_session_names WHERE name = ${name}`
+      if (holder[0]?.active_session_id === k) return
+      return yield* new SessionStoreError({
+        reason: "NameTaken",
+        detail: `The name ${JSON.stringify(name)} is in use by ${holder[0] === undefined ? "another session" : `session \`${holder[0].active_session_id}\``}.`,
+        activeSessionId: id
+      })
+    })
+
   const create = Effect.fn("SessionStore.create")(function*(meta: SessionMeta) {
     const clean = yield* cleanMeta(meta)
-    const inserted = yield* sql`INSERT INTO agentd_sessions (active_session_id, meta, created_at)
-      VALUES (${key(clean.activeSessionId)}, ${JSON.stringify(clean)}, ${clean.createdAt})
-      ON CONFLICT (active_session_id) DO NOTHING RETURNING 1 AS one`.pipe(io(meta.activeSessionId))
-    if (inserted.length === 0) {
-      return yield* new SessionStoreError({ reason: "AlreadyExists", detail: "session id already in use", activeSessionId: meta.activeSessionId })
-    }
+    yield* sql.withTransaction(Effect.gen(function*() {
+      const inserted = yield* sql`INSERT INTO agentd_sessions (active_session_id, meta, created_at)
+        VALUES (${key(clean.activeSessionId)}, ${JSON.stringify(clean)}, ${clean.createdAt})
+        ON CONFLICT (active_session_id) DO NOTHING RETURNING 1 AS one`
+      if (inserted.length === 0) {
+        return yield* new SessionStoreError({ reason: "AlreadyExists", detail: "session id already in use", activeSessionId: meta.activeSessionId })
+      }
+      if (clean.name !== undefined) yield* claimName(clean.activeSessionId, clean.name)
+    })).pipe(io(meta.activeSessionId))
   })
 
   const saveMeta = Effect.fn("SessionStore.saveMeta")(function*(meta: SessionMeta) {
     const clean = yield* cleanMeta(meta)
-    const updated = yield* sql`UPDATE agentd_sessions SET meta = ${JSON.stringify(clean)}, created_at = ${clean.createdAt}
-      WHERE active_session_id = ${key(clean.activeSessionId)} RETURNING 1 AS one`.pipe(io(meta.activeSessionId))
-    if (updated.length === 0) return yield* new SessionNotFound({ activeSessionId: meta.activeSessionId })
+    const k = key(clean.activeSessionId)
+    yield* sql.withTransaction(Effect.gen(function*() {
+      const stored = yield* sql<{ meta: string }>`SELECT meta FROM agentd_sessions WHERE active_session_id = ${k} FOR UPDATE`
+      if (stored.length === 0) return yield* new SessionNotFound({ activeSessionId: meta.activeSessionId })
+      // A new name moves the session's claim (a meta saved with its name unchanged claims nothing:
+      // sessions of an older store that share a name keep saving theirs).
+      if (nameOfMetaText(stored[0]!.meta) !== clean.name) {
+        yield* sql`DELETE FROM agentd_session_names WHERE active_session_id = ${k}`
+        if (clean.name !== undefined) yield* claimName(clean.activeSessionId, clean.name)
+      }
+      yield* sql`UPDATE agentd_sessions SET meta = ${JSON.stringify(clean)}, created_at = ${clean.createdAt}
+        WHERE active_session_id = ${k}`
+    })).pipe(io(meta.activeSessionId))
   })
 
   const decodeMeta = (id: string, text: string): Either.Either<SessionMeta, SessionStoreError> =>
@@ -396,6 +439,8 @@ export const make: Effect.Effect<SessionStoreService, never, SqlClient.SqlClient
       for (let n = 1; (yield* sql`SELECT 1 AS one FROM agentd_sessions WHERE active_session_id = ${target}`).length > 0; n++) {
         target = `${base}-${n}`
       }
+      // An archived session's name is free again.
+      yield* sql`DELETE FROM agentd_session_names WHERE active_session_id = ${k}`
       for (const table of ["agentd_sessions", "agentd_snapshots", "agentd_snapshot_lines", "agentd_transcript_lines"]) {
         yield* sql.unsafe(`UPDATE ${table} SET active_session_id = $2 WHERE active_session_id = $1`, [k, target])
       }

@@ -15,6 +15,8 @@
  *   per retained generation of a session's log: where the history stood when it began (a file
  *   segment's header).
  * - `agentd_sessions (active_session_id) -> meta, created_at` the session registry.
+ * - `agentd_session_names (name) -> active_session_id`: who holds each name (migration 3), so
+ *   that names are unique across every daemon of the store, written with the session's meta.
  * - `agentd_snapshots (active_session_id, generation) -> header, body_bytes` one row per
  *   published transcript header, as the file store's; `agentd_transcript_lines
  *   (active_session_id, epoch, line_no) -> line` the append-only transcripts: an ordinary
@@ -42,8 +44,10 @@ import * as Data from "effect/Data"
 import * as Effect from "effect/Effect"
 import * as Layer from "effect/Layer"
 import * as Redacted from "effect/Redacted"
+import * as Schedule from "effect/Schedule"
 import * as Scope from "effect/Scope"
 import * as os from "node:os"
+import { nameOfMetaText } from "./sessionStore.js"
 
 /** The store could not be reached or its schema could not be made. */
 export class PostgresStoreError extends Data.TaggedError("PostgresStoreError")<{
@@ -160,10 +164,72 @@ const migrations = Migrator.fromRecord({
     yield* sql`INSERT INTO agentd_event_batches (session_id, generation, first_sequence, count, lengths, events)
       SELECT session_id, generation, sequence, 1, NULL, event FROM agentd_events`
     yield* sql`DROP TABLE agentd_events`
+  }),
+  // Names unique among live sessions across every daemon of the store (the runners of a cluster
+  // each know only their own sessions): one row per claimed name. Sessions of an older store that
+  // share a name keep it; the oldest holds the claim.
+  "3_session_names": Effect.gen(function*() {
+    const sql = yield* SqlClient.SqlClient
+    yield* sql`CREATE TABLE agentd_session_names (
+      name text PRIMARY KEY,
+      active_session_id text NOT NULL UNIQUE
+    )`
+    const rows = yield* sql<{ active_session_id: string; meta: string }>`SELECT active_session_id, meta FROM agentd_sessions
+      WHERE active_session_id NOT LIKE 'archive/%' ORDER BY created_at, active_session_id`
+    for (const row of rows) {
+      const name = nameOfMetaText(row.meta)
+      if (name === undefined) continue
+      yield* sql`INSERT INTO agentd_session_names (name, active_session_id) VALUES (${name}, ${row.active_session_id})
+        ON CONFLICT DO NOTHING`
+    }
   })
 })
 
+
 const migrate = Migrator.make({})({ loader: migrations, table: "agentd_migrations" })
+
+/**
+ * PostgreSQL's answers to a `CREATE TABLE IF NOT EXISTS` (or index, or type) that raced the same
+ * statement of another session: the catalog's unique index (23505), or the object made meanwhile
+ * (42P07, 42710). Daemons that start together on a new store (a cluster's runners) meet them.
+ */
+const SCHEMA_RACE_CODES = new Set(["23505", "42P07", "42710"])
+
+/** Whether `error` (or a cause under it) is a lost race to create the same schema object. */
+export const isSchemaRace = (error: unknown): boolean => {
+  for (let e = error, depth = 0; typeof e === "object" && e !== null && depth < 4; e = (e as { cause?: unknown }).cause, depth++) {
+    const code = (e as { code?: unknown }).code
+    if (typeof code === "string" && SCHEMA_RACE_CODES.has(code)) return true
+  }
+  return false
+}
+
+/**
+ * Setting up a schema again after losing such a race: the other session's objects exist by then,
+ * and `IF NOT EXISTS` passes. A few tries, 100 ms apart; any other failure is not retried.
+ */
+export const retrySchemaRace = Schedule.intersect(Schedule.spaced("100 millis"), Schedule.recurs(10)).pipe(
+  Schedule.whileInput(isSchemaRace)
+)
+
+/** A lost schema race that a layer raised as a defect, carried as a failure while it is retried. */
+class SchemaRaceDefect {
+  constructor(readonly cause: unknown) {}
+}
+
+/**
+ * `layer`, built again after a lost schema race ({@link retrySchemaRace}), whether the race
+ * reached it as a failure or as a defect (@effect/cluster's storages run their migrations under
+ * `orDie`).
+ */
+export const retryingSchemaRace = <A, E, R>(layer: Layer.Layer<A, E, R>): Layer.Layer<A, E, R> =>
+  Layer.scopedContext(
+    Layer.build(layer).pipe(
+      Effect.catchAllDefect((defect) => isSchemaRace(defect) ? Effect.fail(new SchemaRaceDefect(defect)) : Effect.die(defect)),
+      Effect.retry(retrySchemaRace),
+      Effect.catchIf((e): e is SchemaRaceDefect => e instanceof SchemaRaceDefect, (e) => Effect.die(e.cause))
+    )
+  )
 
 // ---------------------------------------------------------------------------------------------
 // The store
@@ -309,7 +375,7 @@ export const layer = (options: Options): Layer.Layer<
   const store = Layer.scoped(
     PostgresStore,
     Effect.gen(function*() {
-      yield* migrate.pipe(Effect.mapError(toStoreError(url, "schema migration failed")))
+      yield* migrate.pipe(Effect.retry(retrySchemaRace), Effect.mapError(toStoreError(url, "schema migration failed")))
       const shared = options.lock === "shared"
       const connection = yield* lock(url, options.socketPath ?? "", true, shared).pipe(
         Effect.catchTag("SqlError", toStoreError(url, "cannot take the store's lock"))

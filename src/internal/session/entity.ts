@@ -34,7 +34,7 @@ import { eventMessage, type Outgoing, wireLineOfRecord } from "../delivery/wireL
 import type { Checkpoints } from "./checkpoint.js"
 import type { AnyFrame, CheckpointReply, Input } from "./mailbox.js"
 import { CommandTakesEffect } from "./mailbox.js"
-import { type CoreError, CoreInternal, failed, internal, notFound, SessionBusy, shuttingDown, StorageUnavailable } from "./errors.js"
+import { type CoreError, CoreInternal, failed, internal, metaWriteFailed, notFound, SessionBusy, shuttingDown, StorageUnavailable } from "./errors.js"
 import type { Names } from "./names.js"
 import { type Core, isClosed, PUBLISH_BATCH_BYTES, type Session, StorageFailed, storageUnavailable } from "./session.js"
 import { STORAGE_RETRY_INTERVAL, type Supervisor } from "./supervisor.js"
@@ -277,7 +277,7 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
       releaseOld?.()
       if (Either.isLeft(saved)) {
         s.meta = previous
-        return yield* Deferred.fail(reply, internal("session store")(saved.left))
+        return yield* Deferred.fail(reply, metaWriteFailed(saved.left))
       }
       yield* Deferred.succeed(reply, summary(s))
     })

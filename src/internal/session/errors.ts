@@ -50,6 +50,13 @@ export const shuttingDown = () => new ShuttingDown({ message: "The daemon is shu
 /** An unexpected failure of a part below the core, as the `internal` error code. */
 export const internal = (what: string) => (e: { readonly message: string }) => new CoreInternal({ message: `${what}: ${e.message}` })
 
+/**
+ * A failure to write a session's meta: `NameTaken` when a store shared by several daemons (a
+ * cluster's runners) found the name held by a session this daemon does not have; else `internal`.
+ */
+export const metaWriteFailed = (e: { readonly message: string; readonly reason?: string; readonly detail?: string }) =>
+  e.reason === "NameTaken" ? new NameTaken({ message: e.detail ?? e.message }) : internal("session store")(e)
+
 const CODES: { readonly [K in CoreError["_tag"]]: ErrorCode } = {
   SessionNotFound: "session_not_found",
   SessionBusy: "session_busy",
