@@ -145,6 +145,13 @@ export interface EventLogService {
    */
   readonly remove: (sessionId: string, options?: { readonly archiveTo?: string }) => Effect.Effect<void, EventLogError>
   /**
+   * Forgets what the log keeps in memory of a session (its next cursor, its generations): from
+   * now on another process may write it (a cluster runner let go of it), and this one reads it
+   * again at its next use. Appends still queued fail with `Closed`. A store that keeps nothing
+   * per session between operations omits it.
+   */
+  readonly forget?: (sessionId: string) => Effect.Effect<void>
+  /**
    * Repairs a damaged log (docs/protocol.md section 6, damaged sessions): every record before
    * the first one that is not what this module writes is kept; the rest of that segment and
    * every later segment are moved aside, next to them (`<g>.jsonl.damaged-<time>`), never

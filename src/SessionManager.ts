@@ -632,6 +632,9 @@ export const make = Effect.gen(function*() {
         Effect.catchAllCause((cause) => Effect.logError(`session ${id}: its worker did not exit after SIGKILL`, cause))
       )
       yield* Scope.close(s.scope, Exit.void)
+      // Another runner writes its log from now on: what this one kept of it is stale (a session
+      // that came back appended at cursors the other runner had written: the insert failed).
+      if (log.forget !== undefined) yield* log.forget(id)
       const moved = new CommandError({
         code: "internal",
         message: `Session \`${id}\` left this runner (its shard moved to another runner): send the command again.`

@@ -15,7 +15,8 @@
  * 3. A third runner joins and takes shards from the one running: clients attached to the old
  *    owner of a moved session keep receiving its turns (its log tail takes them over from their
  *    last cursor), no gap, no duplicate. An attach's `launchEnv` through the non-owner reaches
- *    the owner's next worker.
+ *    the owner's next worker. The new runner SIGKILLed: the sessions come back to the runner
+ *    that wrote them before (which must read their logs again) and take turns, contiguous.
  *
  * One cluster for the file. Needs `npm run build` first, and PostgreSQL (test/support/postgres.ts).
  */
@@ -283,7 +284,6 @@ describePg("serve --cluster: attach and event reads through a runner that does n
       expect(turn.filter(isEvent("message_end")).map((m) => m["event"]["message"]["content"])).toEqual([`after ${id}`, `echo: after ${id}`])
       expect(cursorGap(watch.sequenced(id)), id).toBeUndefined()
     }
-
     // An attach's launch environment through a runner that does not own the session reaches
     // the owner's next worker (a bad NODE_OPTIONS: its workers cannot start, the session fails).
     const onB = ids.find((id) => !moved.includes(id))!
@@ -297,5 +297,25 @@ describePg("serve --cluster: attach and event reads through a runner that does n
       if (Date.now() > deadline) throw new Error("the session's workers started with the launch env of an attach through another runner")
       await sleep(200)
     }
-  }, 150_000)
+
+    // The new runner SIGKILLed: the moved sessions come back to B, which wrote their logs before
+    // C did (what B kept in memory of them is stale: it must read them again; before, its first
+    // append reused cursors C had written and failed, storage_unavailable). Their clients on B
+    // see the next turns, contiguous.
+    await c.sigkill()
+    await settled(cb, 1)
+    for (const id of moved) {
+      const back = Date.now() + 60_000
+      for (;;) {
+        const state = (await cb.request({ type: "get_state", activeSessionId: id }, 30_000))["data"] ?? {}
+        if (state["runner"] === addressOf.get(b) && state["busy"] === false && state["worker"] !== "starting") break
+        if (Date.now() > back) throw new Error(`session ${id} did not come back to B: ${JSON.stringify(state)}`)
+        await sleep(200)
+      }
+      await cb.ok({ type: "prompt", activeSessionId: id, message: `back ${id}` })
+      const turn = await collectTurn(watch, id, 20_000)
+      expect(turn.filter(isEvent("message_end")).map((m) => m["event"]["message"]["content"])).toEqual([`back ${id}`, `echo: back ${id}`])
+      expect(cursorGap(watch.sequenced(id)), id).toBeUndefined()
+    }
+  }, 200_000)
 })

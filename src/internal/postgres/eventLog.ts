@@ -551,7 +551,18 @@ export const makeWith = (options: Options): Effect.Effect<EventLogService, never
 
   // The database keeps every row whole (a transaction commits all of a batch or none of it): no repair.
   return makeService(handleFor, statusOf, (_, h, generation) => Effect.succeed(h.starts.get(generation) ?? Option.none()), {
-    append, appendAll, read, readGeneration, startGeneration, prune, remove
+    append,
+    appendAll,
+    read,
+    readGeneration,
+    startGeneration,
+    prune,
+    remove,
+    forget: (sessionId) =>
+      Effect.suspend(() => {
+        const h = queue.handles.get(sessionId)
+        return h === undefined ? Effect.void : queue.kill(h, fail("Closed", sessionId, "the session left this process"))
+      })
   })
 })
 
