@@ -151,6 +151,13 @@ export interface EventLogService {
    * deleted. `None` when the log is whole. The caller must not use the session meanwhile.
    */
   readonly repair: (sessionId: string) => Effect.Effect<Option.Option<EventLogRepair>, EventLogError>
+  /**
+   * Drops what the log keeps in memory of the session (where its log stands, an open file),
+   * failing appends still queued with `Closed`; its next use reads it again from the store. A
+   * cluster runner calls it when a session leaves it and when one comes to it: another runner
+   * may have written the session's log in between, and a stale position would write over it.
+   */
+  readonly forget: (sessionId: string) => Effect.Effect<void>
 }
 
 /** What {@link EventLogService.repair} moved aside. */

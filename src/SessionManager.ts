@@ -582,6 +582,9 @@ export const make = Effect.gen(function*() {
   const adopt = (id: string) =>
     damagedLock.withPermits(1)(Effect.gen(function*() {
       if (sessions.has(id) || damaged.has(id)) return
+      // Where this runner last saw the log (before the session left it, or a read since) is
+      // stale: its owner meanwhile wrote on.
+      yield* log.forget(id)
       const meta = yield* Effect.either(store.loadMeta(id))
       if (Either.isLeft(meta)) {
         // Not in the store (a create on its way, or archived): nothing to adopt.
@@ -606,6 +609,8 @@ export const make = Effect.gen(function*() {
         Effect.catchAllCause((cause) => Effect.logError(`session ${id}: its worker did not exit after SIGKILL`, cause))
       )
       yield* Scope.close(s.scope, Exit.void)
+      // Appends still queued are dropped, not written after the new owner's.
+      yield* log.forget(id)
       const moved = new CommandError({
         code: "internal",
         message: `Session \`${id}\` left this runner (its shard moved to another runner): send the command again.`
