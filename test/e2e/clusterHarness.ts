@@ -5,7 +5,7 @@
  * shard moves and keep every sequenced message they were sent, for a gap/duplicate check.
  */
 import { attachAndReplay } from "./attach.js"
-import { type Client, type Cursor, cursorOf, type Daemon, freshStateDir, type Msg, sleep, startDaemon } from "./harness.js"
+import { type Client, type Cursor, cursorOf, type Daemon, describeMsg, freshStateDir, type Msg, sleep, startDaemon } from "./harness.js"
 import { freePort } from "./httpHarness.js"
 
 export interface RunnerOptions {
@@ -15,12 +15,22 @@ export interface RunnerOptions {
   readonly env?: Record<string, string>
 }
 
+/** Where a runner runs: its store URL (default the cluster's), its network namespace, its address. */
+export interface Placement {
+  readonly storeUrl?: string
+  readonly netns?: string
+  /** `HOST:PORT` of `--runner-address` (default 127.0.0.1 and a free port). */
+  readonly address?: string
+}
+
 /** One runner: its address and state dir stay across restarts; `daemon` is its current process. */
 export class Runner {
   daemon: Daemon
   /** Every process this runner has been (cleaned up at the end). */
   readonly incarnations: Array<Daemon> = []
-  constructor(readonly address: string, readonly stateDir: string, daemon: Daemon) {
+  /** Cut off by a test (a partition): not asked anything by the helpers meanwhile. */
+  cut = false
+  constructor(readonly address: string, readonly stateDir: string, readonly placement: Placement, daemon: Daemon) {
     this.daemon = daemon
     this.incarnations.push(daemon)
   }
@@ -33,21 +43,22 @@ export class Cluster {
   readonly runners: Array<Runner> = []
   constructor(readonly options: RunnerOptions) {}
 
-  private start(stateDir: string, address: string): Promise<Daemon> {
+  private start(stateDir: string, address: string, placement: Placement): Promise<Daemon> {
     return startDaemon({
       stateDir,
       // Kept across the tests of a block; `cleanup` ends them.
       shared: true,
-      extraArgs: ["--store", this.options.storeUrl, "--cluster", "--runner-address", address],
+      ...(placement.netns === undefined ? {} : { netns: placement.netns }),
+      extraArgs: ["--store", placement.storeUrl ?? this.options.storeUrl, "--cluster", "--runner-address", address],
       env: { AGENTD_CLUSTER_LEASE_MS: String(this.options.leaseMs), AGENTD_WARM_SPARE: "0", ...this.options.env }
     })
   }
 
   /** A new runner (one at a time: the first makes the tables). */
-  async add(): Promise<Runner> {
-    const address = `127.0.0.1:${await freePort()}`
+  async add(placement: Placement = {}): Promise<Runner> {
+    const address = placement.address ?? `127.0.0.1:${await freePort()}`
     const stateDir = freshStateDir()
-    const runner = new Runner(address, stateDir, await this.start(stateDir, address))
+    const runner = new Runner(address, stateDir, placement, await this.start(stateDir, address, placement))
     this.runners.push(runner)
     return runner
   }
@@ -55,7 +66,7 @@ export class Cluster {
   /** Starts a stopped runner again on its state dir and address. */
   async restart(runner: Runner): Promise<void> {
     if (runner.running) throw new Error(`runner ${runner.address} still runs`)
-    runner.daemon = await this.start(runner.stateDir, runner.address)
+    runner.daemon = await this.start(runner.stateDir, runner.address, runner.placement)
     runner.incarnations.push(runner.daemon)
   }
 
@@ -63,8 +74,9 @@ export class Cluster {
     return this.runners.find((r) => r.address === address)
   }
 
+  /** The runners running and not cut off. */
   live(): Array<Runner> {
-    return this.runners.filter((r) => r.running)
+    return this.runners.filter((r) => r.running && !r.cut)
   }
 
   /** A `get_state` through any live runner (the first that answers). */
@@ -173,7 +185,7 @@ export class Follower {
       const owner = state?.["runner"] as string | undefined
       if (owner !== undefined && owner === this.runner && this.client !== undefined && !this.client.closed) return
       const runner = owner === undefined ? undefined : this.via(owner)
-      if (runner !== undefined && runner.running) {
+      if (runner !== undefined && runner.running && !runner.cut) {
         // Nothing more is taken from the old attachment: closed first, so that what it had is final.
         if (this.client !== undefined) {
           this.client.close()
@@ -207,7 +219,13 @@ export class Follower {
     for (;;) {
       const found = this.sequenced.slice(from).find(pred)
       if (found !== undefined) return found
-      if (Date.now() > deadline) throw new Error(`session ${this.id}: no such message in ${timeoutMs} ms`)
+      if (Date.now() > deadline) {
+        const state = await this.cluster.state(this.id)
+        throw new Error(
+          `session ${this.id}: no such message in ${timeoutMs} ms; following through ${this.runner} (${this.attachments} attachments), ` +
+            `now ${JSON.stringify(state)}; last: ${this.sequenced.slice(-6).map(describeMsg).join(", ")}`
+        )
+      }
       await this.follow(Math.max(1_000, deadline - Date.now()))
       await sleep(100)
     }
