@@ -21,7 +21,7 @@ import { afterAll, beforeAll, expect, it } from "vitest"
 import { describePg, freshSchemaUrl } from "../support/postgres.js"
 import { WorkerCensus } from "../support/workerCensus.js"
 import { Cluster, Follower, type Runner } from "./clusterHarness.js"
-import { cleanUpAfterTests, type Client, cursorGap, isEvent, isIdleStatus, sleep } from "./harness.js"
+import { cleanUpAfterTests, type Client, cursorGap, isEvent, sleep } from "./harness.js"
 
 cleanUpAfterTests()
 
@@ -132,18 +132,7 @@ describePg("serve --cluster: three runners, a runner SIGKILLed, restarted, and a
 
   /** A turn on each session through a runner that does not own it (when there is one); the followers see it. */
   const turnOnEach = async (label: string) => {
-    await Promise.all(sessions.map(async (id) => {
-      const f = followers.get(id)!
-      await f.follow()
-      const from = f.sequenced.length
-      const owner = await ownerOf(id)
-      const through = cluster.live().find((r) => r.address !== owner) ?? cluster.live()[0]!
-      const text = `${label} ${id}`
-      await (await cluster.clientOf(through)).ok({ type: "prompt", activeSessionId: id, message: text }, 60_000)
-      const end = await f.waitFor((m) => isEvent("message_end")(m) && m["event"]["message"]["content"] === `echo: ${text}`, from)
-      expect(end).toBeDefined()
-      await f.waitFor(isIdleStatus, f.sequenced.indexOf(end))
-    }))
+    await Promise.all(sessions.map((id) => followers.get(id)!.turn(`${label} ${id}`)))
   }
 
   const checkInvariants = (where: string) => {

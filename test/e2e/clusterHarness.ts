@@ -5,7 +5,7 @@
  * shard moves and keep every sequenced message they were sent, for a gap/duplicate check.
  */
 import { attachAndReplay } from "./attach.js"
-import { type Client, type Cursor, cursorOf, type Daemon, describeMsg, freshStateDir, type Msg, sleep, startDaemon } from "./harness.js"
+import { type Client, type Cursor, cursorOf, type Daemon, describeMsg, isEvent, isIdleStatus, freshStateDir, type Msg, sleep, startDaemon } from "./harness.js"
 import { freePort } from "./httpHarness.js"
 
 export interface RunnerOptions {
@@ -228,6 +228,35 @@ export class Follower {
       }
       await this.follow(Math.max(1_000, deadline - Date.now()))
       await sleep(100)
+    }
+  }
+
+  /**
+   * One turn of `text` prompted through `through` (a runner, or the first live one that does not
+   * own the session), seen by this follower to its idle status. A turn cut because its session
+   * moved meanwhile (`turn_interrupted`, a rebalance still under way), or a prompt answered
+   * `internal` because it left its runner, is prompted again (at most 3 times): what a client
+   * is told to do then.
+   */
+  async turn(text: string, through?: () => Runner | undefined): Promise<void> {
+    for (let attempt = 1; ; attempt++) {
+      await this.follow()
+      const from = this.sequenced.length
+      const runner = through?.() ?? this.cluster.live().find((r) => r.address !== this.runner) ?? this.cluster.live()[0]!
+      const r = await (await this.cluster.clientOf(runner)).request({ type: "prompt", activeSessionId: this.id, message: text }, 60_000)
+      if (r["success"] !== true) {
+        if (r["error"]?.["code"] !== "internal" || attempt >= 3) throw new Error(`prompt of ${this.id} through ${runner.address}: ${JSON.stringify(r["error"])}`)
+        continue
+      }
+      const end = await this.waitFor((m) =>
+        (isEvent("message_end")(m) && m["event"]["message"]["content"] === `echo: ${text}`) || isEvent("turn_interrupted")(m), from)
+      if (isEvent("turn_interrupted")(end)) {
+        if (end["event"]["reason"] !== "daemon_restarted" || attempt >= 3) throw new Error(`turn of ${this.id} cut: ${JSON.stringify(end["event"])}`)
+        await this.waitFor(isIdleStatus, this.sequenced.indexOf(end))
+        continue
+      }
+      await this.waitFor(isIdleStatus, this.sequenced.indexOf(end))
+      return
     }
   }
 

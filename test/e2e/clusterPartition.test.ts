@@ -27,7 +27,7 @@ import { afterAll, beforeAll, describe, expect, it } from "vitest"
 import { describePg } from "../support/postgres.js"
 import { WorkerCensus } from "../support/workerCensus.js"
 import { Cluster, Follower, type Runner } from "./clusterHarness.js"
-import { cleanUpAfterTests, cursorGap, isAlive, isEvent, isIdleStatus, PROJECT_ROOT, sleep } from "./harness.js"
+import { cleanUpAfterTests, cursorGap, isAlive, isEvent, PROJECT_ROOT, sleep } from "./harness.js"
 import { NetNs, netnsUnavailable } from "./netns.js"
 
 cleanUpAfterTests()
@@ -150,11 +150,7 @@ const body = () => {
     for (const id of sessions) {
       const f = followers.get(id)!
       await c.until(id, (s) => s["busy"] === false && c.byAddress(s["runner"]) !== undefined, 60_000)
-      await f.follow()
-      const from = f.sequenced.length
-      await (await c.clientOf(cut)).ok({ type: "prompt", activeSessionId: id, message: `after the partition ${id}` }, 60_000)
-      const end = await f.waitFor((m) => isEvent("message_end")(m) && m["event"]["message"]["content"] === `echo: after the partition ${id}`, from)
-      await f.waitFor(isIdleStatus, f.sequenced.indexOf(end))
+      await f.turn(`after the partition ${id}`, () => cut)
       expect(cursorGap(f.sequenced), `session ${id}`).toBeUndefined()
     }
     log(census.summary())
