@@ -206,7 +206,7 @@ export const runClusterChaos = async (options: ClusterRunOptions): Promise<Clust
   const t0 = Date.now()
   const schedule: Array<string> = []
   const counts: Record<string, number> = {}
-  const stats = { commands: 0, lostWithRunner: 0, prompts: 0, turnsInterrupted: 0, reattaches: 0, finalTurns: 0 }
+  const stats = { commands: 0, lostWithRunner: 0, prompts: 0, turnsInterrupted: 0, reattaches: 0, silentDrops: 0, finalTurns: 0 }
   let violation: string | undefined
   const log = (line: string) => {
     const stamped = `${((Date.now() - t0) / 1000).toFixed(2)}s ${line}`
@@ -225,7 +225,7 @@ export const runClusterChaos = async (options: ClusterRunOptions): Promise<Clust
   const census = new WorkerCensus({ sessions: (id) => sessionIds.includes(id) })
   const proxies: Array<PgProxy> = []
   const runners: Array<{ daemon: ChaosDaemon; address: string; proxy: PgProxy; down: boolean; cut: boolean }> = []
-  const followers = new Map<string, { client: LineClient | undefined; owner: string | undefined; before: Array<Msg>; last: Cursor | undefined }>()
+  const followers = new Map<string, { client: LineClient | undefined; owner: string | undefined; before: Array<Msg>; behindSince: number | undefined }>()
   let running = true
   try {
     execFileSync(PG_SCRIPT, ["start", pgDir], { encoding: "utf8" })
@@ -297,7 +297,23 @@ export const runClusterChaos = async (options: ClusterRunOptions): Promise<Clust
       const owner = state?.["runner"] as string | undefined
       const runner = runners.find((r) => r.address === owner && !r.down && !r.cut && r.daemon.running)
       if (runner === undefined) return
-      if (f.client !== undefined && !f.client.closed && f.owner === owner) return
+      if (f.client !== undefined && !f.client.closed && f.owner === owner) {
+        // An attachment on a runner the session left is dropped without notice; back on that
+        // runner, only the log moving on without the follower shows it (re-attached then).
+        const head = state?.["lastEventCursor"] as Cursor | undefined
+        const got = messagesOf(id)
+        const last = got.length === 0 ? undefined : got[got.length - 1]!["meta"]["cursor"] as Cursor
+        const behind = head !== undefined && (last === undefined || head.generation > last.generation ||
+          (head.generation === last.generation && head.sequence > last.sequence))
+        if (!behind) {
+          f.behindSince = undefined
+          return
+        }
+        f.behindSince ??= Date.now()
+        if (Date.now() - f.behindSince < 3_000) return
+        f.behindSince = undefined
+        stats.silentDrops++
+      }
       if (f.client !== undefined) {
         f.client.close()
         f.before.push(...f.client.sequenced(id))
@@ -339,13 +355,24 @@ export const runClusterChaos = async (options: ClusterRunOptions): Promise<Clust
       }
     }
 
+    // The cluster settled first (every runner listed, every shard held): a create sent before
+    // its shard has an owner waits for one (seen waiting over a minute at load 15).
+    const settleBy = Date.now() + 120_000
+    for (;;) {
+      const status = await command(runners[0]!, { type: "status" }, 30_000)
+      const listed = (status?.["data"]?.["runners"] ?? []) as Array<Msg>
+      if (listed.length === runners.length && listed.reduce((n, r) => n + r["shards"], 0) === 300) break
+      if (Date.now() > settleBy) throw new Error(`the cluster did not settle: ${JSON.stringify(listed)}`)
+      await sleep(250)
+    }
+    log("cluster settled")
     // Sessions, spread by their ids' hashes.
     const count = rng.int(4, 6)
     for (let i = 0; i < count; i++) {
       const r = await command(runners[i % runners.length]!, { type: "create" }, 60_000)
       if (r?.["success"] !== true) throw new Error(`create failed: ${JSON.stringify(r)}`)
       sessionIds.push(r["data"]["activeSessionId"])
-      followers.set(r["data"]["activeSessionId"], { client: undefined, owner: undefined, before: [], last: undefined })
+      followers.set(r["data"]["activeSessionId"], { client: undefined, owner: undefined, before: [], behindSince: undefined })
       log(`session ${r["data"]["activeSessionId"]} on ${r["data"]["state"]["runner"]}`)
     }
 

@@ -18,7 +18,7 @@
  * (no gap, no duplicate) from its first attach to its last turn.
  */
 import { afterAll, beforeAll, expect, it } from "vitest"
-import { describePg, freshSchemaUrl } from "../support/postgres.js"
+import { describePg, freshDatabaseUrl } from "../support/postgres.js"
 import { WorkerCensus } from "../support/workerCensus.js"
 import { Cluster, Follower, type Runner } from "./clusterHarness.js"
 import { cleanUpAfterTests, type Client, cursorGap, isEvent, sleep } from "./harness.js"
@@ -90,7 +90,7 @@ describePg("serve --cluster: three runners, a runner SIGKILLed, restarted, and a
   let probes: Probes
 
   beforeAll(async () => {
-    const store = await freshSchemaUrl()
+    const store = await freshDatabaseUrl()
     drop = store.drop
     cluster = new Cluster({ storeUrl: store.url, leaseMs: LEASE_MS })
     for (let i = 0; i < 3; i++) await cluster.add()
@@ -136,7 +136,9 @@ describePg("serve --cluster: three runners, a runner SIGKILLed, restarted, and a
   }
 
   const checkInvariants = (where: string) => {
-    log(`${where}: ${census.summary()}; probes ${probes.answered}/${probes.sent} answered, ${probes.lostWithRunner} lost with their runner`)
+    const drops = [...followers.values()].reduce((n, f) => n + f.silentDrops, 0)
+    log(`${where}: ${census.summary()}; probes ${probes.answered}/${probes.sent} answered, ${probes.lostWithRunner} lost with their runner; ` +
+      `${drops} attachments found dropped without notice`)
     expect(census.doubles, census.summary()).toEqual([])
     expect(probes.unanswered).toEqual([])
     for (const f of followers.values()) expect(cursorGap(f.sequenced), `session ${f.id}`).toBeUndefined()

@@ -5,8 +5,11 @@
  * shard moves and keep every sequenced message they were sent, for a gap/duplicate check.
  */
 import { attachAndReplay } from "./attach.js"
-import { type Client, type Cursor, cursorOf, type Daemon, describeMsg, isEvent, isIdleStatus, freshStateDir, type Msg, sleep, startDaemon } from "./harness.js"
+import { type Client, compareCursor, type Cursor, cursorOf, type Daemon, describeMsg, isEvent, isIdleStatus, freshStateDir, type Msg, sleep, startDaemon } from "./harness.js"
 import { freePort } from "./httpHarness.js"
+
+/** How long the log may stand ahead of what a follower was sent before it re-attaches. */
+const SILENT_DROP_MS = 3_000
 
 export interface RunnerOptions {
   readonly storeUrl: string
@@ -158,6 +161,9 @@ export class Follower {
   /** The runner the current attachment goes through. */
   runner: string | undefined
   attachments = 0
+  /** Attachments found dropped without a word (see `follow`). */
+  silentDrops = 0
+  private behindSince: number | undefined
   constructor(readonly cluster: Cluster, readonly id: string) {}
 
   get sequenced(): Array<Msg> {
@@ -183,7 +189,22 @@ export class Follower {
     for (;;) {
       const state = await this.cluster.state(this.id)
       const owner = state?.["runner"] as string | undefined
-      if (owner !== undefined && owner === this.runner && this.client !== undefined && !this.client.closed) return
+      if (owner !== undefined && owner === this.runner && this.client !== undefined && !this.client.closed) {
+        // An attachment on a runner the session left is dropped with no notice to the client;
+        // should the session come back to that runner, the owner is the same again and only
+        // the log moving on without it shows it: re-attached once that lasts.
+        const head = state?.["lastEventCursor"] as Cursor | undefined
+        const last = this.last
+        const behind = head !== undefined && (last === undefined || compareCursor(head, last) > 0)
+        if (!behind) {
+          this.behindSince = undefined
+          return
+        }
+        this.behindSince ??= Date.now()
+        if (Date.now() - this.behindSince < SILENT_DROP_MS) return
+        this.behindSince = undefined
+        this.silentDrops++
+      }
       const runner = owner === undefined ? undefined : this.via(owner)
       if (runner !== undefined && runner.running && !runner.cut) {
         // Nothing more is taken from the old attachment: closed first, so that what it had is final.

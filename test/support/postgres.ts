@@ -110,3 +110,23 @@ export const freshSchemaUrl = async (): Promise<{ readonly url: string; readonly
   const url = await Effect.runPromise(Scope.extend(freshSchema, scope))
   return { url, drop: () => Effect.runPromise(Scope.close(scope, Exit.void)) }
 }
+
+/**
+ * A fresh database on the test server, dropped by `drop`: for a cluster's tests, whose shard
+ * locks are advisory locks of a whole database (two clusters in two schemas of one database
+ * would take each other's shards; vitest runs test files side by side).
+ */
+export const freshDatabaseUrl = async (): Promise<{ readonly url: string; readonly drop: () => Promise<void> }> => {
+  const url = pgUrl()
+  if (url === undefined) throw new Error("no PostgreSQL for the tests")
+  const name = `t_${process.pid}_${Date.now().toString(36)}_${Math.random().toString(36).slice(2, 8)}`
+  const admin = (statement: string) =>
+    Effect.runPromise(Effect.gen(function*() {
+      const sql = yield* SqlClient.SqlClient
+      yield* sql.unsafe(statement)
+    }).pipe(Effect.provide(adminClient(url)), Effect.orDie))
+  await admin(`CREATE DATABASE ${name}`)
+  const parsed = new URL(url)
+  parsed.pathname = `/${name}`
+  return { url: parsed.toString(), drop: () => admin(`DROP DATABASE IF EXISTS ${name} WITH (FORCE)`) }
+}

@@ -55,6 +55,14 @@ export const DEFAULT_RUNNER_PORT = 34431
 export const DEFAULT_LEASE_MS = 35_000
 /** How often the watcher reads which shards this runner holds. */
 const WATCH_INTERVAL = Duration.millis(250)
+/**
+ * How long a command sent to a session's owner may wait for its answer. Seen under chaos (a
+ * runner cut off from PostgreSQL while a forwarded prompt was in it; a create sent while the
+ * cluster was still assigning shards): without a bound such a command was never answered. Past
+ * it the client is answered `internal` (the command may have run: ask `get_state`). Longer
+ * than the longest command an owner runs (a worker start waits up to 30 s).
+ */
+const FORWARD_TIMEOUT = Duration.seconds(45)
 /** Sessions asked about at once by `list` (one `get_state` each to their owners). */
 const LIST_CONCURRENCY = 8
 
@@ -189,6 +197,15 @@ const makeRouter = (self: string, leaseMs: number) =>
     const forward = <A>(id: string, command: unknown): Effect.Effect<A, CommandError> =>
       client(id).Command({ command }).pipe(
         Effect.map((data) => data as A),
+        Effect.timeoutFail({
+          duration: FORWARD_TIMEOUT,
+          onTimeout: () =>
+            new RemoteCommandError({
+              code: "internal",
+              message: `The runner of session \`${id}\` did not answer within ${Duration.toSeconds(FORWARD_TIMEOUT)} s ` +
+                "(the command may have run: ask get_state)."
+            })
+        }),
         Effect.catchAll((e) =>
           Effect.fail(
             e._tag === "RemoteCommandError"
