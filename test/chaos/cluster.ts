@@ -505,6 +505,9 @@ export const runClusterChaos = async (options: ClusterRunOptions): Promise<Clust
   } finally {
     running = false
     census.stop()
+    if (violation !== undefined) {
+      for (const r of runners) schedule.push(`--- runner ${r.address} (pid ${r.daemon.pid}) log tail ---\n${r.daemon.logTail(6000)}`)
+    }
     for (const r of runners) await r.daemon.cleanup(violation !== undefined)
     for (const p of proxies) p.close()
     try {

@@ -197,6 +197,9 @@ const makeRouter = (self: string, leaseMs: number) =>
     const forward = <A>(id: string, command: unknown): Effect.Effect<A, CommandError> =>
       client(id).Command({ command }).pipe(
         Effect.map((data) => data as A),
+        // The bound answers at once: interrupting the send (which tells the owner) is left to
+        // finish in the background, as it may wait on a runner that cannot be reached.
+        Effect.disconnect,
         Effect.timeoutFail({
           duration: FORWARD_TIMEOUT,
           onTimeout: () =>
