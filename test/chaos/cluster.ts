@@ -202,7 +202,7 @@ class ViolationError extends Error {}
 export const runClusterChaos = async (options: ClusterRunOptions): Promise<ClusterRunResult> => {
   const rng = new Rng(options.seed)
   const kinds = options.kinds ?? CLUSTER_FAULT_KINDS
-  const leaseMs = options.leaseMs ?? 6000
+  const leaseMs = options.leaseMs ?? 10_000
   const t0 = Date.now()
   const schedule: Array<string> = []
   const counts: Record<string, number> = {}

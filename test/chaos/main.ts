@@ -4,8 +4,10 @@
  * its default kinds add `store_restart` and leave out `damage_files`)
  * `npm run chaos -- --regressions [--store postgres]` runs every seed of seeds.json (over PostgreSQL
  * too: each seed keeps its kinds, and `damage_files` is skipped there).
- * `npm run chaos -- --cluster N [--seed S] [--seconds N] [--kinds runner_kill,runner_partition] [--runs R] [--verbose]`
- * runs N cluster runners over a private PostgreSQL with the runner faults (cluster.ts).
+ * `npm run chaos -- --cluster N [--seed S] [--seconds N] [--lease MS] [--kinds runner_kill,runner_partition] [--runs R] [--verbose]`
+ * runs N cluster runners over a private PostgreSQL with the runner faults (cluster.ts); the
+ * shard lease is 10 s unless told (at 6 s and load 15+, lock refreshes time out and every
+ * runner drops its shards again and again).
  *
  * Each run starts the real built daemon, loads it, injects faults and checks the protocol's
  * promises (run.ts). A failed run prints its seed, its settings, the fault schedule up to the
@@ -36,7 +38,7 @@ const usage = () => {
   console.error(
     "usage: npm run chaos -- [--seed S] [--seconds N] [--faults K] [--kinds " + FAULT_KINDS.join(",") +
       "] [--store files|postgres] [--set AGENTD_X=V]... [--prompt-at-end P] [--runs R] [--verbose] [--keep] | --regressions" +
-      " | --cluster N [--seed S] [--seconds N] [--kinds " + CLUSTER_FAULT_KINDS.join(",") + "] [--runs R] [--verbose]"
+      " | --cluster N [--seed S] [--seconds N] [--lease MS] [--kinds " + CLUSTER_FAULT_KINDS.join(",") + "] [--runs R] [--verbose]"
   )
   process.exit(2)
 }
@@ -86,12 +88,13 @@ const mainCluster = async (args: Record<string, string | boolean>) => {
   const seconds = int(args["seconds"], 120)
   const runs = int(args["runs"], 1)
   const kinds = kindsOf<ClusterFaultKind>(args["kinds"], CLUSTER_FAULT_KINDS)
+  const leaseMs = int(args["lease"], 10_000)
   let seed = args["seed"] === undefined ? Math.floor(Math.random() * 2 ** 31) : int(args["seed"], 0)
   let failed = 0
   for (let i = 0; i < runs; i++, seed++) {
-    const r = await runClusterChaos({ seed, runners, seconds, ...(kinds ? { kinds } : {}), verbose: args["verbose"] === true })
+    const r = await runClusterChaos({ seed, runners, seconds, leaseMs, ...(kinds ? { kinds } : {}), verbose: args["verbose"] === true })
     console.log(
-      `seed ${seed} --cluster ${runners} --seconds ${seconds}: ${r.violation === undefined ? "green" : "FAILED"}; faults ${JSON.stringify(r.counts)}; ` +
+      `seed ${seed} --cluster ${runners} --seconds ${seconds} --lease ${leaseMs}: ${r.violation === undefined ? "green" : "FAILED"}; faults ${JSON.stringify(r.counts)}; ` +
         `${JSON.stringify(r.stats)}; ${r.census}`
     )
     if (r.violation !== undefined) {
