@@ -37,6 +37,7 @@ import * as Effect from "effect/Effect"
 import * as ExecutionStrategy from "effect/ExecutionStrategy"
 import * as Either from "effect/Either"
 import * as Exit from "effect/Exit"
+import * as Fiber from "effect/Fiber"
 import * as FiberMap from "effect/FiberMap"
 import * as FiberSet from "effect/FiberSet"
 import * as Layer from "effect/Layer"
@@ -596,12 +597,28 @@ export const make = Effect.gen(function*() {
 
   /** `evict`: the worker is killed, not stopped: another runner may be restoring the session already. */
   const evict = (id: string) =>
+    Effect.gen(function*() {
+      // The workers die first, before anything that can wait: the lock below (evictions of a
+      // lost shard run one by one), or the end of the entity fiber, which waits for a log
+      // flush under way, itself waiting on a database that may be unreachable (seen under
+      // chaos: a runner cut off killed a session's worker 12 s after losing its shard, 6 s
+      // after another runner had started one). The entity fiber is told to stop just before
+      // (without waiting), so that it does not take the worker's death for a crash to handle.
+      const s = sessions.get(id)
+      if (s === undefined) return yield* evictLocked(id)
+      const entity = yield* Effect.option(FiberMap.get(entities, id))
+      if (Option.isSome(entity)) yield* Fiber.interruptFork(entity.value)
+      for (const worker of s.handles.workers.values()) worker.kill()
+      yield* evictLocked(id)
+    })
+  const evictLocked = (id: string) =>
     damagedLock.withPermits(1)(Effect.gen(function*() {
       if (damaged.delete(id)) return
       const s = sessions.get(id)
       if (s === undefined) return
       sessions.delete(id)
       yield* FiberMap.remove(entities, id)
+      // Again: any worker the session started meanwhile.
       const workers = [...s.handles.workers.values()]
       for (const worker of workers) worker.kill()
       yield* Effect.forEach(workers, (worker) => Deferred.await(worker.exited), { discard: true }).pipe(
