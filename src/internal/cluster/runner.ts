@@ -263,9 +263,29 @@ const makeRouter = (self: string, leaseMs: number) =>
     }).pipe(Effect.catchAllCause((cause) => Effect.logWarning("cluster: the shard watcher failed once", cause)))
     yield* Effect.forkScoped(Effect.forever(Effect.zipRight(watch, Effect.sleep(WATCH_INTERVAL))))
 
+    /**
+     * A command run here, answered within the same bound as a forwarded one. Seen under chaos:
+     * a prompt taken in by a session that then left this runner (its shard moved back to a
+     * runner healed from a partition) was never answered; the eviction answers the commands
+     * waiting in the session, not one its fiber was handling when it was stopped.
+     */
+    const bounded = <A>(id: string, here: Effect.Effect<A, CommandError>): Effect.Effect<A, CommandError> =>
+      here.pipe(
+        Effect.disconnect,
+        Effect.timeoutFail({
+          duration: FORWARD_TIMEOUT,
+          onTimeout: () =>
+            new CommandError({
+              code: "internal",
+              message: `Session \`${id}\` did not answer within ${Duration.toSeconds(FORWARD_TIMEOUT)} s (it may have moved to ` +
+                "another runner; the command may have run: ask get_state)."
+            })
+        })
+      )
+
     /** A session command: run here when this runner owns the session, else by its owner. */
     const route = <A>(id: string, here: Effect.Effect<A, CommandError>, command: unknown): Effect.Effect<A, CommandError> =>
-      Effect.suspend(() => (owns(id) ? here : forward<A>(id, command)))
+      Effect.suspend(() => (owns(id) ? bounded(id, here) : forward<A>(id, command)))
 
     const runners: Effect.Effect<ReadonlyArray<RunnerRow>> = sql<{ address: string; healthy: boolean; shards: number }>`
       SELECT r.address, r.healthy, COALESCE(s.shards, 0)::int AS shards
