@@ -256,20 +256,23 @@ export const runClusterChaos = async (options: ClusterRunOptions): Promise<Clust
     census.start()
 
     const usable = () => runners.filter((r) => !r.down && !r.cut && r.daemon.running)
-    const controls = new Map<ChaosDaemon, LineClient>()
-    const controlOf = async (r: typeof runners[number]): Promise<LineClient> => {
-      const known = controls.get(r.daemon)
+    // A connection per runner and per loop: a runner answers a connection's commands one at a
+    // time, and each loop sends one command at a time, so each bound counts from its send.
+    const controls = new Map<string, LineClient>()
+    const controlOf = async (r: typeof runners[number], loop: string): Promise<LineClient> => {
+      const key = `${loop} ${r.daemon.pid} ${r.address}`
+      const known = controls.get(key)
       if (known !== undefined && !known.closed) return known
-      const c = await LineClient.connect(r.daemon.socketPath, `ctl-${r.address}`)
-      controls.set(r.daemon, c)
+      const c = await LineClient.connect(r.daemon.socketPath, `${loop}-${r.address}`)
+      controls.set(key, c)
       return c
     }
     /** A command through a runner: answered within its bound, or lost with the runner. */
-    const command = async (r: typeof runners[number], cmd: Msg, boundMs: number): Promise<Msg | undefined> => {
+    const command = async (r: typeof runners[number], cmd: Msg, boundMs: number, loop = "main"): Promise<Msg | undefined> => {
       stats.commands++
       let c: LineClient
       try {
-        c = await controlOf(r)
+        c = await controlOf(r, loop)
       } catch {
         stats.lostWithRunner++
         return undefined
@@ -282,18 +285,18 @@ export const runClusterChaos = async (options: ClusterRunOptions): Promise<Clust
       if (answer === undefined) stats.lostWithRunner++
       return answer
     }
-    const stateOf = async (id: string): Promise<Msg | undefined> => {
+    const stateOf = async (id: string, loop = "main"): Promise<Msg | undefined> => {
       for (const r of usable()) {
-        const answer = await command(r, { type: "get_state", activeSessionId: id }, 60_000)
+        const answer = await command(r, { type: "get_state", activeSessionId: id }, 60_000, loop)
         if (answer?.["success"] === true) return answer["data"]
       }
       return undefined
     }
 
     /** Keeps a session's follower attached through its owner; checks what it is sent. */
-    const follow = async (id: string): Promise<void> => {
+    const follow = async (id: string, loop = "main"): Promise<void> => {
       const f = followers.get(id)!
-      const state = await stateOf(id)
+      const state = await stateOf(id, loop)
       const owner = state?.["runner"] as string | undefined
       const runner = runners.find((r) => r.address === owner && !r.down && !r.cut && r.daemon.running)
       if (runner === undefined) return
@@ -379,7 +382,7 @@ export const runClusterChaos = async (options: ClusterRunOptions): Promise<Clust
     const followLoop = (async () => {
       while (running && violation === undefined) {
         for (const id of sessionIds) {
-          await follow(id)
+          await follow(id, "follow")
           try {
             checkStream(id)
           } catch (e) {
@@ -398,7 +401,7 @@ export const runClusterChaos = async (options: ClusterRunOptions): Promise<Clust
           const id = sessionIds[loadRng.int(0, sessionIds.length - 1)]!
           const message = loadRng.chance(0.5) ? `/sleep ${loadRng.int(200, 4000)}` : `hello ${stats.prompts}`
           stats.prompts++
-          const answer = await command(r, { type: "prompt", activeSessionId: id, message }, 60_000)
+          const answer = await command(r, { type: "prompt", activeSessionId: id, message }, 60_000, "load")
           const code = answer?.["error"]?.["code"]
           // Busy sessions refuse; a session moving answers internal ("send the command again").
           if (answer !== undefined && answer["success"] !== true && !["session_busy", "internal"].includes(code)) {
