@@ -6,6 +6,10 @@
 #   scripts/pg-test-server.sh stop DIR    stops it and deletes DIR
 #   scripts/pg-test-server.sh restart DIR stops it (fast) and starts it again on the same data
 #
+# PG_LISTEN=ADDR also listens on TCP at ADDR (port 5432), trusting clients of PG_HBA_CIDR
+# (default: the subnets of the machine's interfaces); PG_SERVER_OPTS adds server options
+# ("-c tcp_keepalives_idle=1 ..."). The partition tests use both (a runner in a network namespace).
+#
 # Binaries: $PG_BIN, else the directory of `pg_ctl` on the PATH, else the newest
 # /usr/lib/postgresql/<v>/bin. Exits 3 when none is found (the caller says why it skips).
 # PostgreSQL refuses to run as root: as root the cluster belongs to the `postgres` user (or
@@ -51,7 +55,7 @@ sock="$dir/sock"
 start_server() {
   # -w waits until it accepts connections; the log stays in DIR for a failed start.
   if ! as_owner "$bin/pg_ctl" -D "$data" -l "$dir/server.log" -w -t 60 \
-    -o "-k $sock -p $port -c listen_addresses= -c max_connections=200" start >/dev/null; then
+    -o "-k $sock -p $port -c listen_addresses=${PG_LISTEN:-} -c max_connections=200 ${PG_SERVER_OPTS:-}" start >/dev/null; then
     echo "PostgreSQL did not start; its log:" >&2
     cat "$dir/server.log" >&2 || true
     exit 1
@@ -96,6 +100,9 @@ case "$cmd" in
         cat "$dir/initdb.log" >&2
         exit 1
       }
+    fi
+    if [ -n "${PG_LISTEN:-}" ]; then
+      echo "host all all ${PG_HBA_CIDR:-samenet} trust" >>"$data/pg_hba.conf"
     fi
     start_server
     echo "postgresql://agentd@localhost:$port/postgres?host=$sock"

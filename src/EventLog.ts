@@ -145,19 +145,19 @@ export interface EventLogService {
    */
   readonly remove: (sessionId: string, options?: { readonly archiveTo?: string }) => Effect.Effect<void, EventLogError>
   /**
-   * Forgets what the log keeps in memory of a session (its next cursor, its generations): from
-   * now on another process may write it (a cluster runner let go of it), and this one reads it
-   * again at its next use. Appends still queued fail with `Closed`. A store that keeps nothing
-   * per session between operations omits it.
-   */
-  readonly forget?: (sessionId: string) => Effect.Effect<void>
-  /**
    * Repairs a damaged log (docs/protocol.md section 6, damaged sessions): every record before
    * the first one that is not what this module writes is kept; the rest of that segment and
    * every later segment are moved aside, next to them (`<g>.jsonl.damaged-<time>`), never
    * deleted. `None` when the log is whole. The caller must not use the session meanwhile.
    */
   readonly repair: (sessionId: string) => Effect.Effect<Option.Option<EventLogRepair>, EventLogError>
+  /**
+   * Drops what the log keeps in memory of the session (where its log stands, an open file),
+   * failing appends still queued with `Closed`; its next use reads it again from the store. A
+   * cluster runner calls it when a session leaves it and when one comes to it: another runner
+   * may have written the session's log in between, and a stale position would write over it.
+   */
+  readonly forget: (sessionId: string) => Effect.Effect<void>
 }
 
 /** What {@link EventLogService.repair} moved aside. */

@@ -37,6 +37,7 @@ import * as Effect from "effect/Effect"
 import * as ExecutionStrategy from "effect/ExecutionStrategy"
 import * as Either from "effect/Either"
 import * as Exit from "effect/Exit"
+import * as Fiber from "effect/Fiber"
 import * as FiberMap from "effect/FiberMap"
 import * as FiberSet from "effect/FiberSet"
 import * as Layer from "effect/Layer"
@@ -608,6 +609,9 @@ export const make = Effect.gen(function*() {
   const adopt = (id: string) =>
     damagedLock.withPermits(1)(Effect.gen(function*() {
       if (sessions.has(id) || damaged.has(id)) return
+      // Where this runner last saw the log (before the session left it, or a read since) is
+      // stale: its owner meanwhile wrote on.
+      yield* log.forget(id)
       const meta = yield* Effect.either(store.loadMeta(id))
       if (Either.isLeft(meta)) {
         // Not in the store (a create on its way, or archived): nothing to adopt.
@@ -619,12 +623,28 @@ export const make = Effect.gen(function*() {
 
   /** `evict`: the worker is killed, not stopped: another runner may be restoring the session already. */
   const evict = (id: string, handOver?: (attachments: ReadonlyArray<HandedOver>) => Effect.Effect<void>) =>
+    Effect.gen(function*() {
+      // The workers die first, before anything that can wait: the lock below (evictions of a
+      // lost shard run one by one), or the end of the entity fiber, which waits for a log
+      // flush under way, itself waiting on a database that may be unreachable (seen under
+      // chaos: a runner cut off killed a session's worker 12 s after losing its shard, 6 s
+      // after another runner had started one). The entity fiber is told to stop just before
+      // (without waiting), so that it does not take the worker's death for a crash to handle.
+      const s = sessions.get(id)
+      if (s === undefined) return yield* evictLocked(id, handOver)
+      const entity = yield* Effect.option(FiberMap.get(entities, id))
+      if (Option.isSome(entity)) yield* Fiber.interruptFork(entity.value)
+      for (const worker of s.handles.workers.values()) worker.kill()
+      yield* evictLocked(id, handOver)
+    })
+  const evictLocked = (id: string, handOver: ((attachments: ReadonlyArray<HandedOver>) => Effect.Effect<void>) | undefined) =>
     damagedLock.withPermits(1)(Effect.gen(function*() {
       if (damaged.delete(id)) return
       const s = sessions.get(id)
       if (s === undefined) return
       sessions.delete(id)
       yield* FiberMap.remove(entities, id)
+      // Again: any worker the session started meanwhile.
       const workers = [...s.handles.workers.values()]
       for (const worker of workers) worker.kill()
       yield* Effect.forEach(workers, (worker) => Deferred.await(worker.exited), { discard: true }).pipe(
@@ -633,8 +653,9 @@ export const make = Effect.gen(function*() {
       )
       yield* Scope.close(s.scope, Exit.void)
       // Another runner writes its log from now on: what this one kept of it is stale (a session
-      // that came back appended at cursors the other runner had written: the insert failed).
-      if (log.forget !== undefined) yield* log.forget(id)
+      // that came back appended at cursors the other runner had written), and appends still
+      // queued are dropped, not written after the new owner's.
+      yield* log.forget(id)
       const moved = new CommandError({
         code: "internal",
         message: `Session \`${id}\` left this runner (its shard moved to another runner): send the command again.`

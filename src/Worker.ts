@@ -341,6 +341,8 @@ export interface RunOptions {
   readonly pid?: number
   /** What the `stop` frame does (default: exit the process). */
   readonly exit?: Effect.Effect<void>
+  /** Told the session's id when the `load` frame comes, before anything else of the session. */
+  readonly onSession?: (activeSessionId: string) => void
 }
 
 /**
@@ -467,6 +469,7 @@ export const run = (pipe: WorkerPipe, options: RunOptions = {}) =>
         case "load":
           return Effect.gen(function*() {
             if (session !== undefined || restoring !== undefined) return yield* fail("this worker already runs a session")
+            options.onSession?.(frame.activeSessionId)
             const engine = yield* Effect.either(engines.make(frame.engine, frame.config ?? {}).pipe(
               // The session's work dir, for engines whose tools need one.
               frame.workDir === undefined ? (e) => e : Effect.provideService(SessionWorkDir, frame.workDir)
@@ -575,7 +578,14 @@ export const main = (engines: Layer.Layer<Engine> = BuiltinEngines.layer): void 
   // from it lets Node write the profile, which a death by the signal would not.
   if (process.execArgv.some((arg) => arg.startsWith("--cpu-prof"))) process.once("SIGTERM", () => process.exit(0))
   const warmUp = process.argv.includes(WorkerProtocol.WARM_UP_FLAG)
-  const program = run(pipe, { warmUp }).pipe(
+  // The process table names the session this worker runs (`/proc/PID/cmdline` on Linux, which
+  // keeps a title within the length of the original argv: the node path and the entry's path
+  // exceed it), so that "at most one live worker per session" can be checked from outside,
+  // across runners and daemons (test/support/workerCensus.ts).
+  const onSession = (id: string) => {
+    process.title = `${WorkerProtocol.WORKER_TITLE_PREFIX}${id}`
+  }
+  const program = run(pipe, { warmUp, onSession }).pipe(
     Effect.tapErrorCause((cause) => Effect.logError("the worker failed", cause)),
     // stdout and stderr are copied to the daemon's log; the default logger would use stdout.
     Effect.provide(Layer.merge(engines, Logger.replace(Logger.defaultLogger, Logger.prettyLogger({ stderr: true, colors: false }))))

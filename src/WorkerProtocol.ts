@@ -27,6 +27,9 @@ import * as Utf8Batch from "./internal/utf8Batch.js"
 /** The worker argument that asks it to warm up its restore path while it waits for its first frame (the pool's spare). */
 export const WARM_UP_FLAG = "--warm-up"
 
+/** A worker's process title once it runs a session: this prefix, then the session's id. */
+export const WORKER_TITLE_PREFIX = "agentd-worker "
+
 // Supervisor -> worker ---------------------------------------------------------------------------
 
 /**

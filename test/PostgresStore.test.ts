@@ -341,6 +341,27 @@ describePg("PostgresStore", () => {
       }).pipe(Effect.provide(storage(other)))
     }))
 
+  it.scopedLive("two runners of one store: a session's log written by one, then the other, is read again after forget", () =>
+    Effect.gen(function*() {
+      const url = yield* freshSchema
+      const shared = (socketPath: string) => PostgresStore.layerStorage({ url, socketPath, lock: "shared" })
+      const a = Context.get(yield* Layer.build(shared("/run/a.sock")), EventLog.EventLog)
+      const b = Context.get(yield* Layer.build(shared("/run/b.sock")), EventLog.EventLog)
+      yield* a.appendAll("s", [{ n: 0 }, { n: 1 }])
+      // The session moves to b, which writes on.
+      yield* b.forget("s")
+      assert.deepStrictEqual(yield* b.appendAll("s", [{ n: 2 }, { n: 3 }]), [Cursor.make(1, 2), Cursor.make(1, 3)])
+      // a still has its own position (what made a session moved back resume at a stale cursor)...
+      assert.deepStrictEqual(yield* a.lastCursor("s"), Option.some(Cursor.make(1, 1)))
+      // ...until it forgets it, as a runner does when the session comes back to it.
+      yield* a.forget("s")
+      assert.deepStrictEqual(yield* a.lastCursor("s"), Option.some(Cursor.make(1, 3)))
+      assert.deepStrictEqual(yield* a.append("s", { n: 4 }), Cursor.make(1, 4))
+      const records = Chunk.toReadonlyArray(yield* Stream.runCollect(a.read("s")))
+      assert.deepStrictEqual(records.map((r) => r.event["n"]), [0, 1, 2, 3, 4])
+      assert.deepStrictEqual(records.map((r) => r.cursor), Array.from({ length: 5 }, (_, i) => Cursor.make(1, i)))
+    }))
+
   it.scopedLive("an unreachable server is a clear error naming the store, without its password", () =>
     Effect.gen(function*() {
       const error = yield* Effect.flip(Effect.scoped(Layer.build(

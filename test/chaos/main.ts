@@ -4,6 +4,10 @@
  * its default kinds add `store_restart` and leave out `damage_files`)
  * `npm run chaos -- --regressions [--store postgres]` runs every seed of seeds.json (over PostgreSQL
  * too: each seed keeps its kinds, and `damage_files` is skipped there).
+ * `npm run chaos -- --cluster N [--seed S] [--seconds N] [--lease MS] [--kinds runner_kill,runner_partition] [--runs R] [--verbose]`
+ * runs N cluster runners over a private PostgreSQL with the runner faults (cluster.ts); the
+ * shard lease is 10 s unless told (at 6 s and load 15+, lock refreshes time out and every
+ * runner drops its shards again and again).
  *
  * Each run starts the real built daemon, loads it, injects faults and checks the protocol's
  * promises (run.ts). A failed run prints its seed, its settings, the fault schedule up to the
@@ -13,6 +17,7 @@
 import * as fs from "node:fs"
 import * as path from "node:path"
 import { fileURLToPath } from "node:url"
+import { CLUSTER_FAULT_KINDS, type ClusterFaultKind, runClusterChaos } from "./cluster.js"
 import { describeResult } from "./report.js"
 import { FAULT_KINDS, type FaultKind, runChaos } from "./run.js"
 
@@ -32,7 +37,8 @@ interface RegressionSeed {
 const usage = () => {
   console.error(
     "usage: npm run chaos -- [--seed S] [--seconds N] [--faults K] [--kinds " + FAULT_KINDS.join(",") +
-      "] [--store files|postgres] [--set AGENTD_X=V]... [--prompt-at-end P] [--runs R] [--verbose] [--keep] | --regressions"
+      "] [--store files|postgres] [--set AGENTD_X=V]... [--prompt-at-end P] [--runs R] [--verbose] [--keep] | --regressions" +
+      " | --cluster N [--seed S] [--seconds N] [--lease MS] [--kinds " + CLUSTER_FAULT_KINDS.join(",") + "] [--runs R] [--verbose]"
   )
   process.exit(2)
 }
@@ -68,15 +74,40 @@ const int = (v: string | boolean | undefined, fallback: number): number => {
   return n
 }
 
-const kindsOf = (v: string | boolean | undefined): ReadonlyArray<FaultKind> | undefined => {
+const kindsOf = <K extends string>(v: string | boolean | undefined, all: ReadonlyArray<K>): ReadonlyArray<K> | undefined => {
   if (typeof v !== "string") return undefined
   const kinds = v.split(",").map((k) => k.trim()).filter((k) => k.length > 0)
-  for (const k of kinds) if (!(FAULT_KINDS as ReadonlyArray<string>).includes(k)) usage()
-  return kinds as Array<FaultKind>
+  for (const k of kinds) if (!(all as ReadonlyArray<string>).includes(k)) usage()
+  return kinds as Array<K>
+}
+
+/** `--cluster N`: the runner faults over N runners (cluster.ts); one line per run, the schedule of a failed one. */
+const mainCluster = async (args: Record<string, string | boolean>) => {
+  const runners = int(args["cluster"], 3)
+  if (runners < 2) usage()
+  const seconds = int(args["seconds"], 120)
+  const runs = int(args["runs"], 1)
+  const kinds = kindsOf<ClusterFaultKind>(args["kinds"], CLUSTER_FAULT_KINDS)
+  const leaseMs = int(args["lease"], 10_000)
+  let seed = args["seed"] === undefined ? Math.floor(Math.random() * 2 ** 31) : int(args["seed"], 0)
+  let failed = 0
+  for (let i = 0; i < runs; i++, seed++) {
+    const r = await runClusterChaos({ seed, runners, seconds, leaseMs, ...(kinds ? { kinds } : {}), verbose: args["verbose"] === true })
+    console.log(
+      `seed ${seed} --cluster ${runners} --seconds ${seconds} --lease ${leaseMs}: ${r.violation === undefined ? "green" : "FAILED"}; faults ${JSON.stringify(r.counts)}; ` +
+        `${JSON.stringify(r.stats)}; ${r.census}`
+    )
+    if (r.violation !== undefined) {
+      failed++
+      console.log(`  violation: ${r.violation}\n  schedule:\n${r.schedule.map((l) => `    ${l}`).join("\n")}`)
+    }
+  }
+  process.exit(failed === 0 ? 0 : 1)
 }
 
 const main = async () => {
   const args = parse(process.argv.slice(2))
+  if (args["cluster"] !== undefined) return mainCluster(args)
   const store = args["store"] ?? "files"
   if (store !== "files" && store !== "postgres") usage()
   if (args["regressions"] === true) {
@@ -103,7 +134,7 @@ const main = async () => {
   const seconds = int(args["seconds"], 60)
   const faults = int(args["faults"], Math.max(10, Math.round(seconds * 0.8)))
   const runs = int(args["runs"], 1)
-  const kinds = kindsOf(args["kinds"])
+  const kinds = kindsOf<FaultKind>(args["kinds"], FAULT_KINDS)
   const promptAtEnd = args["prompt-at-end"] === undefined ? undefined : Number(args["prompt-at-end"])
   if (promptAtEnd !== undefined && !(promptAtEnd >= 0 && promptAtEnd <= 1)) usage()
   let seed = args["seed"] === undefined ? Math.floor(Math.random() * 2 ** 31) : int(args["seed"], 0)

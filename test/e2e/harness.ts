@@ -296,6 +296,8 @@ export interface StartOptions {
   readonly stateDir?: string
   /** A daemon shared by the tests of a block (see `sharedDaemon`): `cleanupAllDaemons` spares it. */
   readonly shared?: boolean
+  /** Run the daemon in this network namespace (`ip netns exec NAME node ...`; the same pid). */
+  readonly netns?: string
   /** Passed as `--socket`; the harness then waits on that path. */
   readonly socket?: string
   readonly extraArgs?: ReadonlyArray<string>
@@ -543,12 +545,13 @@ export const startDaemon = async (options: StartOptions = {}): Promise<Daemon> =
     ...(limit === undefined ? [] : [`ulimit -f ${Math.ceil(limit * 2)} && trap '' XFSZ`]),
     ...(options.fdLimit === undefined ? [] : [`ulimit -n ${options.fdLimit}`])
   ]
-  const proc = spawn(limits.length === 0 ? process.execPath : "/bin/sh", limits.length === 0 ? argv : [
-    "-c",
-    `${limits.join(" && ")} && exec "$0" "$@"`,
-    process.execPath,
+  const command = [
+    // `ip netns exec` execs the command: the daemon keeps the pid spawned here.
+    ...(options.netns === undefined ? [] : ["ip", "netns", "exec", options.netns]),
+    ...(limits.length === 0 ? [process.execPath] : ["/bin/sh", "-c", `${limits.join(" && ")} && exec "$0" "$@"`, process.execPath]),
     ...argv
-  ], {
+  ]
+  const proc = spawn(command[0]!, command.slice(1), {
     cwd: path.dirname(stateDir),
     env,
     stdio: ["ignore", "pipe", "pipe"],

@@ -124,7 +124,7 @@ export const freshDatabaseUrl = async (): Promise<{ readonly url: string; readon
     Effect.runPromise(Effect.gen(function*() {
       const sql = yield* SqlClient.SqlClient
       yield* sql.unsafe(statement)
-    }).pipe(Effect.provide(adminClient(url))))
+    }).pipe(Effect.provide(adminClient(url)), Effect.orDie))
   await admin(`CREATE DATABASE ${name}`)
   const parsed = new URL(url)
   parsed.pathname = `/${name}`

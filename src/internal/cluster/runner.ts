@@ -59,6 +59,14 @@ export const DEFAULT_LEASE_MS = 35_000
 const WATCH_INTERVAL = Duration.millis(250)
 /** The entity's own command (never a wire command): an attach's environment, see the router's `attach`. */
 const SET_ENV = "agentd/set_env"
+/**
+ * How long a command sent to a session's owner may wait for its answer. Seen under chaos (a
+ * runner cut off from PostgreSQL while a forwarded prompt was in it; a create sent while the
+ * cluster was still assigning shards): without a bound such a command was never answered. Past
+ * it the client is answered `internal` (the command may have run: ask `get_state`). Longer
+ * than the longest command an owner runs (a worker start waits up to 30 s).
+ */
+const FORWARD_TIMEOUT = Duration.seconds(45)
 /** Sessions asked about at once by `list` (one `get_state` each to their owners). */
 const LIST_CONCURRENCY = 8
 
@@ -200,6 +208,18 @@ const makeRouter = (self: string, leaseMs: number) =>
     const forward = <A>(id: string, command: unknown): Effect.Effect<A, CommandError> =>
       client(id).Command({ command }).pipe(
         Effect.map((data) => data as A),
+        // The bound answers at once: interrupting the send (which tells the owner) is left to
+        // finish in the background, as it may wait on a runner that cannot be reached.
+        Effect.disconnect,
+        Effect.timeoutFail({
+          duration: FORWARD_TIMEOUT,
+          onTimeout: () =>
+            new RemoteCommandError({
+              code: "internal",
+              message: `The runner of session \`${id}\` did not answer within ${Duration.toSeconds(FORWARD_TIMEOUT)} s ` +
+                "(the command may have run: ask get_state)."
+            })
+        }),
         Effect.catchAll((e) =>
           Effect.fail(
             e._tag === "RemoteCommandError"
@@ -258,9 +278,29 @@ const makeRouter = (self: string, leaseMs: number) =>
     }).pipe(Effect.catchAllCause((cause) => Effect.logWarning("cluster: the shard watcher failed once", cause)))
     yield* Effect.forkScoped(Effect.forever(Effect.zipRight(watch, Effect.sleep(WATCH_INTERVAL))))
 
+    /**
+     * A command run here, answered within the same bound as a forwarded one. Seen under chaos:
+     * a prompt taken in by a session that then left this runner (its shard moved back to a
+     * runner healed from a partition) was never answered; the eviction answers the commands
+     * waiting in the session, not one its fiber was handling when it was stopped.
+     */
+    const bounded = <A>(id: string, here: Effect.Effect<A, CommandError>): Effect.Effect<A, CommandError> =>
+      here.pipe(
+        Effect.disconnect,
+        Effect.timeoutFail({
+          duration: FORWARD_TIMEOUT,
+          onTimeout: () =>
+            new CommandError({
+              code: "internal",
+              message: `Session \`${id}\` did not answer within ${Duration.toSeconds(FORWARD_TIMEOUT)} s (it may have moved to ` +
+                "another runner; the command may have run: ask get_state)."
+            })
+        })
+      )
+
     /** A session command: run here when this runner owns the session, else by its owner. */
     const route = <A>(id: string, here: Effect.Effect<A, CommandError>, command: unknown): Effect.Effect<A, CommandError> =>
-      Effect.suspend(() => (owns(id) ? here : forward<A>(id, command)))
+      Effect.suspend(() => (owns(id) ? bounded(id, here) : forward<A>(id, command)))
 
     const runners: Effect.Effect<ReadonlyArray<RunnerRow>> = sql<{ address: string; healthy: boolean; shards: number }>`
       SELECT r.address, r.healthy, COALESCE(s.shards, 0)::int AS shards

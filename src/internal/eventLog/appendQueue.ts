@@ -79,6 +79,8 @@ export interface AppendQueue<H extends QueueHandle> {
   readonly handleFor: (sessionId: string) => Effect.Effect<H, EventLogError>
   /** Marks a handle unusable: fails everything queued, forgets it and releases what it holds. */
   readonly kill: (h: H, error: EventLogError) => Effect.Effect<void>
+  /** Kills the session's open handle, if any (`EventLogService.forget`). */
+  readonly forget: (sessionId: string) => Effect.Effect<void>
   readonly append: (sessionId: string, event: EventData | EncodedEvent) => Effect.Effect<Cursor.Cursor, EventLogError>
   readonly appendAll: (
     sessionId: string,
@@ -275,5 +277,11 @@ export const make = <H extends QueueHandle>(
       })
     })
 
-    return { handles, handleFor, kill, append, appendAll, startGeneration }
+    const forget = (sessionId: string): Effect.Effect<void> =>
+      Effect.suspend(() => {
+        const h = handles.get(sessionId)
+        return h === undefined ? Effect.void : kill(h, fail("Closed", sessionId, "the session's log was let go (it is read again at its next use)"))
+      })
+
+    return { handles, handleFor, kill, forget, append, appendAll, startGeneration }
   })

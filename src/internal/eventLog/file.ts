@@ -409,7 +409,7 @@ export const make = (options: EventLogOptions): Effect.Effect<EventLogService, E
       grouping: { _tag: "Session", lockOf: (h) => h.lock },
       ...(readOnly ? { refuse: refuseWrite } : {})
     })
-    const { append, appendAll, handleFor, handles, kill, startGeneration } = queue
+    const { append, appendAll, forget, handleFor, handles, kill, startGeneration } = queue
 
     const statusOf = (h: Handle): EventLogStatus => ({
       generation: h.generation,
@@ -673,7 +673,7 @@ export const make = (options: EventLogOptions): Effect.Effect<EventLogService, E
     })
 
     return makeService(handleFor, statusOf, generationStart, {
-      append, appendAll, read, readGeneration, startGeneration, prune, remove, repair
+      append, appendAll, read, readGeneration, startGeneration, prune, remove, repair, forget
     })
   })
 

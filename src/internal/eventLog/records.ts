@@ -115,14 +115,15 @@ export const checkReadable = (
 /** What a store builds itself; {@link makeService} adds the reads every store answers alike. */
 export type StoreOperations = Omit<
   EventLogService,
-  "currentGeneration" | "lastCursor" | "generations" | "status" | "generationStart" | "repair"
-> & Partial<Pick<EventLogService, "repair">>
+  "currentGeneration" | "lastCursor" | "generations" | "status" | "generationStart" | "repair" | "forget"
+> & Partial<Pick<EventLogService, "repair" | "forget">>
 
 /**
  * A store's service from its own operations and two views of an open session: its status, and
  * where a retained generation began (`startOf`, asked only for a generation in
  * `status.generations`; before anything was written that is the current one, and its answer
- * must be `None`). A store that omits `repair` keeps every record whole and repairs nothing.
+ * must be `None`). A store that omits `repair` keeps every record whole and repairs nothing; one
+ * that omits `forget` keeps nothing in memory but the log itself (the memory log).
  */
 export const makeService = <H>(
   open: (sessionId: string) => Effect.Effect<H, EventLogError>,
@@ -133,6 +134,7 @@ export const makeService = <H>(
   const status = (sessionId: string) => Effect.map(open(sessionId), statusOf)
   return EventLog.of({
     repair: () => Effect.succeed(Option.none()),
+    forget: () => Effect.void,
     ...operations,
     currentGeneration: (sessionId) => Effect.map(status(sessionId), (s) => s.generation),
     lastCursor: (sessionId) => Effect.map(status(sessionId), (s) => s.lastCursor),

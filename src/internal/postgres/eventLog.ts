@@ -11,8 +11,9 @@
  * those appends only once the commit returned (durable: `synchronous_commit` is on by default).
  * Appends arriving meanwhile form the next batch. (One flusher per session, as on disk, was
  * 3x slower with 8 busy sessions, measured: 8 commits, each waiting for its own WAL flush.)
- * The daemon is the store's only writer (its advisory lock), so each session's generation, next
- * cursor and retained generations are kept in memory once read.
+ * The daemon is the store's only writer of a session (its advisory lock; in a cluster, the runner
+ * holding the session's shard), so each session's generation, next cursor and retained
+ * generations are kept in memory once read, until `forget` (a session moving between runners).
  */
 import * as SqlClient from "@effect/sql/SqlClient"
 import type { SqlError } from "@effect/sql/SqlError"
@@ -386,6 +387,7 @@ export const makeWith = (options: Options): Effect.Effect<EventLogService, never
   const { append, appendAll, startGeneration } = readOnly
     ? { append: () => readOnlyWrite, appendAll: () => readOnlyWrite, startGeneration: () => readOnlyWrite }
     : queue
+  const { forget } = queue
 
   const statusOf = (h: Handle): EventLogStatus => ({
     generation: h.generation,
@@ -551,18 +553,7 @@ export const makeWith = (options: Options): Effect.Effect<EventLogService, never
 
   // The database keeps every row whole (a transaction commits all of a batch or none of it): no repair.
   return makeService(handleFor, statusOf, (_, h, generation) => Effect.succeed(h.starts.get(generation) ?? Option.none()), {
-    append,
-    appendAll,
-    read,
-    readGeneration,
-    startGeneration,
-    prune,
-    remove,
-    forget: (sessionId) =>
-      Effect.suspend(() => {
-        const h = queue.handles.get(sessionId)
-        return h === undefined ? Effect.void : queue.kill(h, fail("Closed", sessionId, "the session left this process"))
-      })
+    append, appendAll, read, readGeneration, startGeneration, prune, remove, forget
   })
 })
 
