@@ -579,11 +579,10 @@ export const main = (engines: Layer.Layer<Engine> = BuiltinEngines.layer): void 
   if (process.execArgv.some((arg) => arg.startsWith("--cpu-prof"))) process.once("SIGTERM", () => process.exit(0))
   const warmUp = process.argv.includes(WorkerProtocol.WARM_UP_FLAG)
   // The process table names the session this worker runs (`/proc/PID/cmdline` on Linux, which
-  // keeps a title within the length of the original argv: the node path and the entry's path
-  // exceed it), so that "at most one live worker per session" can be checked from outside,
+  // keeps a title within the length of the original argv: see `workerTitleKey`), so that "at most one live worker per session" can be checked from outside,
   // across runners and daemons (test/support/workerCensus.ts).
   const onSession = (id: string) => {
-    process.title = `${WorkerProtocol.WORKER_TITLE_PREFIX}${id}`
+    process.title = `${WorkerProtocol.WORKER_TITLE_PREFIX}${WorkerProtocol.workerTitleKey(id)}`
   }
   const program = run(pipe, { warmUp, onSession }).pipe(
     Effect.tapErrorCause((cause) => Effect.logError("the worker failed", cause)),

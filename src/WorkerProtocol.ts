@@ -27,8 +27,19 @@ import * as Utf8Batch from "./internal/utf8Batch.js"
 /** The worker argument that asks it to warm up its restore path while it waits for its first frame (the pool's spare). */
 export const WARM_UP_FLAG = "--warm-up"
 
-/** A worker's process title once it runs a session: this prefix, then the session's id. */
+/**
+ * A worker's process title once it runs a session: this prefix, then {@link workerTitleKey} of
+ * the session's id.
+ */
 export const WORKER_TITLE_PREFIX = "agentd-worker "
+
+/**
+ * The session as a worker's title names it: the first 20 characters of its id (`s-` and 72 bits
+ * of its UUID). Linux keeps a title within the bytes of the process's original argv (the node
+ * binary's path and the worker entry's): a whole id (38 characters) was cut short where the
+ * install's path is short (`/usr/bin/node /srv/x/dist/src/bin/worker.js`); this fits any.
+ */
+export const workerTitleKey = (activeSessionId: string): string => activeSessionId.slice(0, 20)
 
 // Supervisor -> worker ---------------------------------------------------------------------------
 

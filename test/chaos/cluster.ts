@@ -26,6 +26,7 @@ import * as os from "node:os"
 import * as path from "node:path"
 import { fileURLToPath } from "node:url"
 import { WorkerCensus } from "../support/workerCensus.js"
+import { workerTitleKey } from "../../src/WorkerProtocol.js"
 import { ChaosDaemon, sleep } from "./daemon.js"
 import { Rng } from "./rng.js"
 
@@ -222,7 +223,7 @@ export const runClusterChaos = async (options: ClusterRunOptions): Promise<Clust
 
   const pgDir = fs.mkdtempSync(path.join(os.tmpdir(), "agentd-chaos-pg-"))
   const sessionIds: Array<string> = []
-  const census = new WorkerCensus({ sessions: (id) => sessionIds.includes(id) })
+  const census = new WorkerCensus({ sessions: (key) => sessionIds.some((id) => workerTitleKey(id) === key) })
   const proxies: Array<PgProxy> = []
   const runners: Array<{ daemon: ChaosDaemon; address: string; proxy: PgProxy; down: boolean; cut: boolean }> = []
   const followers = new Map<string, { client: LineClient | undefined; owner: string | undefined; before: Array<Msg>; behindSince: number | undefined }>()

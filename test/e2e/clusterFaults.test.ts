@@ -24,6 +24,7 @@
 import { afterAll, beforeAll, expect, it } from "vitest"
 import { describePg, freshDatabaseUrl } from "../support/postgres.js"
 import { WorkerCensus } from "../support/workerCensus.js"
+import { workerTitleKey } from "../../src/WorkerProtocol.js"
 import { Cluster, Follower, type Runner } from "./clusterHarness.js"
 import { cleanUpAfterTests, type Client, cursorGap, isEvent, sleep } from "./harness.js"
 
@@ -92,7 +93,7 @@ describePg("serve --cluster: three runners, a runner SIGKILLed, restarted, and a
   let drop: (() => Promise<void>) | undefined
   const sessions: Array<string> = []
   const followers = new Map<string, Follower>()
-  const census = new WorkerCensus({ sessions: (id) => sessions.includes(id) })
+  const census = new WorkerCensus({ sessions: (key) => sessions.some((id) => workerTitleKey(id) === key) })
   let probes: Probes
 
   beforeAll(async () => {
@@ -166,7 +167,7 @@ describePg("serve --cluster: three runners, a runner SIGKILLed, restarted, and a
     await allReady()
     await turnOnEach("first")
     // Every session's worker was seen in the process table under its session's title.
-    for (const id of sessions) expect(census.seen.get(id)?.size ?? 0, `workers of ${id} in /proc`).toBeGreaterThan(0)
+    for (const id of sessions) expect(census.seen.get(workerTitleKey(id))?.size ?? 0, `workers of ${id} in /proc`).toBeGreaterThan(0)
     checkInvariants("spread")
   }, 90_000)
 

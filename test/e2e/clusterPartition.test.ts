@@ -26,6 +26,7 @@ import * as path from "node:path"
 import { afterAll, beforeAll, describe, expect, it } from "vitest"
 import { describePg } from "../support/postgres.js"
 import { WorkerCensus } from "../support/workerCensus.js"
+import { workerTitleKey } from "../../src/WorkerProtocol.js"
 import { Cluster, Follower, type Runner } from "./clusterHarness.js"
 import { cleanUpAfterTests, cursorGap, isAlive, isEvent, PROJECT_ROOT, sleep } from "./harness.js"
 import { NetNs, netnsUnavailable } from "./netns.js"
@@ -45,7 +46,7 @@ const body = () => {
   let cut: Runner
   const sessions: Array<string> = []
   const followers = new Map<string, Follower>()
-  const census = new WorkerCensus({ sessions: (id) => sessions.includes(id) })
+  const census = new WorkerCensus({ sessions: (key) => sessions.some((id) => workerTitleKey(id) === key) })
 
   beforeAll(async () => {
     ns = NetNs.create()
@@ -131,6 +132,8 @@ const body = () => {
     log(`lease ${LEASE_MS} ms: the cut runner's workers gone ${workersGoneMs} ms after the cut; its sessions ready elsewhere after ${failover.join(", ")} ms`)
     expect(oldWorkers.filter(isAlive)).toEqual([])
     expect(census.doubles, census.summary()).toEqual([])
+    // The census saw the victims' workers (a check that sees none would pass vacuously).
+    for (const id of victims) expect(census.seen.get(workerTitleKey(id))?.size ?? 0, `workers of ${id} in /proc`).toBeGreaterThan(0)
 
     for (const id of victims) {
       const f = followers.get(id)!

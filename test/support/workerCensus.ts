@@ -1,7 +1,8 @@
 /**
  * The process-table checker of "a session never has two live workers": it samples /proc every
- * ~20 ms, finds agentd workers by their process title (`agentd-worker <activeSessionId>`, set by
- * a worker when it is given its session: src/Worker.ts) and records every sample in which one
+ * ~20 ms, finds agentd workers by their process title (`agentd-worker <key>`, set by a worker
+ * when it is given its session: src/Worker.ts; the key is `workerTitleKey` of the session's id,
+ * which is what `sessions`, `seen` and `doubles` name) and records every sample in which one
  * session has two live (non-zombie) workers, whichever daemon or runner started them and
  * whether or not their parent is still alive (an orphaned worker of a SIGKILLed runner counts).
  *
