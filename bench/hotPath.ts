@@ -212,7 +212,14 @@ interface Ours {
 const measureOurs = (): Promise<Ours> =>
   withDaemon(
     // Checkpoints between the turns would be timed with them: none during this run.
-    { env: { AGENTD_CHECKPOINT_EVENTS: "1000000000", AGENTD_CHECKPOINT_BYTES: String(1024 * 1024 * 1024) } },
+    // AGENTD_BENCH_WORKER_NODE_ARGS: Node flags for the workers (to measure one).
+    {
+      env: {
+        AGENTD_CHECKPOINT_EVENTS: "1000000000",
+        AGENTD_CHECKPOINT_BYTES: String(1024 * 1024 * 1024),
+        ...(process.env["AGENTD_BENCH_WORKER_NODE_ARGS"] === undefined ? {} : { AGENTD_WORKER_NODE_ARGS: process.env["AGENTD_BENCH_WORKER_NODE_ARGS"] })
+      }
+    },
     async (daemon) => {
       const ctl = await daemon.connect("ctl")
       const { id } = await createSession(ctl)
