@@ -11,6 +11,18 @@
  * figure above). AGENTD_BENCH_WORKER_NODE_ARGS gives the workers of the first daemon Node flags
  * (to measure one, e.g. `--max-semi-space-size=1`), AGENTD_BENCH_MEMORY_DAEMON_ENV the daemon settings
  * (`AGENTD_WARM_SPARE=0 ...`).
+ *
+ * Session 14 (2-core machine, load 6-11; RSS hardly moves with the load): 65.1 MB before (1.65x
+ * a bare node's 39.4 MB), 50-51 MB with the workers' lean flags and a full GC once idle
+ * (1.27-1.29x). What was tried, the idle echo worker's median RSS after one turn: the spare's
+ * warm-up off 81.8 -> no gain worth its first-turn cost; `--max-semi-space-size=1` alone 60.3
+ * (new space is committed, not resident); `--no-opt` 54.2; `--lite-mode` 51.0 but it implies
+ * `--jitless`, which removes WebAssembly and so `fetch` (undici's HTTP parser), the model
+ * engines' HTTP; `--v8-pool-size=0/1`, `--single-threaded-gc`, glibc's MALLOC_* tunables:
+ * nothing. An empty spare: 49 MB, of which ~32 MB are the `node` binary's own pages (file-backed,
+ * shared by every worker: a bare node has 31 MB of them), the rest V8's heap (6.4 MB used against
+ * 4.3 for a bare node: Effect's code and objects, ~500 KB of source) and the ES module loader
+ * (~1.5 MB against a CommonJS entry). A full minification of the bundle saves ~0.5 MB more.
  */
 import { type ChildProcess, spawn } from "node:child_process"
 import * as fs from "node:fs"
