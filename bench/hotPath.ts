@@ -15,13 +15,24 @@
  *
  * bench/delivery.ts measures 1, 10 and 100 clients against a pass-through relay (no parse);
  * this one is the stricter baseline.
+ *
+ * The first turn's CPU per event (daemon, workers) is printed next to the warm turns'. Knobs for
+ * experiments: AGENTD_BENCH_WORKER_NODE_ARGS (the workers' Node flags),
+ * AGENTD_BENCH_FIRST_TURN_DELAY_MS (a wait before the first turn), AGENTD_BENCH_PRIME_SESSION=1
+ * (one turn in another session first). Session 14 (load 7-15): the first turn costs the daemon
+ * 23-31 us per event against 10.5-12 warm, and that holds after a 5 s wait (the start's warm-ups
+ * are done) and for the first turn of a second session after a warm turn in the first: a cost
+ * per session, not JIT per process. A profile of the daemon shows its buffer copies
+ * (Utf8Batch.take, the worker pipe's line decoder) 5-20x dearer on a session's first turn; not
+ * explained by batch sizes (the same, ~2,700 events) nor by malloc's mmap threshold (fixed by
+ * MALLOC_MMAP_THRESHOLD_: no change).
  */
 import { type ChildProcess, spawn } from "node:child_process"
 import * as fs from "node:fs"
 import * as os from "node:os"
 import * as path from "node:path"
 import { cpuTicksOf, descendantsOf } from "../test/support/procfs.js"
-import { Client, createSession, type Daemon, isIdleStatus, nowMs, waitReady, withDaemon } from "./daemonHarness.js"
+import { Client, createSession, type Daemon, isIdleStatus, nowMs, sleep, waitReady, withDaemon } from "./daemonHarness.js"
 import { printRatio } from "./report.js"
 
 const WORDS = 20_000
@@ -205,6 +216,9 @@ interface Ours {
   /** CPU microseconds per delivered event over the warm 1-client turns: the daemon, its workers. */
   readonly daemonCpuPerEvent: number
   readonly workerCpuPerEvent: number
+  /** The same over the first turn (the spare that took the session included: it warms up meanwhile). */
+  readonly daemonFirstCpuPerEvent: number
+  readonly workerFirstCpuPerEvent: number
   /** The daemon's CPU microseconds per delivery (event x client) over the timed 100-client turns. */
   readonly daemonCpuPerDelivery: number
 }
@@ -212,13 +226,34 @@ interface Ours {
 const measureOurs = (): Promise<Ours> =>
   withDaemon(
     // Checkpoints between the turns would be timed with them: none during this run.
-    { env: { AGENTD_CHECKPOINT_EVENTS: "1000000000", AGENTD_CHECKPOINT_BYTES: String(1024 * 1024 * 1024) } },
+    // AGENTD_BENCH_WORKER_NODE_ARGS: Node flags for the workers (to measure one).
+    {
+      env: {
+        AGENTD_CHECKPOINT_EVENTS: "1000000000",
+        AGENTD_CHECKPOINT_BYTES: String(1024 * 1024 * 1024),
+        ...(process.env["AGENTD_BENCH_WORKER_NODE_ARGS"] === undefined ? {} : { AGENTD_WORKER_NODE_ARGS: process.env["AGENTD_BENCH_WORKER_NODE_ARGS"] })
+      }
+    },
     async (daemon) => {
       const ctl = await daemon.connect("ctl")
+      if (process.env["AGENTD_BENCH_PRIME_SESSION"] === "1") {
+        // Experiment: one turn in another session first (is the first turn's cost per process or per session?).
+        const prime = await createSession(ctl)
+        await waitReady(ctl, prime.id)
+        const [c] = await attachAll(daemon, prime.id, 1, "prime")
+        await turn(ctl, [c!], prime.id)
+        c!.close()
+      }
       const { id } = await createSession(ctl)
       await waitReady(ctl, id)
       const [one] = await attachAll(daemon, id, 1, "one")
+      // AGENTD_BENCH_FIRST_TURN_DELAY_MS: a wait before the first turn (do the start's warm-ups explain it?).
+      await sleep(Number(process.env["AGENTD_BENCH_FIRST_TURN_DELAY_MS"] ?? 0))
+      const daemonBeforeFirst = cpuMicros(daemon.pid)
+      const workersBeforeFirst = childrenCpuMicros(daemon.pid)
       const times: Array<number> = [await turn(ctl, [one!], id)]
+      const daemonFirstCpuPerEvent = (cpuMicros(daemon.pid) - daemonBeforeFirst) / (WORDS + 1)
+      const workerFirstCpuPerEvent = (childrenCpuMicros(daemon.pid) - workersBeforeFirst) / (WORDS + 1)
       const daemonBefore = cpuMicros(daemon.pid)
       const workersBefore = childrenCpuMicros(daemon.pid)
       for (let i = 1; i < 4; i++) times.push(await turn(ctl, [one!], id))
@@ -232,7 +267,7 @@ const measureOurs = (): Promise<Ours> =>
       const hundred = median([await turn(ctl, many, id), await turn(ctl, many, id), await turn(ctl, many, id)])
       const daemonCpuPerDelivery = (cpuMicros(daemon.pid) - daemonBefore100) / (3 * (WORDS + 1) * CLIENTS)
       for (const c of many) c.close()
-      return { first: times[0]!, warm: median(times.slice(1)), hundred, daemonCpuPerEvent, workerCpuPerEvent, daemonCpuPerDelivery }
+      return { first: times[0]!, warm: median(times.slice(1)), hundred, daemonCpuPerEvent, workerCpuPerEvent, daemonFirstCpuPerEvent, workerFirstCpuPerEvent, daemonCpuPerDelivery }
     }
   )
 
@@ -258,6 +293,10 @@ export default async function hotPath(): Promise<void> {
   console.log(
     `CPU per event, warm 1-client turns: agentd daemon ${ours.daemonCpuPerEvent.toFixed(1)} us + worker ${ours.workerCpuPerEvent.toFixed(1)} us | ` +
       `relay process ${relayCpu.toFixed(1)} us per relayed event | daemon/relay ${(ours.daemonCpuPerEvent / relayCpu).toFixed(2)}x (lower is better)`
+  )
+  console.log(
+    `CPU per event, first turn after start: agentd daemon ${ours.daemonFirstCpuPerEvent.toFixed(1)} us + workers ${ours.workerFirstCpuPerEvent.toFixed(1)} us ` +
+      `(the next spare starting and warming up included)`
   )
   console.log(`CPU per delivery, 100 clients: agentd daemon ${ours.daemonCpuPerDelivery.toFixed(2)} us per event x client`)
   console.log(`  (load average at the end: ${os.loadavg().map((l) => l.toFixed(1)).join(", ")})`)

@@ -15,6 +15,7 @@ const benches: Record<string, () => Promise<{ default: () => Promise<void> }>> =
   delivery: () => import("./delivery.js"),
   hotPath: () => import("./hotPath.js"),
   streaming: () => import("./streaming.js"),
+  workerMemory: () => import("./workerMemory.js"),
   httpDelivery: () => import("./httpDelivery.js"),
   httpCatchUp: () => import("./httpCatchUp.js"),
   attach: () => import("./attach.js"),

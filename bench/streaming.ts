@@ -39,6 +39,25 @@
  * (autogroups: workers are detached), so the daemon gets about a 200th of the CPU. The figure
  * this benchmark asks for needs a machine with the cores for its workers, or workers far
  * cheaper per woken event.
+ * Session 14, after the worker's abort was raced once per turn (Stream.interruptWhenDeferred
+ * forked a fiber per event) and with the workers' lean V8 flags (WorkerPool's LEAN_WORKER_FLAGS),
+ * one run each, load 5-70:
+ *   N    turn took  daemon us/event  durable relay  workers us/event  p50     p99     RSS/worker
+ *   20   4.4 s      881              303            1038              29 ms   137 ms  49.7 MB
+ *   40   6.7 s      445              170            1131              64 ms   425 ms  48.5 MB
+ *   100  20.3 s     362              130            1265              78 ms   383 ms  49.0 MB
+ *   200  52.2 s     275              69             1409              155 ms  851 ms  48.7 MB
+ * 200 sessions now finish (turns of 3 s took 52 s, load 69 at the end). Where a paced worker's
+ * 1.1-1.4 ms per event goes (profiles and micro-benchmarks, 20 ms pacing, load ~10): a bare
+ * `setTimeout` wake ~0.2 ms; `Effect.sleep` ~0.2 ms more than an `Effect.async` over
+ * `setTimeout`; the fiber's resume and the echo stream's layers (channel executor per element)
+ * ~0.3 ms; the pipe write ~0.4 ms (a syscall that wakes the daemon); V8 optimizing tiers change
+ * nothing at this rate (the code runs too seldom to be optimized). What 200 sessions at 50
+ * events/s need on 2 cores: 10,000 events/s in under ~1.5 cores, i.e. ~0.1 ms per event for the
+ * worker and the daemon together, an order of magnitude below both today: workers that wake
+ * less than once per event (several sessions per process, or a model's tokens coalesced per
+ * wake-up), and a daemon path whose per-batch cost (an append, an fdatasync, a write per client)
+ * is shared across sessions woken together.
  */
 import { type ChildProcess, spawn } from "node:child_process"
 import * as fs from "node:fs"

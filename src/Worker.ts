@@ -333,6 +333,36 @@ const isRestoreFrame = (frame: WorkerProtocol.SupervisorFrame): frame is Restore
   frame.type === "restore_messages" || frame.type === "restore_events" || frame.type === "restore_end" ||
   frame.type === "restore_failed"
 
+/** How long a worker is idle before it collects its garbage. */
+const IDLE_GC_MS = 1000
+
+/**
+ * Collects the garbage of a worker idle for a moment (a spare warmed up, a session loaded, a
+ * turn ended). A waiting worker allocates nothing, so V8 has no reason to collect, and what a
+ * warm-up or a turn left behind stays resident until the next turn: an idle echo worker's RSS
+ * went down by ~1.5 MB (bench/workerMemory.ts). A major GC of a worker's few MB takes a few ms.
+ * It needs `--expose-gc` (WorkerPool's LEAN_WORKER_FLAGS); without it nothing is done.
+ */
+class IdleCollector {
+  private timer: ReturnType<typeof setTimeout> | undefined
+
+  idle(): void {
+    this.busy()
+    const gc = globalThis.gc
+    if (typeof gc !== "function") return
+    this.timer = setTimeout(() => {
+      this.timer = undefined
+      gc()
+    }, IDLE_GC_MS)
+    this.timer.unref()
+  }
+
+  busy(): void {
+    if (this.timer !== undefined) clearTimeout(this.timer)
+    this.timer = undefined
+  }
+}
+
 /** How a worker runs: in its own process (the defaults), or inside the daemon's (tests). */
 export interface RunOptions {
   /** Run the restore path once on a scratch session while waiting for a session (a warm spare). */
@@ -343,6 +373,8 @@ export interface RunOptions {
   readonly exit?: Effect.Effect<void>
   /** Told the session's id when the `load` frame comes, before anything else of the session. */
   readonly onSession?: (activeSessionId: string) => void
+  /** Collect garbage whenever the worker goes idle (its own process only: see IdleCollector). */
+  readonly collectWhenIdle?: boolean
 }
 
 /**
@@ -355,6 +387,7 @@ export const run = (pipe: WorkerPipe, options: RunOptions = {}) =>
     const engines = yield* Engine
     const pid = options.pid ?? process.pid
     const fibers = yield* FiberSet.make()
+    const collector = options.collectWhenIdle === true ? new IdleCollector() : undefined
     let session: LoadedSession | undefined
     /** A session whose restore frames are coming in (between `load` and `restore_end`). */
     let restoring: {
@@ -399,7 +432,6 @@ export const run = (pipe: WorkerPipe, options: RunOptions = {}) =>
         yield* cutTurn(s.messages, s.engine.endsCutMessages === true ? partial : undefined, reason)
       })
       return s.engine.runTurn({ turnId, message, history: s.messages }).pipe(
-        Stream.interruptWhenDeferred(aborted),
         // One pipe write per chunk of events the engine has ready, not one per event.
         Stream.runForEachChunk((outputs) => {
           // Encoded frame by frame into one buffer: a joined string of thousands of frames is a
@@ -420,12 +452,17 @@ export const run = (pipe: WorkerPipe, options: RunOptions = {}) =>
           }
           return pipe.sendRaw(Utf8Batch.take())
         }),
+        // The abort ends the turn's stream, raced once per turn: `Stream.interruptWhenDeferred`
+        // raced it at every pull, a fiber forked per event, which was half of a worker's CPU per
+        // event at a model's pace (one event per 20 ms: 1.8 ms -> 0.85 ms per event).
+        Effect.raceFirst(Deferred.await(aborted)),
         Effect.catchAll((e) => fail(e.message)),
         Effect.zipRight(interrupted),
         // The worker itself is ending (its pipe closed).
         Effect.onInterrupt(() => interrupted),
         Effect.ensuring(Effect.sync(() => {
           if (s.turn?.turnId === turnId) s.turn = undefined
+          collector?.idle()
         }))
       )
     }
@@ -462,6 +499,7 @@ export const run = (pipe: WorkerPipe, options: RunOptions = {}) =>
         }
         if (interrupted !== undefined) yield* cutTurn(messages, partial, interrupted)
         yield* pipe.send({ type: "worker_ready", pid, activeSessionId: frame.activeSessionId, messageCount: messages.length })
+        collector?.idle()
       })
 
     const handle = (frame: WorkerProtocol.SupervisorFrame): Effect.Effect<void> => {
@@ -505,6 +543,7 @@ export const run = (pipe: WorkerPipe, options: RunOptions = {}) =>
             // The supervisor sends a prompt only once the previous turn's end was logged; the
             // previous fiber may still be finishing (its last write, its clean-up): let it.
             if (s.turn !== undefined) yield* Fiber.await(s.turn.fiber)
+            collector?.busy()
             const aborted = yield* Deferred.make<InterruptReason>()
             const fiber = yield* FiberSet.run(fibers, runTurn(s, frame.turnId, frame.message, aborted))
             s.turn = { turnId: frame.turnId, fiber, aborted }
@@ -527,7 +566,10 @@ export const run = (pipe: WorkerPipe, options: RunOptions = {}) =>
       // An embedder's registry without `echo`: the restore path was warmed all the same.
       Effect.catchAllCause((cause) => Effect.logDebug("turn warm-up skipped", cause))
     )
-    let warmUp = options.warmUp === true ? yield* FiberSet.run(fibers, Effect.zipRight(warmUpRestore, warmUpTurn)) : undefined
+    let warmUp = options.warmUp === true
+      ? yield* FiberSet.run(fibers, warmUpRestore.pipe(Effect.zipRight(warmUpTurn), Effect.zipRight(Effect.sync(() => collector?.idle()))))
+      : undefined
+    if (warmUp === undefined) collector?.idle()
     const lines = yield* Queue.unbounded<string | undefined>()
     yield* FiberSet.run(
       fibers,
@@ -579,12 +621,13 @@ export const main = (engines: Layer.Layer<Engine> = BuiltinEngines.layer): void 
   if (process.execArgv.some((arg) => arg.startsWith("--cpu-prof"))) process.once("SIGTERM", () => process.exit(0))
   const warmUp = process.argv.includes(WorkerProtocol.WARM_UP_FLAG)
   // The process table names the session this worker runs (`/proc/PID/cmdline` on Linux, which
-  // keeps a title within the length of the original argv: see `workerTitleKey`), so that "at most one live worker per session" can be checked from outside,
-  // across runners and daemons (test/support/workerCensus.ts).
+  // keeps a title within the length of the original argv: see `workerTitleKey`), so that "at
+  // most one live worker per session" can be checked from outside, across runners and daemons
+  // (test/support/workerCensus.ts).
   const onSession = (id: string) => {
     process.title = `${WorkerProtocol.WORKER_TITLE_PREFIX}${WorkerProtocol.workerTitleKey(id)}`
   }
-  const program = run(pipe, { warmUp, onSession }).pipe(
+  const program = run(pipe, { warmUp, onSession, collectWhenIdle: true }).pipe(
     Effect.tapErrorCause((cause) => Effect.logError("the worker failed", cause)),
     // stdout and stderr are copied to the daemon's log; the default logger would use stdout.
     Effect.provide(Layer.merge(engines, Logger.replace(Logger.defaultLogger, Logger.prettyLogger({ stderr: true, colors: false }))))

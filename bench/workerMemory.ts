@@ -1,0 +1,134 @@
+/**
+ * An idle echo worker's memory against a bare Node process: the daemon is started, SESSIONS echo
+ * sessions are created and prompted once each, and once they are idle each worker's VmRSS is read
+ * from /proc (median), next to the median VmRSS of as many `node -e 'setInterval(() => {}, 1e9)'`
+ * started the way the pool starts a worker (detached, a pipe on fd 3) and read after the same wait.
+ * The target: an idle echo worker within 1.25x a bare node.
+ *
+ * Then one more daemon whose workers preload a probe (`--import`, AGENTD_WORKER_NODE_ARGS) that
+ * writes `process.memoryUsage()` and V8's heap spaces to a file on SIGUSR2: the breakdown of an
+ * idle echo worker's memory (the probe itself adds a few hundred KB, which is why it is not in the
+ * figure above). AGENTD_BENCH_WORKER_NODE_ARGS gives the workers of the first daemon Node flags
+ * (to measure one, e.g. `--max-semi-space-size=1`), AGENTD_BENCH_MEMORY_DAEMON_ENV the daemon settings
+ * (`AGENTD_WARM_SPARE=0 ...`).
+ *
+ * Session 14 (2-core machine, load 6-11; RSS hardly moves with the load): 65.1 MB before (1.65x
+ * a bare node's 39.4 MB), 50-51 MB with the workers' lean flags and a full GC once idle
+ * (1.27-1.29x). What was tried, the idle echo worker's median RSS after one turn: the spare's
+ * warm-up off 81.8 -> no gain worth its first-turn cost; `--max-semi-space-size=1` alone 60.3
+ * (new space is committed, not resident); `--no-opt` 54.2; `--lite-mode` 51.0 but it implies
+ * `--jitless`, which removes WebAssembly and so `fetch` (undici's HTTP parser), the model
+ * engines' HTTP; `--v8-pool-size=0/1`, `--single-threaded-gc`, glibc's MALLOC_* tunables:
+ * nothing. An empty spare: 49 MB, of which ~32 MB are the `node` binary's own pages (file-backed,
+ * shared by every worker: a bare node has 31 MB of them), the rest V8's heap (6.4 MB used against
+ * 4.3 for a bare node: Effect's code and objects, ~500 KB of source) and the ES module loader
+ * (~1.5 MB against a CommonJS entry). A full minification of the bundle saves ~0.5 MB more.
+ */
+import { type ChildProcess, spawn } from "node:child_process"
+import * as fs from "node:fs"
+import * as os from "node:os"
+import * as path from "node:path"
+import { createSession, type Daemon, rssOf, runTurn, sleep, waitReady, withDaemon } from "./daemonHarness.js"
+
+const SESSIONS = Number(process.env["AGENTD_BENCH_MEMORY_SESSIONS"] ?? 6)
+/** How long workers and bare processes sit idle before their RSS is read. */
+const IDLE_MS = 3000
+const MiB = 1024 * 1024
+
+const median = (xs: ReadonlyArray<number>): number => [...xs].sort((a, b) => a - b)[Math.floor(xs.length / 2)]!
+const mb = (bytes: number): string => (bytes / MiB).toFixed(1)
+
+/** Creates `n` echo sessions, runs one short turn in each; returns their worker pids. */
+const idleWorkers = async (daemon: Daemon, n: number): Promise<Array<number>> => {
+  const ctl = await daemon.connect("ctl")
+  const pids: Array<number> = []
+  for (let i = 0; i < n; i++) {
+    const { id } = await createSession(ctl)
+    await waitReady(ctl, id, 60_000)
+    await ctl.ok({ type: "attach", activeSessionId: id, capabilities: ["event_sequence"] }, 30_000)
+    await runTurn(ctl, id, `hello from session ${i}, one short echo turn`)
+    const state = await waitReady(ctl, id, 60_000)
+    daemon.recordWorker(state)
+    pids.push(state["workerPid"] as number)
+    ctl.drain()
+  }
+  ctl.close()
+  return pids
+}
+
+/** `n` bare node processes started as the pool starts a worker; their median RSS after the idle wait. */
+const bareNodes = async (n: number): Promise<number> => {
+  const children: Array<ChildProcess> = []
+  try {
+    for (let i = 0; i < n; i++) {
+      children.push(spawn(process.execPath, ["-e", "setInterval(() => {}, 1e9)"], { stdio: ["ignore", "pipe", "pipe", "pipe"], detached: true }))
+    }
+    await sleep(IDLE_MS)
+    return median(children.map((c) => rssOf(c.pid!)))
+  } finally {
+    for (const c of children) {
+      if (c.exitCode === null && c.signalCode === null) {
+        c.kill("SIGKILL")
+        await new Promise((r) => c.once("exit", r))
+      }
+    }
+  }
+}
+
+const PROBE_SRC = `
+import * as fs from "node:fs"
+import * as v8 from "node:v8"
+process.on("SIGUSR2", () => {
+  const spaces = Object.fromEntries(v8.getHeapSpaceStatistics().map((s) => [s.space_name, s.space_used_size]))
+  fs.writeFileSync(process.env.AGENTD_BENCH_PROBE_DIR + "/" + process.pid + ".json", JSON.stringify({ usage: process.memoryUsage(), spaces }))
+})
+`
+
+/** The memory breakdown of one idle echo worker, from the probe. */
+const breakdown = async (env: Readonly<Record<string, string>>, flags: string): Promise<string> => {
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), "agentd-bench-memprobe-"))
+  try {
+    const probe = path.join(dir, "probe.mjs")
+    fs.writeFileSync(probe, PROBE_SRC)
+    return await withDaemon({ env: { ...env, AGENTD_WORKER_NODE_ARGS: `${flags} --import=${probe}`, AGENTD_BENCH_PROBE_DIR: dir } }, async (daemon) => {
+      const [pid] = await idleWorkers(daemon, 1)
+      await sleep(IDLE_MS)
+      const rss = rssOf(pid!)
+      process.kill(pid!, "SIGUSR2")
+      const file = path.join(dir, `${pid}.json`)
+      for (let i = 0; i < 100 && !fs.existsSync(file); i++) await sleep(50)
+      const { usage, spaces } = JSON.parse(fs.readFileSync(file, "utf8")) as { usage: NodeJS.MemoryUsage; spaces: Record<string, number> }
+      const top = Object.entries(spaces).filter(([, used]) => used > 64 * 1024).map(([name, used]) => `${name} ${mb(used)}`).join(", ")
+      return `VmRSS ${mb(rss)} MB; memoryUsage: rss ${mb(usage.rss)}, heapTotal ${mb(usage.heapTotal)}, heapUsed ${mb(usage.heapUsed)}, ` +
+        `external ${mb(usage.external)}, arrayBuffers ${mb(usage.arrayBuffers)} MB; heap spaces used (MB): ${top}`
+    })
+  } finally {
+    fs.rmSync(dir, { recursive: true, force: true })
+  }
+}
+
+export default async function workerMemory(): Promise<void> {
+  const extra = process.env["AGENTD_BENCH_WORKER_NODE_ARGS"]
+  // AGENTD_BENCH_MEMORY_DAEMON_ENV: the daemon's settings for this run ("AGENTD_WARM_SPARE=0 ...").
+  const daemonEnv = Object.fromEntries(
+    (process.env["AGENTD_BENCH_MEMORY_DAEMON_ENV"] ?? "").split(" ").filter((kv) => kv.includes("=")).map((kv) => [kv.slice(0, kv.indexOf("=")), kv.slice(kv.indexOf("=") + 1)])
+  )
+  const workerRss = await withDaemon(
+    { env: { ...daemonEnv, ...(extra === undefined ? {} : { AGENTD_WORKER_NODE_ARGS: extra }) } },
+    async (daemon) => {
+      const pids = await idleWorkers(daemon, SESSIONS)
+      await sleep(IDLE_MS)
+      return pids.map(rssOf)
+    }
+  )
+  const bare = await bareNodes(SESSIONS)
+  const ratio = median(workerRss) / bare
+  console.log(
+    `idle echo worker RSS (median of ${SESSIONS}, after one turn and ${IDLE_MS} ms idle${extra === undefined ? "" : `, worker flags ${extra}`}): ` +
+      `agentd ${mb(median(workerRss))} MB (min ${mb(Math.min(...workerRss))}, max ${mb(Math.max(...workerRss))}) | ` +
+      `baseline (node -e 'setInterval(() => {}, 1e9)', started alike) ${mb(bare)} MB | ratio ${ratio.toFixed(2)}x ` +
+      `(lower is better; target <= 1.25x: ${ratio <= 1.25 ? "met" : "MISSED"})`
+  )
+  console.log(`  one idle echo worker: ${await breakdown(daemonEnv, extra ?? "")}`)
+  console.log(`  (load average at the end: ${os.loadavg().map((l) => l.toFixed(1)).join(", ")})`)
+}
