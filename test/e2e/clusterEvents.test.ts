@@ -1,6 +1,6 @@
 /**
  * Events through a runner that does not own the session (docs/cluster.md section 4): two real
- * runners over one PostgreSQL store, the second with `--http`.
+ * runners over one PostgreSQL store, both with `--http`.
  *
  * 1. A client attached through the owner and one attached through the other runner see the
  *    same events, cursor for cursor, across turns, a checkpoint, a history rewrite (`/compact`:
@@ -41,7 +41,7 @@ import {
   sleep,
   startDaemon
 } from "./harness.js"
-import { freePort, httpPortOf, SseFollower } from "./httpHarness.js"
+import { freePort, httpPortOf, request, SseFollower } from "./httpHarness.js"
 
 cleanUpAfterTests()
 
@@ -59,6 +59,7 @@ describePg("serve --cluster: attach and event reads through a runner that does n
   let a: Daemon
   let b: Daemon
   let url: string
+  let httpA: { port: number; token: string }
   let httpB: { port: number; token: string }
   let addressOf: Map<Daemon, string>
   let drop: (() => Promise<void>) | undefined
@@ -77,12 +78,14 @@ describePg("serve --cluster: attach and event reads through a runner that does n
     const store = await freshDatabaseUrl()
     drop = store.drop
     url = store.url
-    const ra = await startRunner(store.url, false)
+    const ra = await startRunner(store.url, true)
     const rb = await startRunner(store.url, true)
     a = ra.daemon
     b = rb.daemon
     addressOf = new Map([[a, ra.address], [b, rb.address]])
-    httpB = { port: await httpPortOf(b), token: fs.readFileSync(path.join(b.stateDir, "http-token"), "utf8").trim() }
+    const httpOf = async (d: Daemon) => ({ port: await httpPortOf(d), token: fs.readFileSync(path.join(d.stateDir, "http-token"), "utf8").trim() })
+    httpA = await httpOf(a)
+    httpB = await httpOf(b)
   }, 60_000)
 
   let c: Daemon | undefined
@@ -128,6 +131,23 @@ describePg("serve --cluster: attach and event reads through a runner that does n
       await admin.end()
     }
   }
+
+  it("each runner's /metrics counts the sessions it runs: over the runners' scrapes, every session once", async () => {
+    const ca = await a.connect("metrics")
+    await settled(ca)
+    await sessionOwnedBy(ca, a)
+    await sessionOwnedBy(ca, b)
+    const sessionsIn = (text: string) =>
+      text.split("\n").filter((l) => l.startsWith("agentd_sessions{")).reduce((n, l) => n + Number(l.slice(l.lastIndexOf(" ") + 1)), 0)
+    const listed = (await ca.ok({ type: "list" }))["sessions"] as Array<Msg>
+    for (const [runner, h] of [[a, httpA], [b, httpB]] as const) {
+      const scraped = await request(h, "GET", "/metrics")
+      expect(scraped.status).toBe(200)
+      const own = listed.filter((s) => s["runner"] === addressOf.get(runner)).length
+      expect(own).toBeGreaterThan(0)
+      expect(sessionsIn(scraped.text), scraped.text).toBe(own)
+    }
+  }, 60_000)
 
   it("the same events through the owner and through the other runner: turns, a checkpoint, /compact, a cut LISTEN, a kill; resume and SSE through the other", async () => {
     const ca = await a.connect("A")
