@@ -14,6 +14,7 @@ import * as path from "node:path"
 import { fileURLToPath } from "node:url"
 import { CoreLive, DaemonLive } from "../../src/Daemon.js"
 import { SessionManager } from "../../src/SessionManager.js"
+import { WORKER_TITLE_PREFIX, workerTitleKey } from "../../src/WorkerProtocol.js"
 import * as ShoutEngine from "../fixtures/shoutEngine.js"
 import { MemoryConnection, waitFor } from "../support/core.js"
 
@@ -45,9 +46,11 @@ describe("embedding (e2e)", () => {
       yield* waitFor("the turn's end", () => conn.sequenced().some((l) => l["event"]?.type === "agent_end"), 20_000)
       const { messages } = yield* sm.getMessages({ type: "get_messages", activeSessionId } as any)
       assert.deepStrictEqual(messages.map((m) => m.content), ["hello embedder", "HELLO EMBEDDER"])
-      // A real process, started from the embedder's entry.
+      // A real process (the shout engine's answer above comes from the embedder's entry), which
+      // titles itself with the session it runs.
       const pid = (yield* sm.getState(activeSessionId)).workerPid!
-      assert.include(fs.readFileSync(`/proc/${pid}/cmdline`, "utf8"), "shoutWorker.js")
+      assert.strictEqual(fs.realpathSync(`/proc/${pid}/exe`), fs.realpathSync(process.execPath))
+      assert.include(fs.readFileSync(`/proc/${pid}/cmdline`, "utf8"), `${WORKER_TITLE_PREFIX}${workerTitleKey(activeSessionId)}`)
       // The built-in engine is still there.
       const echo = yield* sm.create({ type: "create", engine: "echo" } as any)
       assert.strictEqual(echo.state.engine, "echo")
@@ -73,7 +76,8 @@ describe("embedding (e2e)", () => {
       yield* sm.checkpoint(activeSessionId)
       // A real worker process: killed, it is restored by the supervisor from the file storage.
       const pid = (yield* sm.getState(activeSessionId)).workerPid!
-      assert.include(fs.readFileSync(`/proc/${pid}/cmdline`, "utf8"), "worker.js")
+      assert.strictEqual(fs.realpathSync(`/proc/${pid}/exe`), fs.realpathSync(process.execPath))
+      assert.include(fs.readFileSync(`/proc/${pid}/cmdline`, "utf8"), `${WORKER_TITLE_PREFIX}${workerTitleKey(activeSessionId)}`)
       process.kill(pid, "SIGKILL")
       yield* waitFor("the restored worker", () =>
         conn.sequenced().some((l) => l["type"] === "session_status" && l["state"]?.worker === "ready" && l["state"]?.workerPid !== pid), 20_000)

@@ -600,14 +600,25 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
     )
   })
 
-  /** The answer of an input whose step hit a defect (a no-op for what is answered already). */
-  const answerBroken = (input: Input): Effect.Effect<void> => {
-    if ("reply" in input) {
-      return Effect.asVoid(Deferred.fail(input.reply as Deferred.Deferred<unknown, CoreError>, new CoreInternal({ message: `the session could not take \`${input._tag}\`: an internal error (see the daemon's log)` })))
-    }
+  /** The answer of an input that could not be taken whole (a no-op for what is answered already). */
+  const answerUntaken = (input: Input, message: string): Effect.Effect<void> => {
+    if ("reply" in input) return Effect.asVoid(Deferred.fail(input.reply as Deferred.Deferred<unknown, CoreError>, new CoreInternal({ message })))
     if (input._tag === "ShuttingDown") return Effect.asVoid(Deferred.succeed(input.done, undefined))
     return Effect.void
   }
+  /** An input whose step hit a defect. */
+  const answerBroken = (input: Input) =>
+    answerUntaken(input, `the session could not take \`${input._tag}\`: an internal error (see the daemon's log)`)
+  /**
+   * An input whose step was interrupted: the entity was stopped under it (a cluster runner
+   * evicting the session, whose shard moved; a daemon's last moments). The eviction answers the requests it finds in the
+   * session; one taken out of them by this step, not yet answered, is answered here.
+   */
+  const answerInterrupted = (s: Session, input: Input) =>
+    answerUntaken(
+      input,
+      `Session \`${s.meta.activeSessionId}\` stopped while it took \`${input._tag}\` (it left this runner, or the daemon is stopping): send the command again.`
+    )
 
   /** The entity: takes one input at a time until the session is closed. */
   const runEntity = (s: Session): Effect.Effect<void> =>
@@ -616,12 +627,15 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
         const input = yield* Queue.take(s.mailbox)
         // A defect here is a broken invariant of the interpreter: logged loudly, never control
         // flow; the command it carried is still answered (`internal`), so no caller waits forever.
-        yield* take(s, input).pipe(Effect.catchAllDefect((defect) =>
-          Effect.zipRight(
-            Effect.logError(`session ${s.meta.activeSessionId}: an input could not be taken`, defect),
-            answerBroken(input)
-          )
-        ))
+        yield* take(s, input).pipe(
+          Effect.catchAllDefect((defect) =>
+            Effect.zipRight(
+              Effect.logError(`session ${s.meta.activeSessionId}: an input could not be taken`, defect),
+              answerBroken(input)
+            )
+          ),
+          Effect.onInterrupt(() => answerInterrupted(s, input))
+        )
         if ("taken" in input && input.taken !== undefined) yield* Deferred.succeed(input.taken, undefined)
       }
       // Closed: nothing more is offered; what was offered before is answered.
