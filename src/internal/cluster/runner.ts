@@ -67,6 +67,8 @@ const SET_ENV = "agentd/set_env"
  * than the longest command an owner runs (a worker start waits up to 30 s).
  */
 const FORWARD_TIMEOUT = Duration.seconds(45)
+/** How long `status` and `list` wait for the store before answering with what this runner knows. */
+const STORE_READ_TIMEOUT = Duration.seconds(5)
 /** Sessions asked about at once by `list` (one `get_state` each to their owners). */
 const LIST_CONCURRENCY = 8
 
@@ -254,7 +256,8 @@ const makeRouter = (self: string, leaseMs: number) =>
       const lost = [...held].filter((s) => !now.has(s))
       held = now
       if (gained.length > 0 || lost.length > 0) {
-        const listings = yield* Effect.orElseSucceed(store.list(), () => [])
+        // Bounded: a runner cut off from PostgreSQL lists its own sessions only.
+        const listings = yield* Effect.orElseSucceed(Effect.timeout(store.list(), STORE_READ_TIMEOUT), () => [])
         const ids = listings.map(listingId)
         const gainedSet = new Set(gained)
         const lostSet = new Set(lost)
@@ -298,6 +301,22 @@ const makeRouter = (self: string, leaseMs: number) =>
         })
       )
 
+    /**
+     * An attach or a detach, answered within the bound too (interrupted past it, not left to
+     * finish: a late attach would register an attachment nobody delivers to). Seen under chaos:
+     * a re-attach through a runner cut off from PostgreSQL waited on the store, and the prompt
+     * its client sent next waited behind it (a connection's responses keep their order).
+     */
+    const answeredWithin = <A>(id: string, effect: Effect.Effect<A, CommandError>): Effect.Effect<A, CommandError> =>
+      Effect.timeoutFail(effect, {
+        duration: FORWARD_TIMEOUT,
+        onTimeout: () =>
+          new CommandError({
+            code: "internal",
+            message: `Session \`${id}\`: no answer within ${Duration.toSeconds(FORWARD_TIMEOUT)} s (this runner may be cut off from the store): try another runner.`
+          })
+      })
+
     /** A session command: run here when this runner owns the session, else by its owner. */
     const route = <A>(id: string, here: Effect.Effect<A, CommandError>, command: unknown): Effect.Effect<A, CommandError> =>
       Effect.suspend(() => (owns(id) ? bounded(id, here) : forward<A>(id, command)))
@@ -308,6 +327,8 @@ const makeRouter = (self: string, leaseMs: number) =>
       WHERE r.last_heartbeat > now() - make_interval(secs => ${Math.ceil(leaseMs / 1000)})
       ORDER BY r.address`.pipe(
       Effect.map((rows) => rows.map((r) => ({ address: r.address, shards: Number(r.shards), healthy: Boolean(r.healthy) }))),
+      // A runner cut off from PostgreSQL still answers `status` (without the runners).
+      Effect.timeout(STORE_READ_TIMEOUT),
       Effect.catchAllCause((cause) => Effect.as(Effect.logWarning("cluster: runners could not be read", cause), []))
     )
 
@@ -351,7 +372,7 @@ const makeRouter = (self: string, leaseMs: number) =>
           type: SET_ENV,
           ...(cmd.launchEnv === undefined ? {} : { launchEnv: cmd.launchEnv }),
           ...(cmd.env === undefined ? {} : { env: cmd.env })
-        })),
+        }), answeredWithin),
       prompt: (cmd) => route(cmd.activeSessionId, local.prompt(cmd), cmd),
       abort: (cmd) => route(cmd.activeSessionId, local.abort(cmd), cmd),
       getState: (id) => summaryOfOwner(id),
@@ -374,10 +395,12 @@ const attachments = (
   owns: (id: string) => boolean,
   summaryOfOwner: (id: string) => Effect.Effect<SessionSummary, CommandError>,
   /** Sends an attach's `launchEnv` and `env` to the owner. */
-  setEnvOnOwner: (cmd: CommandOf<"attach">) => Effect.Effect<unknown, CommandError>
+  setEnvOnOwner: (cmd: CommandOf<"attach">) => Effect.Effect<unknown, CommandError>,
+  /** Bounds the time to an answer. */
+  within: <A>(id: string, effect: Effect.Effect<A, CommandError>) => Effect.Effect<A, CommandError>
 ): Pick<SessionManager["Type"], "attach" | "detach" | "detachAll" | "attachedCount"> => ({
   attach: (connectionId, outbox, cmd) =>
-    Effect.suspend(() => {
+    within(cmd.activeSessionId, Effect.suspend(() => {
       const id = cmd.activeSessionId
       return owns(id)
         ? Effect.zipRight(tails.detach(connectionId, id), local.attach(connectionId, outbox, cmd))
@@ -390,14 +413,14 @@ const attachments = (
             Effect.onError(() => tails.detach(connectionId, id))
           )
         )
-    }),
+    })),
   detach: (connectionId, id) =>
-    Effect.suspend(() => {
+    within(id, Effect.suspend(() => {
       const here = local.holds(id) ? local.detach(connectionId, id) : Effect.void
       // Of a session attached nowhere here: the owner says whether it exists.
       if (tails.attachedTo(connectionId, id)) return Effect.zipRight(tails.detach(connectionId, id), Effect.ignore(here))
       return local.holds(id) ? here : Effect.asVoid(summaryOfOwner(id))
-    }),
+    })),
   detachAll: (connectionId) => Effect.zipRight(tails.detachAll(connectionId), local.detachAll(connectionId)),
   attachedCount: (connectionId) => tails.attachedCount(connectionId) + local.attachedCount(connectionId)
 })
