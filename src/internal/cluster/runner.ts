@@ -282,40 +282,35 @@ const makeRouter = (self: string, leaseMs: number) =>
     yield* Effect.forkScoped(Effect.forever(Effect.zipRight(watch, Effect.sleep(WATCH_INTERVAL))))
 
     /**
-     * A command run here, answered within the same bound as a forwarded one. Seen under chaos:
-     * a prompt taken in by a session that then left this runner (its shard moved back to a
-     * runner healed from a partition) was never answered; the eviction answers the commands
-     * waiting in the session, not one its fiber was handling when it was stopped.
+     * `effect`, answered `internal` with `message` past the bound a forwarded command has. Seen
+     * under chaos: commands run here that waited on a store cut off, or on a session that left
+     * this runner, and held their connection's next commands behind them (responses keep their
+     * order). `leaveRunning`: past the bound, the effect goes on in the background (a command
+     * that may have taken effect); otherwise it is interrupted (an attach must not register,
+     * late, an attachment nobody delivers to).
      */
+    const withinBound = <A>(effect: Effect.Effect<A, CommandError>, message: string, leaveRunning: boolean): Effect.Effect<A, CommandError> =>
+      Effect.timeoutFail(leaveRunning ? Effect.disconnect(effect) : effect, {
+        duration: FORWARD_TIMEOUT,
+        onTimeout: () => new CommandError({ code: "internal", message })
+      })
+
+    /** A session command run here. */
     const bounded = <A>(id: string, here: Effect.Effect<A, CommandError>): Effect.Effect<A, CommandError> =>
-      here.pipe(
-        Effect.disconnect,
-        Effect.timeoutFail({
-          duration: FORWARD_TIMEOUT,
-          onTimeout: () =>
-            new CommandError({
-              code: "internal",
-              message: `Session \`${id}\` did not answer within ${Duration.toSeconds(FORWARD_TIMEOUT)} s (it may have moved to ` +
-                "another runner; the command may have run: ask get_state)."
-            })
-        })
+      withinBound(
+        here,
+        `Session \`${id}\` did not answer within ${Duration.toSeconds(FORWARD_TIMEOUT)} s (it may have moved to ` +
+          "another runner; the command may have run: ask get_state).",
+        true
       )
 
-    /**
-     * An attach or a detach, answered within the bound too (interrupted past it, not left to
-     * finish: a late attach would register an attachment nobody delivers to). Seen under chaos:
-     * a re-attach through a runner cut off from PostgreSQL waited on the store, and the prompt
-     * its client sent next waited behind it (a connection's responses keep their order).
-     */
+    /** An attach or a detach. */
     const answeredWithin = <A>(id: string, effect: Effect.Effect<A, CommandError>): Effect.Effect<A, CommandError> =>
-      Effect.timeoutFail(effect, {
-        duration: FORWARD_TIMEOUT,
-        onTimeout: () =>
-          new CommandError({
-            code: "internal",
-            message: `Session \`${id}\`: no answer within ${Duration.toSeconds(FORWARD_TIMEOUT)} s (this runner may be cut off from the store): try another runner.`
-          })
-      })
+      withinBound(
+        effect,
+        `Session \`${id}\`: no answer within ${Duration.toSeconds(FORWARD_TIMEOUT)} s (this runner may be cut off from the store): try another runner.`,
+        false
+      )
 
     /** A session command: run here when this runner owns the session, else by its owner. */
     const route = <A>(id: string, here: Effect.Effect<A, CommandError>, command: unknown): Effect.Effect<A, CommandError> =>
