@@ -1345,6 +1345,13 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
     check("no orphan worker", orphans.length === 0, () => `processes not under the daemon: ${orphans.join(", ")}`)
 
     // The journal and the event log reopen: a killed daemon's successor resumes every client.
+    // Its resumes are `complete` only for drivers that hold every event the daemon had: a
+    // session may still move after the views were compared (passivated while another took its
+    // worker, with a checkpoint that prunes the generation a lagging driver stands in when
+    // retainGenerations is 1; its resume is then rightly `cursor_expired`). So the restart waits
+    // until no session moves and every driver has every event (bounded: a driver that never
+    // gets them is a violation of its own).
+    await quiesce()
     await restartDaemon("final restart check")
     await waitUntil(() => clients.every((x) => x.connected), 15_000)
     for (const ctl of liveSessions()) {
@@ -1369,6 +1376,30 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
   }
 
   /** Every attached client, caught up, folds the transcript the daemon serves; no gap anywhere. */
+  /** Waits until every live session's last cursor holds still and every driver has reached it. */
+  async function quiesce(): Promise<void> {
+    const c = commanders[0]!
+    const lastCursors = async () =>
+      Promise.all(liveSessions().map(async (ctl) => (await send(c, { type: "get_state", activeSessionId: ctl.id }))?.["data"]?.lastEventCursor as Cursor | undefined))
+    const deadline = Date.now() + SETTLE_BOUND_MS
+    let lagging = ""
+    for (;;) {
+      const before = await lastCursors()
+      await sleep(300)
+      const after = await lastCursors()
+      const still = before.every((b, i) => fmtCursor(b) === fmtCursor(after[i]))
+      lagging = liveSessions().flatMap((ctl, i) => {
+        const s = ctl.driver.stream(ctl.id)
+        const last = after[i]
+        return last === undefined || (s.settled && s.last !== undefined && compareCursor(s.last, last) >= 0)
+          ? []
+          : [`driver of ${ctl.id} at ${fmtCursor(s.last)} (settled ${s.settled}), the session at ${fmtCursor(last)}`]
+      }).join("; ")
+      if (still && lagging === "") return
+      check("every event delivered", Date.now() < deadline, () => `before the final restart, after ${SETTLE_BOUND_MS} ms: ${still ? lagging : "sessions still moving"}`)
+    }
+  }
+
   async function compareViews(when: string): Promise<void> {
     const c = commanders[0]!
     for (const ctl of liveSessions()) {
