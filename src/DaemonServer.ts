@@ -9,6 +9,7 @@
  * to reach half-closed clients (the platform socket is destroyed once its reader ends) and
  * per-write drain callbacks for the outbox's byte accounting.
  */
+import * as Cause from "effect/Cause"
 import * as Context from "effect/Context"
 import * as Deferred from "effect/Deferred"
 import * as Effect from "effect/Effect"
@@ -281,11 +282,27 @@ export const make = Effect.gen(function*() {
 
       const answerCommand = ({ command, id }: Protocol.DecodedCommand) =>
         Effect.gen(function*(): Effect.fn.Return<Answer> {
+          // A command that died, or whose effect was interrupted by someone else than this
+          // connection (a cluster owner that lost the session mid-command), is still answered:
+          // uncaught, an interruption would end the connection (or, for a command answered in
+          // its own fiber, stop every answer after it). This connection's own interruption is
+          // not caught.
           const result = yield* Effect.either(dispatch(clientId, outbox, command)).pipe(
-            Effect.catchAllDefect((defect) =>
+            Effect.catchAllCause((cause) =>
               Effect.gen(function*() {
-                yield* Effect.logError(`command ${command.type} of ${clientId} died`, defect)
-                return Either.left(new CommandError({ code: "internal", message: `Internal error: ${String(defect)}` }))
+                const interrupted = Cause.isInterruptedOnly(cause)
+                yield* (interrupted ? Effect.logWarning : Effect.logError)(
+                  `command ${command.type} of ${clientId} ${interrupted ? "was interrupted" : "died"}`,
+                  cause
+                )
+                return Either.left(
+                  new CommandError({
+                    code: "internal",
+                    message: interrupted
+                      ? "Internal error: the command was interrupted before it was answered (it may have run)."
+                      : `Internal error: ${String(Cause.squash(cause))}`
+                  })
+                )
               })
             )
           )

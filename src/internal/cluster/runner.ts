@@ -32,6 +32,7 @@ import * as SqlRunnerStorage from "@effect/cluster/SqlRunnerStorage"
 import * as NodeClusterSocket from "@effect/platform-node/NodeClusterSocket"
 import * as RpcSerialization from "@effect/rpc/RpcSerialization"
 import * as SqlClient from "@effect/sql/SqlClient"
+import * as Cause from "effect/Cause"
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
 import * as Layer from "effect/Layer"
@@ -231,6 +232,22 @@ const makeRouter = (self: string, leaseMs: number) =>
         ),
         Effect.catchAllDefect((defect) =>
           Effect.fail(new CommandError({ code: "internal", message: `The runner of session \`${id}\` did not answer: ${String(defect)}` }))
+        ),
+        // The owner's handler was interrupted (it lost the session's shard while running the
+        // command): the reply is an interruption, which is not this fiber's own. Answered as an
+        // error, it leaves the connection that sent the command alive (chaos --cluster seed 13:
+        // a get_state's interruption ended its connection, a prompt's stopped its answers).
+        // This fiber's own interruption is never caught here.
+        Effect.catchAllCause((cause) =>
+          Cause.isInterruptedOnly(cause)
+            ? Effect.fail(
+              new CommandError({
+                code: "internal",
+                message: `The runner of session \`${id}\` stopped the command before answering (the session is moving to ` +
+                  "another runner; the command may have run: ask get_state)."
+              })
+            )
+            : Effect.failCause(cause)
         )
       )
 
