@@ -20,6 +20,7 @@ import * as HttpServerResponse from "@effect/platform/HttpServerResponse"
 import * as Socket from "@effect/platform/Socket"
 import * as NodeHttpServer from "@effect/platform-node/NodeHttpServer"
 import * as NodeHttpServerRequest from "@effect/platform-node/NodeHttpServerRequest"
+import * as Cause from "effect/Cause"
 import * as Context from "effect/Context"
 import * as Data from "effect/Data"
 import * as Effect from "effect/Effect"
@@ -267,9 +268,25 @@ export const make = Effect.gen(function*() {
       return decoded.right.command as Protocol.CommandOf<T>
     })
 
+  // A command that died, or that someone else than this request interrupted (a cluster owner
+  // that lost the session mid-command), is answered as an internal error; the request's own
+  // interruption (its client went away) is not caught.
   const run = <A>(effect: Effect.Effect<A, CommandError>) =>
     Effect.mapError(
-      effect.pipe(Effect.catchAllDefect((defect) => Effect.fail(new CommandError({ code: "internal", message: `Internal error: ${scrub(String(defect))}` })))),
+      effect.pipe(Effect.catchAllCause((cause) =>
+        Option.match(Cause.failureOption(cause), {
+          onSome: Effect.fail,
+          onNone: () =>
+            Effect.fail(
+            new CommandError({
+              code: "internal",
+              message: Cause.isInterruptedOnly(cause)
+                ? "Internal error: the command was interrupted before it was answered (it may have run)."
+                : `Internal error: ${scrub(String(Cause.squash(cause)))}`
+            })
+          )
+        })
+      )),
       fromCommandError
     )
 

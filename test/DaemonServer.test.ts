@@ -1,11 +1,12 @@
 /**
- * The socket server's promise of one answer per command, on a real socket, when a command's
+ * The socket and HTTP servers' promise of one answer per command, on a real socket, when a command's
  * effect is interrupted by someone else than the connection: what a cluster runner sees when the
  * owner it forwarded a command to loses the session's shard mid-command (the reply is an
  * interruption). The session side is a stand-in (the server is what is under test); the cluster
  * case itself runs in chaos `--cluster`.
  */
 import { assert, describe, it } from "@effect/vitest"
+import * as Context from "effect/Context"
 import * as Deferred from "effect/Deferred"
 import * as Effect from "effect/Effect"
 import * as FiberRef from "effect/FiberRef"
@@ -16,6 +17,10 @@ import * as os from "node:os"
 import * as path from "node:path"
 import * as DaemonConfig from "../src/DaemonConfig.js"
 import * as DaemonServer from "../src/DaemonServer.js"
+import * as EventLog from "../src/EventLog.js"
+import * as HttpServer from "../src/HttpServer.js"
+import * as SnapshotCache from "../src/SnapshotCache.js"
+import { readOrCreateToken } from "../src/internal/http/token.js"
 import { CommandError, CommandTakesEffect, SessionManager, SupervisorInfo } from "../src/SessionManager.js"
 
 const summary = (id: string) => ({
@@ -67,6 +72,20 @@ const withServer = Effect.gen(function*() {
   )
   yield* Layer.build(layer)
   return socketPath
+})
+
+const withHttp = Effect.gen(function*() {
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), "agentd-http-test-"))
+  yield* Effect.addFinalizer(() => Effect.sync(() => fs.rmSync(dir, { recursive: true, force: true })))
+  const layer = HttpServer.layer.pipe(
+    Layer.provide(Layer.effect(SessionManager, standIn)),
+    Layer.provide(DaemonConfig.layer({ ...DaemonConfig.defaults(dir), http: "127.0.0.1:0" })),
+    Layer.provide(EventLog.layerMemory),
+    Layer.provide(SnapshotCache.layerMemory),
+    Layer.provide(Layer.succeed(SupervisorInfo, { generation: 1, startedAt: Date.now(), journalPath: "", storeRoot: "", eventLogRoot: "" }))
+  )
+  const front = yield* Layer.build(layer).pipe(Effect.map((ctx) => Context.get(ctx, HttpServer.HttpFront)))
+  return { url: front.url, token: readOrCreateToken(dir) }
 })
 
 /** Sends every line at once and collects the responses until `count` arrived (or 10 s). */
@@ -135,5 +154,22 @@ describe("DaemonServer", () => {
       assert.match(byId.get("5").error.message, /boom/)
       assert.strictEqual(byId.get("6").error.code, "session_not_found")
       for (const id of ["2", "4", "7"]) assert.isTrue(byId.get(id).success, `command ${id} answered with success`)
+    }))
+
+  it.scopedLive("HTTP: a command interrupted from inside is answered 500 internal, and the server goes on", () =>
+    Effect.gen(function*() {
+      const { token, url } = yield* withHttp
+      const get = (p: string) =>
+        Effect.promise(async () => {
+          const r = await fetch(url + p, { headers: { authorization: `Bearer ${token}` } })
+          return { status: r.status, body: await r.json() as any }
+        })
+      const interrupted = yield* get("/v1/sessions/interrupted-a")
+      assert.strictEqual(interrupted.status, 500)
+      assert.strictEqual(interrupted.body.error.code, "internal")
+      assert.match(interrupted.body.error.message, /interrupted/)
+      const ok = yield* get("/v1/sessions/ok-a")
+      assert.strictEqual(ok.status, 200)
+      assert.strictEqual(ok.body.activeSessionId, "ok-a")
     }))
 })
