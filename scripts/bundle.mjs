@@ -82,7 +82,7 @@ await esbuild.build({
 // session runs a model engine. An echo worker (and every spare) reads worker.js and the chunk of
 // what it shares with them: its idle RSS went from 61 to ~50 MB (a bare node: 39 MB).
 fs.rmSync("dist/src/bin/worker-chunks", { recursive: true, force: true })
-await esbuild.build({ ...esmBundle, entryPoints: { worker: "src/bin/worker.ts" }, splitting: true, chunkNames: "worker-chunks/[name]-[hash]" })
+await esbuild.build({ ...esmBundle, minifyIdentifiers: true, entryPoints: { worker: "src/bin/worker.ts" }, splitting: true, chunkNames: "worker-chunks/[name]-[hash]" })
 
 // The web page the HTTP front serves at `/` (web/): its script bundled for browsers (with the
 // SDK's session fold, src/SessionFold.ts), its HTML and CSS copied, into dist/src/web/, which
