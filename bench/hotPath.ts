@@ -26,6 +26,20 @@
  * (Utf8Batch.take, the worker pipe's line decoder) 5-20x dearer on a session's first turn; not
  * explained by batch sizes (the same, ~2,700 events) nor by malloc's mmap threshold (fixed by
  * MALLOC_MMAP_THRESHOLD_: no change).
+ *
+ * Session 15 (load 4-29, daemon CPU per event from /proc, turns in one daemon): 22-28 us on the
+ * first turn, 11-14 on the second, 6-9 from the third, in the same session: the daemon is still
+ * compiling over ~40,000 events (V8's --trace-opt/--trace-deopt: ~60 functions optimized during
+ * the first turn, Effect's runtime, the entity, the log's group commit; the warmed ones
+ * deoptimized by real data, e.g. the line decoder's partial lines). The first turn of a second
+ * session: 11-17 us, then 6-7. The start's warm-up was forked 2 s after the start, so it ran
+ * inside a first turn prompted at once: now at once, and it gives way to a session's frames
+ * (first turn 28.9 -> 23.1 us, second session's 20.8 -> 16.8 us, 4 runs each of main's build and
+ * this one alternating, load 12-21). Not kept: V8 flags on the daemon (--interrupt-budget=16384
+ * or 4096, --always-sparkplug: no clear change in CPU); a warm-up fed like the real pipe (64 KB
+ * reads cutting lines, batches of 2,400 events): 27.3 vs 30.0 us (3 runs, load 8-13) for 0.25 s
+ * of CPU at start instead of 0.15. syscalls (strace -f) are no first-turn cost: 3-5 fdatasyncs
+ * and 11-15 writes per turn either way.
  */
 import { type ChildProcess, spawn } from "node:child_process"
 import * as fs from "node:fs"

@@ -23,6 +23,16 @@
  * shared by every worker: a bare node has 31 MB of them), the rest V8's heap (6.4 MB used against
  * 4.3 for a bare node: Effect's code and objects, ~500 KB of source) and the ES module loader
  * (~1.5 MB against a CommonJS entry). A full minification of the bundle saves ~0.5 MB more.
+ *
+ * Session 15 (load 7-29): 49.3-49.5 MB (1.25x) -> 48.4 MB (1.23x). What helped: the echo worker no
+ * longer loads `node:crypto` (2.2 MB in a bare node with the workers' flags: OpenSSL; it came
+ * with the file system layer, through the snapshot chunking the worker imported from
+ * SnapshotCache.ts, and with StateLayout's hash of over-long ids), and identifiers minified in the
+ * worker's bundle (~0.3 MB). Tried, not kept: `--single-threaded` -0.8 MB, but the worker's CPU
+ * per event in a burst rose ~1 us (6.1 -> 7.2, 3 runs each, load 8-11); UV_THREADPOOL_SIZE=1
+ * (11 -> 8 threads) nothing; a CommonJS worker bundle (esbuild, dynamic imports as require) 61.5
+ * MB: the model engines' dependencies were evaluated at start. An ES module entry costs 1.9 MB
+ * against a CommonJS one in a bare node with the workers' flags (40.3 vs 38.4 MB).
  */
 import { type ChildProcess, spawn } from "node:child_process"
 import * as fs from "node:fs"

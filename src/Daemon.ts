@@ -390,13 +390,15 @@ export const serve = (config: Partial<DaemonConfigShape> = {}) =>
   Effect.gen(function*() {
     const server = yield* DaemonServer.DaemonServer
     const { warmUp } = yield* DaemonConfig
-    // The event path is compiled while nobody waits for it, not during the first turn; after
-    // the start's own work (clients reconnecting, sessions restored), which it must not slow.
-    if (warmUp) yield* Effect.forkScoped(Effect.delay(warmUpEventPath(EVENT_PATH_WARM_UP_ROUNDS), EVENT_PATH_WARM_UP_DELAY))
+    // The event path is compiled while nobody waits for it, not during the first turn: at once,
+    // since a first prompt can come within a second of the start. It yields between its chunks
+    // (~0.1 s of CPU in all), so the start's own work (sessions restored, clients reconnecting)
+    // runs beside it. It was started 2 s late: it then ran inside the first turn of a client
+    // that prompted at once and added ~10 us of daemon CPU per event to it (bench/hotPath.ts).
+    if (warmUp) yield* Effect.forkScoped(warmUpEventPath(EVENT_PATH_WARM_UP_ROUNDS))
     yield* Deferred.await(server.shutdownRequested)
     yield* Effect.logInfo("shutdown requested")
   }).pipe(Effect.scoped, Effect.provide(DaemonLive(config)))
 
 /** Made-up chunks of events the daemon runs through its event path at start (see warmUpEventPath). */
 const EVENT_PATH_WARM_UP_ROUNDS = 10
-const EVENT_PATH_WARM_UP_DELAY = "2 seconds"

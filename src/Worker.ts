@@ -28,7 +28,8 @@ import * as BuiltinEngines from "./engines/builtin.js"
 import { SessionWorkDir } from "./engines/SessionWorkDir.js"
 import { LineDecoder } from "./JsonLines.js"
 import type { AgentEvent, AgentMessage, InterruptReason } from "./Protocol.js"
-import { chunkMessages, DEFAULT_TARGET_CHUNK_BYTES } from "./SnapshotCache.js"
+// Not from ./SnapshotCache.js: that module reads files, and would load the file system layer and node:crypto into every worker.
+import { chunkMessages, DEFAULT_TARGET_CHUNK_BYTES } from "./internal/snapshotCache/messageChunks.js"
 import * as WorkerProtocol from "./WorkerProtocol.js"
 import * as Utf8Batch from "./internal/utf8Batch.js"
 

@@ -9,7 +9,7 @@ import { LineCutter } from "../src/internal/session/restore.js"
 import { LineDecoder } from "../src/JsonLines.js"
 import * as EchoEngine from "../src/engines/EchoEngine.js"
 import { registry } from "../src/Engine.js"
-import { warmUpEventPath } from "../src/internal/delivery/warmUp.js"
+import { realFramesArrived, warmUpEventPath } from "../src/internal/delivery/warmUp.js"
 import { warmUpRestorePath, warmUpTurnPath } from "../src/Worker.js"
 
 /** Feeds `pieces` through a cutter; returns the bytes it let through, and its counts per cut. */
@@ -88,5 +88,12 @@ describe("warm-up", () => {
       const bytes = yield* warmUpEventPath(2)
       // Two chunks of 600 wire lines of more than 150 bytes each.
       assert.isAbove(bytes, 2 * 600 * 150)
+    }))
+
+  // Last in this file: the module's flag stays set.
+  it.effect("the daemon's warm-up gives way once a session's worker sends frames (it never runs inside a first turn)", () =>
+    Effect.gen(function*() {
+      realFramesArrived()
+      assert.strictEqual(yield* warmUpEventPath(1000), 0)
     }))
 })

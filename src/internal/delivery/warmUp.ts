@@ -17,12 +17,26 @@ import { eventMessage, logged, wireLineTail } from "./wireLines.js"
 /** Events of one made-up worker chunk (about 64 KB, as a worker's pipe delivers them). */
 const EVENTS_PER_CHUNK = 600
 
+/**
+ * Set once a session's worker has sent frames: the warm-up then stops at its next chunk. It is
+ * there to spare a first turn the compiling, so it must never run inside one: a client that
+ * prompts within a second of the start (a busy machine stretches the warm-up's 0.15 s of CPU
+ * over more) would otherwise pay for both.
+ */
+let eventPathInUse = false
+
+/** Says that real frames take the event path now (the warm-up gives way). */
+export const realFramesArrived = (): void => {
+  eventPathInUse = true
+}
+
 const CLOSE_RECORD = Buffer.from("}\n")
 
 /**
  * Runs `rounds` chunks of made-up `message_update` events through the path; returns how many
  * bytes of wire lines it encoded (checked by its test: a warm-up that silently stopped running
- * the path warms nothing). Yields between chunks: it never holds the daemon up.
+ * the path warms nothing). Yields between chunks: it never holds the daemon up; stops once a
+ * session's worker sends frames ({@link realFramesArrived}).
  */
 export const warmUpEventPath = (rounds: number): Effect.Effect<number> =>
   Effect.gen(function*() {
@@ -35,7 +49,7 @@ export const warmUpEventPath = (rounds: number): Effect.Effect<number> =>
     const chunk = Utf8Batch.take()
     let wireBytes = 0
     let sequence = 0
-    for (let round = 0; round < rounds; round++) {
+    for (let round = 0; round < rounds && !eventPathInUse; round++) {
       const emittedAt = Date.now()
       const messages = []
       for (const line of new LineDecoder(Number.MAX_SAFE_INTEGER).push(chunk)) {

@@ -30,6 +30,7 @@ import type { WorkerHandle } from "../../WorkerPool.js"
 import type * as WorkerProtocol from "../../WorkerProtocol.js"
 import type { Delivery } from "../delivery/attach.js"
 import type { Attachment } from "../delivery/attachment.js"
+import { realFramesArrived } from "../delivery/warmUp.js"
 import { eventMessage, type Outgoing, wireLineOfRecord } from "../delivery/wireLines.js"
 import type { Checkpoints } from "./checkpoint.js"
 import type { AnyFrame, CheckpointReply, Input } from "./mailbox.js"
@@ -556,6 +557,8 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
       case "StorageRetry":
         return run(s, { _tag: "StorageRetry", epoch: input.epoch })
       case "Frames":
+        // The daemon's start-up warm-up of this path gives way to the real thing.
+        realFramesArrived()
         return Effect.ensuring(onFrames(s, input.worker, input.frames), Deferred.succeed(input.handled, undefined))
       case "Exited": {
         const worker = s.handles.workerIds.get(input.worker)
