@@ -43,7 +43,8 @@ export const safeSegment = (raw: string): string => {
     out += isSafe ? String.fromCharCode(byte) : `%${byte.toString(16).toUpperCase().padStart(2, "0")}`
   }
   if (out.length <= MAX_SEGMENT) return out
-  // node:crypto at its first use only: loading it costs a process ~2 MB of RSS (OpenSSL), and a
+  // node:crypto at its first use only (process.getBuiltinModule: Node 20.16, the engines floor):
+  // loading it costs a process ~2 MB of RSS (OpenSSL), and a
   // worker, which loads this module, never needs it for the ids it is given.
   const digest = process.getBuiltinModule("node:crypto").createHash("sha256").update(raw, "utf8").digest("hex").slice(0, 32)
   return `${out.slice(0, MAX_SEGMENT - 33)}~${digest}`
