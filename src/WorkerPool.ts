@@ -564,10 +564,11 @@ class InProcessWorker implements WorkerHandle {
   /** The worker's end of the link. */
   readonly pipe: Worker.WorkerPipe = {
     send: (frame) => this.pipe.sendRaw(WorkerProtocol.encodeFrame(frame)),
-    sendRaw: (data) =>
-      Effect.sync(() => {
-        if (!this.closed) this.inbox.push(typeof data === "string" ? Buffer.from(data, "utf8") : data)
-      }),
+    sendRaw: (data) => Effect.sync(() => this.pipe.write(data)),
+    write: (data) => {
+      if (!this.closed) this.inbox.push(typeof data === "string" ? Buffer.from(data, "utf8") : data)
+      return undefined
+    },
     lines: (onLine) =>
       new Promise<void>((resolve) => {
         if (this.closed) return resolve()
