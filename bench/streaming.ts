@@ -67,6 +67,8 @@ import * as path from "node:path"
 import { cpuTicksOf, descendantsOf } from "../test/support/procfs.js"
 import { Client, createSession, nowMs, rssOf, waitReady, withDaemon } from "./daemonHarness.js"
 import { relayCpuPerEvent } from "./hotPath.js"
+import { DAEMON_IO_THREADS } from "../src/cli/serve.js"
+import { LEAN_WORKER_FLAGS } from "../src/WorkerPool.js"
 
 const SESSIONS = Number(process.env["AGENTD_BENCH_SESSIONS"] ?? 200)
 const WORDS = Number(process.env["AGENTD_BENCH_STREAM_WORDS"] ?? 150)
@@ -180,7 +182,11 @@ process.stdin.once("data", () => {
 
 const startHelper = (src: string, args: ReadonlyArray<string>, children: Array<ChildProcess>): Promise<ChildProcess> =>
   new Promise((resolve, reject) => {
-    const child = spawn(process.execPath, ["-e", src, ...args], { stdio: ["pipe", "pipe", "inherit"] })
+    // The daemon's thread pool (its fdatasyncs run there).
+    const child = spawn(process.execPath, ["-e", src, ...args], {
+      stdio: ["pipe", "pipe", "inherit"],
+      env: { ...process.env, UV_THREADPOOL_SIZE: process.env["UV_THREADPOOL_SIZE"] ?? String(DAEMON_IO_THREADS) }
+    })
     children.push(child)
     child.once("error", reject)
     child.once("exit", (code, signal) => reject(new Error(`paced relay helper exited early (code ${code}, signal ${signal})`)))
@@ -237,11 +243,83 @@ const pacedRelay = async (durable: boolean): Promise<PacedRelay> => {
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// The bare worker: the least a worker must do per event at this rate
+// ---------------------------------------------------------------------------------------------
+
+/** Bare node processes started as the pool starts a worker; each writes a line on fd 3 every TOKEN_DELAY_MS. */
+const BARE_WORKERS = 20
+
+const BARE_WORKER_SRC = `
+const net = require("net")
+const [words, delay] = process.argv.slice(1).map(Number)
+const pipe = new net.Socket({ fd: 3, readable: true, writable: true })
+pipe.once("data", () => {
+  let i = 0
+  const tick = () => {
+    pipe.write('{"type":"worker_event","event":{"type":"message_update","messageId":"m","delta":" w' + i + '"}}\\n')
+    if (++i < words) setTimeout(tick, delay)
+  }
+  setTimeout(tick, delay)
+})
+pipe.write("ready\\n")
+`
+
+interface BareWorkers {
+  readonly cpuPerEvent: number
+  readonly rss: number
+}
+
+/**
+ * BARE_WORKERS plain node processes, each a `setTimeout(TOKEN_DELAY_MS)` loop writing one line
+ * per wake-up to a pipe on fd 3 (as the pool starts a worker: detached, the worker's V8 flags):
+ * a worker's floor at this pace, the wake-up. Their CPU per line, and their median RSS.
+ */
+const bareWorkers = async (): Promise<BareWorkers> => {
+  const children: Array<ChildProcess> = []
+  try {
+    for (let k = 0; k < BARE_WORKERS; k++) {
+      children.push(spawn(process.execPath, [...LEAN_WORKER_FLAGS, "-e", BARE_WORKER_SRC, String(WORDS), String(TOKEN_DELAY_MS)], {
+        stdio: ["ignore", "inherit", "inherit", "pipe"],
+        detached: true
+      }))
+    }
+    const pipes = children.map((c) => c.stdio[3] as net.Socket)
+    await Promise.all(pipes.map((p) => new Promise((r) => p.once("data", r))))
+    const before = children.map((c) => cpuMicros(c.pid!))
+    let lines = 0
+    const ends = pipes.map((p) =>
+      new Promise<void>((resolve) => {
+        let seen = 0
+        p.on("data", (data: Buffer) => {
+          for (const byte of data) if (byte === 10) seen++
+          if (seen === WORDS) resolve()
+        })
+      }).then(() => void (lines += WORDS))
+    )
+    for (const p of pipes) p.write("go\n")
+    await Promise.all(ends)
+    const cpu = children.reduce((sum, c, k) => sum + cpuMicros(c.pid!) - before[k]!, 0)
+    const rss = children.map((c) => rssOf(c.pid!)).sort((a, b) => a - b)
+    return { cpuPerEvent: cpu / lines, rss: rss[rss.length >> 1]! }
+  } finally {
+    for (const child of children) {
+      if (child.exitCode === null && child.signalCode === null) {
+        child.kill("SIGKILL")
+        await new Promise((r) => child.once("exit", r))
+      }
+    }
+  }
+}
+
 export default async function streaming(): Promise<void> {
   const message = Array.from({ length: WORDS }, (_, i) => `w${i}`).join(" ")
   const result = await withDaemon(
     {
-      env: { AGENTD_MAX_WORKERS: String(SESSIONS) },
+      // The pool `agentd serve` gives itself from the package's bin (agentd.cjs: see
+      // src/cli/serve.ts); this harness starts agentd.js, an ES module, whose loader has made
+      // the pool before the daemon's code runs.
+      env: { AGENTD_MAX_WORKERS: String(SESSIONS), UV_THREADPOOL_SIZE: process.env["UV_THREADPOOL_SIZE"] ?? String(DAEMON_IO_THREADS) },
       // e.g. AGENTD_BENCH_DAEMON_NODE_ARGS=--cpu-prof to profile the daemon over the run.
       nodeArgs: (process.env["AGENTD_BENCH_DAEMON_NODE_ARGS"] ?? "").split(" ").filter((a) => a !== "")
     },
@@ -297,6 +375,7 @@ export default async function streaming(): Promise<void> {
   const relayCpu = await relayCpuPerEvent()
   const paced = await pacedRelay(false)
   const durable = await pacedRelay(true)
+  const bare = await bareWorkers()
   const sorted = [...result.latencies].sort((a, b) => a - b)
   const p99 = percentile(sorted, 0.99)
   const perEvent = result.daemonCpu / sorted.length
@@ -305,8 +384,11 @@ export default async function streaming(): Promise<void> {
   console.log(`  daemon CPU per delivered event ${perEvent.toFixed(1)} us | relay process ${relayCpu.toFixed(1)} us per relayed event | ratio ${(perEvent / relayCpu).toFixed(2)}x (lower is better)`)
   console.log(`  paced relay, same rate, no log: ${paced.cpuPerEvent.toFixed(1)} us per event, p50 ${paced.p50} ms, p99 ${paced.p99} ms | daemon/paced relay ${(perEvent / paced.cpuPerEvent).toFixed(2)}x`)
   console.log(`  paced relay, same rate, fdatasync'd log per session: ${durable.cpuPerEvent.toFixed(1)} us per event, p50 ${durable.p50} ms, p99 ${durable.p99} ms | daemon/durable paced relay ${(perEvent / durable.cpuPerEvent).toFixed(2)}x`)
-  console.log(`  workers' CPU per delivered event ${(result.workersCpu / sorted.length).toFixed(1)} us (all ${result.workers} together: ${(100 * result.workersCpu / result.windowUs).toFixed(1)}% of one core); a turn alone would take ${((WORDS + 1) * TOKEN_DELAY_MS / 1000).toFixed(1)} s`)
+  const workerPerEvent = result.workersCpu / sorted.length
+  console.log(`  workers' CPU per delivered event ${workerPerEvent.toFixed(1)} us (all ${result.workers} together: ${(100 * result.workersCpu / result.windowUs).toFixed(1)}% of one core); a turn alone would take ${((WORDS + 1) * TOKEN_DELAY_MS / 1000).toFixed(1)} s`)
+  console.log(`  bare node worker (${BARE_WORKERS} processes, a setTimeout(${TOKEN_DELAY_MS}) loop writing a line to fd 3): ${bare.cpuPerEvent.toFixed(1)} us per line | worker/bare ${(workerPerEvent / bare.cpuPerEvent).toFixed(2)}x`)
+  console.log(`  daemon and worker per event ${(perEvent + workerPerEvent).toFixed(1)} us, against ~${(2e6 / (SESSIONS * 1000 / TOKEN_DELAY_MS)).toFixed(0)} us per event that 2 cores have at this rate`)
   console.log(`  latency emittedAt -> client: p50 ${percentile(sorted, 0.5)} ms, p99 ${p99} ms, max ${sorted.at(-1)} ms  (target p99 < 20 ms: ${p99 < 20 ? "met" : "MISSED"})`)
-  console.log(`  RSS: daemon ${(result.daemonRss / 1048576).toFixed(0)} MB, daemon and workers ${(result.totalRss / 1048576).toFixed(0)} MB (${((result.totalRss - result.daemonRss) / 1048576 / Math.max(1, result.workers)).toFixed(1)} MB per worker)`)
+  console.log(`  RSS: daemon ${(result.daemonRss / 1048576).toFixed(0)} MB, daemon and workers ${(result.totalRss / 1048576).toFixed(0)} MB (${((result.totalRss - result.daemonRss) / 1048576 / Math.max(1, result.workers)).toFixed(1)} MB per worker, a bare node ${(bare.rss / 1048576).toFixed(1)} MB)`)
   console.log(`  (load average at the end: ${os.loadavg().map((l) => l.toFixed(1)).join(", ")})`)
 }
