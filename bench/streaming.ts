@@ -312,14 +312,21 @@ const bareWorkers = async (): Promise<BareWorkers> => {
   }
 }
 
-export default async function streaming(): Promise<void> {
+/**
+ * The daemon's run: SESSIONS sessions, each one turn at once, CLIENTS clients. `bin` is another
+ * build's agentd.js (a baseline: AGENTD_BENCH_BASELINE_BIN), run as that build runs, with
+ * libuv's pool as its harness start gives it.
+ */
+const streamDaemon = (bin: string | undefined) => {
   const message = Array.from({ length: WORDS }, (_, i) => `w${i}`).join(" ")
-  const result = await withDaemon(
+  // The pool `agentd serve` gives itself from the package's bin (agentd.cjs: see
+  // src/cli/serve.ts); this harness starts agentd.js, an ES module, whose loader has made the
+  // pool before the daemon's code runs.
+  const pool = bin === undefined ? { UV_THREADPOOL_SIZE: process.env["UV_THREADPOOL_SIZE"] ?? String(DAEMON_IO_THREADS) } : {}
+  return withDaemon(
     {
-      // The pool `agentd serve` gives itself from the package's bin (agentd.cjs: see
-      // src/cli/serve.ts); this harness starts agentd.js, an ES module, whose loader has made
-      // the pool before the daemon's code runs.
-      env: { AGENTD_MAX_WORKERS: String(SESSIONS), UV_THREADPOOL_SIZE: process.env["UV_THREADPOOL_SIZE"] ?? String(DAEMON_IO_THREADS) },
+      ...(bin === undefined ? {} : { bin }),
+      env: { AGENTD_MAX_WORKERS: String(SESSIONS), ...pool },
       // e.g. AGENTD_BENCH_DAEMON_NODE_ARGS=--cpu-prof to profile the daemon over the run.
       nodeArgs: (process.env["AGENTD_BENCH_DAEMON_NODE_ARGS"] ?? "").split(" ").filter((a) => a !== "")
     },
@@ -369,14 +376,20 @@ export default async function streaming(): Promise<void> {
         await ctl.ok({ type: "shutdown" }, 60_000)
         await Promise.race([daemon.exited, new Promise((resolve) => setTimeout(resolve, 30_000))])
       }
-      return { windowUs, daemonCpu, workersCpu, daemonRss, totalRss, workers, latencies }
+      return { windowUs, daemonCpu, workersCpu, daemonRss, totalRss, workers, latencies: latencies.sort((a, b) => a - b) }
     }
   )
+}
+
+export default async function streaming(): Promise<void> {
+  const baselineBin = process.env["AGENTD_BENCH_BASELINE_BIN"]
+  const base = baselineBin === undefined ? undefined : await streamDaemon(baselineBin)
+  const result = await streamDaemon(undefined)
   const relayCpu = await relayCpuPerEvent()
   const paced = await pacedRelay(false)
   const durable = await pacedRelay(true)
   const bare = await bareWorkers()
-  const sorted = [...result.latencies].sort((a, b) => a - b)
+  const sorted = result.latencies
   const p99 = percentile(sorted, 0.99)
   const perEvent = result.daemonCpu / sorted.length
   console.log(`${SESSIONS} sessions streaming (echo, tokenDelayMs ${TOKEN_DELAY_MS}, ${WORDS} words), ${CLIENTS} clients across them, ${result.workers} workers:`)
@@ -390,5 +403,14 @@ export default async function streaming(): Promise<void> {
   console.log(`  daemon and worker per event ${(perEvent + workerPerEvent).toFixed(1)} us, against ~${(2e6 / (SESSIONS * 1000 / TOKEN_DELAY_MS)).toFixed(0)} us per event that 2 cores have at this rate`)
   console.log(`  latency emittedAt -> client: p50 ${percentile(sorted, 0.5)} ms, p99 ${p99} ms, max ${sorted.at(-1)} ms  (target p99 < 20 ms: ${p99 < 20 ? "met" : "MISSED"})`)
   console.log(`  RSS: daemon ${(result.daemonRss / 1048576).toFixed(0)} MB, daemon and workers ${(result.totalRss / 1048576).toFixed(0)} MB (${((result.totalRss - result.daemonRss) / 1048576 / Math.max(1, result.workers)).toFixed(1)} MB per worker, a bare node ${(bare.rss / 1048576).toFixed(1)} MB)`)
+  if (base !== undefined) {
+    const n = base.latencies.length
+    const basePerEvent = base.daemonCpu / n
+    const baseWorker = base.workersCpu / n
+    const ratio = (a: number, b: number) => `${(a / b).toFixed(2)}x`
+    console.log(`  baseline build ${baselineBin} (run first, same run): ${n} events delivered`)
+    console.log(`    daemon CPU per event ${basePerEvent.toFixed(1)} us -> ${perEvent.toFixed(1)} (${ratio(perEvent, basePerEvent)}); workers ${baseWorker.toFixed(1)} -> ${workerPerEvent.toFixed(1)} us (${ratio(workerPerEvent, baseWorker)})`)
+    console.log(`    latency p50 ${percentile(base.latencies, 0.5)} -> ${percentile(sorted, 0.5)} ms, p99 ${percentile(base.latencies, 0.99)} -> ${p99} ms; RSS per worker ${((base.totalRss - base.daemonRss) / 1048576 / Math.max(1, base.workers)).toFixed(1)} MB, daemon ${(base.daemonRss / 1048576).toFixed(0)} MB`)
+  }
   console.log(`  (load average at the end: ${os.loadavg().map((l) => l.toFixed(1)).join(", ")})`)
 }
