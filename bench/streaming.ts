@@ -58,6 +58,40 @@
  * less than once per event (several sessions per process, or a model's tokens coalesced per
  * wake-up), and a daemon path whose per-batch cost (an append, an fdatasync, a write per client)
  * is shared across sessions woken together.
+ * Session 15. The workers: echo pushes its turn from plain timers (`EngineSession.pushTurn`: one
+ * `setTimeout` and one pipe write per token, no fiber, Stream pull or `Effect.sleep`), and
+ * `--no-memory-reducer`. The daemon: libuv's pool at 64 threads (src/cli/serve.ts): the
+ * fdatasyncs, one per session's group commit, went 4 at a time, and an event waited ~140 ms for
+ * its sync's turn; 64 in flight share the kernel's journal commits. `AGENTD_BENCH_BASELINE_BIN`
+ * runs the build before these (its worktree's dist/src/bin/agentd.js) first in the same run.
+ * Two runs at 200 sessions (the second with `--no-memory-reducer` too), before -> after:
+ *                                load 11-27            load 5-25
+ *   workers' CPU us/event        1731 -> 743 (0.43x)   1463 -> 741 (0.51x)   bare node loop: 273, 293
+ *   daemon CPU us/event          314 -> 339 (1.08x)    280 -> 366 (1.31x)    durable paced relay: 88, 100
+ *   latency p50 (ms)             133 -> 73             130 -> 63             durable paced relay: 59, 17
+ *   latency p99 (ms)             744 -> 467            876 -> 332            durable paced relay: 187, 99
+ *   RSS per worker / daemon (MB) 48.7/196 -> 48.4/193  48.6/188 -> 49.2/189  bare node: 41.0
+ * The daemon pays more per event for the latency: with 64 syncs in flight a session's sync
+ * carries one event (3.4 with 4 threads, most of them waiting for a thread), and each sync costs
+ * its submission, a pool thread's wake-up and its completion. Profiled over the streaming window
+ * (main thread's wall time, load ~15): handing fdatasyncs to the pool 17% (it wakes a thread:
+ * the waker is often preempted there), GC 10.5%, socket and file writes 11%, the outbox 4%, and
+ * Effect's fibers (a flusher forked per sync, deferreds, spans) most of the rest.
+ * A paced worker alone (10 workers x 500 tokens, load 4-6): 720 -> 390-500 us per token, against
+ * 220-290 for the bare loop; the rest is V8's GC of the turn (a full GC of ~40 ms when it goes
+ * idle: the idle collector's, for RSS), the encoding and the interpreter (`--no-opt`: full JIT
+ * saves ~100 us per token for +9 MB RSS per worker; Sparkplug alone saves nothing).
+ * What is left, and what it would take (p99 < 20 ms at 200 sessions on 2 cores):
+ * - The CPU: a bare node process woken by a timer to write one line costs ~250 us here, so one
+ *   process per session woken per token cannot fit 10,000 events/s in 2 cores (~200 us per event
+ *   for worker and daemon together) whatever the worker does: several sessions per worker
+ *   process, or several tokens per wake-up (a model's network chunks carry several), are the way.
+ * - The disk: delivered once durable means one fdatasync per session per event at this pace (an
+ *   event every 20 ms, a sync taking 4-8 ms: no batching within a session); the durable paced
+ *   relay, which does nothing else, has p99 120-470 ms here at load 20-45 (the no-log relay: 8-49
+ *   ms). Below 20 ms needs one sync for all sessions' events of a tick: one write-ahead file shared
+ *   by the sessions (the per-session files written after it without a sync), a change of the
+ *   event log's format and recovery, not of its hot path.
  */
 import { type ChildProcess, spawn } from "node:child_process"
 import * as fs from "node:fs"
