@@ -58,6 +58,40 @@
  * less than once per event (several sessions per process, or a model's tokens coalesced per
  * wake-up), and a daemon path whose per-batch cost (an append, an fdatasync, a write per client)
  * is shared across sessions woken together.
+ * Session 15. The workers: echo pushes its turn from plain timers (`EngineSession.pushTurn`: one
+ * `setTimeout` and one pipe write per token, no fiber, Stream pull or `Effect.sleep`), and
+ * `--no-memory-reducer`. The daemon: libuv's pool at 64 threads (src/cli/serve.ts): the
+ * fdatasyncs, one per session's group commit, went 4 at a time, and an event waited ~140 ms for
+ * its sync's turn; 64 in flight share the kernel's journal commits. `AGENTD_BENCH_BASELINE_BIN`
+ * runs the build before these (its worktree's dist/src/bin/agentd.js) first in the same run.
+ * Two runs at 200 sessions (the second with `--no-memory-reducer` too), before -> after:
+ *                                load 11-27            load 5-25
+ *   workers' CPU us/event        1731 -> 743 (0.43x)   1463 -> 741 (0.51x)   bare node loop: 273, 293
+ *   daemon CPU us/event          314 -> 339 (1.08x)    280 -> 366 (1.31x)    durable paced relay: 88, 100
+ *   latency p50 (ms)             133 -> 73             130 -> 63             durable paced relay: 59, 17
+ *   latency p99 (ms)             744 -> 467            876 -> 332            durable paced relay: 187, 99
+ *   RSS per worker / daemon (MB) 48.7/196 -> 48.4/193  48.6/188 -> 49.2/189  bare node: 41.0
+ * The daemon pays more per event for the latency: with 64 syncs in flight a session's sync
+ * carries one event (3.4 with 4 threads, most of them waiting for a thread), and each sync costs
+ * its submission, a pool thread's wake-up and its completion. Profiled over the streaming window
+ * (main thread's wall time, load ~15): handing fdatasyncs to the pool 17% (it wakes a thread:
+ * the waker is often preempted there), GC 10.5%, socket and file writes 11%, the outbox 4%, and
+ * Effect's fibers (a flusher forked per sync, deferreds, spans) most of the rest.
+ * A paced worker alone (10 workers x 500 tokens, load 4-6): 720 -> 390-500 us per token, against
+ * 220-290 for the bare loop; the rest is V8's GC of the turn (a full GC of ~40 ms when it goes
+ * idle: the idle collector's, for RSS), the encoding and the interpreter (`--no-opt`: full JIT
+ * saves ~100 us per token for +9 MB RSS per worker; Sparkplug alone saves nothing).
+ * What is left, and what it would take (p99 < 20 ms at 200 sessions on 2 cores):
+ * - The CPU: a bare node process woken by a timer to write one line costs ~250 us here, so one
+ *   process per session woken per token cannot fit 10,000 events/s in 2 cores (~200 us per event
+ *   for worker and daemon together) whatever the worker does: several sessions per worker
+ *   process, or several tokens per wake-up (a model's network chunks carry several), are the way.
+ * - The disk: delivered once durable means one fdatasync per session per event at this pace (an
+ *   event every 20 ms, a sync taking 4-8 ms: no batching within a session); the durable paced
+ *   relay, which does nothing else, has p99 120-470 ms here at load 20-45 (the no-log relay: 8-49
+ *   ms). Below 20 ms needs one sync for all sessions' events of a tick: one write-ahead file shared
+ *   by the sessions (the per-session files written after it without a sync), a change of the
+ *   event log's format and recovery, not of its hot path.
  */
 import { type ChildProcess, spawn } from "node:child_process"
 import * as fs from "node:fs"
@@ -67,6 +101,8 @@ import * as path from "node:path"
 import { cpuTicksOf, descendantsOf } from "../test/support/procfs.js"
 import { Client, createSession, nowMs, rssOf, waitReady, withDaemon } from "./daemonHarness.js"
 import { relayCpuPerEvent } from "./hotPath.js"
+import { DAEMON_IO_THREADS } from "../src/cli/serve.js"
+import { LEAN_WORKER_FLAGS } from "../src/WorkerPool.js"
 
 const SESSIONS = Number(process.env["AGENTD_BENCH_SESSIONS"] ?? 200)
 const WORDS = Number(process.env["AGENTD_BENCH_STREAM_WORDS"] ?? 150)
@@ -180,7 +216,11 @@ process.stdin.once("data", () => {
 
 const startHelper = (src: string, args: ReadonlyArray<string>, children: Array<ChildProcess>): Promise<ChildProcess> =>
   new Promise((resolve, reject) => {
-    const child = spawn(process.execPath, ["-e", src, ...args], { stdio: ["pipe", "pipe", "inherit"] })
+    // The daemon's thread pool (its fdatasyncs run there).
+    const child = spawn(process.execPath, ["-e", src, ...args], {
+      stdio: ["pipe", "pipe", "inherit"],
+      env: { ...process.env, UV_THREADPOOL_SIZE: process.env["UV_THREADPOOL_SIZE"] ?? String(DAEMON_IO_THREADS) }
+    })
     children.push(child)
     child.once("error", reject)
     child.once("exit", (code, signal) => reject(new Error(`paced relay helper exited early (code ${code}, signal ${signal})`)))
@@ -237,11 +277,90 @@ const pacedRelay = async (durable: boolean): Promise<PacedRelay> => {
   }
 }
 
-export default async function streaming(): Promise<void> {
+// ---------------------------------------------------------------------------------------------
+// The bare worker: the least a worker must do per event at this rate
+// ---------------------------------------------------------------------------------------------
+
+/** Bare node processes started as the pool starts a worker; each writes a line on fd 3 every TOKEN_DELAY_MS. */
+const BARE_WORKERS = 20
+
+const BARE_WORKER_SRC = `
+const net = require("net")
+const [words, delay] = process.argv.slice(1).map(Number)
+const pipe = new net.Socket({ fd: 3, readable: true, writable: true })
+pipe.once("data", () => {
+  let i = 0
+  const tick = () => {
+    pipe.write('{"type":"worker_event","event":{"type":"message_update","messageId":"m","delta":" w' + i + '"}}\\n')
+    if (++i < words) setTimeout(tick, delay)
+  }
+  setTimeout(tick, delay)
+})
+pipe.write("ready\\n")
+`
+
+interface BareWorkers {
+  readonly cpuPerEvent: number
+  readonly rss: number
+}
+
+/**
+ * BARE_WORKERS plain node processes, each a `setTimeout(TOKEN_DELAY_MS)` loop writing one line
+ * per wake-up to a pipe on fd 3 (as the pool starts a worker: detached, the worker's V8 flags):
+ * a worker's floor at this pace, the wake-up. Their CPU per line, and their median RSS.
+ */
+const bareWorkers = async (): Promise<BareWorkers> => {
+  const children: Array<ChildProcess> = []
+  try {
+    for (let k = 0; k < BARE_WORKERS; k++) {
+      children.push(spawn(process.execPath, [...LEAN_WORKER_FLAGS, "-e", BARE_WORKER_SRC, String(WORDS), String(TOKEN_DELAY_MS)], {
+        stdio: ["ignore", "inherit", "inherit", "pipe"],
+        detached: true
+      }))
+    }
+    const pipes = children.map((c) => c.stdio[3] as net.Socket)
+    await Promise.all(pipes.map((p) => new Promise((r) => p.once("data", r))))
+    const before = children.map((c) => cpuMicros(c.pid!))
+    let lines = 0
+    const ends = pipes.map((p) =>
+      new Promise<void>((resolve) => {
+        let seen = 0
+        p.on("data", (data: Buffer) => {
+          for (const byte of data) if (byte === 10) seen++
+          if (seen === WORDS) resolve()
+        })
+      }).then(() => void (lines += WORDS))
+    )
+    for (const p of pipes) p.write("go\n")
+    await Promise.all(ends)
+    const cpu = children.reduce((sum, c, k) => sum + cpuMicros(c.pid!) - before[k]!, 0)
+    const rss = children.map((c) => rssOf(c.pid!)).sort((a, b) => a - b)
+    return { cpuPerEvent: cpu / lines, rss: rss[rss.length >> 1]! }
+  } finally {
+    for (const child of children) {
+      if (child.exitCode === null && child.signalCode === null) {
+        child.kill("SIGKILL")
+        await new Promise((r) => child.once("exit", r))
+      }
+    }
+  }
+}
+
+/**
+ * The daemon's run: SESSIONS sessions, each one turn at once, CLIENTS clients. `bin` is another
+ * build's agentd.js (a baseline: AGENTD_BENCH_BASELINE_BIN), run as that build runs, with
+ * libuv's pool as its harness start gives it.
+ */
+const streamDaemon = (bin: string | undefined) => {
   const message = Array.from({ length: WORDS }, (_, i) => `w${i}`).join(" ")
-  const result = await withDaemon(
+  // The pool `agentd serve` gives itself from the package's bin (agentd.cjs: see
+  // src/cli/serve.ts); this harness starts agentd.js, an ES module, whose loader has made the
+  // pool before the daemon's code runs.
+  const pool = bin === undefined ? { UV_THREADPOOL_SIZE: process.env["UV_THREADPOOL_SIZE"] ?? String(DAEMON_IO_THREADS) } : {}
+  return withDaemon(
     {
-      env: { AGENTD_MAX_WORKERS: String(SESSIONS) },
+      ...(bin === undefined ? {} : { bin }),
+      env: { AGENTD_MAX_WORKERS: String(SESSIONS), ...pool },
       // e.g. AGENTD_BENCH_DAEMON_NODE_ARGS=--cpu-prof to profile the daemon over the run.
       nodeArgs: (process.env["AGENTD_BENCH_DAEMON_NODE_ARGS"] ?? "").split(" ").filter((a) => a !== "")
     },
@@ -291,13 +410,20 @@ export default async function streaming(): Promise<void> {
         await ctl.ok({ type: "shutdown" }, 60_000)
         await Promise.race([daemon.exited, new Promise((resolve) => setTimeout(resolve, 30_000))])
       }
-      return { windowUs, daemonCpu, workersCpu, daemonRss, totalRss, workers, latencies }
+      return { windowUs, daemonCpu, workersCpu, daemonRss, totalRss, workers, latencies: latencies.sort((a, b) => a - b) }
     }
   )
+}
+
+export default async function streaming(): Promise<void> {
+  const baselineBin = process.env["AGENTD_BENCH_BASELINE_BIN"]
+  const base = baselineBin === undefined ? undefined : await streamDaemon(baselineBin)
+  const result = await streamDaemon(undefined)
   const relayCpu = await relayCpuPerEvent()
   const paced = await pacedRelay(false)
   const durable = await pacedRelay(true)
-  const sorted = [...result.latencies].sort((a, b) => a - b)
+  const bare = await bareWorkers()
+  const sorted = result.latencies
   const p99 = percentile(sorted, 0.99)
   const perEvent = result.daemonCpu / sorted.length
   console.log(`${SESSIONS} sessions streaming (echo, tokenDelayMs ${TOKEN_DELAY_MS}, ${WORDS} words), ${CLIENTS} clients across them, ${result.workers} workers:`)
@@ -305,8 +431,20 @@ export default async function streaming(): Promise<void> {
   console.log(`  daemon CPU per delivered event ${perEvent.toFixed(1)} us | relay process ${relayCpu.toFixed(1)} us per relayed event | ratio ${(perEvent / relayCpu).toFixed(2)}x (lower is better)`)
   console.log(`  paced relay, same rate, no log: ${paced.cpuPerEvent.toFixed(1)} us per event, p50 ${paced.p50} ms, p99 ${paced.p99} ms | daemon/paced relay ${(perEvent / paced.cpuPerEvent).toFixed(2)}x`)
   console.log(`  paced relay, same rate, fdatasync'd log per session: ${durable.cpuPerEvent.toFixed(1)} us per event, p50 ${durable.p50} ms, p99 ${durable.p99} ms | daemon/durable paced relay ${(perEvent / durable.cpuPerEvent).toFixed(2)}x`)
-  console.log(`  workers' CPU per delivered event ${(result.workersCpu / sorted.length).toFixed(1)} us (all ${result.workers} together: ${(100 * result.workersCpu / result.windowUs).toFixed(1)}% of one core); a turn alone would take ${((WORDS + 1) * TOKEN_DELAY_MS / 1000).toFixed(1)} s`)
+  const workerPerEvent = result.workersCpu / sorted.length
+  console.log(`  workers' CPU per delivered event ${workerPerEvent.toFixed(1)} us (all ${result.workers} together: ${(100 * result.workersCpu / result.windowUs).toFixed(1)}% of one core); a turn alone would take ${((WORDS + 1) * TOKEN_DELAY_MS / 1000).toFixed(1)} s`)
+  console.log(`  bare node worker (${BARE_WORKERS} processes, a setTimeout(${TOKEN_DELAY_MS}) loop writing a line to fd 3): ${bare.cpuPerEvent.toFixed(1)} us per line | worker/bare ${(workerPerEvent / bare.cpuPerEvent).toFixed(2)}x`)
+  console.log(`  daemon and worker per event ${(perEvent + workerPerEvent).toFixed(1)} us, against ~${(2e6 / (SESSIONS * 1000 / TOKEN_DELAY_MS)).toFixed(0)} us per event that 2 cores have at this rate`)
   console.log(`  latency emittedAt -> client: p50 ${percentile(sorted, 0.5)} ms, p99 ${p99} ms, max ${sorted.at(-1)} ms  (target p99 < 20 ms: ${p99 < 20 ? "met" : "MISSED"})`)
-  console.log(`  RSS: daemon ${(result.daemonRss / 1048576).toFixed(0)} MB, daemon and workers ${(result.totalRss / 1048576).toFixed(0)} MB (${((result.totalRss - result.daemonRss) / 1048576 / Math.max(1, result.workers)).toFixed(1)} MB per worker)`)
+  console.log(`  RSS: daemon ${(result.daemonRss / 1048576).toFixed(0)} MB, daemon and workers ${(result.totalRss / 1048576).toFixed(0)} MB (${((result.totalRss - result.daemonRss) / 1048576 / Math.max(1, result.workers)).toFixed(1)} MB per worker, a bare node ${(bare.rss / 1048576).toFixed(1)} MB)`)
+  if (base !== undefined) {
+    const n = base.latencies.length
+    const basePerEvent = base.daemonCpu / n
+    const baseWorker = base.workersCpu / n
+    const ratio = (a: number, b: number) => `${(a / b).toFixed(2)}x`
+    console.log(`  baseline build ${baselineBin} (run first, same run): ${n} events delivered`)
+    console.log(`    daemon CPU per event ${basePerEvent.toFixed(1)} us -> ${perEvent.toFixed(1)} (${ratio(perEvent, basePerEvent)}); workers ${baseWorker.toFixed(1)} -> ${workerPerEvent.toFixed(1)} us (${ratio(workerPerEvent, baseWorker)})`)
+    console.log(`    latency p50 ${percentile(base.latencies, 0.5)} -> ${percentile(sorted, 0.5)} ms, p99 ${percentile(base.latencies, 0.99)} -> ${p99} ms; RSS per worker ${((base.totalRss - base.daemonRss) / 1048576 / Math.max(1, base.workers)).toFixed(1)} MB, daemon ${(base.daemonRss / 1048576).toFixed(0)} MB`)
+  }
   console.log(`  (load average at the end: ${os.loadavg().map((l) => l.toFixed(1)).join(", ")})`)
 }

@@ -50,6 +50,26 @@ export interface EngineSession {
    * only its logged deltas remain (echo's turns are exact by definition).
    */
   readonly endsCutMessages?: boolean
+  /**
+   * The same turn as `runTurn`, pushed from the engine's own callbacks (a timer, a socket's
+   * data) instead of pulled as a Stream. Optional: the worker uses it when it is there. Why: at
+   * a model's pace (one event every 20 ms) every event is its own wake-up, and a Stream's pull
+   * per event (its fibers, its channel layers, `Effect.sleep`) cost a worker two to three times
+   * the wake-up itself (bench/streaming.ts). Returns the function that cancels the turn (an
+   * abort): after it, the engine calls neither `emit` nor `end` again.
+   */
+  readonly pushTurn?: (input: TurnInput, sink: TurnSink) => () => void
+}
+
+/** Where a pushed turn's outputs go ({@link EngineSession.pushTurn}). */
+export interface TurnSink {
+  /**
+   * Takes the next outputs, in order. A promise back means the worker's pipe is full: the
+   * engine pushes nothing more (`end` included) until it resolves.
+   */
+  readonly emit: (outputs: ReadonlyArray<TurnOutput>) => Promise<void> | undefined
+  /** The turn is over: everything was emitted, or it failed with `error`. Called once. */
+  readonly end: (error?: EngineError) => void
 }
 
 /**

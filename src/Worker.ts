@@ -10,6 +10,7 @@
  * never opens the state dir), it folds them, and reports `turn_interrupted` when the journal
  * said a turn was running.
  */
+import * as Chunk from "effect/Chunk"
 import type * as Context from "effect/Context"
 import * as Deferred from "effect/Deferred"
 import * as Effect from "effect/Effect"
@@ -23,7 +24,7 @@ import { isRecord } from "effect/Predicate"
 import * as Queue from "effect/Queue"
 import * as Stream from "effect/Stream"
 import * as net from "node:net"
-import { Engine, type EngineSession, foldEvent, TranscriptReplaced } from "./Engine.js"
+import { Engine, type EngineError, type EngineSession, foldEvent, TranscriptReplaced, type TurnInput, type TurnOutput } from "./Engine.js"
 import * as BuiltinEngines from "./engines/builtin.js"
 import { SessionWorkDir } from "./engines/SessionWorkDir.js"
 import { LineDecoder } from "./JsonLines.js"
@@ -41,6 +42,11 @@ export interface WorkerPipe {
   readonly send: (frame: WorkerProtocol.WorkerFrame) => Effect.Effect<void>
   /** Writes frames already encoded as JSON lines. */
   readonly sendRaw: (data: string | Uint8Array) => Effect.Effect<void>
+  /**
+   * The same as `sendRaw`, called from a plain callback (a pushed turn's events): undefined when
+   * the bytes were taken, else a promise that resolves once the pipe drained (or is gone).
+   */
+  readonly write: (data: string | Uint8Array) => Promise<void> | undefined
   /** Calls `onLine` for every line from the supervisor; resolves when the supervisor's end closes. */
   readonly lines: (onLine: (line: string) => void) => Promise<void>
 }
@@ -66,13 +72,19 @@ class FdPipe implements WorkerPipe {
   }
 
   sendRaw(data: string | Uint8Array): Effect.Effect<void> {
-    return Effect.async<void>((resume) => {
-      if (this.socket.destroyed) return resume(Effect.void)
-      if (this.socket.write(data)) return resume(Effect.void)
+    return Effect.suspend(() => {
+      const full = this.write(data)
+      return full === undefined ? Effect.void : Effect.promise(() => full)
+    })
+  }
+
+  write(data: string | Uint8Array): Promise<void> | undefined {
+    if (this.socket.destroyed || this.socket.write(data)) return undefined
+    return new Promise((resolve) => {
       const done = () => {
         this.socket.off("drain", done)
         this.socket.off("close", done)
-        resume(Effect.void)
+        resolve()
       }
       this.socket.once("drain", done)
       this.socket.once("close", done)
@@ -296,6 +308,62 @@ const warmUpRestore: Effect.Effect<void> = warmUpRestorePath(20).pipe(
 )
 
 /**
+ * Runs one turn of `engine`: every batch of its outputs is made bytes by `encode` and written by
+ * `write` (a promise back: the pipe is full, and the turn waits for it). The engine pushes its
+ * outputs when it can (`pushTurn`: at a model's pace, a worker's CPU per event is then its
+ * wake-up, not a fiber resumed and a Stream pulled per event), else its Stream is pulled.
+ * Interrupting the effect cancels the turn.
+ */
+export const runTurnOutputs = (
+  engine: EngineSession,
+  input: TurnInput,
+  encode: (outputs: ReadonlyArray<TurnOutput>) => Uint8Array,
+  write: (bytes: Uint8Array) => Promise<void> | undefined
+): Effect.Effect<void, EngineError> => {
+  const push = engine.pushTurn
+  if (push === undefined) {
+    return engine.runTurn(input).pipe(
+      // One write per chunk of outputs the engine has ready, not one per output.
+      Stream.runForEachChunk((outputs) =>
+        Effect.suspend(() => {
+          const full = write(encode(Chunk.toReadonlyArray(outputs)))
+          return full === undefined ? Effect.void : Effect.promise(() => full)
+        })
+      )
+    )
+  }
+  return Effect.async<void, EngineError>((resume) => {
+    let over = false
+    let cancel: (() => void) | undefined
+    const finish = (exit: Effect.Effect<void, EngineError>) => {
+      if (over) return
+      over = true
+      cancel?.()
+      resume(exit)
+    }
+    cancel = push(input, {
+      emit: (outputs) => {
+        if (over) return undefined
+        try {
+          return write(encode(outputs))
+        } catch (defect) {
+          // Thrown in an engine's timer, it would take the process down: the turn dies instead.
+          finish(Effect.die(defect))
+          return undefined
+        }
+      },
+      end: (error) => finish(error === undefined ? Effect.void : Effect.fail(error))
+    })
+    // It ended (or died) before `pushTurn` even returned.
+    if (over) cancel()
+    return Effect.sync(() => {
+      over = true
+      cancel?.()
+    })
+  })
+}
+
+/**
  * Runs `rounds` echo turns of a made-up prompt on a scratch session, through the same engine,
  * fold and frame encoding as a real turn, and discards their frames: a spare runs them while it
  * waits, so that the first real turn does not pay for compiling that path (it made the first
@@ -310,20 +378,19 @@ export const warmUpTurnPath = (engines: Context.Tag.Service<typeof Engine>, roun
     for (let round = 0; round < rounds; round++) {
       const messages: Array<AgentMessage> = []
       const streaming = new StreamingMessage()
-      yield* engine.runTurn({ turnId: `warm-up-${round}`, message, history: messages }).pipe(
-        Stream.runForEachChunk((outputs) =>
-          Effect.sync(() => {
-            Utf8Batch.begin()
-            for (const output of outputs) {
-              if (output instanceof TranscriptReplaced) continue
-              foldEvent(messages, output)
-              streaming.track(output)
-              WorkerProtocol.putEventFrame(output)
-            }
-            bytes += Utf8Batch.take().length
-          })
-        )
-      )
+      const encode = (outputs: ReadonlyArray<TurnOutput>): Uint8Array => {
+        Utf8Batch.begin()
+        for (const output of outputs) {
+          if (output instanceof TranscriptReplaced) continue
+          foldEvent(messages, output)
+          streaming.track(output)
+          WorkerProtocol.putEventFrame(output)
+        }
+        const batch = Utf8Batch.take()
+        bytes += batch.length
+        return batch
+      }
+      yield* runTurnOutputs(engine, { turnId: `warm-up-${round}`, message, history: messages }, encode, () => undefined)
       // The first real frame interrupts the warm-up between two turns.
       yield* Effect.yieldNow()
     }
@@ -432,27 +499,26 @@ export const run = (pipe: WorkerPipe, options: RunOptions = {}) =>
         const reason: InterruptReason = (yield* Deferred.isDone(aborted)) ? yield* Deferred.await(aborted) : "aborted"
         yield* cutTurn(s.messages, s.engine.endsCutMessages === true ? partial : undefined, reason)
       })
-      return s.engine.runTurn({ turnId, message, history: s.messages }).pipe(
-        // One pipe write per chunk of events the engine has ready, not one per event.
-        Stream.runForEachChunk((outputs) => {
-          // Encoded frame by frame into one buffer: a joined string of thousands of frames is a
-          // rope the pipe's write would flatten first (see utf8Batch).
-          Utf8Batch.begin()
-          for (const output of outputs) {
-            if (output instanceof TranscriptReplaced) {
-              // The transcript is replaced; the supervisor is sent the new one, in order with
-              // the events, as the snapshot of the generation that starts with it.
-              s.messages = [...output.messages]
-              Utf8Batch.put(replacementFrames(s, `${turnId}-replacement`))
-              continue
-            }
-            foldEvent(s.messages, output)
-            streaming.track(output)
-            if (output.type === "agent_end") ended = true
-            WorkerProtocol.putEventFrame(output)
+      const encode = (outputs: ReadonlyArray<TurnOutput>): Uint8Array => {
+        // Encoded frame by frame into one buffer: a joined string of thousands of frames is a
+        // rope the pipe's write would flatten first (see utf8Batch).
+        Utf8Batch.begin()
+        for (const output of outputs) {
+          if (output instanceof TranscriptReplaced) {
+            // The transcript is replaced; the supervisor is sent the new one, in order with
+            // the events, as the snapshot of the generation that starts with it.
+            s.messages = [...output.messages]
+            Utf8Batch.put(replacementFrames(s, `${turnId}-replacement`))
+            continue
           }
-          return pipe.sendRaw(Utf8Batch.take())
-        }),
+          foldEvent(s.messages, output)
+          streaming.track(output)
+          if (output.type === "agent_end") ended = true
+          WorkerProtocol.putEventFrame(output)
+        }
+        return Utf8Batch.take()
+      }
+      return runTurnOutputs(s.engine, { turnId, message, history: s.messages }, encode, (bytes) => pipe.write(bytes)).pipe(
         // The abort ends the turn's stream, raced once per turn: `Stream.interruptWhenDeferred`
         // raced it at every pull, a fiber forked per event, which was half of a worker's CPU per
         // event at a model's pace (one event per 20 ms: 1.8 ms -> 0.85 ms per event).

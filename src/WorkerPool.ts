@@ -319,9 +319,11 @@ const workerNodeArgs = (): ReadonlyArray<string> =>
  * went from 65 MB to 49 MB (a bare `node`: 39 MB), its CPU per event in a burst stayed within
  * the noise (9 us). `--lite-mode` saves a little more but implies `--jitless`, which removes
  * WebAssembly, and with it `fetch` (undici parses HTTP in WebAssembly): the model engines' HTTP.
- * `--expose-gc` lets an idle worker collect its garbage (Worker.ts, `IdleCollector`).
+ * `--expose-gc` lets an idle worker collect its garbage (Worker.ts, `IdleCollector`), which
+ * makes V8's memory reducer redundant: `--no-memory-reducer` cut a paced echo worker's CPU per
+ * token by 10-17% (its full GCs ran during turns), idle RSS unchanged (bench/workerMemory.ts).
  */
-export const LEAN_WORKER_FLAGS: ReadonlyArray<string> = ["--no-opt", "--no-sparkplug", "--optimize-for-size", "--expose-gc"]
+export const LEAN_WORKER_FLAGS: ReadonlyArray<string> = ["--no-opt", "--no-sparkplug", "--optimize-for-size", "--expose-gc", "--no-memory-reducer"]
 
 /** Waits for the first frame of a new worker (`worker_ready`), or its death. */
 const awaitReady = <W extends WorkerHandle>(worker: W): Effect.Effect<W, WorkerSpawnError> =>
@@ -564,10 +566,11 @@ class InProcessWorker implements WorkerHandle {
   /** The worker's end of the link. */
   readonly pipe: Worker.WorkerPipe = {
     send: (frame) => this.pipe.sendRaw(WorkerProtocol.encodeFrame(frame)),
-    sendRaw: (data) =>
-      Effect.sync(() => {
-        if (!this.closed) this.inbox.push(typeof data === "string" ? Buffer.from(data, "utf8") : data)
-      }),
+    sendRaw: (data) => Effect.sync(() => this.pipe.write(data)),
+    write: (data) => {
+      if (!this.closed) this.inbox.push(typeof data === "string" ? Buffer.from(data, "utf8") : data)
+      return undefined
+    },
     lines: (onLine) =>
       new Promise<void>((resolve) => {
         if (this.closed) return resolve()

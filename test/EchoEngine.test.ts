@@ -4,7 +4,7 @@ import * as Effect from "effect/Effect"
 import * as Fiber from "effect/Fiber"
 import * as Stream from "effect/Stream"
 import * as TestClock from "effect/TestClock"
-import { Engine, foldEvent, TranscriptReplaced, type TurnOutput } from "../src/Engine.js"
+import { Engine, EngineError, foldEvent, TranscriptReplaced, type TurnOutput } from "../src/Engine.js"
 import * as EchoEngine from "../src/engines/EchoEngine.js"
 import type { AgentEvent, AgentMessage } from "../src/Protocol.js"
 
@@ -105,4 +105,73 @@ describe("EchoEngine", () => {
       for (const e of events) foldEvent(messages, e)
       assert.deepStrictEqual(messages.map((m) => [m.role, m.content]), [["user", "hi there"], ["assistant", "echo: hi there"]])
     }))
+  // The worker runs a turn as `pushTurn` (plain timers); `runTurn` is the same steps on Effect's
+  // clock. Both must say the same, wait on a full pipe, and stop dead when cancelled.
+  describe("pushTurn", () => {
+    const session = (config: Record<string, unknown>) =>
+      Effect.runPromise(Effect.flatMap(Engine, (engine) => engine.make("echo", config)).pipe(Effect.provide(EchoEngine.layer)))
+    /** Outputs without their clocks (timestamps differ between two runs). */
+    const plain = (outputs: ReadonlyArray<TurnOutput>) => JSON.parse(JSON.stringify(outputs, (k, v) => (k === "timestamp" ? 0 : v)))
+
+    const pushed = (s: Awaited<ReturnType<typeof session>>, message: string) =>
+      new Promise<{ outputs: Array<TurnOutput>; error: EngineError | undefined; emits: number }>((resolve) => {
+        const outputs: Array<TurnOutput> = []
+        let emits = 0
+        s.pushTurn!({ turnId: "t1", message, history: [] }, {
+          emit: (batch) => {
+            emits++
+            outputs.push(...batch)
+            return undefined
+          },
+          end: (error) => resolve({ outputs, error, emits })
+        })
+      })
+
+    it.live("says what runTurn says, each wait a timer", () =>
+      Effect.promise(async () => {
+        const s = await session({ tokenDelayMs: 2 })
+        for (const message of ["a b c", "/bulk 200000", "/sleep 5", "/compact", "/bulk 99999999999999999999"]) {
+          const push = await pushed(s, message)
+          const pull = await Effect.runPromise(Effect.either(Stream.runCollect(s.runTurn({ turnId: "t1", message, history: [] }))))
+          if (pull._tag === "Left") {
+            assert.strictEqual(push.error?.message, pull.left.message, message)
+            assert.strictEqual(push.error?.reason, "turn_failed")
+            assert.deepStrictEqual(types(push.outputs), ["agent_start", "turn_start", "message_start", "message_end"])
+            continue
+          }
+          assert.isUndefined(push.error, message)
+          assert.deepStrictEqual(plain(push.outputs), plain(Chunk.toReadonlyArray(pull.right)), message)
+        }
+        // One emit per wake-up: the start of the turn with the first delta, then one per delta.
+        const paced = await pushed(s, "a b c")
+        assert.strictEqual(paced.emits, 4)
+      }))
+
+    it.live("waits for a full sink before anything more, its end included; cancel stops it", () =>
+      Effect.promise(async () => {
+        const s = await session({ tokenDelayMs: 1 })
+        const calls: Array<string> = []
+        let release!: () => void
+        s.pushTurn!({ turnId: "t1", message: "a b c d", history: [] }, {
+          emit: (batch) => {
+            calls.push(`emit ${batch.length}`)
+            return calls.length === 2 ? new Promise<void>((r) => (release = r)) : undefined
+          },
+          end: () => calls.push("end")
+        })
+        await new Promise((r) => setTimeout(r, 60))
+        assert.deepStrictEqual(calls, ["emit 6", "emit 1"])
+        release()
+        await new Promise((r) => setTimeout(r, 60))
+        assert.deepStrictEqual(calls, ["emit 6", "emit 1", "emit 1", "emit 1", "emit 4", "end"])
+        const cut: Array<string> = []
+        const cancel = s.pushTurn!({ turnId: "t2", message: "a b c d", history: [] }, {
+          emit: (batch) => void cut.push(`emit ${batch.length}`),
+          end: () => cut.push("end")
+        })
+        cancel()
+        await new Promise((r) => setTimeout(r, 60))
+        assert.deepStrictEqual(cut, ["emit 6"])
+      }))
+  })
 })

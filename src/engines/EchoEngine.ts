@@ -2,9 +2,11 @@
  * The built-in `echo` engine (docs/protocol.md section 7): deterministic, for demos, tests and
  * benchmarks.
  */
+import * as Chunk from "effect/Chunk"
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
 import * as Layer from "effect/Layer"
+import * as Option from "effect/Option"
 import * as Stream from "effect/Stream"
 import {
   agentMessage,
@@ -15,9 +17,9 @@ import {
   registry,
   TranscriptReplaced,
   type TurnInput,
-  type TurnOutput
+  type TurnOutput,
+  type TurnSink
 } from "../Engine.js"
-import type { AgentEvent } from "../Protocol.js"
 
 /** The largest delta of a `/bulk` message. */
 export const BULK_DELTA_BYTES = 65536
@@ -47,22 +49,29 @@ const readConfig = (config: Readonly<Record<string, unknown>>): Effect.Effect<Ec
     )
 }
 
+/** A wait between two outputs of a turn (`tokenDelayMs`, `/sleep`). */
+class Pause {
+  constructor(readonly ms: number) {}
+}
+
+/**
+ * One step of an echo turn: an output, a wait, or the turn's failure. A turn is written once,
+ * as a generator of steps, and run by two drivers: {@link streamSteps} (`runTurn`, timed by
+ * Effect's clock, so that tests can drive it with `TestClock`) and {@link pushSteps}
+ * (`pushTurn`, what the worker runs: plain timers, no fiber per event).
+ */
+type Step = TurnOutput | Pause | EngineError
+
 /** An assistant message streamed as the given deltas, waiting `delayMs` between two. */
-const streamMessage = (id: string, deltas: ReadonlyArray<string> | Iterable<string>, delayMs: number) => {
-  const parts = Array.from(deltas)
-  const content = parts.join("")
-  const updates = Stream.fromIterable(parts).pipe(
-    Stream.map((delta): AgentEvent => ({ type: "message_update", messageId: id, delta }))
-  )
-  const paced = delayMs > 0
-    ? updates.pipe(Stream.zipWithIndex, Stream.mapEffect(([event, i]) =>
-      i === 0 ? Effect.succeed(event) : Effect.as(Effect.sleep(Duration.millis(delayMs)), event)
-    ))
-    : updates
-  return Stream.make<Array<AgentEvent>>({ type: "message_start", message: agentMessage(id, "assistant", "") }).pipe(
-    Stream.concat(paced),
-    Stream.concat(Stream.suspend(() => Stream.make<Array<AgentEvent>>({ type: "message_end", message: agentMessage(id, "assistant", content) })))
-  )
+function* streamMessage(id: string, deltas: Iterable<string>, delayMs: number): Generator<Step> {
+  yield { type: "message_start", message: agentMessage(id, "assistant", "") }
+  const parts: Array<string> = []
+  for (const delta of deltas) {
+    if (parts.length > 0 && delayMs > 0) yield new Pause(delayMs)
+    parts.push(delta)
+    yield { type: "message_update", messageId: id, delta }
+  }
+  yield { type: "message_end", message: agentMessage(id, "assistant", parts.join("")) }
 }
 
 function* bulkDeltas(size: number): Generator<string> {
@@ -73,61 +82,146 @@ function* bulkDeltas(size: number): Generator<string> {
   }
 }
 
-/** The events after the user message, per the prompt's form. */
-const reply = (input: TurnInput, config: EchoConfig): Stream.Stream<TurnOutput, EngineError> => {
+/** The steps after the user message, per the prompt's form. */
+function* reply(input: TurnInput, config: EchoConfig): Generator<Step> {
   const text = input.message
   if (/^\/compact\s*$/.test(text)) {
     // A history rewrite: the transcript so far (this turn's user message included) becomes one
     // assistant message that says how many it replaced.
     const replaced = input.history.length + 1
-    return Stream.make(new TranscriptReplaced({
+    yield new TranscriptReplaced({
       messages: [agentMessage(`${input.turnId}-c`, "assistant", `compacted ${replaced} messages`)]
-    }))
+    })
+    return
   }
   const assistantId = `${input.turnId}-a`
   const bulk = /^\/bulk\s+(\d+)\s*$/.exec(text)
   if (bulk !== null) {
     const size = Number(bulk[1])
-    return Number.isSafeInteger(size)
-      ? streamMessage(assistantId, bulkDeltas(size), config.tokenDelayMs)
-      : Stream.fail(new EngineError({ reason: "turn_failed", message: `/bulk: ${bulk[1]} is too large` }))
+    if (!Number.isSafeInteger(size)) {
+      yield new EngineError({ reason: "turn_failed", message: `/bulk: ${bulk[1]} is too large` })
+      return
+    }
+    yield* streamMessage(assistantId, bulkDeltas(size), config.tokenDelayMs)
+    return
   }
   const sleep = /^\/sleep\s+(\d+)\s*$/.exec(text)
   if (sleep !== null) {
     const ms = Number(sleep[1])
     const toolCallId = `${input.turnId}-t`
-    return Stream.make<Array<AgentEvent>>({ type: "tool_execution_start", toolCallId, name: "sleep", args: { ms } }).pipe(
-      Stream.concat(Stream.fromEffect(Effect.sleep(Duration.millis(ms))).pipe(Stream.drain)),
-      Stream.concat(Stream.suspend(() => {
-        const result = `slept ${ms} ms`
-        const toolMessage = agentMessage(`${input.turnId}-r`, "tool", result, { toolCallId, toolName: "sleep", toolArgs: { ms } })
-        return Stream.make<Array<AgentEvent>>(
-          { type: "tool_execution_end", toolCallId, result, isError: false },
-          { type: "message_start", message: toolMessage },
-          { type: "message_end", message: toolMessage }
-        )
-      })),
-      Stream.concat(streamMessage(assistantId, ["done"], config.tokenDelayMs))
-    )
+    yield { type: "tool_execution_start", toolCallId, name: "sleep", args: { ms } }
+    yield new Pause(ms)
+    const result = `slept ${ms} ms`
+    const toolMessage = agentMessage(`${input.turnId}-r`, "tool", result, { toolCallId, toolName: "sleep", toolArgs: { ms } })
+    yield { type: "tool_execution_end", toolCallId, result, isError: false }
+    yield { type: "message_start", message: toolMessage }
+    yield { type: "message_end", message: toolMessage }
+    yield* streamMessage(assistantId, ["done"], config.tokenDelayMs)
+    return
   }
   const words = text.split(/\s+/).filter((w) => w.length > 0)
-  return streamMessage(assistantId, ["echo:", ...words.map((w) => ` ${w}`)], config.tokenDelayMs)
+  yield* streamMessage(assistantId, ["echo:", ...words.map((w) => ` ${w}`)], config.tokenDelayMs)
+}
+
+/** A whole turn, `agent_start` to `agent_end` (a failure ends it where it happens). */
+function* turnSteps(input: TurnInput, config: EchoConfig): Generator<Step> {
+  const user = agentMessage(`${input.turnId}-u`, "user", input.message)
+  yield { type: "agent_start" }
+  yield { type: "turn_start" }
+  yield { type: "message_start", message: user }
+  yield { type: "message_end", message: user }
+  for (const step of reply(input, config)) {
+    yield step
+    if (step instanceof EngineError) return
+  }
+  yield { type: "turn_end" }
+  yield { type: "agent_end" }
+}
+
+/** At most this many outputs, or about this many delta bytes, go in one batch (a `/bulk` of 100 MB is not one buffer). */
+const BATCH_OUTPUTS = 256
+const BATCH_BYTES = 1024 * 1024
+
+/** What ends a batch: a wait, the failure, the turn's end, or a full batch. */
+type BatchEnd = Pause | EngineError | "end" | "full"
+
+/** Takes the outputs ready now (up to a batch's worth) into `batch`; says what stopped it. */
+const collect = (steps: Iterator<Step>, batch: Array<TurnOutput>): BatchEnd => {
+  let bytes = 0
+  for (;;) {
+    const next = steps.next()
+    if (next.done === true) return "end"
+    const step = next.value
+    if (step instanceof Pause || step instanceof EngineError) return step
+    batch.push(step)
+    if (!(step instanceof TranscriptReplaced) && step.type === "message_update") bytes += step.delta.length
+    if (batch.length >= BATCH_OUTPUTS || bytes >= BATCH_BYTES) return "full"
+  }
+}
+
+/** A turn's steps as a Stream, its waits on Effect's clock. */
+const streamSteps = (makeSteps: () => Iterator<Step>): Stream.Stream<TurnOutput, EngineError> =>
+  Stream.suspend(() => {
+    const steps = makeSteps()
+    let pending: BatchEnd | undefined
+    const take = Effect.sync(() => {
+      const batch: Array<TurnOutput> = []
+      pending = collect(steps, batch)
+      return Chunk.unsafeFromArray(batch)
+    })
+    return Stream.repeatEffectChunkOption(Effect.suspend(() => {
+      const before = pending
+      pending = undefined
+      if (before === "end") return Effect.fail(Option.none())
+      if (before instanceof EngineError) return Effect.fail(Option.some(before))
+      return before instanceof Pause ? Effect.zipRight(Effect.sleep(Duration.millis(before.ms)), take) : take
+    }))
+  })
+
+/**
+ * A turn's steps pushed to `sink` from plain timers: per wait one `setTimeout`, per batch one
+ * `emit`, and nothing else (the worker's cost per event at a model's pace is the wake-up).
+ */
+const pushSteps = (steps: Iterator<Step>, sink: TurnSink): () => void => {
+  let cancelled = false
+  let timer: ReturnType<typeof setTimeout> | undefined
+  const run = (): void => {
+    timer = undefined
+    for (;;) {
+      if (cancelled) return
+      const batch: Array<TurnOutput> = []
+      let end: BatchEnd
+      try {
+        end = collect(steps, batch)
+      } catch (e) {
+        // A bug of the engine's own: the turn fails, the worker lives on.
+        end = new EngineError({ reason: "turn_failed", message: `echo: ${String(e)}` })
+      }
+      const taken = batch.length > 0 ? sink.emit(batch) : undefined
+      const next = (): void => {
+        if (cancelled) return
+        if (end === "end") sink.end()
+        else if (end instanceof EngineError) sink.end(end)
+        else if (end instanceof Pause) timer = setTimeout(run, end.ms)
+        else run()
+      }
+      // A full batch taken at once goes on in this loop (no recursion through `next`).
+      if (taken === undefined && end === "full") continue
+      if (taken === undefined) next()
+      else void taken.then(next)
+      return
+    }
+  }
+  run()
+  return () => {
+    cancelled = true
+    if (timer !== undefined) clearTimeout(timer)
+  }
 }
 
 const makeSession = (config: EchoConfig): EngineSession => ({
-  runTurn: (input) =>
-    Stream.suspend(() => {
-      const user = agentMessage(`${input.turnId}-u`, "user", input.message)
-      return Stream.make<Array<TurnOutput>>(
-        { type: "agent_start" },
-        { type: "turn_start" },
-        { type: "message_start", message: user },
-        { type: "message_end", message: user }
-      ).pipe(
-        Stream.concat(reply(input, config)),
-        Stream.concat(Stream.make<Array<TurnOutput>>({ type: "turn_end" }, { type: "agent_end" }))
-      )
-    })
+  runTurn: (input) => streamSteps(() => turnSteps(input, config)),
+  pushTurn: (input, sink) => pushSteps(turnSteps(input, config), sink)
 })
 
 /** The engines built into agentd (today: `echo`), to combine with others in a registry. */

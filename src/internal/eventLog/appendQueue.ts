@@ -231,39 +231,46 @@ export const make = <H extends QueueHandle>(
         : Effect.flatMap(handleFor(sessionId), (opened) => appendTo(opened, sessionId, event))
     }
 
-    const appendAll = Effect.fn("EventLog.appendAll")(
-      function*(sessionId: string, events: ReadonlyArray<EventData | EncodedEvent>) {
-        if (refuse !== undefined) return yield* Effect.fail(refuse(sessionId))
-        if (events.length === 0) return []
-        const jsons: Array<string> = []
-        for (const event of events) {
-          const json = serialize(sessionId, event)
-          if (typeof json !== "string") return yield* Effect.fail(json)
-          jsons.push(json)
-        }
-        const h = handles.get(sessionId) ?? (yield* handleFor(sessionId))
-        return yield* Effect.async<ReadonlyArray<Cursor.Cursor>, EventLogError>((resume) => {
-          if (h.dead !== undefined) return resume(Effect.fail(h.dead))
-          // Queued in one synchronous step, so the ops are consecutive in one batch and one write:
-          // they succeed or fail together, and the last one answers for all.
-          const cursors: Array<Cursor.Cursor> = []
-          const ignore = () => {}
-          jsons.forEach((json, i) => {
-            const cursor = h.next
-            h.next = Cursor.next(cursor)
-            cursors.push(cursor)
-            const last = i === jsons.length - 1
-            h.queue.push({
-              _tag: "Append",
-              cursor,
-              json,
-              resume: last ? (result) => resume(Effect.as(result, cursors)) : ignore
-            })
+    /** Assigns the cursors and queues the ops in one synchronous step, then waits for the last. */
+    const queueAll = (h: H, jsons: ReadonlyArray<string>) =>
+      Effect.async<ReadonlyArray<Cursor.Cursor>, EventLogError>((resume) => {
+        if (h.dead !== undefined) return resume(Effect.fail(h.dead))
+        // Queued in one synchronous step, so the ops are consecutive in one batch and one write:
+        // they succeed or fail together, and the last one answers for all.
+        const cursors: Array<Cursor.Cursor> = []
+        const ignore = () => {}
+        jsons.forEach((json, i) => {
+          const cursor = h.next
+          h.next = Cursor.next(cursor)
+          cursors.push(cursor)
+          const last = i === jsons.length - 1
+          h.queue.push({
+            _tag: "Append",
+            cursor,
+            json,
+            resume: last ? (result) => resume(Effect.as(result, cursors)) : ignore
           })
-          ensureFlusher(h)
         })
+        ensureFlusher(h)
+      })
+
+    // The session's hot path (each batch of a worker's events), so no `Effect.fn` either, as
+    // `append`: at a model's pace every batch is one event, and its span was paid per event.
+    const appendAll = (
+      sessionId: string,
+      events: ReadonlyArray<EventData | EncodedEvent>
+    ): Effect.Effect<ReadonlyArray<Cursor.Cursor>, EventLogError> => {
+      if (refuse !== undefined) return Effect.fail(refuse(sessionId))
+      if (events.length === 0) return Effect.succeed([])
+      const jsons: Array<string> = []
+      for (const event of events) {
+        const json = serialize(sessionId, event)
+        if (typeof json !== "string") return Effect.fail(json)
+        jsons.push(json)
       }
-    )
+      const h = handles.get(sessionId)
+      return h !== undefined ? queueAll(h, jsons) : Effect.flatMap(handleFor(sessionId), (opened) => queueAll(opened, jsons))
+    }
 
     const startGeneration = Effect.fn("EventLog.startGeneration")(function*(sessionId: string) {
       if (refuse !== undefined) return yield* Effect.fail(refuse(sessionId))
