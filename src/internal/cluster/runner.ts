@@ -42,9 +42,11 @@ import { DaemonConfig } from "../../DaemonConfig.js"
 import type { CommandOf, SessionSummary } from "../../Protocol.js"
 import { CommandError, SessionManager } from "../../SessionManager.js"
 import { listingId, SessionStore } from "../../SessionStore.js"
+import { WorkerPool } from "../../WorkerPool.js"
 import { parseListen } from "../http/listen.js"
 import { retrySchemaRace, retryingSchemaRace } from "../postgres/store.js"
 import { RemoteCommandError, SessionEntity } from "./entity.js"
+import * as Fence from "./fence.js"
 import { LogTail } from "./logTail.js"
 
 /** The prefix of @effect/cluster's tables in the store (`agentd_cluster_runners`, `_messages`, `_replies`). */
@@ -99,17 +101,20 @@ export const shardingSettings = (address: RunnerAddress.RunnerAddress, leaseMs: 
 })
 
 /** @effect/cluster's sharding on this runner: socket transport, storage in the store's database. */
-const shardingLayer = (settings: Partial<ShardingConfig.ShardingConfig["Type"]>): Layer.Layer<
+const shardingLayer = (settings: Partial<ShardingConfig.ShardingConfig["Type"]>, leaseMs: number): Layer.Layer<
   Sharding.Sharding | Runners.Runners | ShardingConfig.ShardingConfig,
   never,
-  SqlClient.SqlClient
+  SqlClient.SqlClient | WorkerPool
 > =>
   SocketRunner.layer.pipe(
     Layer.provide([NodeClusterSocket.layerSocketServer, NodeClusterSocket.layerClientProtocol]),
     Layer.provide(RunnerHealth.layerPing.pipe(Layer.provide(Runners.layerRpc), Layer.provide(NodeClusterSocket.layerClientProtocol))),
     // Their tables are made at start: runners that start together on a new store race for them.
     Layer.provide(retryingSchemaRace(SqlMessageStorage.layerWith({ prefix: TABLE_PREFIX }))),
-    Layer.provide(Layer.orDie(retryingSchemaRace(SqlRunnerStorage.layerWith({ prefix: TABLE_PREFIX })))),
+    // Its lock refreshes timed for the fence (fence.ts).
+    Layer.provide(Fence.layer(leaseMs).pipe(
+      Layer.provide(Layer.orDie(retryingSchemaRace(SqlRunnerStorage.layerWith({ prefix: TABLE_PREFIX }))))
+    )),
     Layer.provideMerge(ShardingConfig.layer(settings)),
     Layer.provide(RpcSerialization.layerMsgPack),
     // A runner port already taken (SocketServerError) stops the start as a defect: exit 1 with
@@ -180,7 +185,11 @@ interface RunnerRow {
  * The runner: sharding, the entity, the watcher, and the routing SessionManager over the local
  * one (which it takes from its context, built to load no session at start).
  */
-export const layer: Layer.Layer<SessionManager, never, SessionManager | SessionStore | SqlClient.SqlClient | DaemonConfig | LogTail> = Layer
+export const layer: Layer.Layer<
+  SessionManager,
+  never,
+  SessionManager | SessionStore | SqlClient.SqlClient | DaemonConfig | LogTail | WorkerPool
+> = Layer
   .unwrapEffect(Effect.gen(function*() {
     const config = yield* DaemonConfig
     const address = runnerAddressOf(config.runnerAddress)
@@ -189,7 +198,7 @@ export const layer: Layer.Layer<SessionManager, never, SessionManager | SessionS
     const router = Layer.scoped(SessionManager, makeRouter(self, leaseMs))
     return router.pipe(
       Layer.provide(entityLayer(self)),
-      Layer.provideMerge(shardingLayer(shardingSettings(address, leaseMs)))
+      Layer.provideMerge(shardingLayer(shardingSettings(address, leaseMs), leaseMs))
     )
   }))
 
@@ -256,6 +265,7 @@ const makeRouter = (self: string, leaseMs: number) =>
       const lost = [...held].filter((s) => !now.has(s))
       held = now
       if (gained.length > 0 || lost.length > 0) {
+        yield* Effect.logInfo(`cluster: holds ${now.size} shards (${gained.length} gained, ${lost.length} lost)`)
         // Bounded: a runner cut off from PostgreSQL lists its own sessions only.
         const listings = yield* Effect.orElseSucceed(Effect.timeout(store.list(), STORE_READ_TIMEOUT), () => [])
         const ids = listings.map(listingId)
