@@ -26,11 +26,12 @@ import * as Runners from "@effect/cluster/Runners"
 import * as Sharding from "@effect/cluster/Sharding"
 import * as ShardingConfig from "@effect/cluster/ShardingConfig"
 import * as ShardId from "@effect/cluster/ShardId"
-import * as SocketRunner from "@effect/cluster/SocketRunner"
+import * as RunnerServer from "@effect/cluster/RunnerServer"
 import * as SqlMessageStorage from "@effect/cluster/SqlMessageStorage"
 import * as SqlRunnerStorage from "@effect/cluster/SqlRunnerStorage"
 import * as NodeClusterSocket from "@effect/platform-node/NodeClusterSocket"
 import * as RpcSerialization from "@effect/rpc/RpcSerialization"
+import * as RpcServer from "@effect/rpc/RpcServer"
 import * as SqlClient from "@effect/sql/SqlClient"
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
@@ -48,6 +49,7 @@ import { retrySchemaRace, retryingSchemaRace } from "../postgres/store.js"
 import { RemoteCommandError, SessionEntity } from "./entity.js"
 import * as Fence from "./fence.js"
 import { LogTail } from "./logTail.js"
+import * as Transport from "./transport.js"
 
 /** The prefix of @effect/cluster's tables in the store (`agentd_cluster_runners`, `_messages`, `_replies`). */
 export const TABLE_PREFIX = "agentd_cluster"
@@ -106,9 +108,18 @@ const shardingLayer = (settings: Partial<ShardingConfig.ShardingConfig["Type"]>,
   never,
   SqlClient.SqlClient | WorkerPool
 > =>
-  SocketRunner.layer.pipe(
-    Layer.provide([NodeClusterSocket.layerSocketServer, NodeClusterSocket.layerClientProtocol]),
-    Layer.provide(RunnerHealth.layerPing.pipe(Layer.provide(Runners.layerRpc), Layer.provide(NodeClusterSocket.layerClientProtocol))),
+  Layer.unwrapEffect(Effect.sync(() => {
+    // @effect/cluster's SocketRunner.layer, but over connections closed when their runner
+    // leaves the ring and does not answer (transport.ts).
+    const transport = Transport.make()
+    return RunnerServer.layer.pipe(
+      Layer.provideMerge(Sharding.layer),
+      Layer.provideMerge(transport.closingUnavailable(Runners.layerRpc)),
+      Layer.provide(RpcServer.layerProtocolSocketServer),
+      Layer.provide([NodeClusterSocket.layerSocketServer, transport.clientProtocol]),
+      Layer.provide(RunnerHealth.layerPing.pipe(Layer.provide(Runners.layerRpc), Layer.provide(transport.clientProtocol)))
+    )
+  })).pipe(
     // Their tables are made at start: runners that start together on a new store race for them.
     Layer.provide(retryingSchemaRace(SqlMessageStorage.layerWith({ prefix: TABLE_PREFIX }))),
     // Its lock refreshes timed for the fence (fence.ts).
