@@ -26,7 +26,7 @@ import { WorkerPool } from "../../WorkerPool.js"
 export const FENCE_FRACTION = 0.5
 
 export interface Fence {
-  /** `refresh`, its success recorded (with the time it started). */
+  /** A lock operation (a refresh, an acquisition, a release), its success recorded (with the time it started). */
   readonly timed: <A, E, R>(refresh: Effect.Effect<A, E, R>) => Effect.Effect<A, E, R>
   /**
    * Runs the fence for ever: `hold` (which kills the workers and holds new starts until its scope
@@ -91,7 +91,7 @@ export const make = (windowMs: number, hold: Effect.Effect<void, never, Scope.Sc
   })
 
 /**
- * The runner storage given, its `refresh` timed, with the fence running beside it over the
+ * The runner storage given, its lock operations timed, with the fence running beside it over the
  * worker pool (its `fence`) for as long as the layer lives.
  */
 export const layer = (leaseMs: number): Layer.Layer<RunnerStorage.RunnerStorage, never, RunnerStorage.RunnerStorage | WorkerPool> =>
@@ -106,9 +106,17 @@ export const layer = (leaseMs: number): Layer.Layer<RunnerStorage.RunnerStorage,
       }
       const fence = yield* make(leaseMs * FENCE_FRACTION, pool.fence)
       yield* Effect.forkScoped(fence.run)
+      // Every operation on the lock connection counts, not the refresh alone: a rebalance
+      // releases or takes 150 locks one by one on that connection, and the refresh queued
+      // behind them answered over a second late (a false alarm at every runner joining). Each
+      // success says the connection holding the locks was alive when it started, so that no
+      // other runner could take them then. A refresh starved for longer than its own timeout (a
+      // third of the lease) is still the cluster's to act on: it drops the shards.
       return RunnerStorage.RunnerStorage.of({
         ...inner,
-        refresh: (address, shardIds) => fence.timed(inner.refresh(address, shardIds))
+        acquire: (address, shardIds) => fence.timed(inner.acquire(address, shardIds)),
+        refresh: (address, shardIds) => fence.timed(inner.refresh(address, shardIds)),
+        release: (address, shardId) => fence.timed(inner.release(address, shardId))
       })
     })
   )
