@@ -48,6 +48,7 @@ import { parseListen } from "../http/listen.js"
 import { retrySchemaRace, retryingSchemaRace } from "../postgres/store.js"
 import { RemoteCommandError, SessionEntity } from "./entity.js"
 import * as Fence from "./fence.js"
+import * as Leave from "./leave.js"
 import { LogTail } from "./logTail.js"
 import * as Transport from "./transport.js"
 
@@ -73,6 +74,8 @@ const SET_ENV = "agentd/set_env"
 const FORWARD_TIMEOUT = Duration.seconds(45)
 /** How long `status` and `list` wait for the store before answering with what this runner knows. */
 const STORE_READ_TIMEOUT = Duration.seconds(5)
+/** How long a stopping runner waits for its shards to be handed over before its stop goes on. */
+const HAND_OVER_TIMEOUT = Duration.seconds(4)
 /** Sessions asked about at once by `list` (one `get_state` each to their owners). */
 const LIST_CONCURRENCY = 8
 
@@ -103,15 +106,15 @@ export const shardingSettings = (address: RunnerAddress.RunnerAddress, leaseMs: 
 })
 
 /** @effect/cluster's sharding on this runner: socket transport, storage in the store's database. */
-const shardingLayer = (settings: Partial<ShardingConfig.ShardingConfig["Type"]>, leaseMs: number): Layer.Layer<
-  Sharding.Sharding | Runners.Runners | ShardingConfig.ShardingConfig,
+const shardingLayer = (address: RunnerAddress.RunnerAddress, leaseMs: number): Layer.Layer<
+  Sharding.Sharding | Runners.Runners | ShardingConfig.ShardingConfig | Leave.Leave,
   never,
   SqlClient.SqlClient | WorkerPool
 > =>
   Layer.unwrapEffect(Effect.sync(() => {
     // @effect/cluster's SocketRunner.layer, but over connections closed when their runner
     // leaves the ring and does not answer (transport.ts).
-    const transport = Transport.make()
+    const transport = Transport.make(address)
     return RunnerServer.layer.pipe(
       Layer.provideMerge(Sharding.layer),
       Layer.provideMerge(transport.closingUnavailable(Runners.layerRpc)),
@@ -122,11 +125,12 @@ const shardingLayer = (settings: Partial<ShardingConfig.ShardingConfig["Type"]>,
   })).pipe(
     // Their tables are made at start: runners that start together on a new store race for them.
     Layer.provide(retryingSchemaRace(SqlMessageStorage.layerWith({ prefix: TABLE_PREFIX }))),
-    // Its lock refreshes timed for the fence (fence.ts).
-    Layer.provide(Fence.layer(leaseMs).pipe(
+    // Its lock refreshes timed for the fence (fence.ts); able to leave at a graceful stop (leave.ts).
+    Layer.provideMerge(Leave.layer(address).pipe(
+      Layer.provide(Fence.layer(leaseMs)),
       Layer.provide(Layer.orDie(retryingSchemaRace(SqlRunnerStorage.layerWith({ prefix: TABLE_PREFIX }))))
     )),
-    Layer.provideMerge(ShardingConfig.layer(settings)),
+    Layer.provideMerge(ShardingConfig.layer(shardingSettings(address, leaseMs))),
     Layer.provide(RpcSerialization.layerMsgPack),
     // A runner port already taken (SocketServerError) stops the start as a defect: exit 1 with
     // the error in the log. (A typed start error with its own message is still to do.)
@@ -144,9 +148,11 @@ const entityLayer = (self: string) =>
     Effect.gen(function*() {
       const local = yield* SessionManager
       const tails = yield* LogTail
+      const stopping = yield* Leave.Leave
       const id: string = (yield* CurrentAddress).entityId
-      // Its clients attached here go on reading through this runner's log tail.
-      yield* Effect.addFinalizer(() => local.evict(id, tails.handOver(id)))
+      // Its clients attached here go on reading through this runner's log tail; not when this
+      // runner stops (they are told `daemon_closing`, and the tails stop with it).
+      yield* Effect.addFinalizer(() => local.evict(id, stopping.leaving() ? undefined : tails.handOver(id)))
       yield* local.adopt(id)
       const withRunner = (s: SessionSummary): SessionSummary => ({ ...s, runner: self })
       const run = (command: any): Effect.Effect<unknown, CommandError> => {
@@ -177,7 +183,18 @@ const entityLayer = (self: string) =>
         }
       }
       return SessionEntity.of({
-        Command: (envelope) => Effect.mapError(run(envelope.payload.command), toRemote),
+        Command: (envelope) =>
+          Effect.mapError(run(envelope.payload.command), (e) =>
+            // Sent by another runner's client to this runner, which is stopping: the session
+            // moves to another runner, where the command can be sent again.
+            toRemote(
+              e.code === "shutting_down"
+                ? new CommandError({
+                  code: "internal",
+                  message: `Session \`${id}\` is moving to another runner (its runner ${self} is stopping): send the command again.`
+                })
+                : e
+            )),
         Activate: () => Effect.void
       })
     }),
@@ -209,7 +226,7 @@ export const layer: Layer.Layer<
     const router = Layer.scoped(SessionManager, makeRouter(self, leaseMs))
     return router.pipe(
       Layer.provide(entityLayer(self)),
-      Layer.provideMerge(shardingLayer(shardingSettings(address, leaseMs), leaseMs))
+      Layer.provideMerge(shardingLayer(address, leaseMs))
     )
   }))
 
@@ -221,6 +238,7 @@ const makeRouter = (self: string, leaseMs: number) =>
     const sharding = yield* Sharding.Sharding
     const client = yield* SessionEntity.client
     const tails = yield* LogTail
+    const leaving = yield* Leave.Leave
 
     const shardOf = (id: string) => sharding.getShardId(EntityId.make(id), SessionEntity.getShardGroup(EntityId.make(id)))
     /** Whether this runner runs the session now: it holds the session and its shard's lock. */
@@ -285,7 +303,7 @@ const makeRouter = (self: string, leaseMs: number) =>
         // What a lost shard's entities did not take with them (their scope evicts them first).
         yield* Effect.forEach(
           ids.filter((id) => lostSet.has(shardOf(id).id) && local.holds(id)),
-          (id) => local.evict(id, tails.handOver(id)),
+          (id) => local.evict(id, leaving.leaving() ? undefined : tails.handOver(id)),
           { discard: true }
         )
         yield* Effect.forEach(
@@ -351,6 +369,21 @@ const makeRouter = (self: string, leaseMs: number) =>
     const summaryOfOwner = (id: string): Effect.Effect<SessionSummary, CommandError> =>
       route(id, Effect.map(local.getState(id), withRunner), { type: "get_state", activeSessionId: id })
 
+    /**
+     * Once every shard this runner held when it left is let go of (its sessions evicted), its
+     * locks are released at once (leave.ts). Bounded: past it, the sharding's own close releases
+     * them, as before.
+     */
+    const handedOver = Effect.suspend(() => {
+      const holding = allShards.filter((shard) => sharding.hasShardId(shard)).length
+      return Effect.sleep(WATCH_INTERVAL).pipe(
+        Effect.repeat({ until: () => leaving.released() >= holding && allShards.every((shard) => !sharding.hasShardId(shard)) }),
+        Effect.zipRight(leaving.releaseAll),
+        Effect.timeout(HAND_OVER_TIMEOUT),
+        Effect.ignore
+      )
+    })
+
     /** This runner's sessions: a session of a shard it just lost is its new owner's to list. */
     const listMine = Effect.map(
       local.list,
@@ -359,6 +392,13 @@ const makeRouter = (self: string, leaseMs: number) =>
 
     return SessionManager.of({
       ...local,
+      // A graceful stop: once the sessions here are settled (running turns cut `daemon_shutdown`,
+      // their idle status logged), the runner hands its shards over at once (leave.ts), while
+      // the daemon gives its clients their grace period. Also when the settling was cut short
+      // (its bound): the shards then move as after a crash, but without waiting for the lease.
+      settleForShutdown: Effect.ensuring(local.settleForShutdown, Effect.ignore(Effect.timeout(leaving.leave, STORE_READ_TIMEOUT))).pipe(
+        Effect.zipRight(handedOver)
+      ),
       create: (cmd, given) =>
         // The id is chosen here, so that the create goes to the runner that will own the session.
         forward(given ?? `s-${randomUUID()}`, cmd),

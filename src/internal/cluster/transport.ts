@@ -77,7 +77,7 @@ class Connections {
  * The client protocol to other runners and a `Runners` over it (for `Sharding`) whose
  * `onRunnerUnavailable` also closes the connections to a runner that does not answer a ping.
  */
-export const make = (): {
+export const make = (self: RunnerAddress.RunnerAddress): {
   readonly clientProtocol: Layer.Layer<Runners.RpcClientProtocol, never, RpcSerialization.RpcSerialization>
   readonly closingUnavailable: <E, R>(runners: Layer.Layer<Runners.Runners, E, R>) => Layer.Layer<Runners.Runners, E, R>
 } => {
@@ -103,7 +103,8 @@ export const make = (): {
         return Runners.Runners.of({
           ...inner,
           onRunnerUnavailable: (address) =>
-            Effect.zipRight(
+            // This runner itself, leaving at its graceful stop (leave.ts): nothing to close.
+            keyOf(address) === keyOf(self) ? inner.onRunnerUnavailable(address) : Effect.zipRight(
               inner.onRunnerUnavailable(address),
               // Beside the cluster's sync loop, which calls this: the ping may take its timeout.
               inner.ping(address).pipe(
