@@ -289,6 +289,12 @@ export class WorkerPool extends Context.Tag("agentd/WorkerPool")<WorkerPool, {
    * Optional: a pool without spares need not have it.
    */
   readonly holdSpare?: Effect.Effect<void, never, Scope.Scope>
+  /**
+   * A fence: entering it SIGKILLs every worker given to a session, and every acquisition waits
+   * until the scope closes (a worker that was starting meanwhile is not handed over). A cluster
+   * runner's self-fence (docs/cluster.md section 5). Optional.
+   */
+  readonly fence?: Effect.Effect<void, never, Scope.Scope>
 }>() {}
 
 /** The longest a restore holds the next spare's start (a worker wedged in its restore would hold it for ever). */
@@ -474,7 +480,25 @@ export const make = (options: WorkerPoolOptions = {}) =>
     )
     startSpare()
 
-    const acquire = (activeSessionId: string, env?: Readonly<Record<string, string>>) =>
+    /** Fences up (see `fence`): while any is, no worker is handed to a session. */
+    let fences = 0
+    const unfenced = Effect.unsafeMakeLatch(true)
+
+    const acquire = (activeSessionId: string, env?: Readonly<Record<string, string>>): Effect.Effect<WorkerProcess, WorkerSpawnError> =>
+      Effect.gen(function*() {
+        yield* unfenced.await
+        const worker = yield* acquireUnfenced(env)
+        // Checked and handed over in one step: a fence coming up later kills it with the others.
+        if (fences > 0) {
+          yield* worker.stop(0)
+          return yield* acquire(activeSessionId, env)
+        }
+        worker.activeSessionId = activeSessionId
+        if (crashed.delete(activeSessionId)) Metrics.count(Metrics.workerRestarts)
+        return worker
+      })
+
+    const acquireUnfenced = (env?: Readonly<Record<string, string>>) =>
       Effect.gen(function*() {
         let worker: WorkerProcess | undefined
         if (env === undefined && spare !== undefined) {
@@ -494,10 +518,21 @@ export const make = (options: WorkerPoolOptions = {}) =>
           }
         }
         if (worker === undefined) worker = yield* startLimited(env)
-        worker.activeSessionId = activeSessionId
-        if (crashed.delete(activeSessionId)) Metrics.count(Metrics.workerRestarts)
         return worker
       })
+
+    const fence: Effect.Effect<void, never, Scope.Scope> = Effect.acquireRelease(
+      Effect.sync(() => {
+        fences++
+        unfenced.unsafeClose()
+        for (const worker of workers) if (worker.activeSessionId !== undefined) worker.kill()
+      }),
+      () =>
+        Effect.sync(() => {
+          fences--
+          if (fences === 0) unfenced.unsafeOpen()
+        })
+    )
 
     const holdSpare: Effect.Effect<void, never, Scope.Scope> = Effect.asVoid(Effect.acquireRelease(
       Effect.sync(() => {
@@ -523,7 +558,8 @@ export const make = (options: WorkerPoolOptions = {}) =>
     return WorkerPool.of({
       acquire,
       live: Effect.sync(() => [...workers]),
-      holdSpare
+      holdSpare,
+      fence
     })
   })
 

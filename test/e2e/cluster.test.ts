@@ -211,10 +211,11 @@ describePg("serve --cluster: two runners over one PostgreSQL store", () => {
     await victim.sigkill()
     let state: Msg
     for (;;) {
-      const r = await cs.request({ type: "get_state", activeSessionId: id }, 30_000)
+      // A get_state sent to the dead owner waits until its shard is reassigned: the lease.
+      const r = await cs.request({ type: "get_state", activeSessionId: id }, LEASE_MS + 30_000)
       state = r["data"] ?? {}
       if (state["runner"] === addressOf.get(survivor) && state["worker"] === "ready" && state["busy"] === false) break
-      if (Date.now() - killedAt > 60_000) throw new Error(`no failover after 60 s: ${JSON.stringify(r)}`)
+      if (Date.now() - killedAt > LEASE_MS + 60_000) throw new Error(`no failover after ${LEASE_MS / 1000 + 60} s: ${JSON.stringify(r)}`)
       await sleep(100)
     }
     const failoverMs = Date.now() - killedAt
@@ -236,5 +237,5 @@ describePg("serve --cluster: two runners over one PostgreSQL store", () => {
     const turn = await collectTurn(cs, id, 20_000)
     expect(turn.filter(isEvent("message_end")).map((m) => m["event"]["message"]["content"])).toEqual(["after the failover", "echo: after the failover"])
     expect(cursorGap(cs.sequenced(id))).toBeUndefined()
-  }, 90_000)
+  }, 90_000 + LEASE_MS * 2)
 })

@@ -241,20 +241,35 @@ describePg("serve --cluster: three runners, a runner SIGKILLed, restarted, and a
     await (await cluster.clientOf(cluster.live()[0]!)).ok({ type: "prompt", activeSessionId: long, message: "/sleep 120000" }, 30_000)
     await f.waitFor(isEvent("tool_execution_start"), mark)
     const moves: Array<string> = []
-    for (const runner of [...cluster.runners]) {
+    // The long turn's owner first: its hand-over is measured (SIGTERM to the session ready on another runner).
+    const owner = await ownerOf(long)
+    const order = [...cluster.runners].sort((a, b) => Number(b.address === owner) - Number(a.address === owner))
+    for (const runner of order) {
+      // Not asked anything by the helpers while it stops (its socket goes away).
+      runner.cut = true
       const t0 = Date.now()
+      const handedOver = runner.address === owner
+        ? cluster.until(long, (s) => s["runner"] !== owner && s["busy"] === false && ["ready", "passivated"].includes(s["worker"]), 90_000)
+          .then(() => Date.now() - t0)
+        : undefined
       const stopped = await runner.daemon.stop("SIGTERM", 60_000)
       expect(stopped.code, runner.daemon.output).toBe(0)
+      if (handedOver !== undefined) {
+        log(`SIGTERM of the long turn's owner: stopped after ${Date.now() - t0} ms, its session ready on another runner after ${await handedOver} ms (lease ${LEASE_MS} ms)`)
+      }
       await cluster.settled(2)
       await cluster.restart(runner)
+      runner.cut = false
       await cluster.settled(3)
       for (const id of sessions) await followers.get(id)!.follow()
       moves.push(`${runner.address} ${Date.now() - t0} ms`)
     }
     log(`rolling restart, each runner stopped and back with the cluster settled: ${moves.join(", ")}`)
-    // The long turn was cut when its runner stopped (the graceful stop hands nothing over yet).
+    // The long turn was cut when its runner stopped, as a graceful stop cuts it.
     const interrupted = await f.waitFor(isEvent("turn_interrupted"), mark)
-    expect(["daemon_restarted", "daemon_shutdown"]).toContain(interrupted["event"]["reason"])
+    expect(interrupted["event"]).toEqual({ type: "turn_interrupted", reason: "daemon_shutdown" })
+    // Once: its new owner found it idle, and cut nothing more.
+    expect(f.sequenced.slice(mark).filter(isEvent("turn_interrupted")).length).toBe(1)
     await allReady()
     await turnOnEach("after the rolling restart")
     // The probes in flight are waited for, so that each is counted answered or not.

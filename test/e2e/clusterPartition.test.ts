@@ -5,8 +5,9 @@
  * database and the other runners only through that link. While it owns sessions mid-turn, the
  * link is taken down:
  *
- * - the cut runner must notice (its shard lock refresh fails), drop its shards and SIGKILL its
- *   workers before another runner starts a worker for those sessions: the worker census
+ * - the cut runner must fence itself (no lock refresh for half the lease, on its own clock) and
+ *   SIGKILL its workers, before its cluster notices the refresh failing and before another runner
+ *   starts a worker for those sessions: the worker census
  *   (test/support/workerCensus.ts, /proc every 20 ms) must never see a session on two live
  *   workers;
  * - PostgreSQL must free the cut runner's advisory locks (server keepalives) so that the others
@@ -35,6 +36,10 @@ cleanUpAfterTests()
 
 const LEASE_MS = Number(process.env["AGENTD_TEST_CLUSTER_LEASE_MS"] ?? 6000)
 const PG_SCRIPT = path.join(PROJECT_ROOT, "scripts", "pg-test-server.sh")
+/** The cut runner's log line when its fence comes up (src/internal/cluster/fence.ts). */
+const FENCE_UP = /no shard lock refresh succeeded for \d+ ms/
+/** How late, at most, past the fence's time the workers may be seen dead (a timer fired late, the kill, the reaping). */
+const FENCE_LATE_MS = 1_000
 const log = (line: string) => process.stderr.write(`[clusterPartition] ${line}\n`)
 
 const unavailable = netnsUnavailable()
@@ -131,6 +136,15 @@ const body = () => {
     await watchWorkers
     log(`lease ${LEASE_MS} ms: the cut runner's workers gone ${workersGoneMs} ms after the cut; its sessions ready elsewhere after ${failover.join(", ")} ms`)
     expect(oldWorkers.filter(isAlive)).toEqual([])
+    // Its fence killed them (half the lease after its last good refresh, so at most half the
+    // lease after the cut, on its own clock), before its cluster's refresh timed out.
+    const cutLog = cut.daemon.stderr
+    const fenced = cutLog.search(FENCE_UP)
+    expect(fenced, "the cut runner's fence came up").toBeGreaterThanOrEqual(0)
+    const unhealthy = cutLog.indexOf("Shard lock storage is unhealthy")
+    if (unhealthy >= 0) expect(fenced, "the fence before the cluster's own reaction").toBeLessThan(unhealthy)
+    expect(workersGoneMs).toBeLessThan(LEASE_MS / 2 + FENCE_LATE_MS)
+    for (const r of c.runners) if (r !== cut && FENCE_UP.test(r.daemon.stderr)) log(`runner ${r.address}, not cut, fenced itself (a refresh late at this load)`)
     expect(census.doubles, census.summary()).toEqual([])
     // The census saw the victims' workers (a check that sees none would pass vacuously).
     for (const id of victims) expect(census.seen.get(workerTitleKey(id))?.size ?? 0, `workers of ${id} in /proc`).toBeGreaterThan(0)

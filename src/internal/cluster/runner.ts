@@ -26,11 +26,12 @@ import * as Runners from "@effect/cluster/Runners"
 import * as Sharding from "@effect/cluster/Sharding"
 import * as ShardingConfig from "@effect/cluster/ShardingConfig"
 import * as ShardId from "@effect/cluster/ShardId"
-import * as SocketRunner from "@effect/cluster/SocketRunner"
+import * as RunnerServer from "@effect/cluster/RunnerServer"
 import * as SqlMessageStorage from "@effect/cluster/SqlMessageStorage"
 import * as SqlRunnerStorage from "@effect/cluster/SqlRunnerStorage"
 import * as NodeClusterSocket from "@effect/platform-node/NodeClusterSocket"
 import * as RpcSerialization from "@effect/rpc/RpcSerialization"
+import * as RpcServer from "@effect/rpc/RpcServer"
 import * as SqlClient from "@effect/sql/SqlClient"
 import * as Cause from "effect/Cause"
 import * as Duration from "effect/Duration"
@@ -43,10 +44,14 @@ import { DaemonConfig } from "../../DaemonConfig.js"
 import type { CommandOf, SessionSummary } from "../../Protocol.js"
 import { CommandError, SessionManager } from "../../SessionManager.js"
 import { listingId, SessionStore } from "../../SessionStore.js"
+import { WorkerPool } from "../../WorkerPool.js"
 import { parseListen } from "../http/listen.js"
 import { retrySchemaRace, retryingSchemaRace } from "../postgres/store.js"
 import { RemoteCommandError, SessionEntity } from "./entity.js"
+import * as Fence from "./fence.js"
+import * as Leave from "./leave.js"
 import { LogTail } from "./logTail.js"
+import * as Transport from "./transport.js"
 
 /** The prefix of @effect/cluster's tables in the store (`agentd_cluster_runners`, `_messages`, `_replies`). */
 export const TABLE_PREFIX = "agentd_cluster"
@@ -70,6 +75,8 @@ const SET_ENV = "agentd/set_env"
 const FORWARD_TIMEOUT = Duration.seconds(45)
 /** How long `status` and `list` wait for the store before answering with what this runner knows. */
 const STORE_READ_TIMEOUT = Duration.seconds(5)
+/** How long a stopping runner waits for its shards to be handed over before its stop goes on. */
+const HAND_OVER_TIMEOUT = Duration.seconds(4)
 /** Sessions asked about at once by `list` (one `get_state` each to their owners). */
 const LIST_CONCURRENCY = 8
 
@@ -100,18 +107,31 @@ export const shardingSettings = (address: RunnerAddress.RunnerAddress, leaseMs: 
 })
 
 /** @effect/cluster's sharding on this runner: socket transport, storage in the store's database. */
-const shardingLayer = (settings: Partial<ShardingConfig.ShardingConfig["Type"]>): Layer.Layer<
-  Sharding.Sharding | Runners.Runners | ShardingConfig.ShardingConfig,
+const shardingLayer = (address: RunnerAddress.RunnerAddress, leaseMs: number): Layer.Layer<
+  Sharding.Sharding | Runners.Runners | ShardingConfig.ShardingConfig | Leave.Leave,
   never,
-  SqlClient.SqlClient
+  SqlClient.SqlClient | WorkerPool
 > =>
-  SocketRunner.layer.pipe(
-    Layer.provide([NodeClusterSocket.layerSocketServer, NodeClusterSocket.layerClientProtocol]),
-    Layer.provide(RunnerHealth.layerPing.pipe(Layer.provide(Runners.layerRpc), Layer.provide(NodeClusterSocket.layerClientProtocol))),
+  Layer.unwrapEffect(Effect.sync(() => {
+    // @effect/cluster's SocketRunner.layer, but over connections closed when their runner
+    // leaves the ring and does not answer (transport.ts).
+    const transport = Transport.make(address)
+    return RunnerServer.layer.pipe(
+      Layer.provideMerge(Sharding.layer),
+      Layer.provideMerge(transport.closingUnavailable(Runners.layerRpc)),
+      Layer.provide(RpcServer.layerProtocolSocketServer),
+      Layer.provide([NodeClusterSocket.layerSocketServer, transport.clientProtocol]),
+      Layer.provide(RunnerHealth.layerPing.pipe(Layer.provide(Runners.layerRpc), Layer.provide(transport.clientProtocol)))
+    )
+  })).pipe(
     // Their tables are made at start: runners that start together on a new store race for them.
     Layer.provide(retryingSchemaRace(SqlMessageStorage.layerWith({ prefix: TABLE_PREFIX }))),
-    Layer.provide(Layer.orDie(retryingSchemaRace(SqlRunnerStorage.layerWith({ prefix: TABLE_PREFIX })))),
-    Layer.provideMerge(ShardingConfig.layer(settings)),
+    // Its lock refreshes timed for the fence (fence.ts); able to leave at a graceful stop (leave.ts).
+    Layer.provideMerge(Leave.layer(address).pipe(
+      Layer.provide(Fence.layer(leaseMs)),
+      Layer.provide(Layer.orDie(retryingSchemaRace(SqlRunnerStorage.layerWith({ prefix: TABLE_PREFIX }))))
+    )),
+    Layer.provideMerge(ShardingConfig.layer(shardingSettings(address, leaseMs))),
     Layer.provide(RpcSerialization.layerMsgPack),
     // A runner port already taken (SocketServerError) stops the start as a defect: exit 1 with
     // the error in the log. (A typed start error with its own message is still to do.)
@@ -129,9 +149,11 @@ const entityLayer = (self: string) =>
     Effect.gen(function*() {
       const local = yield* SessionManager
       const tails = yield* LogTail
+      const stopping = yield* Leave.Leave
       const id: string = (yield* CurrentAddress).entityId
-      // Its clients attached here go on reading through this runner's log tail.
-      yield* Effect.addFinalizer(() => local.evict(id, tails.handOver(id)))
+      // Its clients attached here go on reading through this runner's log tail; not when this
+      // runner stops (they are told `daemon_closing`, and the tails stop with it).
+      yield* Effect.addFinalizer(() => local.evict(id, stopping.leaving() ? undefined : tails.handOver(id)))
       yield* local.adopt(id)
       const withRunner = (s: SessionSummary): SessionSummary => ({ ...s, runner: self })
       const run = (command: any): Effect.Effect<unknown, CommandError> => {
@@ -162,7 +184,18 @@ const entityLayer = (self: string) =>
         }
       }
       return SessionEntity.of({
-        Command: (envelope) => Effect.mapError(run(envelope.payload.command), toRemote),
+        Command: (envelope) =>
+          Effect.mapError(run(envelope.payload.command), (e) =>
+            // Sent by another runner's client to this runner, which is stopping: the session
+            // moves to another runner, where the command can be sent again.
+            toRemote(
+              e.code === "shutting_down"
+                ? new CommandError({
+                  code: "internal",
+                  message: `Session \`${id}\` is moving to another runner (its runner ${self} is stopping): send the command again.`
+                })
+                : e
+            )),
         Activate: () => Effect.void
       })
     }),
@@ -181,7 +214,11 @@ interface RunnerRow {
  * The runner: sharding, the entity, the watcher, and the routing SessionManager over the local
  * one (which it takes from its context, built to load no session at start).
  */
-export const layer: Layer.Layer<SessionManager, never, SessionManager | SessionStore | SqlClient.SqlClient | DaemonConfig | LogTail> = Layer
+export const layer: Layer.Layer<
+  SessionManager,
+  never,
+  SessionManager | SessionStore | SqlClient.SqlClient | DaemonConfig | LogTail | WorkerPool
+> = Layer
   .unwrapEffect(Effect.gen(function*() {
     const config = yield* DaemonConfig
     const address = runnerAddressOf(config.runnerAddress)
@@ -190,7 +227,7 @@ export const layer: Layer.Layer<SessionManager, never, SessionManager | SessionS
     const router = Layer.scoped(SessionManager, makeRouter(self, leaseMs))
     return router.pipe(
       Layer.provide(entityLayer(self)),
-      Layer.provideMerge(shardingLayer(shardingSettings(address, leaseMs)))
+      Layer.provideMerge(shardingLayer(address, leaseMs))
     )
   }))
 
@@ -202,6 +239,7 @@ const makeRouter = (self: string, leaseMs: number) =>
     const sharding = yield* Sharding.Sharding
     const client = yield* SessionEntity.client
     const tails = yield* LogTail
+    const leaving = yield* Leave.Leave
 
     const shardOf = (id: string) => sharding.getShardId(EntityId.make(id), SessionEntity.getShardGroup(EntityId.make(id)))
     /** Whether this runner runs the session now: it holds the session and its shard's lock. */
@@ -273,6 +311,7 @@ const makeRouter = (self: string, leaseMs: number) =>
       const lost = [...held].filter((s) => !now.has(s))
       held = now
       if (gained.length > 0 || lost.length > 0) {
+        yield* Effect.logInfo(`cluster: holds ${now.size} shards (${gained.length} gained, ${lost.length} lost)`)
         // Bounded: a runner cut off from PostgreSQL lists its own sessions only.
         const listings = yield* Effect.orElseSucceed(Effect.timeout(store.list(), STORE_READ_TIMEOUT), () => [])
         const ids = listings.map(listingId)
@@ -281,7 +320,7 @@ const makeRouter = (self: string, leaseMs: number) =>
         // What a lost shard's entities did not take with them (their scope evicts them first).
         yield* Effect.forEach(
           ids.filter((id) => lostSet.has(shardOf(id).id) && local.holds(id)),
-          (id) => local.evict(id, tails.handOver(id)),
+          (id) => local.evict(id, leaving.leaving() ? undefined : tails.handOver(id)),
           { discard: true }
         )
         yield* Effect.forEach(
@@ -347,6 +386,21 @@ const makeRouter = (self: string, leaseMs: number) =>
     const summaryOfOwner = (id: string): Effect.Effect<SessionSummary, CommandError> =>
       route(id, Effect.map(local.getState(id), withRunner), { type: "get_state", activeSessionId: id })
 
+    /**
+     * Once every shard this runner held when it left is let go of (its sessions evicted), its
+     * locks are released at once (leave.ts). Bounded: past it, the sharding's own close releases
+     * them, as before.
+     */
+    const handedOver = Effect.suspend(() => {
+      const holding = allShards.filter((shard) => sharding.hasShardId(shard)).length
+      return Effect.sleep(WATCH_INTERVAL).pipe(
+        Effect.repeat({ until: () => leaving.released() >= holding && allShards.every((shard) => !sharding.hasShardId(shard)) }),
+        Effect.zipRight(leaving.releaseAll),
+        Effect.timeout(HAND_OVER_TIMEOUT),
+        Effect.ignore
+      )
+    })
+
     /** This runner's sessions: a session of a shard it just lost is its new owner's to list. */
     const listMine = Effect.map(
       local.list,
@@ -355,6 +409,13 @@ const makeRouter = (self: string, leaseMs: number) =>
 
     return SessionManager.of({
       ...local,
+      // A graceful stop: once the sessions here are settled (running turns cut `daemon_shutdown`,
+      // their idle status logged), the runner hands its shards over at once (leave.ts), while
+      // the daemon gives its clients their grace period. Also when the settling was cut short
+      // (its bound): the shards then move as after a crash, but without waiting for the lease.
+      settleForShutdown: Effect.ensuring(local.settleForShutdown, Effect.ignore(Effect.timeout(leaving.leave, STORE_READ_TIMEOUT))).pipe(
+        Effect.zipRight(handedOver)
+      ),
       create: (cmd, given) =>
         // The id is chosen here, so that the create goes to the runner that will own the session.
         forward(given ?? `s-${randomUUID()}`, cmd),
