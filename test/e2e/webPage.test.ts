@@ -228,7 +228,9 @@ describeBrowser("the web page (e2e, chromium)", () => {
   })
 
   it("a reload mid-stream resumes with no duplicated and no missing text", async () => {
-    const id = await create({ config: { tokenDelayMs: 40 } })
+    // A 5 s turn: the reload must land while it still streams (at load 9 in CI a reload and
+    // its re-attach outlasted a 2 s turn, and the page, rightly, had nothing left to stream).
+    const id = await create({ config: { tokenDelayMs: 100 } })
     await idle(id)
     await openSession(page, id)
     await page.fill("#prompt", words(50, "r"))
