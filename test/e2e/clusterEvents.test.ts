@@ -17,6 +17,7 @@
  *    last cursor), no gap, no duplicate. An attach's `launchEnv` through the non-owner reaches
  *    the owner's next worker. The new runner SIGKILLed: the sessions come back to the runner
  *    that wrote them before (which must read their logs again) and take turns, contiguous.
+ *    Then that runner stops at a SIGTERM (its clients still on the tails its hand-over opened).
  *
  * One cluster for the file. Needs `npm run build` first, and PostgreSQL (test/support/postgres.ts).
  */
@@ -337,5 +338,13 @@ describePg("serve --cluster: attach and event reads through a runner that does n
       expect(turn.filter(isEvent("message_end")).map((m) => m["event"]["message"]["content"])).toEqual([`back ${id}`, `echo: back ${id}`])
       expect(cursorGap(watch.sequenced(id)), id).toBeUndefined()
     }
+
+    // B stops at a SIGTERM, its clients still following the moved sessions through the log
+    // tails its hand-over opened when C joined. Before, those tails, started in the entity's
+    // finalizer, could not be interrupted, and B's stop never ended (docs/cluster.md section 9).
+    const t0 = Date.now()
+    const stopped = await b.stop("SIGTERM", 30_000)
+    expect(stopped.code, b.output).toBe(0)
+    process.stderr.write(`[clusterEvents] SIGTERM of a runner with clients on its log tails: exited after ${Date.now() - t0} ms\n`)
   }, 200_000)
 })

@@ -443,7 +443,9 @@ export const make = (url: string) =>
         followers.set(id, f)
         byKey.set(key, f)
         sessions.set(id, s)
-        yield* FiberSet.run(s.fibers, tail(f))
+        // Interruptible whoever opens it: a hand-over opens it in an entity's finalizer, where a
+        // fork would inherit the finalizer's uninterruptibility and the tail would never stop.
+        yield* FiberSet.run(s.fibers, Effect.interruptible(tail(f)))
         return f
       })
 
@@ -527,13 +529,21 @@ export const make = (url: string) =>
           for (const a of [...(connections.get(connectionId)?.values() ?? [])]) delivery.detachAttachment(a)
         }),
       attachedCount: (connectionId) => connections.get(connectionId)?.size ?? 0,
+      // Called from the finalizer of the session's entity, which runs uninterruptibly: made
+      // interruptible here, so that its bound can cut it, and so that the deliveries it starts
+      // (forks inherit their parent's interruptibility) stop when their follower is dropped.
+      // Uninterruptible, a follower opened here could never be dropped: its tail went on for
+      // ever, and the runner's stop waited for it (a SIGTERMed runner that did not exit).
       handOver: (id) => (list) =>
         Effect.gen(function*() {
           const f = yield* followerOf(id, Effect.fail(new CommandError({ code: "internal", message: "the session is moving" })))
           for (const from of list) {
-            if (!from.outbox.isClosed) yield* FiberSet.run(f.session.fibers, delivery.continueAttachment(f.session, from))
+            if (!from.outbox.isClosed) {
+              yield* FiberSet.run(f.session.fibers, Effect.interruptible(delivery.continueAttachment(f.session, from)))
+            }
           }
         }).pipe(
+          Effect.interruptible,
           // Not for long: the runner may be stopping (its clients' connections close then).
           Effect.timeout(HANDOVER_TIMEOUT),
           Effect.catchAllCause((cause) => Effect.logWarning(`session ${id}: its clients could not be handed to the log tail`, cause))
