@@ -29,7 +29,7 @@ import { Outbox } from "./internal/outbox.js"
 import * as Metrics from "./Metrics.js"
 import { LineDecoder, type LineItem } from "./JsonLines.js"
 import * as Protocol from "./Protocol.js"
-import { CommandError, CommandTakesEffect, SessionManager, SupervisorInfo } from "./SessionManager.js"
+import { CommandError, CommandTakesEffect, internalOfCause, SessionManager, SupervisorInfo } from "./SessionManager.js"
 
 /** The version this daemon reports in `daemon_hello`. */
 export const APP_VERSION = "0.1.0"
@@ -295,14 +295,7 @@ export const make = Effect.gen(function*() {
                   `command ${command.type} of ${clientId} ${interrupted ? "was interrupted" : "died"}`,
                   cause
                 )
-                return Either.left(
-                  new CommandError({
-                    code: "internal",
-                    message: interrupted
-                      ? "Internal error: the command was interrupted before it was answered (it may have run)."
-                      : `Internal error: ${String(Cause.squash(cause))}`
-                  })
-                )
+                return Either.left(internalOfCause(cause))
               })
             )
           )

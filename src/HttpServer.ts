@@ -56,7 +56,7 @@ import { StreamPort } from "./internal/http/port.js"
 import * as Security from "./internal/http/security.js"
 import { readOrCreateToken, tokenMatches } from "./internal/http/token.js"
 import * as Protocol from "./Protocol.js"
-import { CommandError, SessionManager, SupervisorInfo } from "./SessionManager.js"
+import { CommandError, internalOfCause, SessionManager, SupervisorInfo } from "./SessionManager.js"
 import { SnapshotCache } from "./SnapshotCache.js"
 
 /** The HTTP front could not start (a bad address, a refused bind, the port in use). */
@@ -276,15 +276,7 @@ export const make = Effect.gen(function*() {
       effect.pipe(Effect.catchAllCause((cause) =>
         Option.match(Cause.failureOption(cause), {
           onSome: Effect.fail,
-          onNone: () =>
-            Effect.fail(
-            new CommandError({
-              code: "internal",
-              message: Cause.isInterruptedOnly(cause)
-                ? "Internal error: the command was interrupted before it was answered (it may have run)."
-                : `Internal error: ${scrub(String(Cause.squash(cause)))}`
-            })
-          )
+          onNone: () => Effect.fail(internalOfCause(cause, scrub))
         })
       )),
       fromCommandError

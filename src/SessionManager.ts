@@ -69,7 +69,7 @@ import { SnapshotCache } from "./SnapshotCache.js"
 import * as StateLayout from "./StateLayout.js"
 import { defaultRestartPolicy, WorkerPool } from "./WorkerPool.js"
 
-export { CommandError } from "./internal/session/session.js"
+export { CommandError, internalOfCause } from "./internal/session/session.js"
 export { CommandTakesEffect } from "./internal/session/mailbox.js"
 
 /**

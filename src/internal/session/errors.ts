@@ -7,6 +7,7 @@
  *
  * Owns: the core's error types and the one mapping of them to wire codes.
  */
+import * as Cause from "effect/Cause"
 import * as Data from "effect/Data"
 import type { ErrorCode } from "../../Protocol.js"
 
@@ -15,6 +16,20 @@ export class CommandError extends Data.TaggedError("CommandError")<{
   readonly code: ErrorCode
   readonly message: string
 }> {}
+
+/**
+ * The wire error of a command that ended without one: it died, or someone else than its caller
+ * interrupted it (a cluster owner that lost the session mid-command). Both doors (the socket
+ * server, the HTTP front) answer it rather than let the cause end the connection or request;
+ * `describe` shapes a defect's text (the HTTP front scrubs its token out of it).
+ */
+export const internalOfCause = (cause: Cause.Cause<unknown>, describe: (text: string) => string = (text) => text): CommandError =>
+  new CommandError({
+    code: "internal",
+    message: Cause.isInterruptedOnly(cause)
+      ? "Internal error: the command was interrupted before it was answered (it may have run)."
+      : `Internal error: ${describe(String(Cause.squash(cause)))}`
+  })
 
 export class SessionNotFound extends Data.TaggedError("SessionNotFound")<{ readonly activeSessionId: string; readonly message: string }> {}
 /** A prompt while another holds the session (reserved, or its turn running). */

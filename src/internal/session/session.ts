@@ -48,7 +48,7 @@ export const PUBLISH_BATCH_BYTES = 256 * 1024
 /** More than the readers of one session's baseline at any one time. */
 export const READ_GATE_PERMITS = 1_000_000
 
-export { CommandError, failed, internal, notFound } from "./errors.js"
+export { CommandError, failed, internal, internalOfCause, notFound } from "./errors.js"
 
 /**
  * The event log or the recovery journal could not be written (ENOSPC, EFBIG, EMFILE, EIO,
