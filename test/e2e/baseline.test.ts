@@ -23,17 +23,23 @@ import {
 
 cleanUpAfterTests()
 
-// 40 MB by default: well past the 16 MiB line limit and several checkpoints deep, which is what the
-// tests need; AGENTD_BASELINE_TURNS=10 makes the 100 MB session of the protocol's examples.
-const TURNS = Number(process.env["AGENTD_BASELINE_TURNS"] ?? 4)
-const BULK = 10_485_760
+// What the tests need is a baseline well past the line limit and several checkpoints deep. By
+// default the daemon's limits are cut to a quarter (a 4 MiB line, a checkpoint every 2 MiB) and the
+// session is 4 turns of 2.5 MB: the same shape as the protocol's 40 MB example at a quarter of the
+// time. AGENTD_BASELINE_TURNS=N runs the full size on the default limits (N turns of 10 MB; 10
+// makes the 100 MB session of the protocol's examples).
+const FULL = process.env["AGENTD_BASELINE_TURNS"] !== undefined
+const TURNS = FULL ? Number(process.env["AGENTD_BASELINE_TURNS"]) : 4
+const BULK = FULL ? 10_485_760 : 2_621_440
+const LINE_LIMIT = FULL ? 16 * 1024 * 1024 : 4 * 1024 * 1024
+const LIMITS = FULL ? {} : { AGENTD_MAX_LINE_BYTES: String(LINE_LIMIT), AGENTD_CHECKPOINT_BYTES: String(2 * 1024 * 1024) }
 
-/** A message as the test compares it (its 10 MB content by length and first bytes). */
+/** A message as the test compares it (its large content by length and first bytes). */
 const brief = (m: Msg) => `${m["id"]}:${m["role"]}:${String(m["content"]).length}:${String(m["content"]).slice(0, 20)}`
 
 describe("large baselines", () => {
-  it(`a ${TURNS * 10} MB baseline goes to a client without chunked_snapshot as frames; a chunked snapshot cut off at its middle chunk resumes from there`, async () => {
-    const d = await useDaemon()
+  it(`a ${(TURNS * BULK / 1e6).toFixed(0)} MB baseline goes to a client without chunked_snapshot as frames; a chunked snapshot cut off at its middle chunk resumes from there`, async () => {
+    const d = await useDaemon({ env: LIMITS })
     const ctl = await d.connect("ctl")
     const { id } = await createSession(ctl)
     await attachAndReplay(ctl, { activeSessionId: id, capabilities: ["event_sequence", "slim_attach"] })
@@ -64,7 +70,7 @@ describe("large baselines", () => {
     const fromFrames = frames.filter((m) => m["type"] === "session_snapshot_chunk").flatMap((m) => m["messages"] as Array<Msg>)
     const fromEvents = replayed.filter((m) => m["event"]?.type === "message_end").map((m) => m["event"]["message"] as Msg)
     expect([...fromFrames, ...fromEvents].map(brief)).toEqual(transcript)
-    expect(Math.max(...plain.received().map((m) => plain.lineBytes.get(m) ?? 0))).toBeLessThanOrEqual(16 * 1024 * 1024)
+    expect(Math.max(...plain.received().map((m) => plain.lineBytes.get(m) ?? 0))).toBeLessThanOrEqual(LINE_LIMIT)
     plain.close()
 
     // A chunked attach cut off in the middle of its snapshot.
@@ -72,7 +78,7 @@ describe("large baselines", () => {
     const attachId = first.sendCommand({ type: "attach", activeSessionId: id, capabilities: ["chunked_snapshot", "event_sequence"] })
     const begin = await first.waitFor((m) => m["type"] === "session_snapshot_begin", 30_000, "session_snapshot_begin")
     const snapshotId = begin["snapshotId"] as string
-    // Every message travels alone here (a 10 MB one is past the 512 KiB target, and a prompt
+    // Every message travels alone here (a 2.5 MB one is past the 512 KiB target, and a prompt
     // does not fit beside it): one chunk per message.
     const messageCount = (await first.response(attachId, 30_000))["data"]["snapshotStream"]["messageCount"] as number
     expect(messageCount).toBeGreaterThan(2)
