@@ -32,12 +32,50 @@ import * as StateLayout from "./StateLayout.js"
 export type EventData = { readonly [key: string]: unknown }
 
 /**
- * An event its caller already serialized: `json` must be the text of one JSON object. The file
- * layer writes it as it is, unchecked, so that a caller holding an event's JSON (the supervisor,
- * which receives events as JSON from its workers) does not parse and serialize it again.
+ * An event its caller already serialized: its text (`json`, or `parts` joined) must be the text
+ * of one JSON object. The file layer writes it as it is, unchecked, so that a caller holding an
+ * event's JSON (the supervisor, which receives events as JSON from its workers) does not parse
+ * and serialize it again.
+ *
+ * The text may come in parts (a worker's event between the head and tail the supervisor adds),
+ * which the file layer writes one after the other and never joins: a joined text is a new string
+ * of the whole event, which V8 allocates and copies at each write, and for a large event (a 16 MB
+ * message) that copy was most of what the daemon spent on it.
  */
 export class EncodedEvent {
-  constructor(readonly json: string) {}
+  readonly parts: ReadonlyArray<string>
+  private joined: string | undefined
+
+  constructor(text: string | ReadonlyArray<string>) {
+    this.parts = typeof text === "string" ? [text] : text
+    if (typeof text === "string") this.joined = text
+  }
+
+  /** The whole text, joined on first use (by the stores that keep it as one string). */
+  get json(): string {
+    return (this.joined ??= this.parts.join(""))
+  }
+
+  /** Whether the text starts with `prefix` (read across the parts, without joining them). */
+  startsWith(prefix: string): boolean {
+    let at = 0
+    for (const part of this.parts) {
+      const n = Math.min(part.length, prefix.length - at)
+      if (!part.startsWith(prefix.slice(at, at + n))) return false
+      at += n
+      if (at === prefix.length) return true
+    }
+    return false
+  }
+
+  /** The UTF-8 code unit at `index` of the text (NaN past its end), without joining the parts. */
+  charCodeAt(index: number): number {
+    for (const part of this.parts) {
+      if (index < part.length) return part.charCodeAt(index)
+      index -= part.length
+    }
+    return NaN
+  }
 }
 
 /** One logged event with the cursor the log assigned to it. */

@@ -138,10 +138,10 @@ const TURN_ENDS = ['{"type":"session_event","event":{"type":"agent_end"', '{"typ
 const turnEdge = (event: EventData | EncodedEvent): "start" | "end" | undefined => {
   if (event instanceof EncodedEvent) {
     // Most events are neither (message_update...): told by one character, before any prefix.
-    const first = event.json.charCodeAt(EVENT_TYPE_AT)
+    const first = event.charCodeAt(EVENT_TYPE_AT)
     if (first !== 0x61 /* a */ && first !== 0x74 /* t */) return undefined
-    if (event.json.startsWith(TURN_START)) return "start"
-    return TURN_ENDS.some((p) => event.json.startsWith(p)) ? "end" : undefined
+    if (event.startsWith(TURN_START)) return "start"
+    return TURN_ENDS.some((p) => event.startsWith(p)) ? "end" : undefined
   }
   const inner = event["type"] === "session_event" ? (event["event"] as { readonly type?: unknown } | undefined)?.type : undefined
   return inner === "agent_start" ? "start" : inner === "agent_end" || inner === "turn_interrupted" ? "end" : undefined

@@ -661,6 +661,44 @@ describe("EventLog (file only)", () => {
       }))
     }))
 
+  it.scoped("a read after a cursor of the current generation starts near it, not at the segment's start; a cursor reads exactly what follows it", () =>
+    Effect.gen(function*() {
+      const root = yield* tempDir
+      yield* withLog(root, Effect.gen(function*() {
+        const log = yield* EventLog.EventLog
+        // Batches of random sizes (one write each), events of random sizes, some past a read chunk.
+        let i = 0
+        const random = (n: number) => Math.floor(Math.random() * n)
+        while (i < 100) {
+          const batch = range(1 + random(20)).map(() => ({ i: i++, pad: "p".repeat(random(10) === 0 ? 70_000 : random(300)) }))
+          yield* log.appendAll("s", batch)
+        }
+        const all = cursors(yield* readAll("s"))
+        // Around every mark (one per 16 sequences), and a few anywhere.
+        const around = range(i).filter((k) => [0, 1, 15].includes(k % 16) || random(10) === 0)
+        for (const k of around) {
+          assert.deepStrictEqual(cursors(yield* readAll("s", Cursor.make(1, k))), all.slice(k + 1), `after 1:${k}`)
+        }
+      }))
+      // A line break taken out of record 3 on disk: a read that starts at the segment's start
+      // counts lines and fails there, one that starts at a later mark never sees it.
+      const file = segment(root, "s", 1)
+      const text = fs.readFileSync(file, "utf8")
+      const third = text.indexOf("\n{\"cursor\":{\"generation\":1,\"sequence\":3}")
+      fs.writeFileSync(file, `${text.slice(0, third)} ${text.slice(third + 1)}`)
+      yield* withLog(root, Effect.gen(function*() {
+        const log = yield* EventLog.EventLog
+        // Reopened, the handle has no marks for what an earlier process wrote: read from the start.
+        assert.strictEqual((yield* Effect.flip(readAll("s", Cursor.make(1, 40)))).reason, "Corrupt")
+        const written = yield* log.appendAll("s", range(40).map((n) => ({ n })))
+        // Written by this handle: the marks after its first write are there (a read after the
+        // last cursor but one starts at the mark before it).
+        const last = written.at(-1)!.sequence
+        assert.deepStrictEqual(cursors(yield* readAll("s", Cursor.make(1, last - 1))), [`1:${last}`])
+        assert.strictEqual((yield* Effect.flip(readAll("s", Cursor.make(1, 2)))).reason, "Corrupt")
+      }))
+    }))
+
   it.scoped("prune deletes the files; remove can archive the directory", () =>
     Effect.gen(function*() {
       const root = yield* tempDir

@@ -46,6 +46,9 @@ export const putBytes = (bytes: Uint8Array): void => {
   used += bytes.length
 }
 
+/** How many bytes were written since `begin`. */
+export const size = (): number => used
+
 /** The bytes written since `begin`, in a buffer of their own; ends the batch. */
 export const take = (): Buffer => {
   const out = Buffer.allocUnsafe(used)

@@ -67,7 +67,8 @@ export const warmUpEventPath = (rounds: number): Effect.Effect<number> =>
       Utf8Batch.take()
       Utf8Batch.begin()
       messages.forEach((m, i) => {
-        Utf8Batch.put(m.open)
+        Utf8Batch.put(m.head)
+        Utf8Batch.put(m.body)
         Utf8Batch.put(wireLineTail(sessionJson, cursors[i]!, emittedAt, false))
       })
       wireBytes += Utf8Batch.take().length

@@ -15,29 +15,34 @@ export type LoggedBody =
 
 /**
  * A sequenced message before it has a cursor: the JSON text of its {@link LoggedBody} without
- * the closing brace. It is built once and is the start of both its log record and its wire line,
- * so an agent event is serialized once, by the worker, and never parsed on the live path.
+ * the closing brace, `head` then `body`. It is built once and is the start of both its log
+ * record and its wire line, so an agent event is serialized once, by the worker, and never
+ * parsed on the live path. The two parts are written one after the other, never joined: the
+ * body of an agent event is a slice of its worker's frame, and a joined string would be a new
+ * copy of the whole event at each write (see EncodedEvent).
  */
 export interface Outgoing {
-  readonly open: string
+  readonly head: string
+  readonly body: string
   /** For a `session_event`, the agent event's type. */
   readonly eventType?: string
 }
 
+const EVENT_HEAD = `{"type":"session_event","event":`
+
 /** A worker's event, from its JSON text. */
-export const eventMessage = (eventType: string, eventJson: string): Outgoing => ({
-  open: `{"type":"session_event","event":${eventJson}`,
-  eventType
-})
+export const eventMessage = (eventType: string, eventJson: string): Outgoing => ({ head: EVENT_HEAD, body: eventJson, eventType })
 
 /** A message the supervisor makes itself (status, closed, an interruption it reports). */
 export const bodyMessage = (body: LoggedBody): Outgoing => {
   const json = JSON.stringify(body)
-  return body.type === "session_event" ? { open: json.slice(0, -1), eventType: body.event.type } : { open: json.slice(0, -1) }
+  return body.type === "session_event"
+    ? { head: "", body: json.slice(0, -1), eventType: body.event.type }
+    : { head: "", body: json.slice(0, -1) }
 }
 
 /** The log record of a message: its body and when it was emitted (`emittedAt` last). */
-export const logged = (m: Outgoing, emittedAt: number) => new EncodedEvent(`${m.open},"emittedAt":${emittedAt}}`)
+export const logged = (m: Outgoing, emittedAt: number) => new EncodedEvent([m.head, m.body, `,"emittedAt":${emittedAt}}`])
 
 const EMITTED_AT = `,"emittedAt":`
 

@@ -21,8 +21,8 @@ import * as FiberId from "effect/FiberId"
 import * as FiberSet from "effect/FiberSet"
 import type * as Scope from "effect/Scope"
 import * as Cursor from "../../Cursor.js"
-import type { EncodedEvent, EventData, EventLogError } from "../../EventLog.js"
-import { fail, serialize } from "./records.js"
+import { type EncodedEvent, type EventData, EventLogError } from "../../EventLog.js"
+import { type EventText, fail, serialize } from "./records.js"
 
 /** One queued write: an event with its assigned cursor, or the start of a generation. */
 export type Op =
@@ -30,7 +30,7 @@ export type Op =
     readonly _tag: "Append"
     readonly cursor: Cursor.Cursor
     /** The event's JSON text. */
-    readonly json: string
+    readonly json: EventText
     readonly resume: (result: Effect.Effect<Cursor.Cursor, EventLogError>) => void
   }
   | {
@@ -213,7 +213,7 @@ export const make = <H extends QueueHandle>(
       Effect.async<Cursor.Cursor, EventLogError>((resume) => {
         if (h.dead !== undefined) return resume(Effect.fail(h.dead))
         const json = serialize(sessionId, event)
-        if (typeof json !== "string") return resume(Effect.fail(json))
+        if (json instanceof EventLogError) return resume(Effect.fail(json))
         const cursor = h.next
         h.next = Cursor.next(cursor)
         h.queue.push({ _tag: "Append", cursor, json, resume })
@@ -232,7 +232,7 @@ export const make = <H extends QueueHandle>(
     }
 
     /** Assigns the cursors and queues the ops in one synchronous step, then waits for the last. */
-    const queueAll = (h: H, jsons: ReadonlyArray<string>) =>
+    const queueAll = (h: H, jsons: ReadonlyArray<EventText>) =>
       Effect.async<ReadonlyArray<Cursor.Cursor>, EventLogError>((resume) => {
         if (h.dead !== undefined) return resume(Effect.fail(h.dead))
         // Queued in one synchronous step, so the ops are consecutive in one batch and one write:
@@ -262,10 +262,10 @@ export const make = <H extends QueueHandle>(
     ): Effect.Effect<ReadonlyArray<Cursor.Cursor>, EventLogError> => {
       if (refuse !== undefined) return Effect.fail(refuse(sessionId))
       if (events.length === 0) return Effect.succeed([])
-      const jsons: Array<string> = []
+      const jsons: Array<EventText> = []
       for (const event of events) {
         const json = serialize(sessionId, event)
-        if (typeof json !== "string") return Effect.fail(json)
+        if (json instanceof EventLogError) return Effect.fail(json)
         jsons.push(json)
       }
       const h = handles.get(sessionId)

@@ -22,9 +22,15 @@ import {
 export const fail = (reason: EventLogErrorReason, sessionId: string, message: string, cause?: unknown) =>
   new EventLogError(cause === undefined ? { reason, sessionId, message } : { reason, sessionId, message, cause })
 
+/** An event's JSON text: one string, or an {@link EncodedEvent}'s parts (never joined to be written). */
+export type EventText = string | EncodedEvent
+
+/** The text as one string (for the stores that keep strings). */
+export const textOf = (text: EventText): string => (typeof text === "string" ? text : text.json)
+
 /** The event as JSON text, or why it cannot be logged (an EncodedEvent is trusted as it is). */
-export const serialize = (sessionId: string, event: EventData | EncodedEvent): string | EventLogError => {
-  if (event instanceof EncodedEvent) return event.json
+export const serialize = (sessionId: string, event: EventData | EncodedEvent): EventText | EventLogError => {
+  if (event instanceof EncodedEvent) return event
   if (typeof event !== "object" || event === null || Array.isArray(event)) {
     return fail("InvalidEvent", sessionId, "an event must be a JSON object")
   }
@@ -48,7 +54,7 @@ export const serializeChecked = (sessionId: string, event: EventData | EncodedEv
       if (!isRecord(value)) return Effect.fail(fail("InvalidEvent", sessionId, "an event must be a JSON object"))
     }
     const json = serialize(sessionId, event)
-    return typeof json === "string" ? Effect.succeed(json) : Effect.fail(json)
+    return json instanceof EventLogError ? Effect.fail(json) : Effect.succeed(textOf(json))
   })
 
 /** A record line up to its event, built by hand: cursors are plain integers. */
@@ -59,8 +65,12 @@ export const recordOpen = (cursor: Cursor.Cursor): string =>
 export const recordLine = (cursor: Cursor.Cursor, eventJson: string): string => `${recordOpen(cursor)}${eventJson}}\n`
 
 /** The bytes {@link recordLine} takes, without building it (the prefix is ASCII). */
-export const recordBytes = (cursor: Cursor.Cursor, eventJson: string): number =>
-  Buffer.byteLength(eventJson, "utf8") + recordOpen(cursor).length + 2
+export const recordBytes = (cursor: Cursor.Cursor, eventJson: EventText): number => {
+  let bytes = recordOpen(cursor).length + 2
+  if (typeof eventJson === "string") return bytes + Buffer.byteLength(eventJson, "utf8")
+  for (const part of eventJson.parts) bytes += Buffer.byteLength(part, "utf8")
+  return bytes
+}
 
 export const isCursor = (u: unknown): u is Cursor.Cursor =>
   isRecord(u) && Number.isSafeInteger(u["generation"]) && (u["generation"] as number) >= 1 &&

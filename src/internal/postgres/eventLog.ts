@@ -26,7 +26,7 @@ import * as Stream from "effect/Stream"
 import * as Cursor from "../../Cursor.js"
 import { EventLogError, type EventLogService, type EventLogStatus, type EventRecord, sanitizeSessionId } from "../../EventLog.js"
 import * as AppendQueue from "../eventLog/appendQueue.js"
-import { checkReadable, fail, makeService, recordBytes } from "../eventLog/records.js"
+import { checkReadable, fail, makeService, recordBytes, textOf } from "../eventLog/records.js"
 
 const sqlFail = (sessionId: string, what: string) => (cause: SqlError) =>
   fail("Io", sessionId, `${what}: ${cause.message}`, cause)
@@ -230,8 +230,9 @@ export const makeWith = (options: Options): Effect.Effect<EventLogService, never
       let text = ""
       let lengthList = ""
       for (const op of run.ops) {
-        text += op.json
-        lengthList += lengthList === "" ? String(op.json.length) : `,${op.json.length}`
+        const json = textOf(op.json)
+        text += json
+        lengthList += lengthList === "" ? String(json.length) : `,${json.length}`
       }
       lengths.push(run.ops.length === 1 ? null : lengthList)
       events.push(text)

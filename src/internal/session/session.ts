@@ -270,7 +270,8 @@ export const makeCore = (deps: CoreDeps): Core => {
       Utf8Batch.begin()
       for (let i = 0; i < messages.length; i++) {
         const m = messages[i]!
-        Utf8Batch.put(m.open)
+        Utf8Batch.put(m.head)
+        Utf8Batch.put(m.body)
         Utf8Batch.put(wireLineTail(sessionJson, cursors[i]!, emittedAt, false))
         // Counted once logged, so the count never runs ahead of what get_messages can read.
         if (m.eventType === "message_end") s.messageCount++
