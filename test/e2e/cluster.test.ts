@@ -11,7 +11,10 @@
  * 3. Failover: the owner SIGKILLed mid-turn; the session comes back `ready` on the other runner
  *    once the lease ran out, its cut turn ended `turn_interrupted {reason: "daemon_restarted"}`,
  *    its cursors contiguous with what a client saw through the dead runner, its old worker gone,
- *    and it takes a new turn. The failover time is printed.
+ *    and it takes a new turn. The failover time is printed. The cut turn's prompt was forwarded
+ *    by the survivor and its answer held by the owner (a test hook) until the kill: the cluster
+ *    sends it again, to the survivor once it owns the session, which answers it `accepted`
+ *    without a second turn (its id is in the log with the cut turn's first status).
  *
  * The two runners are shared by both tests (the second kills one). The lease is shortened for
  * the test (`AGENTD_CLUSTER_LEASE_MS`, default here 6000; `AGENTD_TEST_CLUSTER_LEASE_MS` sets
@@ -64,13 +67,13 @@ describePg("serve --cluster: two runners over one PostgreSQL store", () => {
   /** A session owned by each runner, made by the first test. */
   const ownedBy = new Map<string, string>()
 
-  const startRunner = async (url: string): Promise<{ daemon: Daemon; address: string }> => {
+  const startRunner = async (url: string, env: Record<string, string> = {}): Promise<{ daemon: Daemon; address: string }> => {
     const address = `127.0.0.1:${await freePort()}`
     const daemon = await startDaemon({
       // Kept across the tests of this block (the second kills one); afterAll cleans them up.
       shared: true,
       extraArgs: ["--store", url, "--cluster", "--runner-address", address],
-      env: { AGENTD_CLUSTER_LEASE_MS: String(LEASE_MS), AGENTD_WARM_SPARE: "0" }
+      env: { AGENTD_CLUSTER_LEASE_MS: String(LEASE_MS), AGENTD_WARM_SPARE: "0", ...env }
     })
     return { daemon, address }
   }
@@ -80,7 +83,11 @@ describePg("serve --cluster: two runners over one PostgreSQL store", () => {
     drop = store.drop
     // At the same moment, on a new store: both race to make the store's and the cluster's tables
     // (a race that one of them lost, and died of, in about one start in three before it was retried).
-    const [ra, rb] = await Promise.all([startRunner(store.url), startRunner(store.url)])
+    // B, killed by the last test, holds its answer to a forwarded prompt (see there).
+    const [ra, rb] = await Promise.all([
+      startRunner(store.url),
+      startRunner(store.url, { AGENTD_TEST_FORWARDED_PROMPT_REPLY_DELAY_MS: "120000" })
+    ])
     a = ra.daemon
     b = rb.daemon
     addressOf = new Map([[a, ra.address], [b, rb.address]])
@@ -190,7 +197,7 @@ describePg("serve --cluster: two runners over one PostgreSQL store", () => {
     for (const w of [...winners.slice(1), { id: again["activeSessionId"] as string }]) await cb.ok({ type: "kill", activeSessionId: w.id })
   }, 60_000)
 
-  it("the owner SIGKILLed mid-turn: the session comes back ready on the other runner, cursors contiguous", async () => {
+  it("the owner SIGKILLed mid-turn: the session comes back ready on the other runner, cursors contiguous; the forwarded prompt the cluster sends again starts no second turn", async () => {
     expect(ownedBy.size).toBe(2)
     const victim = b
     const survivor = a
@@ -198,9 +205,15 @@ describePg("serve --cluster: two runners over one PostgreSQL store", () => {
     const watcher = await victim.connect("owner")
     const cs = await survivor.connect("survivor")
     await attachAndReplay(watcher, { activeSessionId: id })
-    // A turn that is still running when its runner dies (a tool call that sleeps).
-    await cs.ok({ type: "prompt", activeSessionId: id, message: "/sleep 60000" })
+    // A turn that is still running when its runner dies (a tool call that sleeps), prompted
+    // through the survivor: forwarded to the owner, which holds its answer (the test hook) so
+    // that the kill breaks the connection before the answer came back. (A connection of its own:
+    // responses keep their order, and this one comes after the failover.)
+    const prompter = await survivor.connect("prompter")
+    const prompted = prompter.request({ type: "prompt", activeSessionId: id, message: "/sleep 60000" }, LEASE_MS + 60_000)
     await collectUntil(watcher, id, isEvent("tool_execution_start"), 20_000)
+    const started = watcher.sequenced(id).filter((m) => m["type"] === "session_status" && m["state"]["busy"] === true).at(-1)
+    expect(typeof started?.["promptId"], "the turn's first status carries the forwarded prompt's id").toBe("string")
     const before = await cs.ok({ type: "get_state", activeSessionId: id })
     expect(before).toMatchObject({ busy: true, runner: addressOf.get(victim) })
     const oldWorker = before["workerPid"] as number
@@ -220,6 +233,9 @@ describePg("serve --cluster: two runners over one PostgreSQL store", () => {
     }
     const failoverMs = Date.now() - killedAt
     process.stderr.write(`[cluster.test] failover (owner SIGKILL to ready on the other runner), lease ${LEASE_MS} ms: ${failoverMs} ms\n`)
+    // The prompt, sent again by the cluster to its new owner, is answered there as the turn it
+    // started: accepted, no second turn (before the fix: a second `/sleep 60000` turn, busy).
+    expect(await prompted).toMatchObject({ success: true, data: { accepted: true } })
     // The dead runner's worker is gone: the session has one live worker, the new one.
     expect(await waitGone([oldWorker], 5_000)).toEqual([])
     expect(state["workerPid"]).not.toBe(oldWorker)
@@ -231,6 +247,10 @@ describePg("serve --cluster: two runners over one PostgreSQL store", () => {
     if (!after.some(isIdleStatus)) after.push(...await collectUntil(cs, id, isIdleStatus, 20_000))
     expect(cursorGap([...seen, ...after])).toBeUndefined()
     expect(after.find(isEvent("turn_interrupted"))?.["event"]).toEqual({ type: "turn_interrupted", reason: "daemon_restarted" })
+    // A turn starts with the status busy and ready (the restore's busy ones say `recovering`).
+    const turnStarts = after.filter((m) => m["type"] === "session_status" && m["state"]["busy"] === true && m["state"]["worker"] === "ready")
+    expect(turnStarts, "no second turn").toEqual([])
+    expect((await cs.ok({ type: "get_state", activeSessionId: id }))["busy"]).toBe(false)
 
     // It takes a new turn on its new owner.
     await cs.ok({ type: "prompt", activeSessionId: id, message: "after the failover" })

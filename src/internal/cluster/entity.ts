@@ -23,7 +23,13 @@ export class RemoteCommandError extends Schema.TaggedError<RemoteCommandError>()
 export const SessionEntity = Entity.make("agentd/Session", [
   /** A session command of the wire (docs/protocol.md section 3), decoded; its answer is the response's `data`. */
   Rpc.make("Command", {
-    payload: { command: Schema.Unknown },
+    /**
+     * `id`: the forwarding runner's own id of the command (one per command, the same each time
+     * the cluster sends it again): the owner answers a command that changes the session once per
+     * id, and a prompt's id goes into the log with its turn's first status (docs/cluster.md
+     * section 3).
+     */
+    payload: { command: Schema.Unknown, id: Schema.optional(Schema.String) },
     success: Schema.Unknown,
     error: RemoteCommandError
   }),
