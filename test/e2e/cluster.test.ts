@@ -8,7 +8,11 @@
  *    runner, naming the owner (`runner`); `status` lists both runners and their shards; an
  *    attach through a non-owner answers (test/e2e/clusterEvents.test.ts: its events).
  * 2. Names: unique across the runners (two creates of one name at once through both, a rename).
- * 3. Failover: the owner SIGKILLed mid-turn; the session comes back `ready` on the other runner
+ * 3. A command sent again to the same owner: a prompt forwarded to B, whose answer B holds (a
+ *    test hook), while the connection from A to B is cut (`ss -K`, root only): the cluster sends
+ *    it again to B, which refuses the same request; A asks again with the command's id and gets
+ *    the first run's answer (before: `internal`). One turn.
+ * 4. Failover: the owner SIGKILLed mid-turn; the session comes back `ready` on the other runner
  *    once the lease ran out, its cut turn ended `turn_interrupted {reason: "daemon_restarted"}`,
  *    its cursors contiguous with what a client saw through the dead runner, its old worker gone,
  *    and it takes a new turn. The failover time is printed. The cut turn's prompt was forwarded
@@ -21,6 +25,7 @@
  * it). Needs `npm run build` first, and PostgreSQL (test/support/postgres.ts). Shard locks are
  * advisory locks of the whole database: each cluster test file has a database of its own.
  */
+import { spawnSync } from "node:child_process"
 import * as fs from "node:fs"
 import { afterAll, beforeAll, expect, it } from "vitest"
 import { describePg, freshDatabaseUrl } from "../support/postgres.js"
@@ -47,6 +52,10 @@ import { freePort } from "./httpHarness.js"
 cleanUpAfterTests()
 
 const LEASE_MS = Number(process.env["AGENTD_TEST_CLUSTER_LEASE_MS"] ?? 6000)
+/** How long runner B holds its answer to a forwarded prompt once its turn started (the test hook). */
+const HOLD_MS = 6000
+/** `ss -K` closes sockets (root, a kernel with SOCK_DESTROY). */
+const canKillSockets = process.getuid?.() === 0 && spawnSync("ss", ["-V"]).status === 0
 
 it("--cluster without a PostgreSQL store exits 2 with a clear message, before the state dir is touched", async () => {
   const stateDir = freshStateDir()
@@ -86,7 +95,7 @@ describePg("serve --cluster: two runners over one PostgreSQL store", () => {
     // B, killed by the last test, holds its answer to a forwarded prompt (see there).
     const [ra, rb] = await Promise.all([
       startRunner(store.url),
-      startRunner(store.url, { AGENTD_TEST_FORWARDED_PROMPT_REPLY_DELAY_MS: "120000" })
+      startRunner(store.url, { AGENTD_TEST_FORWARDED_PROMPT_REPLY_DELAY_MS: String(HOLD_MS) })
     ])
     a = ra.daemon
     b = rb.daemon
@@ -197,6 +206,24 @@ describePg("serve --cluster: two runners over one PostgreSQL store", () => {
     for (const w of [...winners.slice(1), { id: again["activeSessionId"] as string }]) await cb.ok({ type: "kill", activeSessionId: w.id })
   }, 60_000)
 
+  it.skipIf(!canKillSockets)("a prompt sent again to the same owner (the connection to it cut while it holds the answer) is answered once, with one turn", async () => {
+    const owner = addressOf.get(b)!
+    const id = ownedBy.get(owner)!
+    const ca = await a.connect("A resend")
+    const watcher = await b.connect("owner resend")
+    await attachAndReplay(watcher, { activeSessionId: id })
+    const message = "sent again to the same owner"
+    const answer = ca.request({ type: "prompt", activeSessionId: id, message }, 60_000)
+    // B started the turn (and holds its answer): cut A's connections to B's runner port.
+    await collectTurn(watcher, id, 20_000)
+    const cut = spawnSync("ss", ["-K", "dst", "127.0.0.1", "dport", "=", owner.split(":")[1]!], { encoding: "utf8" })
+    expect(cut.status, cut.stderr).toBe(0)
+    expect(cut.stdout.split("\n").filter((l) => l.startsWith("tcp")).length, `A had a connection to B: ${cut.stdout}`).toBeGreaterThan(0)
+    expect(await answer, "the first run's answer, not internal").toMatchObject({ success: true, data: { accepted: true } })
+    const page = await ca.ok({ type: "get_messages", activeSessionId: id })
+    expect(page["messages"].filter((m: Msg) => m["content"] === message).length, "one turn").toBe(1)
+  }, 60_000)
+
   it("the owner SIGKILLed mid-turn: the session comes back ready on the other runner, cursors contiguous; the forwarded prompt the cluster sends again starts no second turn", async () => {
     expect(ownedBy.size).toBe(2)
     const victim = b
@@ -211,6 +238,8 @@ describePg("serve --cluster: two runners over one PostgreSQL store", () => {
     // responses keep their order, and this one comes after the failover.)
     const prompter = await survivor.connect("prompter")
     const prompted = prompter.request({ type: "prompt", activeSessionId: id, message: "/sleep 60000" }, LEASE_MS + 60_000)
+    let answeredBeforeKill = false
+    void prompted.then(() => (answeredBeforeKill = true), () => undefined)
     await collectUntil(watcher, id, isEvent("tool_execution_start"), 20_000)
     const started = watcher.sequenced(id).filter((m) => m["type"] === "session_status" && m["state"]["busy"] === true).at(-1)
     expect(typeof started?.["promptId"], "the turn's first status carries the forwarded prompt's id").toBe("string")
@@ -220,6 +249,8 @@ describePg("serve --cluster: two runners over one PostgreSQL store", () => {
     const seen = watcher.sequenced(id)
     const lastSeen = cursorOf(seen[seen.length - 1]!)
 
+    // Else the cluster had nothing to send again (the hold was too short for this machine's load).
+    expect(answeredBeforeKill, "the owner answered the prompt before it was killed").toBe(false)
     const killedAt = Date.now()
     await victim.sigkill()
     let state: Msg
