@@ -19,6 +19,10 @@
  *    by the survivor and its answer held by the owner (a test hook) until the kill: the cluster
  *    sends it again, to the survivor once it owns the session, which answers it `accepted`
  *    without a second turn (its id is in the log with the cut turn's first status).
+ * 5. A runner whose stop cannot end (made to hang at its start, uninterruptibly, as a stuck
+ *    finalizer did: a test hook on A) SIGTERMed with a turn running: it exits 1 once its stop's
+ *    bound (4 s here) has passed, saying where its stop was, and leaves no worker (they were
+ *    still running: it killed them).
  *
  * The two runners are shared by both tests (the second kills one). The lease is shortened for
  * the test (`AGENTD_CLUSTER_LEASE_MS`, default here 6000; `AGENTD_TEST_CLUSTER_LEASE_MS` sets
@@ -54,6 +58,8 @@ cleanUpAfterTests()
 const LEASE_MS = Number(process.env["AGENTD_TEST_CLUSTER_LEASE_MS"] ?? 6000)
 /** How long runner B holds its answer to a forwarded prompt once its turn started (the test hook). */
 const HOLD_MS = 6000
+/** Runner A's bound on its stop (its stop is made to hang). */
+const STOP_BOUND_MS = 4000
 /** `ss -K` closes sockets (root, a kernel with SOCK_DESTROY). */
 const canKillSockets = process.getuid?.() === 0 && spawnSync("ss", ["-V"]).status === 0
 
@@ -93,8 +99,9 @@ describePg("serve --cluster: two runners over one PostgreSQL store", () => {
     // At the same moment, on a new store: both race to make the store's and the cluster's tables
     // (a race that one of them lost, and died of, in about one start in three before it was retried).
     // B, killed by the last test, holds its answer to a forwarded prompt (see there).
+    // A's stop hangs (the last test), bounded at STOP_BOUND_MS.
     const [ra, rb] = await Promise.all([
-      startRunner(store.url),
+      startRunner(store.url, { AGENTD_TEST_HANG_STOP: "1", AGENTD_CLUSTER_STOP_TIMEOUT_MS: String(STOP_BOUND_MS) }),
       startRunner(store.url, { AGENTD_TEST_FORWARDED_PROMPT_REPLY_DELAY_MS: String(HOLD_MS) })
     ])
     a = ra.daemon
@@ -289,4 +296,24 @@ describePg("serve --cluster: two runners over one PostgreSQL store", () => {
     expect(turn.filter(isEvent("message_end")).map((m) => m["event"]["message"]["content"])).toEqual(["after the failover", "echo: after the failover"])
     expect(cursorGap(cs.sequenced(id))).toBeUndefined()
   }, 90_000 + LEASE_MS * 2)
+
+  it("a runner whose stop cannot end exits 1 once its bound passed, with no worker left", async () => {
+    const ca = await a.connect("A stop")
+    const { id } = await createSession(ca)
+    await attachAndReplay(ca, { activeSessionId: id })
+    await ca.ok({ type: "prompt", activeSessionId: id, message: "/sleep 60000" })
+    await collectUntil(ca, id, isEvent("tool_execution_start"), 20_000)
+    const workers = a.workerProcesses()
+    expect(workers.length).toBeGreaterThan(0)
+    const signalled = Date.now()
+    const exit = await a.stop("SIGTERM", STOP_BOUND_MS + 20_000)
+    const tookMs = Date.now() - signalled
+    process.stderr.write(`[cluster.test] a hanging stop: exit ${exit.code} after ${tookMs} ms (bound ${STOP_BOUND_MS} ms)\n`)
+    expect(exit.code, a.output).toBe(1)
+    expect(tookMs).toBeGreaterThanOrEqual(STOP_BOUND_MS)
+    expect(a.stderr.slice(-2000)).toMatch(/the runner's stop did not end within 4000 ms \(its last step: settling its sessions\): [1-9]\d* worker\(s\) SIGKILLed; still open: /)
+    // Its workers were killed before it exited, as a SIGKILLed runner's are gone.
+    expect(await waitGone(workers, 2_000)).toEqual([])
+    expect(a.workerProcesses()).toEqual([])
+  }, 60_000)
 })

@@ -54,6 +54,7 @@ import { retrySchemaRace, retryingSchemaRace } from "../postgres/store.js"
 import { RemoteCommandError, SessionEntity } from "./entity.js"
 import * as Fence from "./fence.js"
 import * as Leave from "./leave.js"
+import * as StopBound from "./stopBound.js"
 import { LogTail } from "./logTail.js"
 import * as Transport from "./transport.js"
 
@@ -79,6 +80,8 @@ const SET_ENV = "agentd/set_env"
 const FORWARD_TIMEOUT = Duration.seconds(45)
 /** How long `status` and `list` wait for the store before answering with what this runner knows. */
 const STORE_READ_TIMEOUT = Duration.seconds(5)
+/** A runner's stop is bounded by the clients' grace period plus this (unless configured). */
+const STOP_MARGIN = Duration.seconds(30)
 /** How long a stopping runner waits for its shards to be handed over before its stop goes on. */
 const HAND_OVER_TIMEOUT = Duration.seconds(4)
 /** Commands an owner answers once per id (see the entity's `answerOnce`); the others only read. */
@@ -95,6 +98,12 @@ const replyDelay = Effect.suspend(() => {
   const ms = Number(process.env["AGENTD_TEST_FORWARDED_PROMPT_REPLY_DELAY_MS"] ?? 0)
   return ms > 0 ? Effect.sleep(Duration.millis(ms)) : Effect.void
 })
+/**
+ * Test only: a stop that never ends, its workers still running (test/e2e/cluster.test.ts), as a
+ * stuck finalizer hung a stopping runner (uninterruptible, as a finalizer is: no bound of a step
+ * cuts it).
+ */
+const hangForTest = Effect.suspend(() => (process.env["AGENTD_TEST_HANG_STOP"] === "1" ? Effect.uninterruptible(Effect.never) : Effect.void))
 /** Sessions asked about at once by `list` (one `get_state` each to their owners). */
 const LIST_CONCURRENCY = 8
 
@@ -292,6 +301,10 @@ const makeRouter = (self: string, leaseMs: number) =>
     const client = yield* SessionEntity.client
     const tails = yield* LogTail
     const leaving = yield* Leave.Leave
+    const config = yield* DaemonConfig
+    const stopBound = yield* StopBound.make(config.clusterStopTimeoutMs ?? config.shutdownGraceMs + Duration.toMillis(STOP_MARGIN))
+    // Run first (finalizers run last added first): the daemon's own steps are done, the layers close.
+    yield* Effect.addFinalizer(() => Effect.sync(() => stopBound.reached("closing the cluster's layers (the router, the sharding, the store)")))
 
     const shardOf = (id: string) => sharding.getShardId(EntityId.make(id), SessionEntity.getShardGroup(EntityId.make(id)))
     /** Whether this runner runs the session now: it holds the session and its shard's lock. */
@@ -479,8 +492,20 @@ const makeRouter = (self: string, leaseMs: number) =>
       // their idle status logged), the runner hands its shards over at once (leave.ts), while
       // the daemon gives its clients their grace period. Also when the settling was cut short
       // (its bound): the shards then move as after a crash, but without waiting for the lease.
-      settleForShutdown: Effect.ensuring(local.settleForShutdown, Effect.ignore(Effect.timeout(leaving.leave, STORE_READ_TIMEOUT))).pipe(
-        Effect.zipRight(handedOver)
+      // The whole stop is bounded from here (stopBound.ts).
+      settleForShutdown: Effect.zipRight(
+        stopBound.arm,
+        Effect.zipRight(hangForTest, Effect.ensuring(
+          local.settleForShutdown,
+          Effect.suspend(() => {
+            stopBound.reached("leaving the cluster")
+            return Effect.ignore(Effect.timeout(leaving.leave, STORE_READ_TIMEOUT))
+          })
+        ))
+      ).pipe(
+        Effect.tap(() => Effect.sync(() => stopBound.reached("handing its shards over"))),
+        Effect.zipRight(handedOver),
+        Effect.tap(() => Effect.sync(() => stopBound.reached("its clients' grace period")))
       ),
       create: (cmd, given) =>
         // The id is chosen here, so that the create goes to the runner that will own the session.
