@@ -155,7 +155,7 @@ const shardingLayer = (address: RunnerAddress.RunnerAddress, leaseMs: number): L
     Layer.provide(retryingSchemaRace(SqlMessageStorage.layerWith({ prefix: TABLE_PREFIX }))),
     // Its lock refreshes timed for the fence (fence.ts); able to leave at a graceful stop (leave.ts).
     Layer.provideMerge(Leave.layer(address).pipe(
-      Layer.provide(Fence.layer(leaseMs)),
+      Layer.provide(Fence.layer(leaseMs, `${address.host}:${address.port}`, `${TABLE_PREFIX}_runners`)),
       Layer.provide(Layer.orDie(retryingSchemaRace(SqlRunnerStorage.layerWith({ prefix: TABLE_PREFIX }))))
     )),
     Layer.provideMerge(ShardingConfig.layer(shardingSettings(address, leaseMs))),
