@@ -21,7 +21,7 @@
  *    without a second turn (its id is in the log with the cut turn's first status).
  * 5. A runner whose stop cannot end (made to hang at its start, uninterruptibly, as a stuck
  *    finalizer did: a test hook on A) SIGTERMed with a turn running: it exits 1 once its stop's
- *    bound (4 s here) has passed, saying where its stop was, and leaves no worker (they were
+ *    bound (2 s here) has passed, saying where its stop was, and leaves no worker (they were
  *    still running: it killed them).
  *
  * The two runners are shared by both tests (the second kills one). The lease is shortened for
@@ -59,7 +59,7 @@ const LEASE_MS = Number(process.env["AGENTD_TEST_CLUSTER_LEASE_MS"] ?? 6000)
 /** How long runner B holds its answer to a forwarded prompt once its turn started (the test hook). */
 const HOLD_MS = 6000
 /** Runner A's bound on its stop (its stop is made to hang). */
-const STOP_BOUND_MS = 4000
+const STOP_BOUND_MS = 2000
 /** `ss -K` closes sockets (root, a kernel with SOCK_DESTROY). */
 const canKillSockets = process.getuid?.() === 0 && spawnSync("ss", ["-V"]).status === 0
 
@@ -311,7 +311,7 @@ describePg("serve --cluster: two runners over one PostgreSQL store", () => {
     process.stderr.write(`[cluster.test] a hanging stop: exit ${exit.code} after ${tookMs} ms (bound ${STOP_BOUND_MS} ms)\n`)
     expect(exit.code, a.output).toBe(1)
     expect(tookMs).toBeGreaterThanOrEqual(STOP_BOUND_MS)
-    expect(a.stderr.slice(-2000)).toMatch(/the runner's stop did not end within 4000 ms \(its last step: settling its sessions\): [1-9]\d* worker\(s\) SIGKILLed; still open: /)
+    expect(a.stderr.slice(-2000)).toMatch(/the runner's stop did not end within 2000 ms \(its last step: settling its sessions\): [1-9]\d* worker\(s\) SIGKILLed; still open: /)
     // Its workers were killed before it exited, as a SIGKILLed runner's are gone.
     expect(await waitGone(workers, 2_000)).toEqual([])
     expect(a.workerProcesses()).toEqual([])
