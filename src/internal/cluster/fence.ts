@@ -11,6 +11,9 @@
  * from the *start* of the last refresh that succeeded: the heartbeat it wrote was written after
  * that start, so the others cannot count this runner dead before that start plus the lease.
  * Killing at half the lease leaves the other half for the kill and for a timer that fires late.
+ * A refresh that is late (queued on the lock connection, or slow under load) is backed by a
+ * probe that writes the heartbeat on another connection (`probing`): its success counts as a
+ * refresh's, so a late refresh alone no longer kills the workers of a runner that is not cut off.
  *
  * Owns: the start time of the last refresh that succeeded, and whether the fence is up.
  */
