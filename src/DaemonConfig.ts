@@ -85,6 +85,11 @@ export interface DaemonConfigShape {
    * 35000): the refresh runs every third of it, and a dead runner's shards move once it passed.
    */
   readonly clusterLeaseMs?: number | undefined
+  /**
+   * The bound on a runner's graceful stop (`AGENTD_CLUSTER_STOP_TIMEOUT_MS`, default the clients'
+   * grace period plus 30 s): past it the runner kills its workers and exits 1 (docs/cluster.md).
+   */
+  readonly clusterStopTimeoutMs?: number | undefined
 }
 
 /** The configuration of the running daemon. */
@@ -165,7 +170,8 @@ export const settings: Config.Config<Partial<DaemonConfigShape>> = Config.all({
   runnerAddress: Config.option(Config.string("AGENTD_RUNNER_ADDRESS").pipe(
     Config.validate({ message: "must be HOST:PORT, e.g. 10.0.0.5:34431", validation: (value) => typeof parseListen(value) !== "string" })
   )),
-  clusterLeaseMs: count("AGENTD_CLUSTER_LEASE_MS", 300)
+  clusterLeaseMs: count("AGENTD_CLUSTER_LEASE_MS", 300),
+  clusterStopTimeoutMs: count("AGENTD_CLUSTER_STOP_TIMEOUT_MS", 1000)
 }).pipe(Config.map((all) => {
   const out: Record<string, unknown> = {}
   for (const [key, value] of Object.entries(all) as Array<[string, Option.Option<unknown>]>) {

@@ -343,6 +343,8 @@ export const SessionEvent = Tagged("session_event", {
 export const SessionStatus = Tagged("session_status", {
   activeSessionId: Schema.String,
   state: SessionSummary,
+  /** Cluster mode only: on the status that starts the turn of a prompt one runner forwarded to the owner, that prompt's id. */
+  promptId: optional(Schema.String),
   meta: EventMeta
 })
 export const SessionClosed = Tagged("session_closed", {

@@ -58,7 +58,7 @@ import { makeNames } from "./internal/session/names.js"
 import type { Input } from "./internal/session/mailbox.js"
 import * as Transition from "./internal/session/transition.js"
 import { type CoreError, metaWriteFailed, toCommandError } from "./internal/session/errors.js"
-import { CommandError, internal, isClosed, makeCore, newHandles, notFound, READ_GATE_PERMITS, type Session } from "./internal/session/session.js"
+import { CommandError, internal, isClosed, makeCore, newHandles, notFound, READ_GATE_PERMITS, rememberPrompt, type Session } from "./internal/session/session.js"
 import * as WorkerSlots from "./internal/session/workerSlots.js"
 import { makeSupervisor } from "./internal/session/supervisor.js"
 import type * as Protocol from "./Protocol.js"
@@ -130,6 +130,7 @@ type SessionStart = Pick<
   | "rewriteGeneration"
   | "launchEnv"
   | "clientEnv"
+  | "startedPrompts"
 >
 
 /** The sessions of this daemon. */
@@ -148,7 +149,12 @@ export class SessionManager extends Context.Tag("agentd/SessionManager")<Session
   readonly detachAll: (connectionId: string) => Effect.Effect<void>
   /** How many sessions a connection is attached to. */
   readonly attachedCount: (connectionId: string) => number
-  readonly prompt: (cmd: CommandOf<"prompt">) => Effect.Effect<{ accepted: true }, CommandError>
+  /**
+   * `promptId`: a prompt forwarded by a cluster runner, which may send it again (docs/cluster.md
+   * section 3): once a turn of it started, here or on the session's previous owner (its first
+   * status, logged, carries the id), it is answered `accepted` again and starts no other turn.
+   */
+  readonly prompt: (cmd: CommandOf<"prompt">, promptId?: string) => Effect.Effect<{ accepted: true }, CommandError>
   readonly abort: (cmd: CommandOf<"abort">) => Effect.Effect<{ aborted: boolean }, CommandError>
   readonly getState: (activeSessionId: string) => Effect.Effect<SessionSummary, CommandError>
   readonly getMessages: (cmd: CommandOf<"get_messages">) => Effect.Effect<{ messages: ReadonlyArray<AgentMessage>; total: number }, CommandError>
@@ -267,6 +273,7 @@ export const make = Effect.gen(function*() {
         clientEnv: undefined,
         sessionFile: undefined,
         rewriteGeneration: undefined,
+        startedPrompts: [],
         ...from,
         attachments: new Set(),
         publishLock: yield* Effect.makeSemaphore(1),
@@ -389,7 +396,8 @@ export const make = Effect.gen(function*() {
         snapshotCursor: undefined,
         rewriteGeneration: undefined,
         launchEnv: undefined,
-        clientEnv: undefined
+        clientEnv: undefined,
+        startedPrompts: []
       }
       let after: Cursor.Cursor | undefined
       if (Option.isSome(snapshot)) {
@@ -411,7 +419,11 @@ export const make = Effect.gen(function*() {
             if (after !== undefined && Cursor.compare(r.cursor, after) <= 0) return
             const body = r.event as unknown as LoggedBody
             if (body.type === "session_event" && body.event.type === "message_end") from.messageCount++
-            if (body.type === "session_status") lastStatusBusy = body.state.busy
+            if (body.type === "session_status") {
+              lastStatusBusy = body.state.busy
+              // A forwarded prompt's turn started here, perhaps on another runner (cluster mode).
+              if (body.promptId !== undefined) rememberPrompt(from.startedPrompts, body.promptId)
+            }
             endsWithTurnEnd = body.type === "session_event" && (body.event.type === "agent_end" || body.event.type === "turn_interrupted")
             // Without a transcript of the current generation, its snapshot is what was folded
             // before its first event.
@@ -711,8 +723,11 @@ export const make = Effect.gen(function*() {
         for (const a of [...(connections.get(connectionId)?.values() ?? [])]) detachAttachment(a)
       }),
     attachedCount: (connectionId) => connections.get(connectionId)?.size ?? 0,
-    prompt: (cmd) =>
-      route(cmd.activeSessionId, (s) => send<{ accepted: true }>(s, (c) => ({ _tag: "Prompt", message: cmd.message, ...c }))),
+    prompt: (cmd, promptId) =>
+      route(cmd.activeSessionId, (s) =>
+        promptId !== undefined && s.startedPrompts.includes(promptId)
+          ? Effect.succeed({ accepted: true as const })
+          : send<{ accepted: true }>(s, (c) => ({ _tag: "Prompt", message: cmd.message, promptId, ...c }))),
     abort: (cmd) => route(cmd.activeSessionId, (s) => send<{ aborted: boolean }>(s, (c) => ({ _tag: "Abort", ...c }))),
     // Under the publish lock: a change of state being published is out before it is read here.
     getState: (id) =>

@@ -98,4 +98,43 @@ describe("the self-fence", () => {
       }
       assert.deepStrictEqual(events, [])
     }))
+
+  it.scoped("refreshes late (queued on the lock connection): the heartbeat probe, answering in time, keeps it down", () =>
+    Effect.gen(function*() {
+      const { events, fence, refresh } = yield* setUp(3000)
+      const probes: Array<number> = []
+      const probe = Effect.flatMap(TestClock.currentTimeMillis, (t) => {
+        probes.push(t)
+        return Effect.sleep("300 millis")
+      })
+      yield* Effect.forkScoped(fence.probing(probe))
+      yield* Effect.yieldNow()
+      // Refreshes due every 2 s, each answering after 1500 ms: the last success's start is 2 s
+      // old when the next answers, and the window (3 s) runs out between two answers (without
+      // the probe the fence comes up at 3000, the next test).
+      for (let i = 0; i < 10; i++) {
+        yield* refresh(1500)
+        yield* advance(2000)
+      }
+      assert.deepStrictEqual(events, [])
+      // Due at three quarters of the window after the last success's start.
+      assert.strictEqual(probes[0], 2250)
+    }))
+
+  it.scoped("the same late refreshes without a probe that answers: up at the window after the last success's start, not later", () =>
+    Effect.gen(function*() {
+      const { events, fence, refresh } = yield* setUp(3000)
+      yield* Effect.forkScoped(fence.probing(Effect.never))
+      yield* Effect.yieldNow()
+      yield* refresh(1500)
+      yield* advance(2000)
+      yield* refresh(1500)
+      yield* advance(999)
+      assert.deepStrictEqual(events, [])
+      yield* advance(1)
+      assert.deepStrictEqual(events, ["up 3000"])
+      // The refresh that started at 2000 answers at 3500: down (it started within the window).
+      yield* advance(500)
+      assert.deepStrictEqual(events, ["up 3000", "down 3500"])
+    }))
 })

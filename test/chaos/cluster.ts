@@ -207,7 +207,20 @@ export const runClusterChaos = async (options: ClusterRunOptions): Promise<Clust
   const t0 = Date.now()
   const schedule: Array<string> = []
   const counts: Record<string, number> = {}
-  const stats = { commands: 0, lostWithRunner: 0, prompts: 0, turnsInterrupted: 0, reattaches: 0, silentDrops: 0, finalTurns: 0 }
+  const stats = {
+    commands: 0,
+    lostWithRunner: 0,
+    prompts: 0,
+    turnsInterrupted: 0,
+    reattaches: 0,
+    silentDrops: 0,
+    finalTurns: 0,
+    // The self-fence coming up (fence.ts) on a runner not cut off: a false alarm (its workers killed).
+    fenceUp: 0,
+    fenceUpNotCut: 0,
+    // @effect/cluster's own reaction to a late lock refresh (the runner drops its shards).
+    locksUnhealthy: 0
+  }
   let violation: string | undefined
   const log = (line: string) => {
     const stamped = `${((Date.now() - t0) / 1000).toFixed(2)}s ${line}`
@@ -249,9 +262,18 @@ export const runClusterChaos = async (options: ClusterRunOptions): Promise<Clust
         AGENTD_CLUSTER_LEASE_MS: String(leaseMs),
         AGENTD_WARM_SPARE: "0"
       })
+      const runner = { daemon, address, proxy, down: false, cut: false }
+      daemon.onOutput = (chunk) => {
+        if (chunk.includes("no shard lock refresh succeeded")) {
+          stats.fenceUp++
+          if (!runner.cut) stats.fenceUpNotCut++
+          log(`fence up on ${address}${runner.cut ? " (cut off)" : " (NOT cut off: a false alarm)"}`)
+        }
+        if (chunk.includes("Shard lock storage is unhealthy")) stats.locksUnhealthy++
+      }
       // One after the other: the first makes the tables.
       await daemon.start()
-      runners.push({ daemon, address, proxy, down: false, cut: false })
+      runners.push(runner)
     }
     log(`${options.runners} runners up: ${runners.map((r) => `${r.address} pid ${r.daemon.pid}`).join(", ")}`)
     census.start()

@@ -43,6 +43,8 @@ export class ChaosDaemon {
   readonly stateDir: string
   readonly socketPath: string
   starts = 0
+  /** Called with each chunk of the daemon's output (the cluster run counts fence alarms in it). */
+  onOutput: ((chunk: string) => void) | undefined
   /** The run's dir is a tmpfs of its own (`disk_full` fills it), unmounted at clean-up. */
   readonly onTmpfs: boolean
 
@@ -111,6 +113,7 @@ export class ChaosDaemon {
     this.exitInfo = undefined
     this.starts++
     const keep = (d: string) => {
+      this.onOutput?.(d)
       this.log.push(d)
       if (this.log.length > 600) this.log.splice(0, 300)
     }

@@ -11,6 +11,9 @@
  * from the *start* of the last refresh that succeeded: the heartbeat it wrote was written after
  * that start, so the others cannot count this runner dead before that start plus the lease.
  * Killing at half the lease leaves the other half for the kill and for a timer that fires late.
+ * A refresh that is late (queued on the lock connection, or slow under load) is backed by a
+ * probe that writes the heartbeat on another connection (`probing`): its success counts as a
+ * refresh's, so a late refresh alone no longer kills the workers of a runner that is not cut off.
  *
  * Owns: the start time of the last refresh that succeeded, and whether the fence is up.
  */
@@ -20,10 +23,17 @@ import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
 import * as Layer from "effect/Layer"
 import type * as Scope from "effect/Scope"
+import * as SqlClient from "@effect/sql/SqlClient"
 import { WorkerPool } from "../../WorkerPool.js"
 
 /** The part of the lease without a successful refresh after which the fence comes up. */
 export const FENCE_FRACTION = 0.5
+/**
+ * The part of the fence's window after which, no lock operation that started since having
+ * succeeded, the heartbeat probe runs (a refresh is due every two thirds of the window: it is
+ * late by then).
+ */
+export const PROBE_AFTER = 0.75
 
 export interface Fence {
   /** A lock operation (a refresh, an acquisition, a release), its success recorded (with the time it started). */
@@ -35,6 +45,12 @@ export interface Fence {
   readonly run: Effect.Effect<never>
   /** Whether the fence is up (for `status` and tests). */
   readonly up: () => boolean
+  /**
+   * Runs the heartbeat probe for ever: once no lock operation that started within
+   * {@link PROBE_AFTER} of the window has succeeded, `probe` (which writes this runner's
+   * heartbeat) runs, timed as a lock operation, again every sixth of the window while late.
+   */
+  readonly probing: (probe: Effect.Effect<void, unknown>) => Effect.Effect<never>
 }
 
 export const make = (windowMs: number, hold: Effect.Effect<void, never, Scope.Scope>): Effect.Effect<Fence> =>
@@ -87,25 +103,55 @@ export const make = (windowMs: number, hold: Effect.Effect<void, never, Scope.Sc
       yield* Effect.logWarning("cluster: a shard lock refresh succeeded again: workers may start")
     }))
 
-    return { timed, run, up: () => isUp }
+    const probeDue = BigInt(Math.round(windowMs * PROBE_AFTER * 1e6))
+    const probing = (probe: Effect.Effect<void, unknown>): Effect.Effect<never> =>
+      Effect.forever(Effect.gen(function*() {
+        const since = (yield* Clock.currentTimeNanos) - lastGood
+        if (since < probeDue) return yield* Effect.sleep(Duration.nanos(probeDue - since))
+        // One at a time, each bounded: a probe that cannot answer (a partition) does not pile up.
+        yield* Effect.ignore(timed(Effect.timeoutFail(probe, { duration: Duration.millis(windowMs / 2), onTimeout: () => "timeout" })))
+        yield* Effect.sleep(Duration.millis(windowMs / 6))
+      }))
+
+    return { timed, run, up: () => isUp, probing }
   })
 
 /**
  * The runner storage given, its lock operations timed, with the fence running beside it over the
  * worker pool (its `fence`) for as long as the layer lives.
  */
-export const layer = (leaseMs: number): Layer.Layer<RunnerStorage.RunnerStorage, never, RunnerStorage.RunnerStorage | WorkerPool> =>
+export const layer = (
+  leaseMs: number,
+  /** `HOST:PORT` of this runner: its row of the runners table. */
+  self: string,
+  runnersTable: string
+): Layer.Layer<RunnerStorage.RunnerStorage, never, RunnerStorage.RunnerStorage | WorkerPool | SqlClient.SqlClient> =>
   Layer.scoped(
     RunnerStorage.RunnerStorage,
     Effect.gen(function*() {
       const inner = yield* RunnerStorage.RunnerStorage
       const pool = yield* WorkerPool
+      const sql = yield* SqlClient.SqlClient
       if (pool.fence === undefined) {
         yield* Effect.logWarning("cluster: this worker pool cannot be fenced: a runner cut off from the store relies on the cluster alone")
         return inner
       }
       const fence = yield* make(leaseMs * FENCE_FRACTION, pool.fence)
       yield* Effect.forkScoped(fence.run)
+      // The heartbeat probe, on a connection of the pool, not the lock connection (where a late
+      // refresh waits, queued behind the lock operations before it). What lets the others take
+      // this runner's shards is its heartbeat older than the lease (then its locks, freed): a
+      // heartbeat written at a probe that started at T keeps them off until T plus the lease, as
+      // a refresh's does, so its success counts as one. Under load a refresh answered late (over a
+      // sixth of the lease after it was due) and the fence killed the workers of a runner that
+      // was not cut off; a probe that answers in time spares them. A runner cut off answers no
+      // probe either: the fence comes up as before, not later. None once the runner left the
+      // table (a stopping runner: its row is gone, nothing is written).
+      yield* Effect.forkScoped(fence.probing(
+        sql<{ one: number }>`UPDATE ${sql(runnersTable)} SET last_heartbeat = now() WHERE address = ${self} RETURNING 1 AS one`.pipe(
+          Effect.flatMap((rows) => (rows.length === 0 ? Effect.fail("not registered") : Effect.void))
+        )
+      ))
       // Every operation on the lock connection counts, not the refresh alone: a rebalance
       // releases or takes 150 locks one by one on that connection, and the refresh queued
       // behind them answered over a second late (a false alarm at every runner joining). Each

@@ -408,7 +408,8 @@ export const make = (url: string) =>
           handles: newHandles(),
           mailbox: yield* Queue.unbounded<Session["mailbox"] extends Queue.Queue<infer I> ? I : never>(),
           sessionFile: undefined,
-          shown: { busy: false, worker: "passivated" }
+          shown: { busy: false, worker: "passivated" },
+          startedPrompts: []
         }
         const f: Follower = {
           session: s,

@@ -34,10 +34,14 @@ import * as RpcSerialization from "@effect/rpc/RpcSerialization"
 import * as RpcServer from "@effect/rpc/RpcServer"
 import * as SqlClient from "@effect/sql/SqlClient"
 import * as Cause from "effect/Cause"
+import * as Deferred from "effect/Deferred"
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
+import * as Exit from "effect/Exit"
+import * as FiberId from "effect/FiberId"
 import * as Layer from "effect/Layer"
 import * as Option from "effect/Option"
+import * as Schedule from "effect/Schedule"
 import { randomUUID } from "node:crypto"
 import * as os from "node:os"
 import { DaemonConfig } from "../../DaemonConfig.js"
@@ -50,6 +54,7 @@ import { retrySchemaRace, retryingSchemaRace } from "../postgres/store.js"
 import { RemoteCommandError, SessionEntity } from "./entity.js"
 import * as Fence from "./fence.js"
 import * as Leave from "./leave.js"
+import * as StopBound from "./stopBound.js"
 import { LogTail } from "./logTail.js"
 import * as Transport from "./transport.js"
 
@@ -75,8 +80,30 @@ const SET_ENV = "agentd/set_env"
 const FORWARD_TIMEOUT = Duration.seconds(45)
 /** How long `status` and `list` wait for the store before answering with what this runner knows. */
 const STORE_READ_TIMEOUT = Duration.seconds(5)
+/** A runner's stop is bounded by the clients' grace period plus this (unless configured). */
+const STOP_MARGIN = Duration.seconds(30)
 /** How long a stopping runner waits for its shards to be handed over before its stop goes on. */
 const HAND_OVER_TIMEOUT = Duration.seconds(4)
+/** Commands an owner answers once per id (see the entity's `answerOnce`); the others only read. */
+const CHANGES_SESSION = new Set(["create", "prompt", "abort", "checkpoint", "retry_worker", "kill", "rename", SET_ENV])
+/** How many answers to commands sent with an id an owner keeps per session. */
+const ANSWERS_KEPT = 64
+/** How often a forwarder asks again for a command its owner is still running (see `forward`). */
+const ASK_AGAIN_INTERVAL = Duration.millis(250)
+/**
+ * Test only: how long an owner holds its answer to a forwarded prompt, after the turn started
+ * (test/e2e/cluster.test.ts kills the owner meanwhile, so that the cluster sends it again).
+ */
+const replyDelay = Effect.suspend(() => {
+  const ms = Number(process.env["AGENTD_TEST_FORWARDED_PROMPT_REPLY_DELAY_MS"] ?? 0)
+  return ms > 0 ? Effect.sleep(Duration.millis(ms)) : Effect.void
+})
+/**
+ * Test only: a stop that never ends, its workers still running (test/e2e/cluster.test.ts), as a
+ * stuck finalizer hung a stopping runner (uninterruptible, as a finalizer is: no bound of a step
+ * cuts it).
+ */
+const hangForTest = Effect.suspend(() => (process.env["AGENTD_TEST_HANG_STOP"] === "1" ? Effect.uninterruptible(Effect.never) : Effect.void))
 /** Sessions asked about at once by `list` (one `get_state` each to their owners). */
 const LIST_CONCURRENCY = 8
 
@@ -128,7 +155,7 @@ const shardingLayer = (address: RunnerAddress.RunnerAddress, leaseMs: number): L
     Layer.provide(retryingSchemaRace(SqlMessageStorage.layerWith({ prefix: TABLE_PREFIX }))),
     // Its lock refreshes timed for the fence (fence.ts); able to leave at a graceful stop (leave.ts).
     Layer.provideMerge(Leave.layer(address).pipe(
-      Layer.provide(Fence.layer(leaseMs)),
+      Layer.provide(Fence.layer(leaseMs, `${address.host}:${address.port}`, `${TABLE_PREFIX}_runners`)),
       Layer.provide(Layer.orDie(retryingSchemaRace(SqlRunnerStorage.layerWith({ prefix: TABLE_PREFIX }))))
     )),
     Layer.provideMerge(ShardingConfig.layer(shardingSettings(address, leaseMs))),
@@ -156,12 +183,13 @@ const entityLayer = (self: string) =>
       yield* Effect.addFinalizer(() => local.evict(id, stopping.leaving() ? undefined : tails.handOver(id)))
       yield* local.adopt(id)
       const withRunner = (s: SessionSummary): SessionSummary => ({ ...s, runner: self })
-      const run = (command: any): Effect.Effect<unknown, CommandError> => {
+      const run = (command: any, commandId: string | undefined): Effect.Effect<unknown, CommandError> => {
         switch (command?.type) {
           case "create":
             return Effect.map(local.create(command as CommandOf<"create">, id), (r) => ({ ...r, state: withRunner(r.state) }))
           case "prompt":
-            return local.prompt(command as CommandOf<"prompt">)
+            // The id goes with the turn's first status into the log: the next owner knows it too.
+            return Effect.tap(local.prompt(command as CommandOf<"prompt">, commandId), () => replyDelay)
           case "abort":
             return local.abort(command as CommandOf<"abort">)
           case "get_state":
@@ -183,9 +211,42 @@ const entityLayer = (self: string) =>
             return Effect.fail(new CommandError({ code: "unknown_command", message: `\`${String(command?.type)}\` is not routed to a session's owner.` }))
         }
       }
+      /**
+       * The answers of the last commands sent here with an id (see `answerOnce`): this entity's,
+       * so this session's on this runner, forgotten when it leaves.
+       */
+      const answered = new Map<string, Deferred.Deferred<unknown, CommandError>>()
+      /**
+       * A command that changes the session, run once per id: sent again (the cluster resends a
+       * command whose connection broke, to whoever owns the session then, or the forwarder asks
+       * again, see `forward`) it gets the first run's answer, waiting for it if need be. Reads
+       * run again. A run interrupted (the session leaving this runner) is forgotten: its next
+       * owner decides (a prompt's turn that started is in the log).
+       */
+      const answerOnce = (command: any, commandId: string | undefined): Effect.Effect<unknown, CommandError> =>
+        Effect.suspend(() => {
+          if (commandId === undefined || !CHANGES_SESSION.has(command?.type)) return run(command, commandId)
+          const known = answered.get(commandId)
+          if (known !== undefined) return Deferred.await(known)
+          const answer = Deferred.unsafeMake<unknown, CommandError>(FiberId.none)
+          answered.set(commandId, answer)
+          for (const old of answered.keys()) {
+            if (answered.size <= ANSWERS_KEPT) break
+            answered.delete(old)
+          }
+          return run(command, commandId).pipe(
+            Effect.onExit((exit) =>
+              Exit.isInterrupted(exit)
+                ? Effect.sync(() => answered.delete(commandId))
+                : Deferred.done(answer, exit)
+            ),
+            // A resend waiting on this answer gets the interruption as its own: sent again, it runs.
+            Effect.onInterrupt(() => Deferred.interrupt(answer))
+          )
+        })
       return SessionEntity.of({
         Command: (envelope) =>
-          Effect.mapError(run(envelope.payload.command), (e) =>
+          Effect.mapError(answerOnce(envelope.payload.command, envelope.payload.id), (e) =>
             // Sent by another runner's client to this runner, which is stopping: the session
             // moves to another runner, where the command can be sent again.
             toRemote(
@@ -240,14 +301,32 @@ const makeRouter = (self: string, leaseMs: number) =>
     const client = yield* SessionEntity.client
     const tails = yield* LogTail
     const leaving = yield* Leave.Leave
+    const config = yield* DaemonConfig
+    const stopBound = yield* StopBound.make(config.clusterStopTimeoutMs ?? config.shutdownGraceMs + Duration.toMillis(STOP_MARGIN))
+    // Run first (finalizers run last added first): the daemon's own steps are done, the layers close.
+    yield* Effect.addFinalizer(() => Effect.sync(() => stopBound.reached("closing the cluster's layers (the router, the sharding, the store)")))
 
     const shardOf = (id: string) => sharding.getShardId(EntityId.make(id), SessionEntity.getShardGroup(EntityId.make(id)))
     /** Whether this runner runs the session now: it holds the session and its shard's lock. */
     const owns = (id: string) => local.holds(id) && sharding.hasShardId(shardOf(id))
 
-    /** A command sent to the session's owner; its wire error comes back as it was. */
+    /**
+     * A command sent to the session's owner; its wire error comes back as it was. It carries an
+     * id of its own (this runner's, one per command), with which the owner answers it once
+     * however often it comes (the entity's `answerOnce`): @effect/cluster sends it again when
+     * the connection to the owner breaks, to whoever owns the session then. When it comes again
+     * to an owner still running it (or that ran it a moment ago), the cluster refuses it
+     * (`AlreadyProcessingMessage`: same request); asked again as a new request with the same id,
+     * the owner answers with the first run's answer.
+     */
     const forward = <A>(id: string, command: unknown): Effect.Effect<A, CommandError> =>
-      client(id).Command({ command }).pipe(
+      Effect.suspend(() => {
+        const commandId = randomUUID()
+        return Effect.retry(client(id).Command({ command, id: commandId }), {
+          while: (e) => e._tag === "AlreadyProcessingMessage",
+          schedule: Schedule.spaced(ASK_AGAIN_INTERVAL)
+        })
+      }).pipe(
         Effect.map((data) => data as A),
         // The bound answers at once: interrupting the send (which tells the owner) is left to
         // finish in the background, as it may wait on a runner that cannot be reached.
@@ -413,8 +492,20 @@ const makeRouter = (self: string, leaseMs: number) =>
       // their idle status logged), the runner hands its shards over at once (leave.ts), while
       // the daemon gives its clients their grace period. Also when the settling was cut short
       // (its bound): the shards then move as after a crash, but without waiting for the lease.
-      settleForShutdown: Effect.ensuring(local.settleForShutdown, Effect.ignore(Effect.timeout(leaving.leave, STORE_READ_TIMEOUT))).pipe(
-        Effect.zipRight(handedOver)
+      // The whole stop is bounded from here (stopBound.ts).
+      settleForShutdown: Effect.zipRight(
+        stopBound.arm,
+        Effect.zipRight(hangForTest, Effect.ensuring(
+          local.settleForShutdown,
+          Effect.suspend(() => {
+            stopBound.reached("leaving the cluster")
+            return Effect.ignore(Effect.timeout(leaving.leave, STORE_READ_TIMEOUT))
+          })
+        ))
+      ).pipe(
+        Effect.tap(() => Effect.sync(() => stopBound.reached("handing its shards over"))),
+        Effect.zipRight(handedOver),
+        Effect.tap(() => Effect.sync(() => stopBound.reached("its clients' grace period")))
       ),
       create: (cmd, given) =>
         // The id is chosen here, so that the create goes to the runner that will own the session.

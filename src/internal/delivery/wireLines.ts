@@ -10,7 +10,7 @@ import type { SessionSummary } from "../../Protocol.js"
 /** What a sequenced message looks like in the EventLog: its wire form without session and meta. */
 export type LoggedBody =
   | { readonly type: "session_event"; readonly event: { readonly type: string } }
-  | { readonly type: "session_status"; readonly state: SessionSummary }
+  | { readonly type: "session_status"; readonly state: SessionSummary; readonly promptId?: string }
   | { readonly type: "session_closed"; readonly reason: string }
 
 /**

@@ -37,7 +37,7 @@ import type { AnyFrame, CheckpointReply, Input } from "./mailbox.js"
 import { CommandTakesEffect } from "./mailbox.js"
 import { type CoreError, CoreInternal, failed, internal, metaWriteFailed, notFound, SessionBusy, shuttingDown, StorageUnavailable } from "./errors.js"
 import type { Names } from "./names.js"
-import { type Core, isClosed, PUBLISH_BATCH_BYTES, type Session, StorageFailed, storageUnavailable } from "./session.js"
+import { type Core, isClosed, PUBLISH_BATCH_BYTES, rememberPrompt, type Session, StorageFailed, storageUnavailable } from "./session.js"
 import { STORAGE_RETRY_INTERVAL, type Supervisor } from "./supervisor.js"
 import * as T from "./transition.js"
 
@@ -372,12 +372,15 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
       const turnId = `t-${randomUUID()}`
       s.handles.turnId = turnId
       s.lastUsed = Date.now()
-      const durable = yield* Effect.either(Effect.zipRight(record(s, true, "prompt"), publishStatus(s, { busy: true, worker: "ready" })))
+      const promptId = a.prompt.promptId
+      const durable = yield* Effect.either(Effect.zipRight(record(s, true, "prompt"), publishStatus(s, { busy: true, worker: "ready" }, promptId)))
       if (Either.isLeft(durable)) {
         yield* Effect.logError(`session ${s.meta.activeSessionId}: prompt refused: ${durable.left.message}`)
         if (reply !== undefined) yield* Deferred.fail(reply, storageUnavailable(s.meta.activeSessionId, durable.left))
         return yield* run(s, { _tag: "TurnRefused", turn: a.turn, shownBusy: s.shown.busy })
       }
+      // Durable now: the same prompt sent again (to this runner or, through the log, another) starts no turn.
+      if (promptId !== undefined) rememberPrompt(s.startedPrompts, promptId)
       if (worker !== undefined) yield* worker.send({ type: "prompt", turnId, message: a.prompt.message })
       if (reply !== undefined) yield* Deferred.succeed(reply, { accepted: true as const })
     })
@@ -522,7 +525,7 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
     switch (input._tag) {
       case "Prompt":
         s.lastUsed = Date.now()
-        return run(s, { _tag: "Prompt", req: request(s, input.reply), message: input.message })
+        return run(s, { _tag: "Prompt", req: request(s, input.reply), message: input.message, promptId: input.promptId })
       case "Abort":
         return run(s, { _tag: "Abort", req: request(s, input.reply) })
       case "Checkpoint":

@@ -33,7 +33,7 @@ interface CommandInput<A> {
 
 /** What the entity of a session takes from its mailbox: commands, its worker's frames and exit, timers. */
 export type Input =
-  | { readonly _tag: "Prompt"; readonly message: string } & CommandInput<{ accepted: true }>
+  | { readonly _tag: "Prompt"; readonly message: string; readonly promptId?: string | undefined } & CommandInput<{ accepted: true }>
   | { readonly _tag: "Abort" } & CommandInput<{ aborted: boolean }>
   | { readonly _tag: "Checkpoint" } & CommandInput<{ generation: number; snapshotId: string }>
   | { readonly _tag: "Retry" } & CommandInput<SessionSummary>

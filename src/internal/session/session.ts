@@ -121,6 +121,21 @@ export interface Session {
    * does not say yet, nor one a status that could not be logged was to say.
    */
   shown: { busy: boolean; worker: WorkerState }
+  /**
+   * The ids of the last forwarded prompts whose turns started (cluster mode), oldest first, at
+   * most {@link STARTED_PROMPTS_KEPT}: read from the log at the session's load, then added by
+   * each turn's start. A prompt sent again with one of them is answered without a second turn.
+   */
+  startedPrompts: Array<string>
+}
+
+/** How many forwarded prompt ids a session remembers (docs/cluster.md section 3). */
+export const STARTED_PROMPTS_KEPT = 64
+
+/** Remembers `promptId` among the session's started prompts (bounded, oldest dropped). */
+export const rememberPrompt = (started: Array<string>, promptId: string): void => {
+  started.push(promptId)
+  if (started.length > STARTED_PROMPTS_KEPT) started.splice(0, started.length - STARTED_PROMPTS_KEPT)
 }
 
 /** The entity's tables: the handles behind the ids in the session's state. */
@@ -177,7 +192,8 @@ export interface Publisher {
   readonly publishAll: (s: Session, messages: ReadonlyArray<Outgoing>) => Effect.Effect<void, StorageFailed>
   readonly publish: (s: Session, body: LoggedBody) => Effect.Effect<void, StorageFailed>
   /** Publishes the session's status (`view`, or what its state says); the summary shows it once logged. */
-  readonly publishStatus: (s: Session, view?: { readonly busy: boolean; readonly worker: WorkerState }) => Effect.Effect<void, StorageFailed>
+  /** `promptId`: the forwarded prompt whose turn this status starts (docs/cluster.md section 3). */
+  readonly publishStatus: (s: Session, view?: { readonly busy: boolean; readonly worker: WorkerState }, promptId?: string) => Effect.Effect<void, StorageFailed>
   /** The session's summary and last cursor at one moment, consistent with what is logged. */
   readonly publishedState: (s: Session) => Effect.Effect<{ state: SessionSummary; lastCursor: Cursor.Cursor | undefined }>
 }
@@ -290,11 +306,11 @@ export const makeCore = (deps: CoreDeps): Core => {
    * Publishes the session's status, saying `view` (by default what its state says); once logged,
    * the summary shows it (see Session.shown). A status that cannot be logged did not happen.
    */
-  const publishStatus = (s: Session, view?: { readonly busy: boolean; readonly worker: WorkerState }) =>
+  const publishStatus = (s: Session, view?: { readonly busy: boolean; readonly worker: WorkerState }, promptId?: string) =>
     s.publishLock.withPermits(1)(Effect.suspend(() => {
       const shown = view === undefined ? { busy: busyOf(s.state), worker: workerStateOf(s.state) } : { busy: view.busy, worker: view.worker }
       const state = { ...summary(s), busy: shown.busy, worker: shown.worker }
-      return appendAndDeliver(s, [bodyMessage({ type: "session_status", state })]).pipe(
+      return appendAndDeliver(s, [bodyMessage(promptId === undefined ? { type: "session_status", state } : { type: "session_status", state, promptId })]).pipe(
         Effect.tap(() => Effect.sync(() => (s.shown = shown)))
       )
     }))

@@ -28,6 +28,8 @@ export type TurnEnd = "agent_end" | InterruptReason
 export interface Prompt {
   readonly req: ReqId
   readonly message: string
+  /** A forwarded prompt's id (cluster mode): its turn's first status carries it (docs/cluster.md section 3). */
+  readonly promptId?: string | undefined
 }
 
 /**
@@ -136,7 +138,7 @@ export const defaultEnv: Env = { now: 0, slotsWanted: false, generationFull: fal
 
 export type Input =
   // Commands, each with its request.
-  | { readonly _tag: "Prompt"; readonly req: ReqId; readonly message: string }
+  | { readonly _tag: "Prompt"; readonly req: ReqId; readonly message: string; readonly promptId?: string | undefined }
   | { readonly _tag: "Abort"; readonly req: ReqId }
   | { readonly _tag: "Checkpoint"; readonly req: ReqId }
   | { readonly _tag: "Retry"; readonly req: ReqId }
@@ -661,7 +663,7 @@ const take = (s: State, input: Input, env: Env, policy: RestartPolicy, out: Arra
   if (s._tag === "Closed") return takeClosed(input, out) ?? s
   switch (input._tag) {
     case "Prompt": {
-      const prompt: Prompt = { req: input.req, message: input.message }
+      const prompt: Prompt = { req: input.req, message: input.message, promptId: input.promptId }
       if (s.stopping) return out.push(err(input.req, "ShuttingDown")), s
       if (s._tag === "Failed") return out.push(err(input.req, "SessionFailed", "failed")), s
       if (s._tag === "Stalled") return out.push(err(input.req, "StorageUnavailable", "stalled")), s
