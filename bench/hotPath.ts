@@ -59,6 +59,16 @@ const RELAY_RUNS = 5
 const cpuMicros = (pid: number): number => (cpuTicksOf(pid) ?? 0) * 10_000
 const childrenCpuMicros = (pid: number): number => descendantsOf(pid).reduce((sum, p) => sum + cpuMicros(p), 0)
 
+/** The daemon's user and system CPU (ms) and minor page faults, from /proc (for a turn's split of its CPU). */
+const procSplit = (pid: number): { user: number; system: number; faults: number } => {
+  const stat = fs.readFileSync(`/proc/${pid}/stat`, "utf8")
+  const f = stat.slice(stat.lastIndexOf(")") + 2).split(" ")
+  return { user: Number(f[11]) * 10, system: Number(f[12]) * 10, faults: Number(f[7]) }
+}
+const splits: Array<string> = []
+const splitOf = (before: ReturnType<typeof procSplit>, after: ReturnType<typeof procSplit>): string =>
+  `user ${after.user - before.user} ms, system ${after.system - before.system} ms, minor faults ${after.faults - before.faults}`
+
 const median = (xs: ReadonlyArray<number>): number => [...xs].sort((a, b) => a - b)[Math.floor(xs.length / 2)]!
 
 const withTimeout = <A>(p: Promise<A>, what: () => string): Promise<A> => {
@@ -237,6 +247,16 @@ interface Ours {
   readonly daemonCpuPerDelivery: number
 }
 
+/**
+ * AGENTD_BENCH_DAEMON_NODE_ARGS: Node flags for the daemon (e.g. `--cpu-prof --cpu-prof-dir=DIR`);
+ * the daemon is then shut down cleanly at the end, and the turns' bounds are printed in the
+ * monotonic clock's microseconds (the clock of a CPU profile's timestamps), to slice it by turn.
+ */
+const daemonNodeArgs = process.env["AGENTD_BENCH_DAEMON_NODE_ARGS"]
+const mark = (what: string): void => {
+  if (daemonNodeArgs !== undefined) console.log(`  [mark] ${what} at ${process.hrtime.bigint() / 1000n} us`)
+}
+
 const measureOurs = (): Promise<Ours> =>
   withDaemon(
     // Checkpoints between the turns would be timed with them: none during this run.
@@ -246,7 +266,8 @@ const measureOurs = (): Promise<Ours> =>
         AGENTD_CHECKPOINT_EVENTS: "1000000000",
         AGENTD_CHECKPOINT_BYTES: String(1024 * 1024 * 1024),
         ...(process.env["AGENTD_BENCH_WORKER_NODE_ARGS"] === undefined ? {} : { AGENTD_WORKER_NODE_ARGS: process.env["AGENTD_BENCH_WORKER_NODE_ARGS"] })
-      }
+      },
+      ...(daemonNodeArgs === undefined ? {} : { nodeArgs: daemonNodeArgs.split(" ").filter((a) => a !== "") })
     },
     async (daemon) => {
       const ctl = await daemon.connect("ctl")
@@ -265,12 +286,27 @@ const measureOurs = (): Promise<Ours> =>
       await sleep(Number(process.env["AGENTD_BENCH_FIRST_TURN_DELAY_MS"] ?? 0))
       const daemonBeforeFirst = cpuMicros(daemon.pid)
       const workersBeforeFirst = childrenCpuMicros(daemon.pid)
+      mark("turn 1")
+      // The session's worker against the other workers (the next spare booting, warming up).
+      const sessionWorker = (await ctl.ok({ type: "get_state", activeSessionId: id }))["workerPid"] as number
+      const sessionWorkerBefore = cpuMicros(sessionWorker)
+      let split = procSplit(daemon.pid)
       const times: Array<number> = [await turn(ctl, [one!], id)]
+      splits.push(`turn 1: ${splitOf(split, split = procSplit(daemon.pid))}`)
+      const sessionWorkerFirst = (cpuMicros(sessionWorker) - sessionWorkerBefore) / 1000
+      mark("turn 1 end")
       const daemonFirstCpuPerEvent = (cpuMicros(daemon.pid) - daemonBeforeFirst) / (WORDS + 1)
       const workerFirstCpuPerEvent = (childrenCpuMicros(daemon.pid) - workersBeforeFirst) / (WORDS + 1)
+      splits.push(`workers in turn 1: the session's ${sessionWorkerFirst} ms, the others ${(childrenCpuMicros(daemon.pid) - workersBeforeFirst) / 1000 - sessionWorkerFirst} ms`)
       const daemonBefore = cpuMicros(daemon.pid)
       const workersBefore = childrenCpuMicros(daemon.pid)
-      for (let i = 1; i < 4; i++) times.push(await turn(ctl, [one!], id))
+      for (let i = 1; i < 4; i++) {
+        mark(`turn ${i + 1}`)
+        split = procSplit(daemon.pid)
+        times.push(await turn(ctl, [one!], id))
+        splits.push(`turn ${i + 1}: ${splitOf(split, procSplit(daemon.pid))}`)
+        mark(`turn ${i + 1} end`)
+      }
       const daemonCpuPerEvent = (cpuMicros(daemon.pid) - daemonBefore) / (3 * (WORDS + 1))
       const workerCpuPerEvent = (childrenCpuMicros(daemon.pid) - workersBefore) / (3 * (WORDS + 1))
       one!.close()
@@ -281,6 +317,12 @@ const measureOurs = (): Promise<Ours> =>
       const hundred = median([await turn(ctl, many, id), await turn(ctl, many, id), await turn(ctl, many, id)])
       const daemonCpuPerDelivery = (cpuMicros(daemon.pid) - daemonBefore100) / (3 * (WORDS + 1) * CLIENTS)
       for (const c of many) c.close()
+      if (daemonNodeArgs !== undefined) {
+        // A profile (--cpu-prof) is written at a clean exit only: the harness's cleanup SIGKILLs.
+        daemon.stopping = true
+        await ctl.ok({ type: "shutdown" }).catch(() => undefined)
+        await Promise.race([daemon.exited, sleep(30_000)])
+      }
       return { first: times[0]!, warm: median(times.slice(1)), hundred, daemonCpuPerEvent, workerCpuPerEvent, daemonFirstCpuPerEvent, workerFirstCpuPerEvent, daemonCpuPerDelivery }
     }
   )
@@ -312,6 +354,7 @@ export default async function hotPath(): Promise<void> {
     `CPU per event, first turn after start: agentd daemon ${ours.daemonFirstCpuPerEvent.toFixed(1)} us + workers ${ours.workerFirstCpuPerEvent.toFixed(1)} us ` +
       `(the next spare starting and warming up included)`
   )
+  console.log(`The daemon's CPU by turn (1 client): ${splits.join(" | ")}`)
   console.log(`CPU per delivery, 100 clients: agentd daemon ${ours.daemonCpuPerDelivery.toFixed(2)} us per event x client`)
   console.log(`  (load average at the end: ${os.loadavg().map((l) => l.toFixed(1)).join(", ")})`)
 }

@@ -23,7 +23,7 @@ export class Attachment {
    * follows it (and ends the attachment). See the entity's `PublishClosed`.
    */
   closedLine: string | undefined
-  /** Counted as delivered here for socket clients; an HTTP read counts what it sends itself. */
+  /** Counted as delivered here for socket clients; an HTTP read counts what it sends itself; the start's warm-up is not counted. */
   readonly metered: boolean
 
   constructor(
@@ -35,7 +35,8 @@ export class Attachment {
     readonly attachCursor: Cursor.Cursor | undefined
   ) {
     this.knownRewrite = session.rewriteGeneration
-    this.metered = (outbox as { readonly transport?: string }).transport !== "http"
+    const transport = (outbox as { readonly transport?: string }).transport
+    this.metered = transport !== "http" && transport !== "warm-up"
   }
 
   /**
