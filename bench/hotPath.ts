@@ -322,6 +322,8 @@ const measureOurs = (): Promise<Ours> =>
         daemon.stopping = true
         await ctl.ok({ type: "shutdown" }).catch(() => undefined)
         await Promise.race([daemon.exited, sleep(30_000)])
+        // What the flags printed (e.g. --trace-deopt), as far as the harness kept it.
+        if (process.env["AGENTD_BENCH_DAEMON_LOG"] !== undefined) fs.writeFileSync(process.env["AGENTD_BENCH_DAEMON_LOG"], daemon.stderrTail(1e9))
       }
       return { first: times[0]!, warm: median(times.slice(1)), hundred, daemonCpuPerEvent, workerCpuPerEvent, daemonFirstCpuPerEvent, workerFirstCpuPerEvent, daemonCpuPerDelivery }
     }

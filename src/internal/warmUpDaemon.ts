@@ -14,7 +14,7 @@
  * Never visible: the manager is not the daemon's (nothing in `list`, no name taken), its files
  * are in a temp dir outside the state dir (removed at the end), its engine and worker are made
  * up (no worker process, no slot of `maxWorkers`), its storage is not wrapped by the metrics and
- * its outbox is not metered. It gives way the moment a real session's worker sends frames
+ * its session's deliveries are not metered (`Attachment.metered`). It gives way the moment a real session's worker sends frames
  * (`realFramesArrived`): it stops feeding its worker at its next chunk and tears down.
  */
 import * as Context from "effect/Context"
@@ -151,11 +151,6 @@ const makeWorker = (pipe: { readonly near: net.Socket; readonly far: net.Socket 
   return handle
 }
 
-/** An outbox of the socket server's class whose deliveries are not counted (see Attachment.metered). */
-class WarmUpOutbox extends Outbox {
-  readonly transport = "warm-up"
-}
-
 /**
  * Runs up to `turns` echo turns of `words` words through the daemon's event path, on a
  * throwaway session (see the header); stops early once a real session's worker sends frames.
@@ -206,7 +201,7 @@ export const warmUpDaemon = (options: { readonly turns: number; readonly words: 
     // Built in the warm-up's scope: closed at its end (the session's fibers interrupted, the log closed).
     const manager = Context.get(yield* Layer.build(SessionManagerModule.layer.pipe(Layer.provide(Layer.succeedContext(context)))), SessionManager)
     const { activeSessionId } = yield* manager.create({ type: "create" } as CommandOf<"create">, `${WARM_UP_SESSION_PREFIX}${randomUUID()}`)
-    const attached = yield* manager.attach("warm-up", new WarmUpOutbox(clientPipe.near), {
+    const attached = yield* manager.attach("warm-up", new Outbox(clientPipe.near), {
       type: "attach",
       activeSessionId,
       capabilities: ["event_sequence", "slim_attach"]

@@ -3,6 +3,7 @@ import type * as Cursor from "../../Cursor.js"
 import * as Metrics from "../../Metrics.js"
 import type { ConnectionPort } from "../../SessionManager.js"
 import type { Session } from "../session/session.js"
+import { WARM_UP_SESSION_PREFIX } from "./warmUp.js"
 
 /** One connection's subscription to one session. */
 export class Attachment {
@@ -35,8 +36,9 @@ export class Attachment {
     readonly attachCursor: Cursor.Cursor | undefined
   ) {
     this.knownRewrite = session.rewriteGeneration
-    const transport = (outbox as { readonly transport?: string }).transport
-    this.metered = transport !== "http" && transport !== "warm-up"
+    // The warm-up's outbox is the socket server's class (the same code warmed), not counted.
+    this.metered = (outbox as { readonly transport?: string }).transport !== "http" &&
+      !session.meta.activeSessionId.startsWith(WARM_UP_SESSION_PREFIX)
   }
 
   /**
