@@ -21,6 +21,7 @@ import * as Context from "effect/Context"
 import * as Deferred from "effect/Deferred"
 import * as Effect from "effect/Effect"
 import * as Exit from "effect/Exit"
+import * as FiberId from "effect/FiberId"
 import * as Layer from "effect/Layer"
 import type { ChildProcess } from "node:child_process"
 import { randomUUID } from "node:crypto"
@@ -114,7 +115,7 @@ const connectionPair = (dir: string, name: string) =>
  * sends frames.
  */
 const makeWorker = (pipe: { readonly near: net.Socket; readonly far: net.Socket }, chunks: ReadonlyArray<Buffer>, sent: { events: number }) => {
-  const exited = Deferred.unsafeMake<WorkerExit>(Effect.runSync(Effect.fiberId))
+  const exited = Deferred.unsafeMake<WorkerExit>(FiberId.none)
   const child = new EventEmitter() as EventEmitter & { exitCode: number | null; signalCode: string | null; kill: (signal?: string) => boolean }
   child.exitCode = null
   child.signalCode = null
@@ -139,7 +140,13 @@ const makeWorker = (pipe: { readonly near: net.Socket; readonly far: net.Socket 
   pipe.far.on("data", (data: Buffer) => {
     for (const line of decoder.push(data)) {
       if (typeof line !== "string") continue
-      const frame = JSON.parse(line) as { readonly type: string; readonly activeSessionId?: string }
+      // Never thrown out of a socket's handler (that would take the daemon down): skipped.
+      let frame: { readonly type?: unknown }
+      try {
+        frame = JSON.parse(line) as { readonly type?: unknown }
+      } catch {
+        continue
+      }
       if (frame.type === "load") {
         pipe.far.write(WorkerProtocol.encodeFrame({ type: "worker_ready", pid: 0, messageCount: 0 }))
       } else if (frame.type === "prompt") {
