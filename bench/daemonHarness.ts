@@ -380,7 +380,7 @@ export class Daemon {
   ) {
     const keep = (d: string) => {
       this.stderrChunks.push(d)
-      if (this.stderrChunks.length > 400) this.stderrChunks.splice(0, 200)
+      if (this.stderrChunks.length > 4000) this.stderrChunks.splice(0, 2000)
     }
     proc.stderr?.setEncoding("utf8")
     proc.stderr?.on("data", keep)

@@ -16,10 +16,14 @@
  * bench/delivery.ts measures 1, 10 and 100 clients against a pass-through relay (no parse);
  * this one is the stricter baseline.
  *
- * The first turn's CPU per event (daemon, workers) is printed next to the warm turns'. Knobs for
- * experiments: AGENTD_BENCH_WORKER_NODE_ARGS (the workers' Node flags),
+ * The first turn's CPU per event (daemon, workers) is printed next to the warm turns', and the
+ * daemon's CPU by turn (user, system, minor page faults; the session's worker against the other
+ * workers in turn 1). Knobs for experiments: AGENTD_BENCH_WORKER_NODE_ARGS (the workers' Node
+ * flags), AGENTD_BENCH_DAEMON_NODE_ARGS (the daemon's: it is then stopped cleanly, for a
+ * --cpu-prof, and the turns' bounds are printed in the profile's clock), AGENTD_BENCH_DAEMON_LOG
+ * (a file for what the daemon printed, e.g. with --trace-deopt),
  * AGENTD_BENCH_FIRST_TURN_DELAY_MS (a wait before the first turn), AGENTD_BENCH_PRIME_SESSION=1
- * (one turn in another session first). Session 14 (load 7-15): the first turn costs the daemon
+ * (one turn in another session first; `no-client`: with no client attached to it). Session 14 (load 7-15): the first turn costs the daemon
  * 23-31 us per event against 10.5-12 warm, and that holds after a 5 s wait (the start's warm-ups
  * are done) and for the first turn of a second session after a warm turn in the first: a cost
  * per session, not JIT per process. A profile of the daemon shows its buffer copies
@@ -40,6 +44,30 @@
  * reads cutting lines, batches of 2,400 events): 27.3 vs 30.0 us (3 runs, load 8-13) for 0.25 s
  * of CPU at start instead of 0.15. syscalls (strace -f) are no first-turn cost: 3-5 fdatasyncs
  * and 11-15 writes per turn either way.
+ *
+ * Session 16 (load 4-14): the start's warm-up runs echo turns through the real event path
+ * (src/internal/warmUpDaemon.ts: a throwaway SessionManager, a file event log in a temp dir, a
+ * WorkerProcess fed 64 KB chunks over a socket, an outbox of the server's class). 6 runs each,
+ * alternating with main's build: first turn's daemon CPU 30 us per event median (22.5-38.5)
+ * against 34 (28.5-39.5); ratio 0.59x median against 0.32x (both noisy: the relay alone went
+ * from 13,000 to 67,000 events/s at this load). Its cost: 0.6-0.7 s more daemon CPU in the 6 s
+ * after the start; the socket greets no later (it starts after). What is left is per session,
+ * not per process: after a 3-5 s wait (the warm-up done) a first turn costs 28-31 us with it and
+ * 30 without; after one real turn in another session (AGENTD_BENCH_PRIME_SESSION=1) 17.5-20.5 us,
+ * after a 5 s wait too. Minor page faults follow it: 10-12k in the first turn in every variant
+ * of the warm-up, ~4k after a prime session; a prime session with no client attached does the
+ * same (20.0, 21.0 us): the client's side is not what the warm-up misses, nor (2 runs each,
+ * 27-33 us) the warm-up's storage wrapped by the metrics, its store and journal of files, turns of
+ * 20,000 words, a prompt of the turn's size, its worker kept 4 MB ahead of the daemon; nor the
+ * daemon flags --no-allocation-site-pretenuring, --no-memory-reducer, --no-flush-bytecode,
+ * --min-semi-space-size=16. The session's worker is not cold: 130-270 ms in a first turn (6.5-13
+ * us per event), as warm; the first turn's "workers" figure is the next spare booting and warming
+ * up meanwhile (0-510 ms of CPU during the turn). --trace-deopt-verbose of a first turn after the
+ * warm-up (AGENTD_BENCH_DAEMON_LOG): LineDecoder.push and FrameInbox.push deoptimized ("not a
+ * Smi"), then readWorkerLine, eventMessage, Cursor.make/next and LineDecoder.push invalidated
+ * together ("code dependencies"), twice in the turn. Left to try: what only a real worker gives
+ * (frames read from another process, in the sizes its pipe gives them as it writes; the pool's
+ * spare handed over): a prime turn of a real session at start costs a worker slot and a process.
  */
 import { type ChildProcess, spawn } from "node:child_process"
 import * as fs from "node:fs"
@@ -58,6 +86,16 @@ const RELAY_RUNS = 5
 /** CPU time of a process from /proc, in microseconds (clock ticks of 10 ms: figures over whole turns). */
 const cpuMicros = (pid: number): number => (cpuTicksOf(pid) ?? 0) * 10_000
 const childrenCpuMicros = (pid: number): number => descendantsOf(pid).reduce((sum, p) => sum + cpuMicros(p), 0)
+
+/** The daemon's user and system CPU (ms) and minor page faults, from /proc (for a turn's split of its CPU). */
+const procSplit = (pid: number): { user: number; system: number; faults: number } => {
+  const stat = fs.readFileSync(`/proc/${pid}/stat`, "utf8")
+  const f = stat.slice(stat.lastIndexOf(")") + 2).split(" ")
+  return { user: Number(f[11]) * 10, system: Number(f[12]) * 10, faults: Number(f[7]) }
+}
+const splits: Array<string> = []
+const splitOf = (before: ReturnType<typeof procSplit>, after: ReturnType<typeof procSplit>): string =>
+  `user ${after.user - before.user} ms, system ${after.system - before.system} ms, minor faults ${after.faults - before.faults}`
 
 const median = (xs: ReadonlyArray<number>): number => [...xs].sort((a, b) => a - b)[Math.floor(xs.length / 2)]!
 
@@ -237,6 +275,16 @@ interface Ours {
   readonly daemonCpuPerDelivery: number
 }
 
+/**
+ * AGENTD_BENCH_DAEMON_NODE_ARGS: Node flags for the daemon (e.g. `--cpu-prof --cpu-prof-dir=DIR`);
+ * the daemon is then shut down cleanly at the end, and the turns' bounds are printed in the
+ * monotonic clock's microseconds (the clock of a CPU profile's timestamps), to slice it by turn.
+ */
+const daemonNodeArgs = process.env["AGENTD_BENCH_DAEMON_NODE_ARGS"]
+const mark = (what: string): void => {
+  if (daemonNodeArgs !== undefined) console.log(`  [mark] ${what} at ${process.hrtime.bigint() / 1000n} us`)
+}
+
 const measureOurs = (): Promise<Ours> =>
   withDaemon(
     // Checkpoints between the turns would be timed with them: none during this run.
@@ -246,7 +294,8 @@ const measureOurs = (): Promise<Ours> =>
         AGENTD_CHECKPOINT_EVENTS: "1000000000",
         AGENTD_CHECKPOINT_BYTES: String(1024 * 1024 * 1024),
         ...(process.env["AGENTD_BENCH_WORKER_NODE_ARGS"] === undefined ? {} : { AGENTD_WORKER_NODE_ARGS: process.env["AGENTD_BENCH_WORKER_NODE_ARGS"] })
-      }
+      },
+      ...(daemonNodeArgs === undefined ? {} : { nodeArgs: daemonNodeArgs.split(" ").filter((a) => a !== "") })
     },
     async (daemon) => {
       const ctl = await daemon.connect("ctl")
@@ -257,6 +306,13 @@ const measureOurs = (): Promise<Ours> =>
         const [c] = await attachAll(daemon, prime.id, 1, "prime")
         await turn(ctl, [c!], prime.id)
         c!.close()
+      } else if (process.env["AGENTD_BENCH_PRIME_SESSION"] === "no-client") {
+        // The same with no client attached: does the delivery to a socket client matter?
+        const prime = await createSession(ctl)
+        await waitReady(ctl, prime.id)
+        await ctl.ok({ type: "prompt", activeSessionId: prime.id, message: text })
+        await sleep(200)
+        for (let i = 0; i < 600 && (await ctl.ok({ type: "get_state", activeSessionId: prime.id }))["busy"] === true; i++) await sleep(100)
       }
       const { id } = await createSession(ctl)
       await waitReady(ctl, id)
@@ -265,12 +321,27 @@ const measureOurs = (): Promise<Ours> =>
       await sleep(Number(process.env["AGENTD_BENCH_FIRST_TURN_DELAY_MS"] ?? 0))
       const daemonBeforeFirst = cpuMicros(daemon.pid)
       const workersBeforeFirst = childrenCpuMicros(daemon.pid)
+      mark("turn 1")
+      // The session's worker against the other workers (the next spare booting, warming up).
+      const sessionWorker = (await ctl.ok({ type: "get_state", activeSessionId: id }))["workerPid"] as number
+      const sessionWorkerBefore = cpuMicros(sessionWorker)
+      let split = procSplit(daemon.pid)
       const times: Array<number> = [await turn(ctl, [one!], id)]
+      splits.push(`turn 1: ${splitOf(split, split = procSplit(daemon.pid))}`)
+      const sessionWorkerFirst = (cpuMicros(sessionWorker) - sessionWorkerBefore) / 1000
+      mark("turn 1 end")
       const daemonFirstCpuPerEvent = (cpuMicros(daemon.pid) - daemonBeforeFirst) / (WORDS + 1)
       const workerFirstCpuPerEvent = (childrenCpuMicros(daemon.pid) - workersBeforeFirst) / (WORDS + 1)
+      splits.push(`workers in turn 1: the session's ${sessionWorkerFirst} ms, the others ${(childrenCpuMicros(daemon.pid) - workersBeforeFirst) / 1000 - sessionWorkerFirst} ms`)
       const daemonBefore = cpuMicros(daemon.pid)
       const workersBefore = childrenCpuMicros(daemon.pid)
-      for (let i = 1; i < 4; i++) times.push(await turn(ctl, [one!], id))
+      for (let i = 1; i < 4; i++) {
+        mark(`turn ${i + 1}`)
+        split = procSplit(daemon.pid)
+        times.push(await turn(ctl, [one!], id))
+        splits.push(`turn ${i + 1}: ${splitOf(split, procSplit(daemon.pid))}`)
+        mark(`turn ${i + 1} end`)
+      }
       const daemonCpuPerEvent = (cpuMicros(daemon.pid) - daemonBefore) / (3 * (WORDS + 1))
       const workerCpuPerEvent = (childrenCpuMicros(daemon.pid) - workersBefore) / (3 * (WORDS + 1))
       one!.close()
@@ -281,6 +352,14 @@ const measureOurs = (): Promise<Ours> =>
       const hundred = median([await turn(ctl, many, id), await turn(ctl, many, id), await turn(ctl, many, id)])
       const daemonCpuPerDelivery = (cpuMicros(daemon.pid) - daemonBefore100) / (3 * (WORDS + 1) * CLIENTS)
       for (const c of many) c.close()
+      if (daemonNodeArgs !== undefined) {
+        // A profile (--cpu-prof) is written at a clean exit only: the harness's cleanup SIGKILLs.
+        daemon.stopping = true
+        await ctl.ok({ type: "shutdown" }).catch(() => undefined)
+        await Promise.race([daemon.exited, sleep(30_000)])
+        // What the flags printed (e.g. --trace-deopt), as far as the harness kept it.
+        if (process.env["AGENTD_BENCH_DAEMON_LOG"] !== undefined) fs.writeFileSync(process.env["AGENTD_BENCH_DAEMON_LOG"], daemon.stderrTail(1e9))
+      }
       return { first: times[0]!, warm: median(times.slice(1)), hundred, daemonCpuPerEvent, workerCpuPerEvent, daemonFirstCpuPerEvent, workerFirstCpuPerEvent, daemonCpuPerDelivery }
     }
   )
@@ -312,6 +391,7 @@ export default async function hotPath(): Promise<void> {
     `CPU per event, first turn after start: agentd daemon ${ours.daemonFirstCpuPerEvent.toFixed(1)} us + workers ${ours.workerFirstCpuPerEvent.toFixed(1)} us ` +
       `(the next spare starting and warming up included)`
   )
+  console.log(`The daemon's CPU by turn (1 client): ${splits.join(" | ")}`)
   console.log(`CPU per delivery, 100 clients: agentd daemon ${ours.daemonCpuPerDelivery.toFixed(2)} us per event x client`)
   console.log(`  (load average at the end: ${os.loadavg().map((l) => l.toFixed(1)).join(", ")})`)
 }

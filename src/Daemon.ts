@@ -30,7 +30,7 @@ import * as SnapshotCache from "./SnapshotCache.js"
 import * as StateDirLock from "./StateDirLock.js"
 import * as StateLayout from "./StateLayout.js"
 import * as WorkerPool from "./WorkerPool.js"
-import { warmUpEventPath } from "./internal/delivery/warmUp.js"
+import { warmUpDaemon } from "./internal/warmUpDaemon.js"
 
 /** Reads, increments and durably stores the supervisor generation of a state dir. */
 export const nextSupervisorGeneration = (stateDir: string) =>
@@ -391,14 +391,15 @@ export const serve = (config: Partial<DaemonConfigShape> = {}) =>
     const server = yield* DaemonServer.DaemonServer
     const { warmUp } = yield* DaemonConfig
     // The event path is compiled while nobody waits for it, not during the first turn: at once,
-    // since a first prompt can come within a second of the start. It yields between its chunks
-    // (~0.1 s of CPU in all), so the start's own work (sessions restored, clients reconnecting)
-    // runs beside it. It was started 2 s late: it then ran inside the first turn of a client
-    // that prompted at once and added ~10 us of daemon CPU per event to it (bench/hotPath.ts).
-    if (warmUp) yield* Effect.forkScoped(warmUpEventPath(EVENT_PATH_WARM_UP_ROUNDS))
+    // since a first prompt can come within a second of the start (it gives way to the first
+    // real frames). It yields between its chunks, so the start's own work (sessions restored,
+    // clients reconnecting) runs beside it. It was started 2 s late: it then ran inside the
+    // first turn of a client that prompted at once and added ~10 us of daemon CPU per event to
+    // it (bench/hotPath.ts).
+    if (warmUp) yield* Effect.forkScoped(warmUpDaemon(EVENT_PATH_WARM_UP))
     yield* Deferred.await(server.shutdownRequested)
     yield* Effect.logInfo("shutdown requested")
   }).pipe(Effect.scoped, Effect.provide(DaemonLive(config)))
 
-/** Made-up chunks of events the daemon runs through its event path at start (see warmUpEventPath). */
-const EVENT_PATH_WARM_UP_ROUNDS = 10
+/** The echo turns the daemon runs through its event path at start (see warmUpDaemon). */
+const EVENT_PATH_WARM_UP = { turns: 2, words: 10_000 }

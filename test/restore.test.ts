@@ -9,7 +9,6 @@ import { LineCutter } from "../src/internal/session/restore.js"
 import { LineDecoder } from "../src/JsonLines.js"
 import * as EchoEngine from "../src/engines/EchoEngine.js"
 import { registry } from "../src/Engine.js"
-import { realFramesArrived, warmUpEventPath } from "../src/internal/delivery/warmUp.js"
 import { warmUpRestorePath, warmUpTurnPath } from "../src/Worker.js"
 
 /** Feeds `pieces` through a cutter; returns the bytes it let through, and its counts per cut. */
@@ -81,19 +80,5 @@ describe("warm-up", () => {
       assert.isAbove(bytes, 2 * 2001 * 60)
       // A registry without `echo` fails (the spare then logs and skips it).
       assert.isTrue((yield* Effect.either(warmUpTurnPath(registry({}), 1)))._tag === "Left")
-    }))
-
-  it.effect("the daemon's warm-up runs made-up events through its event path (decode, read, log record, wire line)", () =>
-    Effect.gen(function*() {
-      const bytes = yield* warmUpEventPath(2)
-      // Two chunks of 600 wire lines of more than 150 bytes each.
-      assert.isAbove(bytes, 2 * 600 * 150)
-    }))
-
-  // Last in this file: the module's flag stays set.
-  it.effect("the daemon's warm-up gives way once a session's worker sends frames (it never runs inside a first turn)", () =>
-    Effect.gen(function*() {
-      realFramesArrived()
-      assert.strictEqual(yield* warmUpEventPath(1000), 0)
     }))
 })

@@ -529,8 +529,9 @@ export const startDaemon = async (options: StartOptions = {}): Promise<Daemon> =
     if (k.startsWith("AGENTD_") || k.startsWith("VITEST") || k === "NODE_OPTIONS" || k === "TEST") continue
     env[k] = v
   }
-  // Without the warm-ups (a spare's restores and echo turns, the daemon's made-up events: ~0.1-0.2
-  // s of CPU at every spare and daemon start, hundreds of starts in the suite) unless a test
+  // Without the warm-ups (a spare's restores and echo turns, ~0.1-0.2 s of CPU at every spare
+  // start; the daemon's echo turns on a throwaway session, ~0.6 s at every daemon start: hundreds
+  // of starts in the suite) unless a test
   // asks for them; they make nothing correct or not (recovery.test and the chaos runs keep them).
   Object.assign(env, { AGENTD_WARM_UP: "0" }, options.env ?? {}, { AGENTD_E2E_MARK: mark })
   // Started through a symlink with a neutral name: the daemon under test is the same file, but

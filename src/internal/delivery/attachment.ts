@@ -3,6 +3,7 @@ import type * as Cursor from "../../Cursor.js"
 import * as Metrics from "../../Metrics.js"
 import type { ConnectionPort } from "../../SessionManager.js"
 import type { Session } from "../session/session.js"
+import { WARM_UP_SESSION_PREFIX } from "./warmUp.js"
 
 /** One connection's subscription to one session. */
 export class Attachment {
@@ -23,7 +24,7 @@ export class Attachment {
    * follows it (and ends the attachment). See the entity's `PublishClosed`.
    */
   closedLine: string | undefined
-  /** Counted as delivered here for socket clients; an HTTP read counts what it sends itself. */
+  /** Counted as delivered here for socket clients; an HTTP read counts what it sends itself; the start's warm-up is not counted. */
   readonly metered: boolean
 
   constructor(
@@ -35,7 +36,9 @@ export class Attachment {
     readonly attachCursor: Cursor.Cursor | undefined
   ) {
     this.knownRewrite = session.rewriteGeneration
-    this.metered = (outbox as { readonly transport?: string }).transport !== "http"
+    // The warm-up's outbox is the socket server's class (the same code warmed), not counted.
+    this.metered = (outbox as { readonly transport?: string }).transport !== "http" &&
+      !session.meta.activeSessionId.startsWith(WARM_UP_SESSION_PREFIX)
   }
 
   /**

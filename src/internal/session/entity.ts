@@ -561,7 +561,7 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
         return run(s, { _tag: "StorageRetry", epoch: input.epoch })
       case "Frames":
         // The daemon's start-up warm-up of this path gives way to the real thing.
-        realFramesArrived()
+        realFramesArrived(s.meta.activeSessionId)
         return Effect.ensuring(onFrames(s, input.worker, input.frames), Deferred.succeed(input.handled, undefined))
       case "Exited": {
         const worker = s.handles.workerIds.get(input.worker)
