@@ -9,6 +9,7 @@ import * as Effect from "effect/Effect"
 import * as Fiber from "effect/Fiber"
 import * as Layer from "effect/Layer"
 import * as Metric from "effect/Metric"
+import { spawnSync } from "node:child_process"
 import * as fs from "node:fs"
 import * as os from "node:os"
 import * as path from "node:path"
@@ -40,11 +41,16 @@ const withCore = <A, E>(f: (stateDir: string) => Effect.Effect<A, E, SessionMana
 const counted = Effect.all([Metric.value(Metrics.eventsAppended), Metric.value(Metrics.eventsDelivered.socket)])
 
 describe("the daemon's start-up warm-up", () => {
-  it.live("runs echo turns through the real event path and leaves no trace (not listed, no file, no metric)", () =>
+  it.scopedLive("runs echo turns through the real event path and leaves no trace (not listed, no file, no metric); removes a dead daemon's dir", () =>
     withCore((stateDir) =>
       Effect.gen(function*() {
         const manager = yield* SessionManager
-        const before = { state: tree(stateDir), temp: warmUpDirs(), metrics: yield* counted }
+        // What a daemon SIGKILLed while it warmed up leaves (its pid gone), and a live daemon's.
+        const orphan = path.join(os.tmpdir(), `agentd-warm-up-${spawnSync("true").pid}-test`)
+        const live = path.join(os.tmpdir(), `agentd-warm-up-${process.ppid}-test`)
+        for (const dir of [orphan, live]) fs.mkdirSync(path.join(dir, "events"), { recursive: true })
+        yield* Effect.addFinalizer(() => Effect.sync(() => [orphan, live].forEach((dir) => fs.rmSync(dir, { recursive: true, force: true }))))
+        const before = { state: tree(stateDir), temp: warmUpDirs().filter((d) => d !== path.basename(orphan)), metrics: yield* counted }
         const outcome = yield* warmUpDaemon({ turns: 2, words: 2000 })
         // Both turns ended (their `agent_end` logged, the session idle again): each event went
         // through the worker's inbox, the entity, the log and the outbox to the client.

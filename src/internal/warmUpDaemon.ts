@@ -164,6 +164,29 @@ const makeWorker = (pipe: { readonly near: net.Socket; readonly far: net.Socket 
   return handle
 }
 
+/** The warm-up's temp dirs: `agentd-warm-up-<the daemon's pid>-<random>`. */
+const TEMP_PREFIX = "agentd-warm-up-"
+
+/**
+ * Removes the temp dirs of warm-ups whose daemon is gone (SIGKILLed while it warmed up: a clean
+ * stop removes its own). Only dirs of this user (a dir of a live pid, or of another user's
+ * process, which `kill(pid, 0)` cannot probe, is left alone).
+ */
+const removeOrphans = (): void => {
+  const uid = process.getuid?.()
+  for (const name of fs.readdirSync(os.tmpdir())) {
+    const pid = Number(/^agentd-warm-up-(\d+)-/.exec(name)?.[1])
+    if (!Number.isSafeInteger(pid) || pid === process.pid) continue
+    const dir = path.join(os.tmpdir(), name)
+    try {
+      if (uid !== undefined && fs.lstatSync(dir).uid !== uid) continue
+      process.kill(pid, 0)
+    } catch (e) {
+      if ((e as NodeJS.ErrnoException).code === "ESRCH") fs.rmSync(dir, { recursive: true, force: true })
+    }
+  }
+}
+
 /**
  * Runs up to `turns` echo turns of `words` words through the daemon's event path, on a
  * throwaway session (see the header); stops early once a real session's worker sends frames.
@@ -173,7 +196,10 @@ export const warmUpDaemon = (options: { readonly turns: number; readonly words: 
   Effect.gen(function*() {
     const config = yield* DaemonConfig
     const dir = yield* Effect.acquireRelease(
-      Effect.sync(() => fs.mkdtempSync(path.join(os.tmpdir(), "agentd-warm-up-"))),
+      Effect.sync(() => {
+        removeOrphans()
+        return fs.mkdtempSync(path.join(os.tmpdir(), `${TEMP_PREFIX}${process.pid}-`))
+      }),
       (dir) => Effect.sync(() => fs.rmSync(dir, { recursive: true, force: true }))
     )
     const sent = { events: 0 }
