@@ -42,28 +42,30 @@ const counted = Effect.all([Metric.value(Metrics.eventsAppended), Metric.value(M
 
 describe("the daemon's start-up warm-up", () => {
   it.scopedLive("runs echo turns through the real event path and leaves no trace (not listed, no file, no metric); removes a dead daemon's dir", () =>
-    withCore((stateDir) =>
-      Effect.gen(function*() {
-        const manager = yield* SessionManager
-        // What a daemon SIGKILLed while it warmed up leaves (its pid gone), and a live daemon's.
-        const orphan = path.join(os.tmpdir(), `agentd-warm-up-${spawnSync("true").pid}-test`)
-        const live = path.join(os.tmpdir(), `agentd-warm-up-${process.ppid}-test`)
-        for (const dir of [orphan, live]) fs.mkdirSync(path.join(dir, "events"), { recursive: true })
-        yield* Effect.addFinalizer(() => Effect.sync(() => [orphan, live].forEach((dir) => fs.rmSync(dir, { recursive: true, force: true }))))
-        const before = { state: tree(stateDir), temp: warmUpDirs().filter((d) => d !== path.basename(orphan)), metrics: yield* counted }
-        const outcome = yield* warmUpDaemon({ turns: 2, words: 2000 })
-        // Both turns ended (their `agent_end` logged, the session idle again): each event went
-        // through the worker's inbox, the entity, the log and the outbox to the client.
-        assert.strictEqual(outcome.turns, 2)
-        assert.strictEqual(outcome.events, 2 * 2009)
-        // A wire line per event (over 100 bytes each), and the statuses.
-        assert.isAbove(outcome.deliveredBytes, 2 * 2009 * 100)
-        assert.deepStrictEqual((yield* manager.list).sessions, [])
-        assert.deepStrictEqual(tree(stateDir), before.state)
-        assert.deepStrictEqual(warmUpDirs(), before.temp)
-        assert.deepStrictEqual(yield* counted, before.metrics)
-      })
-    ))
+    Effect.gen(function*() {
+      // What a daemon SIGKILLed while it warmed up leaves (its pid gone), and a live daemon's.
+      const orphan = path.join(os.tmpdir(), `agentd-warm-up-${spawnSync("true").pid}-test`)
+      const live = path.join(os.tmpdir(), `agentd-warm-up-${process.ppid}-test`)
+      for (const dir of [orphan, live]) fs.mkdirSync(path.join(dir, "events"), { recursive: true })
+      yield* Effect.addFinalizer(() => Effect.sync(() => [orphan, live].forEach((dir) => fs.rmSync(dir, { recursive: true, force: true }))))
+      yield* withCore((stateDir) =>
+        Effect.gen(function*() {
+          const manager = yield* SessionManager
+          const before = { state: tree(stateDir), temp: warmUpDirs().filter((d) => d !== path.basename(orphan)), metrics: yield* counted }
+          const outcome = yield* warmUpDaemon({ turns: 2, words: 2000 })
+          // Both turns ended (their `agent_end` logged, the session idle again): each event went
+          // through the worker's inbox, the entity, the log and the outbox to the client.
+          assert.strictEqual(outcome.turns, 2)
+          assert.strictEqual(outcome.events, 2 * 2009)
+          // A wire line per event (over 100 bytes each), and the statuses.
+          assert.isAbove(outcome.deliveredBytes, 2 * 2009 * 100)
+          assert.deepStrictEqual((yield* manager.list).sessions, [])
+          assert.deepStrictEqual(tree(stateDir), before.state)
+          assert.deepStrictEqual(warmUpDirs(), before.temp)
+          assert.deepStrictEqual(yield* counted, before.metrics)
+        })
+      )
+    }))
 
   // Last in this file: the module's flag stays set.
   it.live("gives way once a real session's worker sends frames: stops within its turn, cleans up", () =>
