@@ -24,8 +24,11 @@ import { SessionManager } from "../src/SessionManager.js"
 const tree = (dir: string): Array<string> =>
   fs.existsSync(dir) ? (fs.readdirSync(dir, { recursive: true }) as Array<string>).sort() : []
 
-/** The warm-up's temp dirs now in the temp dir. */
-const warmUpDirs = () => fs.readdirSync(os.tmpdir()).filter((d) => d.startsWith("agentd-warm-up-"))
+/**
+ * This process's warm-up temp dirs now in the temp dir: only its own, since the daemons other test
+ * files start at the same time make and remove theirs.
+ */
+const warmUpDirs = () => fs.readdirSync(os.tmpdir()).filter((d) => d.startsWith(`agentd-warm-up-${process.pid}-`))
 
 /** A daemon's core on a temp state dir, no worker process (no spare), no warm-up of its own. */
 const withCore = <A, E>(f: (stateDir: string) => Effect.Effect<A, E, SessionManager | DaemonConfig>) =>
@@ -51,7 +54,7 @@ describe("the daemon's start-up warm-up", () => {
       yield* withCore((stateDir) =>
         Effect.gen(function*() {
           const manager = yield* SessionManager
-          const before = { state: tree(stateDir), temp: warmUpDirs().filter((d) => d !== path.basename(orphan)), metrics: yield* counted }
+          const before = { state: tree(stateDir), temp: warmUpDirs(), metrics: yield* counted }
           const outcome = yield* warmUpDaemon({ turns: 2, words: 2000 })
           // Both turns ended (their `agent_end` logged, the session idle again): each event went
           // through the worker's inbox, the entity, the log and the outbox to the client.
@@ -62,6 +65,9 @@ describe("the daemon's start-up warm-up", () => {
           assert.deepStrictEqual((yield* manager.list).sessions, [])
           assert.deepStrictEqual(tree(stateDir), before.state)
           assert.deepStrictEqual(warmUpDirs(), before.temp)
+          // The dead daemon's dir removed at the start, the live one's kept.
+          assert.isFalse(fs.existsSync(orphan))
+          assert.isTrue(fs.existsSync(live))
           assert.deepStrictEqual(yield* counted, before.metrics)
         })
       )
