@@ -317,9 +317,10 @@ const makeRouter = (self: string, leaseMs: number) =>
      * the connection to the owner breaks, to whoever owns the session then. When it comes again
      * to an owner still running it (or that ran it a moment ago), the cluster refuses it
      * (`AlreadyProcessingMessage`: same request); asked again as a new request with the same id,
-     * the owner answers with the first run's answer.
+     * the owner answers with the first run's answer. `moved`: what to do instead of answering
+     * `internal` when the owner lost the session while it ran the command.
      */
-    const forward = <A>(id: string, command: unknown): Effect.Effect<A, CommandError> =>
+    const forward = <A>(id: string, command: unknown, moved?: () => Effect.Effect<A, CommandError>): Effect.Effect<A, CommandError> =>
       Effect.suspend(() => {
         const commandId = randomUUID()
         return Effect.retry(client(id).Command({ command, id: commandId }), {
@@ -357,7 +358,7 @@ const makeRouter = (self: string, leaseMs: number) =>
         // This fiber's own interruption is never caught here.
         Effect.catchAllCause((cause) =>
           Cause.isInterruptedOnly(cause)
-            ? Effect.fail(
+            ? moved !== undefined ? moved() : Effect.fail(
               new CommandError({
                 code: "internal",
                 message: `The runner of session \`${id}\` stopped the command before answering (the session is moving to ` +
@@ -369,6 +370,19 @@ const makeRouter = (self: string, leaseMs: number) =>
       )
 
     const withRunner = (s: SessionSummary): SessionSummary => ({ ...s, runner: self })
+
+    /**
+     * A create whose owner lost the session's shard while it ran (runners joining or leaving):
+     * the session was created or not, and its next owner knows which (the store). Created, the
+     * answer is its state; not, it is created there. The id is this runner's own choice, so no
+     * one else creates it meanwhile. Without this, such a create was answered `internal` (seen
+     * right after runners start, at load 15).
+     */
+    const createdOrAgain = (id: string, cmd: CommandOf<"create">) =>
+      forward<SessionSummary>(id, { type: "get_state", activeSessionId: id }).pipe(
+        Effect.map((state) => ({ activeSessionId: id, state })),
+        Effect.catchIf((e) => e.code === "session_not_found", () => forward<{ activeSessionId: string; state: SessionSummary }>(id, cmd))
+      )
 
     yield* sql.unsafe(`CREATE TABLE IF NOT EXISTS ${SHARDS_TABLE} (
       address text PRIMARY KEY,
@@ -507,9 +521,11 @@ const makeRouter = (self: string, leaseMs: number) =>
         Effect.zipRight(handedOver),
         Effect.tap(() => Effect.sync(() => stopBound.reached("its clients' grace period")))
       ),
-      create: (cmd, given) =>
+      create: (cmd, given) => {
         // The id is chosen here, so that the create goes to the runner that will own the session.
-        forward(given ?? `s-${randomUUID()}`, cmd),
+        const id = given ?? `s-${randomUUID()}`
+        return forward(id, cmd, () => createdOrAgain(id, cmd))
+      },
       listHere: Effect.map(listMine, (sessions) => ({ sessions: sessions.map(withRunner) })),
       list: Effect.gen(function*() {
         const listings = yield* Effect.orElseSucceed(store.list(), () => [])
