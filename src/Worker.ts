@@ -411,9 +411,10 @@ const IDLE_GC_MS = 1000
  * went down by ~1.5 MB (bench/workerMemory.ts). It needs `--expose-gc` (WorkerPool's
  * LEAN_WORKER_FLAGS); without it nothing is done.
  *
- * When that leaves a megabyte or more free in the old space, it compacts (idleGc). A full GC
- * frees dead objects but keeps every page that still holds a live one, and V8 picks a page to
- * compact only when 20% of it or more is free (with --optimize-for-size): after a warm-up and a
+ * When that leaves a megabyte or more free in the old space (and an eighth of what it uses), it
+ * compacts (idleGc). A full GC frees dead objects but keeps every page that still holds a live
+ * one, and V8 picks a page to compact only when 20% of it or more is free (with
+ * --optimize-for-size): after a warm-up and a
  * turn, 2.3 MB of an echo worker's old space were free bytes spread thin over its ~30 pages,
  * committed and resident (old space 7.7 MB for 5.4 used), or not, depending on where the last
  * objects landed (the idle RSS moved by 2 MB from one build to the next with no change of its
@@ -442,22 +443,25 @@ class IdleCollector {
   }
 }
 
-/** Free bytes in the old space's pages after a full GC above which an idle worker compacts it. */
+/** Free bytes in the old space's pages after a full GC from which an idle worker compacts it. */
 export const COMPACT_FREE_BYTES = 1024 * 1024
 
 /**
- * A full GC, then, if it left more than COMPACT_FREE_BYTES free in the old space's pages, a full
- * GC that compacts every page it can: it copies the whole live heap, ~3x a plain collection's
- * CPU (an idle echo worker: 43-50 ms against 14-16, load 4-6), worth it for a megabyte. V8
- * reads the flag when a full GC picks the pages to evacuate, at the start of its marking; it is
- * set back before any other code runs. node:v8 is loaded at the first idle collection: ~0.3 MB,
- * most of what it needs (streams) a worker has loaded already.
+ * A full GC, then, if it left COMPACT_FREE_BYTES or more free in the old space's pages, and at
+ * least an eighth of what is used there, a full GC that compacts every page it can. It copies
+ * the whole live heap, ~3x a plain collection's CPU (an idle echo worker: 43-50 ms against
+ * 14-16, load 4-6): worth it for a megabyte of a small heap, not for one of a session whose
+ * transcript fills 50 MB. V8 reads the flag when a full GC picks the pages to evacuate, at the
+ * start of its marking; it is set back before any other code runs. node:v8 is loaded at the
+ * first idle collection: ~0.3 MB, most of what it needs (streams) a worker has loaded already.
  */
 export const idleGc = (gc: () => void): void => {
   gc()
   const v8 = process.getBuiltinModule("node:v8")
   const old = v8.getHeapSpaceStatistics().find((space) => space.space_name === "old_space")
-  if (old === undefined || old.space_size - old.space_used_size < COMPACT_FREE_BYTES) return
+  if (old === undefined) return
+  const free = old.space_size - old.space_used_size
+  if (free < COMPACT_FREE_BYTES || free * 8 < old.space_used_size) return
   v8.setFlagsFromString("--compact-on-every-full-gc")
   try {
     gc()
@@ -609,6 +613,9 @@ export const run = (pipe: WorkerPipe, options: RunOptions = {}) =>
         case "load":
           return Effect.gen(function*() {
             if (session !== undefined || restoring !== undefined) return yield* fail("this worker already runs a session")
+            // The spare's idle collection (a compaction: tens of ms) must not land in the load
+            // or the restore; `loaded` schedules the next one.
+            collector?.busy()
             options.onSession?.(frame.activeSessionId)
             const engine = yield* Effect.either(engines.make(frame.engine, frame.config ?? {}).pipe(
               // The session's work dir, for engines whose tools need one.
