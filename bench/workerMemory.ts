@@ -42,10 +42,10 @@
  * only when 20% of it is free (--optimize-for-size); the 2.3 MB were spread thin over ~30
  * pages, more or fewer depending on where the last objects of the warm-up and turn landed. Kept:
  * the idle collection compacts (Worker.ts, idleGc: `--compact-on-every-full-gc` for that GC
- * only, when a plain one left >= 1 MB free): 49.9/49.9/49.9 -> 48.3/48.2/48.1 MB (1.22x; main's
- * build and this one alternating, load 8-10), then 48.1/48.2/48.2 alone (load 7-10). A
- * compacting GC of an idle echo worker: 43-50 ms of CPU against 14-16 for a plain one (load 4-6),
- * which is why it runs only for a megabyte's gain. Dropped: `--compact-on-every-full-gc` as a
+ * only, when a plain one left >= 1 MB free, and an eighth of the used): 49.9/49.9/49.9 ->
+ * 48.3/48.2/48.1 MB (1.22x; main's build and this one alternating, load 8-10). A compacting GC
+ * of an idle echo worker: 43-50 ms of CPU against 14-16 for a plain one (load 4-6), which is
+ * why it runs only for a megabyte's gain. Dropped: `--compact-on-every-full-gc` as a
  * start flag (47.9-48.0 MB, node:v8 not loaded) compacted the full GCs of a turn too: a burst's
  * worker CPU per event 6.7 -> 8.8 us (hotPath, 3 runs each, load 4-5); gc()'s `flavor:
  * "last-resort"` option is not in Node 20's V8 (no effect). What is left of the spread: about
@@ -53,8 +53,13 @@
  * against 3.3), the same on main. Free memory, mostly: malloc_trim(0) called from gdb gave
  * 0.9 MB of one back, which the trim of the heap's top at free() does not reach (a live block
  * above it, presumably); MALLOC_TRIM_THRESHOLD_ and MALLOC_MMAP_THRESHOLD_ at 131072 (which stop
- * glibc from raising them) did not change it, and Node has no malloc_trim. Twice, in two runs
- * at load ~10, one worker read 54-55 MB; not seen again in 8 runs. Each worker's RSS, in session
+ * glibc from raising them) did not change it, and Node has no malloc_trim. With 2-3 such workers
+ * of 6 the median is theirs: 3 of the last 6 runs read 49.8-49.9 MB (1.26x), so the target is
+ * not met reliably yet (11 runs of this build at load 7-17: 48.1-48.3 in 8, 49.8-49.9 in 3).
+ * Also, in 4 of those 11 runs one worker read 54-55 MB (never on main's build, 4 runs): its
+ * /proc/PID/smaps had ~7 MB more in two plain anonymous mappings (3.6 and 4.0 MB resident),
+ * neither V8's 256 KB pages nor glibc's main heap: presumably what the compaction's helper
+ * threads allocated (V8 compacts in parallel), not confirmed. Each worker's RSS, in session
  * order, is printed after the figure.
  */
 import { type ChildProcess, spawn } from "node:child_process"
