@@ -54,13 +54,16 @@
  * 0.9 MB of one back, which the trim of the heap's top at free() does not reach (a live block
  * above it, presumably); MALLOC_TRIM_THRESHOLD_ and MALLOC_MMAP_THRESHOLD_ at 131072 (which stop
  * glibc from raising them) did not change it, and Node has no malloc_trim. With 2-3 such workers
- * of 6 the median is theirs: 3 of the last 6 runs read 49.8-49.9 MB (1.26x), so the target is
- * not met reliably yet (11 runs of this build at load 7-17: 48.1-48.3 in 8, 49.8-49.9 in 3).
+ * of 6 the median is theirs: 3 of the last 6 runs read 49.8-49.9 MB (1.26x): the target was
+ * not met reliably (11 runs at load 7-17: 48.1-48.3 in 8, 49.8-49.9 in 3).
  * Also, in 4 of those 11 runs one worker read 54-55 MB (never on main's build, 4 runs): its
  * /proc/PID/smaps had ~7 MB more in two plain anonymous mappings (3.6 and 4.0 MB resident),
  * neither V8's 256 KB pages nor glibc's main heap: presumably what the compaction's helper
- * threads allocated (V8 compacts in parallel), not confirmed. Each worker's RSS, in session
- * order, is printed after the figure.
+ * threads allocated (V8 compacts in parallel), not confirmed. Then kept: `--single-threaded-gc`
+ * (WorkerPool's LEAN_WORKER_FLAGS), which took both away: 47.1 MB in 6 runs of 7, 48.7 in one
+ * (1.19-1.23x, load 3-14; a worker or two of 6 at 48.7-48.8 in 3 of them), a burst's worker CPU
+ * per event the same (hotPath, 6.2-7.2 us without, 6.0-6.8 with, 3 runs each, load 7-11). Each
+ * worker's RSS, in session order, is printed after the figure.
  */
 import { type ChildProcess, spawn } from "node:child_process"
 import * as fs from "node:fs"
