@@ -17,7 +17,7 @@
  */
 import * as os from "node:os"
 import { cpuTicksOf } from "../test/support/procfs.js"
-import { type Client, createSession, type Daemon, isIdleStatus, nowMs, sleep, startDaemon, waitReady } from "./daemonHarness.js"
+import { type Client, createSession, type Daemon, isIdleStatus, nowMs, sleep, startDaemon, TurnEnds, waitReady } from "./daemonHarness.js"
 import { printRatio } from "./report.js"
 import { benchStore } from "./storeAppend.js"
 
@@ -49,34 +49,22 @@ interface Timed {
 const turn = async (ctl: Client, clients: ReadonlyArray<Client>, id: string, message = text): Promise<Array<Timed>> => {
   const started = nowMs()
   const results = clients.map(() => ({ seconds: 0, lags: [] as Array<number> }))
-  let ended = 0
-  let resolve!: () => void
-  let reject!: (e: Error) => void
-  const done = new Promise<void>((res, rej) => {
-    resolve = res
-    reject = rej
-  })
+  const ends = new TurnEnds(clients.length)
   clients.forEach((c, i) => {
     c.messageHook = (m) => {
       if (m["type"] !== "session_event" || m["activeSessionId"] !== id) return false
       results[i]!.lags.push(Date.now() - (m["meta"]["emittedAt"] as number))
       const type = m["event"]["type"]
-      if (type === "turn_interrupted") reject(new Error("the turn was interrupted"))
+      if (type === "turn_interrupted") ends.interrupted()
       if (type === "agent_end") {
         results[i]!.seconds = (nowMs() - started) / 1000
-        if (++ended === clients.length) resolve()
+        ends.ended()
       }
       return true
     }
   })
   await ctl.ok({ type: "prompt", activeSessionId: id, message })
-  let timer: NodeJS.Timeout | undefined
-  await Promise.race([
-    done,
-    new Promise<never>((_, rej) => {
-      timer = setTimeout(() => rej(new Error(`timed out: agent_end on ${ended} of ${clients.length} clients`)), TIMEOUT_MS)
-    })
-  ]).finally(() => clearTimeout(timer))
+  await ends.wait(TIMEOUT_MS)
   for (const c of clients) c.messageHook = undefined
   await Promise.all(clients.map((c) => c.waitFor((m) => m["activeSessionId"] === id && isIdleStatus(m), 30_000, "idle status")))
   for (const c of clients) c.drain()

@@ -301,6 +301,50 @@ export interface Cursor {
 export const cursorAfter = (a: Cursor | undefined, b: Cursor | undefined): boolean =>
   a !== undefined && (b === undefined || a.generation > b.generation || (a.generation === b.generation && a.sequence > b.sequence))
 
+/** `p`, or a rejection that says `what()` after `ms`. */
+export const withTimeout = <A>(p: Promise<A>, ms: number, what: () => string): Promise<A> => {
+  let timer: NodeJS.Timeout | undefined
+  const timeout = new Promise<never>((_, reject) => {
+    timer = setTimeout(() => reject(new Error(`timed out after ${ms} ms: ${what()}`)), ms)
+  })
+  return Promise.race([p, timeout]).finally(() => clearTimeout(timer))
+}
+
+/**
+ * The end of one turn on each of `clients` clients, told by their hooks (which see the events
+ * as the bench reads them: parsed, or a line's first bytes): `ended()` at a client's
+ * `agent_end`, `interrupted()` at a `turn_interrupted`. `wait` resolves once every client has
+ * ended, and rejects at an interruption or after `ms`.
+ */
+export class TurnEnds {
+  /** How many clients have seen `agent_end`. */
+  count = 0
+  private readonly done: Promise<void>
+  private resolve!: () => void
+  private reject!: (e: Error) => void
+
+  constructor(readonly clients: number) {
+    this.done = new Promise<void>((resolve, reject) => {
+      this.resolve = resolve
+      this.reject = reject
+    })
+    // An interruption seen before `wait` is called is its answer, not an unhandled rejection.
+    this.done.catch(() => {})
+  }
+
+  ended(): void {
+    if (++this.count === this.clients) this.resolve()
+  }
+
+  interrupted(): void {
+    this.reject(new Error("the turn was interrupted"))
+  }
+
+  wait(ms: number): Promise<void> {
+    return withTimeout(this.done, ms, () => `agent_end on ${this.count} of ${this.clients} clients`)
+  }
+}
+
 /**
  * Runs one prompt on `client` (attached to the session) and waits for the end of the turn:
  * `agent_end` then the `busy: false` status that follows it. Throws on an interrupted turn.

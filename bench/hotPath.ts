@@ -74,7 +74,7 @@ import * as fs from "node:fs"
 import * as os from "node:os"
 import * as path from "node:path"
 import { cpuTicksOf, descendantsOf } from "../test/support/procfs.js"
-import { Client, createSession, type Daemon, isIdleStatus, nowMs, sleep, waitReady, withDaemon } from "./daemonHarness.js"
+import { Client, createSession, type Daemon, isIdleStatus, nowMs, sleep, TurnEnds, waitReady, withDaemon, withTimeout } from "./daemonHarness.js"
 import { printRatio } from "./report.js"
 
 const WORDS = 20_000
@@ -98,14 +98,6 @@ const splitOf = (before: ReturnType<typeof procSplit>, after: ReturnType<typeof 
   `user ${after.user - before.user} ms, system ${after.system - before.system} ms, minor faults ${after.faults - before.faults}`
 
 const median = (xs: ReadonlyArray<number>): number => [...xs].sort((a, b) => a - b)[Math.floor(xs.length / 2)]!
-
-const withTimeout = <A>(p: Promise<A>, what: () => string): Promise<A> => {
-  let timer: NodeJS.Timeout | undefined
-  const timeout = new Promise<never>((_, reject) => {
-    timer = setTimeout(() => reject(new Error(`timed out after ${TIMEOUT_MS} ms: ${what()}`)), TIMEOUT_MS)
-  })
-  return Promise.race([p, timeout]).finally(() => clearTimeout(timer))
-}
 
 // ---------------------------------------------------------------------------------------------
 // The relay
@@ -196,7 +188,7 @@ const relayOnce = async (): Promise<{ seconds: number; cpuPerEvent: number }> =>
     const started = nowMs()
     const cpuBefore = cpuMicros(relay.pid!)
     producer.stdin!.write("go\n")
-    await withTimeout(done, () => `relay (${count} of ${expected} lines)`)
+    await withTimeout(done, TIMEOUT_MS, () => `relay (${count} of ${expected} lines)`)
     return { seconds: (nowMs() - started) / 1000, cpuPerEvent: (cpuMicros(relay.pid!) - cpuBefore) / expected }
   } finally {
     client?.close()
@@ -218,19 +210,16 @@ const text = Array.from({ length: WORDS }, (_, i) => `w${i}`).join(" ")
 
 /** Seconds from the prompt until each of `clients` has the turn's `agent_end`. */
 const turn = async (ctl: Client, clients: ReadonlyArray<Client>, id: string): Promise<number> => {
-  let ended = 0
-  let resolve!: () => void
-  let reject!: (e: Error) => void
-  const done = new Promise<void>((res, rej) => {
-    resolve = res
-    reject = rej
-  })
+  const ends = new TurnEnds(clients.length)
   for (const c of clients) {
     c.rawHook = (prefix) => {
       if (prefix.includes('"message_update"')) return true
-      if (prefix.includes('"agent_end"') || prefix.includes('"turn_interrupted"')) {
-        if (prefix.includes('"turn_interrupted"')) reject(new Error("the turn was interrupted"))
-        if (++ended === clients.length) resolve()
+      if (prefix.includes('"turn_interrupted"')) {
+        ends.interrupted()
+        return true
+      }
+      if (prefix.includes('"agent_end"')) {
+        ends.ended()
         return true
       }
       return false
@@ -238,7 +227,7 @@ const turn = async (ctl: Client, clients: ReadonlyArray<Client>, id: string): Pr
   }
   const started = nowMs()
   await ctl.ok({ type: "prompt", activeSessionId: id, message: text })
-  await withTimeout(done, () => `agent_end on ${ended} of ${clients.length} clients`)
+  await ends.wait(TIMEOUT_MS)
   const seconds = (nowMs() - started) / 1000
   await Promise.all(clients.map((c) => c.waitFor((m) => m["activeSessionId"] === id && isIdleStatus(m), 30_000, "idle status")))
   for (const c of clients) c.drain()

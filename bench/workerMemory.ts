@@ -33,6 +33,37 @@
  * (11 -> 8 threads) nothing; a CommonJS worker bundle (esbuild, dynamic imports as require) 61.5
  * MB: the model engines' dependencies were evaluated at start. An ES module entry costs 1.9 MB
  * against a CommonJS one in a bare node with the workers' flags (40.3 vs 38.4 MB).
+ *
+ * Session 16 (load 4-17): main 49.9 MB (1.27x, wide spread: 47.0-51.7), after the merge of the
+ * pushed turn (s15-paced) with s15-first's 48.4. Not the pushed turn as such: heapUsed was the
+ * same, the old space's committed size was not (7.7 MB for 5.4 used, against 5.7 for 5.6), and
+ * with the spare's warm-up off (AGENTD_WARM_UP=0) both builds fragment alike after one turn
+ * (7.2 for 5.4-5.5). A full GC keeps a page that holds any live object, and V8 compacts a page
+ * only when 20% of it is free (--optimize-for-size); the 2.3 MB were spread thin over ~30
+ * pages, more or fewer depending on where the last objects of the warm-up and turn landed. Kept:
+ * the idle collection compacts (Worker.ts, idleGc: `--compact-on-every-full-gc` for that GC
+ * only, when a plain one left >= 1 MB free, and an eighth of the used): 49.9/49.9/49.9 ->
+ * 48.3/48.2/48.1 MB (1.22x; main's build and this one alternating, load 8-10). A compacting GC
+ * of an idle echo worker: 43-50 ms of CPU against 14-16 for a plain one (load 4-6), which is
+ * why it runs only for a megabyte's gain. Dropped: `--compact-on-every-full-gc` as a
+ * start flag (47.9-48.0 MB, node:v8 not loaded) compacted the full GCs of a turn too: a burst's
+ * worker CPU per event 6.7 -> 8.8 us (hotPath, 3 runs each, load 4-5); gc()'s `flavor:
+ * "last-resort"` option is not in Node 20's V8 (no effect). What is left of the spread: about
+ * one worker in three keeps 1.8 MB more of glibc's main heap ([heap] in /proc/PID/smaps: 5.1 MB
+ * against 3.3), the same on main. Free memory, mostly: malloc_trim(0) called from gdb gave
+ * 0.9 MB of one back, which the trim of the heap's top at free() does not reach (a live block
+ * above it, presumably); MALLOC_TRIM_THRESHOLD_ and MALLOC_MMAP_THRESHOLD_ at 131072 (which stop
+ * glibc from raising them) did not change it, and Node has no malloc_trim. With 2-3 such workers
+ * of 6 the median is theirs: 3 of the last 6 runs read 49.8-49.9 MB (1.26x): the target was
+ * not met reliably (11 runs at load 7-17: 48.1-48.3 in 8, 49.8-49.9 in 3).
+ * Also, in 4 of those 11 runs one worker read 54-55 MB (never on main's build, 4 runs): its
+ * /proc/PID/smaps had ~7 MB more in two plain anonymous mappings (3.6 and 4.0 MB resident),
+ * neither V8's 256 KB pages nor glibc's main heap: presumably what the compaction's helper
+ * threads allocated (V8 compacts in parallel), not confirmed. Then kept: `--single-threaded-gc`
+ * (WorkerPool's LEAN_WORKER_FLAGS), which took both away: 47.1 MB in 6 runs of 7, 48.7 in one
+ * (1.19-1.23x, load 3-14; a worker or two of 6 at 48.7-48.8 in 3 of them), a burst's worker CPU
+ * per event the same (hotPath, 6.2-7.2 us without, 6.0-6.8 with, 3 runs each, load 7-11). Each
+ * worker's RSS, in session order, is printed after the figure.
  */
 import { type ChildProcess, spawn } from "node:child_process"
 import * as fs from "node:fs"
@@ -139,6 +170,7 @@ export default async function workerMemory(): Promise<void> {
       `baseline (node -e 'setInterval(() => {}, 1e9)', started alike) ${mb(bare)} MB | ratio ${ratio.toFixed(2)}x ` +
       `(lower is better; target <= 1.25x: ${ratio <= 1.25 ? "met" : "MISSED"})`
   )
+  console.log(`  each worker (MB, in session order): ${workerRss.map(mb).join(", ")}`)
   console.log(`  one idle echo worker: ${await breakdown(daemonEnv, extra ?? "")}`)
   console.log(`  (load average at the end: ${os.loadavg().map((l) => l.toFixed(1)).join(", ")})`)
 }

@@ -408,8 +408,20 @@ const IDLE_GC_MS = 1000
  * Collects the garbage of a worker idle for a moment (a spare warmed up, a session loaded, a
  * turn ended). A waiting worker allocates nothing, so V8 has no reason to collect, and what a
  * warm-up or a turn left behind stays resident until the next turn: an idle echo worker's RSS
- * went down by ~1.5 MB (bench/workerMemory.ts). A major GC of a worker's few MB takes a few ms.
- * It needs `--expose-gc` (WorkerPool's LEAN_WORKER_FLAGS); without it nothing is done.
+ * went down by ~1.5 MB (bench/workerMemory.ts). It needs `--expose-gc` (WorkerPool's
+ * LEAN_WORKER_FLAGS); without it nothing is done.
+ *
+ * When that leaves a megabyte or more free in the old space (and an eighth of what it uses), it
+ * compacts (idleGc). A full GC frees dead objects but keeps every page that still holds a live
+ * one, and V8 picks a page to compact only when 20% of it or more is free (with
+ * --optimize-for-size): after a warm-up and a
+ * turn, 2.3 MB of an echo worker's old space were free bytes spread thin over its ~30 pages,
+ * committed and resident (old space 7.7 MB for 5.4 used), or not, depending on where the last
+ * objects landed (the idle RSS moved by 2 MB from one build to the next with no change of its
+ * own). Compacting moves the live objects together and gives the emptied pages back: 49.9-51.6
+ * -> 48.2 MB (bench/workerMemory.ts). Only when idle: `--compact-on-every-full-gc` as a start
+ * flag saved as much but compacted every full GC of a turn too, a worker's CPU per event in a
+ * burst 6.7 -> 8.8 us (bench/hotPath.ts, 3 runs each, load 4-5).
  */
 class IdleCollector {
   private timer: ReturnType<typeof setTimeout> | undefined
@@ -420,7 +432,7 @@ class IdleCollector {
     if (typeof gc !== "function") return
     this.timer = setTimeout(() => {
       this.timer = undefined
-      gc()
+      idleGc(gc)
     }, IDLE_GC_MS)
     this.timer.unref()
   }
@@ -428,6 +440,33 @@ class IdleCollector {
   busy(): void {
     if (this.timer !== undefined) clearTimeout(this.timer)
     this.timer = undefined
+  }
+}
+
+/** Free bytes in the old space's pages after a full GC from which an idle worker compacts it. */
+export const COMPACT_FREE_BYTES = 1024 * 1024
+
+/**
+ * A full GC, then, if it left COMPACT_FREE_BYTES or more free in the old space's pages, and at
+ * least an eighth of what is used there, a full GC that compacts every page it can. It copies
+ * the whole live heap, ~3x a plain collection's CPU (an idle echo worker: 43-50 ms against
+ * 14-16, load 4-6): worth it for a megabyte of a small heap, not for one of a session whose
+ * transcript fills 50 MB. V8 reads the flag when a full GC picks the pages to evacuate, at the
+ * start of its marking; it is set back before any other code runs. node:v8 is loaded at the
+ * first idle collection: ~0.3 MB, most of what it needs (streams) a worker has loaded already.
+ */
+export const idleGc = (gc: () => void): void => {
+  gc()
+  const v8 = process.getBuiltinModule("node:v8")
+  const old = v8.getHeapSpaceStatistics().find((space) => space.space_name === "old_space")
+  if (old === undefined) return
+  const free = old.space_size - old.space_used_size
+  if (free < COMPACT_FREE_BYTES || free * 8 < old.space_used_size) return
+  v8.setFlagsFromString("--compact-on-every-full-gc")
+  try {
+    gc()
+  } finally {
+    v8.setFlagsFromString("--no-compact-on-every-full-gc")
   }
 }
 
@@ -574,6 +613,9 @@ export const run = (pipe: WorkerPipe, options: RunOptions = {}) =>
         case "load":
           return Effect.gen(function*() {
             if (session !== undefined || restoring !== undefined) return yield* fail("this worker already runs a session")
+            // The spare's idle collection (a compaction: tens of ms) must not land in the load
+            // or the restore; `loaded` schedules the next one.
+            collector?.busy()
             options.onSession?.(frame.activeSessionId)
             const engine = yield* Effect.either(engines.make(frame.engine, frame.config ?? {}).pipe(
               // The session's work dir, for engines whose tools need one.

@@ -328,8 +328,19 @@ const workerNodeArgs = (): ReadonlyArray<string> =>
  * `--expose-gc` lets an idle worker collect its garbage (Worker.ts, `IdleCollector`), which
  * makes V8's memory reducer redundant: `--no-memory-reducer` cut a paced echo worker's CPU per
  * token by 10-17% (its full GCs ran during turns), idle RSS unchanged (bench/workerMemory.ts).
+ * `--single-threaded-gc`: the GC's helper threads left memory of their own resident after the
+ * idle compaction (glibc's heaps: 1 worker in 3 kept 1.8 MB more, and some 7 MB more), idle
+ * echo worker 48.1-49.9 -> 47.1 MB in 4 runs of 4, spread 0.1 MB; a burst's worker CPU per
+ * event the same (hotPath, 3 runs each alternating, load 7-11: 6.2-7.2 us without, 6.0-6.8 with).
  */
-export const LEAN_WORKER_FLAGS: ReadonlyArray<string> = ["--no-opt", "--no-sparkplug", "--optimize-for-size", "--expose-gc", "--no-memory-reducer"]
+export const LEAN_WORKER_FLAGS: ReadonlyArray<string> = [
+  "--no-opt",
+  "--no-sparkplug",
+  "--optimize-for-size",
+  "--expose-gc",
+  "--no-memory-reducer",
+  "--single-threaded-gc"
+]
 
 /** Waits for the first frame of a new worker (`worker_ready`), or its death. */
 const awaitReady = <W extends WorkerHandle>(worker: W): Effect.Effect<W, WorkerSpawnError> =>

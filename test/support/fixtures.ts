@@ -1,4 +1,4 @@
-/** Where the tests find the crash-test children that test/support/fixturesGlobalSetup.ts bundled. */
+/** Where the tests find the child programs that test/support/fixturesGlobalSetup.ts bundled. */
 import * as path from "node:path"
 import { inject } from "vitest"
 
@@ -9,5 +9,5 @@ declare module "vitest" {
 }
 
 /** The bundled program of test/fixtures/<name>.ts. */
-export const childProgram = (name: "eventLogChild" | "journalChild" | "lockChild"): string =>
+export const childProgram = (name: "eventLogChild" | "idleGcChild" | "journalChild" | "lockChild"): string =>
   path.join(inject("agentdFixtureDir"), `${name}.mjs`)

@@ -1,5 +1,5 @@
 /**
- * vitest's global setup: the crash-test children (test/fixtures/*Child.ts) bundled once for
+ * vitest's global setup: the tests' child programs (test/fixtures/*Child.ts) bundled once for
  * the run, each into one file. The tests start them tens of times (SIGKILLed at random
  * moments); as compiled modules each start read and compiled hundreds of Effect's ES modules
  * (~1 s of CPU on this 2-core machine), bundled ~0.35 s.
@@ -12,7 +12,7 @@ import { fileURLToPath } from "node:url"
 import type { TestProject } from "vitest/node"
 
 const fixtures = path.join(path.dirname(fileURLToPath(import.meta.url)), "..", "fixtures")
-export const CHILDREN = ["eventLogChild", "journalChild", "lockChild"] as const
+export const CHILDREN = ["eventLogChild", "idleGcChild", "journalChild", "lockChild"] as const
 
 export default async function setup(project: TestProject) {
   const dir = fs.mkdtempSync(path.join(os.tmpdir(), "agentd-fixtures-"))
