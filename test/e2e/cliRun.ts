@@ -48,8 +48,20 @@ export const startCli = (args: ReadonlyArray<string>, options: CliOptions = {}):
   return run
 }
 
-/** Runs `agentd ARGS` to its end. */
-export const runCli = (args: ReadonlyArray<string>, options: CliOptions = {}) => startCli(args, options).done
+/**
+ * Runs `agentd ARGS` to its end. One still running after `timeoutMs` fails with what it printed
+ * (a hung command otherwise shows as a test timeout that says nothing).
+ */
+export const runCli = (args: ReadonlyArray<string>, options: CliOptions & { readonly timeoutMs?: number } = {}) => {
+  const run = startCli(args, options)
+  let timer: NodeJS.Timeout | undefined
+  const timedOut = new Promise<never>((_, reject) => {
+    timer = setTimeout(() => {
+      reject(new Error(`agentd ${args.join(" ").slice(0, 200)} still ran after ${options.timeoutMs ?? 40_000} ms\nstdout: ${run.stdout.slice(-2000)}\nstderr: ${run.stderr.slice(-2000)}`))
+    }, options.timeoutMs ?? 40_000)
+  })
+  return Promise.race([run.done, timedOut]).finally(() => clearTimeout(timer))
+}
 
 /** Polls `f` until it holds; fails naming `what` after `timeoutMs`. */
 export const until = async (what: string, f: () => boolean | Promise<boolean>, timeoutMs = 10_000): Promise<void> => {
