@@ -68,6 +68,19 @@
  * together ("code dependencies"), twice in the turn. Left to try: what only a real worker gives
  * (frames read from another process, in the sizes its pipe gives them as it writes; the pool's
  * spare handed over): a prime turn of a real session at start costs a worker slot and a process.
+ *
+ * Session 17 (load 2-5, a helper's tests running beside): tried and not kept. The warm-up with a
+ * real echo worker process (a second WorkerPool in the warm-up, its worker sent a real prompt of
+ * the turn's words): the first turn's daemon CPU was higher, 26-33.5 us against 20.5-28.5 without
+ * (6 runs each alternating, with and without a 5 s wait before the first turn). The daemon with
+ * `--max-semi-space-size=64`: 19-21 us against 17.5-21.5 (3 runs each), no clear change. What the
+ * turns cost (`--trace-gc`, a heap snapshot 0.25 s into turn 1, a CPU profile by turn): the live
+ * heap mid-turn is 23 MB (2,675 EncodedEvents of one batch in flight), but the scavenges promote
+ * that batch each time (old space 20 -> 74 MB over the warm-up and turn 1, dropped by the
+ * mark-compact after each turn); the GC is 7% of turn 1's samples and 4-18% of later turns', so
+ * it is not the first turn's extra. Turn 1's extra is JS (127 samples against 57-85 in turns 3-4,
+ * spread thin over the path's functions) and idle time (114 against 32-135): the main thread
+ * waits as long as it runs.
  */
 import { type ChildProcess, spawn } from "node:child_process"
 import * as fs from "node:fs"
