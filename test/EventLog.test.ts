@@ -965,6 +965,9 @@ describePg("EventLog crash safety (postgres)", () => {
         const count = yield* verify(PostgresStore.eventLog.pipe(Layer.provide(PostgresStore.layer({ url }))), sid, acked)
         assert.isAtLeast(count, acked.size)
       }
-      assert.isAbove(acked.size, 60 * runs)
+      // The kills landed while appends were flowing (else the test proves nothing): a bound well
+      // below what a loaded machine gives (60 per run failed once at load 14: 260 acks of 5 runs,
+      // the kills come 0-150 ms after the first ack).
+      assert.isAbove(acked.size, 10 * runs)
     }), { timeout: 180_000 })
 })
