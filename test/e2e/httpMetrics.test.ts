@@ -67,7 +67,8 @@ describe("GET /metrics: daemon-wide metrics (e2e)", () => {
       slow.socket.resume()
       // It attached after the checkpoint: it has the current generation's events, each once.
       const cursors = (cl: typeof c) => cl.sequenced(id).map((m) => JSON.stringify(m["meta"].cursor))
-      for (let i = 0; i < 400 && cursors(slow).at(-1) !== cursors(c).at(-1); i++) await sleep(25)
+      // Up to 30 s: the paused client reads 4 MB back through a 64 KB outbox (2.3-2.9 s at load 8-10).
+      for (let i = 0; i < 1200 && cursors(slow).at(-1) !== cursors(c).at(-1); i++) await sleep(25)
       assert.deepStrictEqual(cursors(slow), cursors(c).slice(-cursors(slow).length))
 
       const ws = new WebSocket(`ws://127.0.0.1:${h.port}/v1/socket`, { headers: { authorization: `Bearer ${h.token}` } })
