@@ -14,7 +14,8 @@
  *   take its shards: its sessions come back on them, their cut turns ended `daemon_restarted`,
  *   followers resume by cursor; the time to failover is printed;
  * - a command sent through the cut runner is answered (an error) rather than left hanging;
- * - the link restored, the runner rejoins (the cluster settles on three) and takes turns again.
+ * - the link restored, the runner rejoins (the cluster settles on three), every session answers a
+ *   `get_state` through every runner within 15 s, and takes a turn routed through it.
  *
  * Needs root and `ip` (skipped with the reason otherwise; under CI=true it fails), and the
  * PostgreSQL binaries. The namespace, the veth pair, the server and every process are removed
@@ -40,6 +41,8 @@ const PG_SCRIPT = path.join(PROJECT_ROOT, "scripts", "pg-test-server.sh")
 const FENCE_UP = /no shard lock refresh succeeded for \d+ ms/
 /** How late, at most, past the fence's time the workers may be seen dead (a timer fired late, the kill, the reaping). */
 const FENCE_LATE_MS = 1_000
+/** How soon after the rejoin every session must answer a `get_state` through every runner. */
+const REJOIN_ANSWER_MS = 15_000
 const log = (line: string) => process.stderr.write(`[clusterPartition] ${line}\n`)
 
 const unavailable = netnsUnavailable()
@@ -164,6 +167,28 @@ const body = () => {
     const back = Date.now()
     await c.settled(3, 90_000)
     log(`rejoined (three runners settled) ${Date.now() - back} ms after the link came back`)
+    // Then every session answers through every runner, well within a forwarded command's bound
+    // (issue #26: a runner that had opened a connection to the cut one while the link was down
+    // could not reach it for about a minute after; its health check then marked the runner that
+    // had rejoined unhealthy, and the sessions there moved away and back).
+    const checkFrom = Date.now()
+    const answeredAfter = await Promise.all(c.runners.flatMap((r) => sessions.map(async (id) => {
+      const client = await c.clientOf(r)
+      let last: unknown
+      for (;;) {
+        const left = checkFrom + REJOIN_ANSWER_MS - Date.now()
+        if (left <= 0) throw new Error(`session ${id} through ${r.address}: no state within ${REJOIN_ANSWER_MS} ms of the rejoin; last: ${JSON.stringify(last)}`)
+        try {
+          const res = await client.request({ type: "get_state", activeSessionId: id }, left)
+          if (res["success"] === true && c.byAddress(res["data"]?.["runner"]) !== undefined) return Date.now() - checkFrom
+          last = res["error"] ?? res["data"]
+        } catch (e) {
+          last = String(e)
+        }
+        await sleep(100)
+      }
+    })))
+    log(`every session answered get_state through every runner within ${Math.max(...answeredAfter)} ms of the cluster settling`)
     for (const id of sessions) {
       const f = followers.get(id)!
       await c.until(id, (s) => s["busy"] === false && c.byAddress(s["runner"]) !== undefined, 60_000)
