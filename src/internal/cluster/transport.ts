@@ -34,7 +34,7 @@ const PING_TIMEOUT = "2 seconds"
 const keyOf = (address: RunnerAddress.RunnerAddress) => `${address.host}:${address.port}`
 
 /** The open connections, per peer. */
-class Connections {
+export class Connections {
   private readonly open = new Map<string, Set<net.Socket>>()
 
   /**
@@ -89,6 +89,10 @@ class Connections {
   }
 }
 
+/** A socket to `address` over `connections`, its open bounded by {@link OPEN_TIMEOUT}. */
+export const openSocket = (connections: Connections, address: RunnerAddress.RunnerAddress): Effect.Effect<Socket.Socket> =>
+  NodeSocket.fromDuplex(connections.connect(address), { openTimeout: OPEN_TIMEOUT })
+
 /**
  * The client protocol to other runners and a `Runners` over it (for `Sharding`) whose
  * `onRunnerUnavailable` also closes the connections to a runner that does not answer a ping.
@@ -102,7 +106,7 @@ export const make = (self: RunnerAddress.RunnerAddress): {
     Runners.RpcClientProtocol,
     Effect.map(RpcSerialization.RpcSerialization, (serialization) => (address: RunnerAddress.RunnerAddress) =>
       Effect.flatMap(
-        NodeSocket.fromDuplex(connections.connect(address), { openTimeout: OPEN_TIMEOUT }),
+        openSocket(connections, address),
         (socket) =>
           RpcClient.makeProtocolSocket().pipe(
             Effect.provideService(Socket.Socket, socket),
