@@ -360,7 +360,8 @@ const keepLock = (
       }
       const again = yield* Effect.either(lockIn(scope, url, socketPath, false, shared))
       if (again._tag === "Right") {
-        ;({ connection, held } = again.right)
+        connection = again.right.connection
+        held = again.right.held
         lost = false
         yield* Effect.logInfo(`PostgreSQL store ${url}: the store's lock is held again`)
       } else if (again.left._tag === "PostgresStoreLocked") {
