@@ -375,7 +375,10 @@ describePg("PostgresStore", () => {
   it.scopedLive("PostgreSQL restarted under a holder: it takes its lock again, and its log goes on without a gap", () =>
     Effect.gen(function*() {
       const server = yield* privateServer
-      const ctx = yield* Layer.build(storage(server.url, "/run/holder.sock"))
+      // One pooled connection besides the lock's: the lost lock connection must be given back
+      // (held, it took the pool's last place once the lock was taken again, and the log waited
+      // for ever).
+      const ctx = yield* Layer.build(PostgresStore.layerStorage({ url: server.url, socketPath: "/run/holder.sock", maxConnections: 1 }))
       const log = Context.get(ctx, EventLog.EventLog)
       assert.deepStrictEqual(yield* log.append("s", { n: 0 }), Cursor.make(1, 0))
       const restarted = spawnSync("bash", [serverScript, "restart", server.dir], { encoding: "utf8" })
@@ -392,7 +395,7 @@ describePg("PostgresStore", () => {
       }
       assert.isDefined(refused, "the lock was not taken again after the restart")
       assert.include(refused!, "socket /run/holder.sock")
-      const next = yield* log.append("s", { n: 2 })
+      const next = yield* log.append("s", { n: 2 }).pipe(Effect.timeoutFail({ duration: "10 seconds", onTimeout: () => "the append after the lock was taken again did not answer in 10 s" }))
       const records = Chunk.toReadonlyArray(yield* Stream.runCollect(log.read("s")))
       assert.deepStrictEqual(records.map((r) => r.cursor), Array.from({ length: next.sequence + 1 }, (_, i) => Cursor.make(1, i)))
     }), { timeout: 60_000 })

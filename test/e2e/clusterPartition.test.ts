@@ -14,7 +14,8 @@
  *   take its shards: its sessions come back on them, their cut turns ended `daemon_restarted`,
  *   followers resume by cursor; the time to failover is printed;
  * - a command sent through the cut runner is answered (an error) rather than left hanging;
- * - the link restored, the runner rejoins (the cluster settles on three) and takes turns again.
+ * - the link restored, the runner rejoins (the cluster settles on three), every session answers a
+ *   `get_state` through every runner within 15 s, and takes a turn routed through it.
  *
  * Needs root and `ip` (skipped with the reason otherwise; under CI=true it fails), and the
  * PostgreSQL binaries. The namespace, the veth pair, the server and every process are removed
@@ -40,6 +41,8 @@ const PG_SCRIPT = path.join(PROJECT_ROOT, "scripts", "pg-test-server.sh")
 const FENCE_UP = /no shard lock refresh succeeded for \d+ ms/
 /** How late, at most, past the fence's time the workers may be seen dead (a timer fired late, the kill, the reaping). */
 const FENCE_LATE_MS = 1_000
+/** How soon after the rejoin every session must answer a `get_state` through every runner. */
+const REJOIN_ANSWER_MS = 15_000
 const log = (line: string) => process.stderr.write(`[clusterPartition] ${line}\n`)
 
 const unavailable = netnsUnavailable()
@@ -96,6 +99,8 @@ const body = () => {
   it("the runner cut off mid-turn kills its workers before its sessions move; they come back on the others; it rejoins once the link is back", async () => {
     const c = cluster!
     await c.settled(3)
+    const settledAt = Date.now()
+    const quiet = shardsQuietFor(cut, LEASE_MS / 3 + 500)
     const [a] = c.runners
     // Sessions made through a host runner until the namespaced one owns two.
     for (let i = 0; i < 40 && sessions.filter((id) => ownerAt.get(id) === cut.address).length < 2; i++) {
@@ -115,7 +120,14 @@ const body = () => {
     const oldWorkers = await Promise.all(victims.map(async (id) => (await c.state(id))!["workerPid"] as number))
     expect(oldWorkers.every(isAlive)).toBe(true)
 
+    // The cut once the cut runner's shards stayed the same for a refresh interval (a third of the
+    // lease) and a bit: a lock taken less than a second before the next refresh (the start's
+    // rebalance often ends after `settled`) counts for the fence as a refresh, which then comes
+    // up after the cluster's own reaction to that refresh, cut off, timing out; the order checked
+    // below failed so (4 runs in 51).
+    await quiet
     const cutAt = Date.now()
+    log(`the cut ${cutAt - settledAt} ms after the cluster settled`)
     ns!.cut()
     cut.cut = true
     // A command through the cut runner: answered (it cannot reach the owner or the store), not left hanging.
@@ -128,9 +140,11 @@ const body = () => {
       while (oldWorkers.some(isAlive) && Date.now() - cutAt < 90_000) await sleep(20)
       workersGoneMs = Date.now() - cutAt
     })()
-    // ...then the sessions come back on a host runner.
+    // ...then the sessions come back on a host runner: restored there (its cut turn ended), or,
+    // moved on to the other one by the rebalance that follows, idle there (`passivated`: an idle
+    // session loads without a worker; once it waited 90 s for `ready`).
     const failover = await Promise.all(victims.map(async (id) => {
-      await c.until(id, (s) => s["runner"] !== cut.address && s["worker"] === "ready" && s["busy"] === false, 90_000)
+      await c.until(id, (s) => s["runner"] !== cut.address && (s["worker"] === "ready" || s["worker"] === "passivated") && s["busy"] === false, 90_000)
       return Date.now() - cutAt
     }))
     await watchWorkers
@@ -164,6 +178,28 @@ const body = () => {
     const back = Date.now()
     await c.settled(3, 90_000)
     log(`rejoined (three runners settled) ${Date.now() - back} ms after the link came back`)
+    // Then every session answers through every runner, well within a forwarded command's bound
+    // (issue #26: a runner that had opened a connection to the cut one while the link was down
+    // could not reach it for about a minute after; its health check then marked the runner that
+    // had rejoined unhealthy, and the sessions there moved away and back).
+    const checkFrom = Date.now()
+    const answeredAfter = await Promise.all(c.runners.flatMap((r) => sessions.map(async (id) => {
+      const client = await c.clientOf(r)
+      let last: unknown
+      for (;;) {
+        const left = checkFrom + REJOIN_ANSWER_MS - Date.now()
+        if (left <= 0) throw new Error(`session ${id} through ${r.address}: no state within ${REJOIN_ANSWER_MS} ms of the rejoin; last: ${JSON.stringify(last)}`)
+        try {
+          const res = await client.request({ type: "get_state", activeSessionId: id }, left)
+          if (res["success"] === true && c.byAddress(res["data"]?.["runner"]) !== undefined) return Date.now() - checkFrom
+          last = res["error"] ?? res["data"]
+        } catch (e) {
+          last = String(e)
+        }
+        await sleep(100)
+      }
+    })))
+    log(`every session answered get_state through every runner within ${Math.max(...answeredAfter)} ms of the cluster settling`)
     for (const id of sessions) {
       const f = followers.get(id)!
       await c.until(id, (s) => s["busy"] === false && c.byAddress(s["runner"]) !== undefined, 60_000)
@@ -176,6 +212,22 @@ const body = () => {
   }, 300_000)
 
   const ownerAt = new Map<string, string>()
+}
+
+/** Resolves once `runner`'s shard count (its `cluster: holds` log lines) has not changed for `ms`. */
+const shardsQuietFor = async (runner: Runner, ms: number): Promise<void> => {
+  const changes = () => runner.daemon.stderr.split("cluster: holds").length
+  let seen = changes()
+  let since = Date.now()
+  for (;;) {
+    const now = changes()
+    if (now !== seen) {
+      seen = now
+      since = Date.now()
+    }
+    if (Date.now() - since >= ms) return
+    await sleep(100)
+  }
 }
 
 /** A free TCP port (bound on 127.0.0.1; the runners' ports are only used on this machine). */

@@ -34,34 +34,50 @@ const PING_TIMEOUT = "2 seconds"
 const keyOf = (address: RunnerAddress.RunnerAddress) => `${address.host}:${address.port}`
 
 /** The open connections, per peer. */
-class Connections {
+export class Connections {
   private readonly open = new Map<string, Set<net.Socket>>()
 
-  /** A connection to `address`, tracked until it closes. */
+  /**
+   * A connection to `address`, tracked until it closes, destroyed with the scope. Its open waits
+   * interruptibly, so that the open's timeout (fromDuplex's `openTimeout`) ends it: made in the
+   * acquisition of an `acquireRelease` (uninterruptible), an open that got no answer was never
+   * cut. Seen after a partition (test/e2e/clusterPartition.test.ts): a connect started while the
+   * link was down stayed in SYN-SENT for about a minute after it came back (the kernel's SYN
+   * retries, here from the address of another route: no answer could come), and every message
+   * and health ping to that runner waited behind it, until the runner holding the health check
+   * marked the runner that had rejoined unhealthy and its shards moved away.
+   */
   connect(address: RunnerAddress.RunnerAddress): Effect.Effect<net.Socket, Socket.SocketError, Scope.Scope> {
     const key = keyOf(address)
-    return Effect.acquireRelease(
-      Effect.async<net.Socket, Socket.SocketError>((resume) => {
-        const conn = net.createConnection({ host: address.host, port: address.port })
-        conn.once("connect", () => resume(Effect.succeed(conn)))
-        conn.once("error", (cause) => resume(Effect.fail(new Socket.SocketGenericError({ reason: "Open", cause }))))
-        // Given up (the open timed out): never left half open.
-        return Effect.sync(() => conn.destroy())
-      }).pipe(Effect.tap((conn) =>
-        Effect.sync(() => {
-          const set = this.open.get(key) ?? new Set()
-          set.add(conn)
-          this.open.set(key, set)
+    return Effect.gen(this, function*() {
+      const conn = yield* Effect.acquireRelease(
+        Effect.sync(() => net.createConnection({ host: address.host, port: address.port })),
+        (conn) =>
+          Effect.sync(() => {
+            const set = this.open.get(key)
+            set?.delete(conn)
+            if (set?.size === 0) this.open.delete(key)
+            conn.destroy()
+          })
+      )
+      yield* Effect.async<void, Socket.SocketError>((resume) => {
+        let settled = false
+        conn.once("connect", () => {
+          settled = true
+          resume(Effect.void)
         })
-      )),
-      (conn) =>
-        Effect.sync(() => {
-          const set = this.open.get(key)
-          set?.delete(conn)
-          if (set?.size === 0) this.open.delete(key)
-          conn.destroy()
+        // Stays attached until the socket's reader adds its own: an error meanwhile is not thrown.
+        conn.once("error", (cause) => {
+          if (settled) return
+          settled = true
+          resume(Effect.fail(new Socket.SocketGenericError({ reason: "Open", cause })))
         })
-    )
+      })
+      const set = this.open.get(key) ?? new Set()
+      set.add(conn)
+      this.open.set(key, set)
+      return conn
+    })
   }
 
   /** Closes every connection to `address`: what waits on them fails (and the cluster sends it again). */
@@ -72,6 +88,10 @@ class Connections {
     return set.size
   }
 }
+
+/** A socket to `address` over `connections`, its open bounded by {@link OPEN_TIMEOUT}. */
+export const openSocket = (connections: Connections, address: RunnerAddress.RunnerAddress): Effect.Effect<Socket.Socket> =>
+  NodeSocket.fromDuplex(connections.connect(address), { openTimeout: OPEN_TIMEOUT })
 
 /**
  * The client protocol to other runners and a `Runners` over it (for `Sharding`) whose
@@ -86,7 +106,7 @@ export const make = (self: RunnerAddress.RunnerAddress): {
     Runners.RpcClientProtocol,
     Effect.map(RpcSerialization.RpcSerialization, (serialization) => (address: RunnerAddress.RunnerAddress) =>
       Effect.flatMap(
-        NodeSocket.fromDuplex(connections.connect(address), { openTimeout: OPEN_TIMEOUT }),
+        openSocket(connections, address),
         (socket) =>
           RpcClient.makeProtocolSocket().pipe(
             Effect.provideService(Socket.Socket, socket),

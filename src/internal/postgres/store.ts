@@ -42,6 +42,8 @@ import * as PgClient from "@effect/sql-pg/PgClient"
 import * as Context from "effect/Context"
 import * as Data from "effect/Data"
 import * as Effect from "effect/Effect"
+import * as ExecutionStrategy from "effect/ExecutionStrategy"
+import * as Exit from "effect/Exit"
 import * as Layer from "effect/Layer"
 import * as Redacted from "effect/Redacted"
 import * as Schedule from "effect/Schedule"
@@ -314,16 +316,39 @@ const lock = (url: string, socketPath: string, waitForDeadHolder = true, shared 
 const LOCK_CHECK = "2 seconds"
 
 /**
+ * The lock taken in a scope of its own, a child of `parent`: closing it gives the lock's
+ * connection back to the pool. Closed at once when the lock is not taken (its reserved
+ * connection with it).
+ */
+const lockIn = (parent: Scope.Scope, url: string, socketPath: string, waitForDeadHolder: boolean, shared: boolean) =>
+  Effect.gen(function*() {
+    const held = yield* Scope.fork(parent, ExecutionStrategy.sequential)
+    const connection = yield* Scope.extend(lock(url, socketPath, waitForDeadHolder, shared), held).pipe(
+      Effect.onError((cause) => Scope.close(held, Exit.failCause(cause)))
+    )
+    return { connection, held }
+  })
+
+/**
  * Keeps the lock: PostgreSQL restarted (or the connection cut) ends the session holding it, and
  * with it the lock. Checked every {@link LOCK_CHECK}; once lost it is taken again on a new
- * connection as soon as the server answers. Should another daemon have taken it meanwhile, that
- * is logged at ERROR, naming it, and retried: two writers on one store is a broken promise to
- * be seen, not a reason to stop serving in the middle of turns.
+ * connection as soon as the server answers, and the lost one is given back to the pool (which
+ * drops it). Held until the store closed, each lost connection kept a place of the pool: a
+ * runner whose link to the database went down now and then (a partition, the server restarted)
+ * had one connection fewer each time, and with none left every read and write of the store
+ * would wait for ever. Should another daemon have taken it meanwhile, that is logged at ERROR,
+ * naming it, and retried: two writers on one store is a broken promise to be seen, not a reason
+ * to stop serving in the middle of turns.
  */
-const keepLock = (url: string, socketPath: string, first: SqlConnection.Connection, shared: boolean) =>
+const keepLock = (
+  url: string,
+  socketPath: string,
+  first: { readonly connection: SqlConnection.Connection; readonly held: Scope.CloseableScope },
+  shared: boolean
+) =>
   Effect.gen(function*() {
     const scope = yield* Effect.scope
-    let connection = first
+    let { connection, held } = first
     let lost = false
     const check = Effect.gen(function*() {
       if (!lost) {
@@ -331,10 +356,12 @@ const keepLock = (url: string, socketPath: string, first: SqlConnection.Connecti
         if (alive) return
         lost = true
         yield* Effect.logWarning(`PostgreSQL store ${url}: the connection holding the store's lock is gone; taking the lock again`)
+        yield* Scope.close(held, Exit.void)
       }
-      const again = yield* Effect.either(Scope.extend(lock(url, socketPath, false, shared), scope))
+      const again = yield* Effect.either(lockIn(scope, url, socketPath, false, shared))
       if (again._tag === "Right") {
-        connection = again.right
+        connection = again.right.connection
+        held = again.right.held
         lost = false
         yield* Effect.logInfo(`PostgreSQL store ${url}: the store's lock is held again`)
       } else if (again.left._tag === "PostgresStoreLocked") {
@@ -377,10 +404,10 @@ export const layer = (options: Options): Layer.Layer<
     Effect.gen(function*() {
       yield* migrate.pipe(Effect.retry(retrySchemaRace), Effect.mapError(toStoreError(url, "schema migration failed")))
       const shared = options.lock === "shared"
-      const connection = yield* lock(url, options.socketPath ?? "", true, shared).pipe(
+      const first = yield* lockIn(yield* Effect.scope, url, options.socketPath ?? "", true, shared).pipe(
         Effect.catchTag("SqlError", toStoreError(url, "cannot take the store's lock"))
       )
-      yield* keepLock(url, options.socketPath ?? "", connection, shared)
+      yield* keepLock(url, options.socketPath ?? "", first, shared)
       return { url, shared }
     })
   )
