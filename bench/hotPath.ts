@@ -81,6 +81,12 @@
  * it is not the first turn's extra. Turn 1's extra is JS (127 samples against 57-85 in turns 3-4,
  * spread thin over the path's functions) and idle time (114 against 32-135): the main thread
  * waits as long as it runs.
+ * On a quiet machine (load 0.6-2, 3 runs, main fe92c8b) the relay is faster than under load and
+ * the warm target is missed: warm 0.61-0.93x (agentd 103-112k events/s, the relay 113-170k), the
+ * daemon 7.8-8.3 us of CPU per event against the relay's 5.5-8.0 (under load the relay slows
+ * more than agentd: 1.04-1.39x in the runs above); first turn 0.33-0.52x (17.0-17.5 us); 100
+ * clients 11.8-18.1x. The warm turn is CPU-bound in the daemon (~87% of its wall time): 1.0x on a
+ * quiet machine asks for ~5 us per event.
  */
 import { type ChildProcess, spawn } from "node:child_process"
 import * as fs from "node:fs"
