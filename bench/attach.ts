@@ -221,7 +221,7 @@ export default async function attach(): Promise<void> {
         ours: mb(single.bytes) / single.seconds,
         baseline: mb(base.bytes) / base.seconds,
         baselineName: "same lines through a plain node:net Unix socket",
-        target: 0.5
+        target: 0.9
       })
       const growth = (conc.peak - conc.before) / MiB
       console.log(
