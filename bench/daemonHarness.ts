@@ -21,6 +21,10 @@ import * as path from "node:path"
 import { fileURLToPath } from "node:url"
 import { Inbox } from "../test/support/inbox.js"
 import { cpuTicksOf, descendantsOf, isAlive, killQuietly, processesWithEnv } from "../test/support/procfs.js"
+import { withTimeout } from "../test/support/timeout.js"
+
+/** Re-exported for the benchmarks that import their helpers from here. */
+export { withTimeout }
 
 const here = path.dirname(fileURLToPath(import.meta.url))
 /** The built daemon: dist/src/bin/agentd.js (from dist/bench, or from bench/ when run with tsx). */
@@ -301,14 +305,6 @@ export interface Cursor {
 export const cursorAfter = (a: Cursor | undefined, b: Cursor | undefined): boolean =>
   a !== undefined && (b === undefined || a.generation > b.generation || (a.generation === b.generation && a.sequence > b.sequence))
 
-/** `p`, or a rejection that says `what()` after `ms`. */
-export const withTimeout = <A>(p: Promise<A>, ms: number, what: () => string): Promise<A> => {
-  let timer: NodeJS.Timeout | undefined
-  const timeout = new Promise<never>((_, reject) => {
-    timer = setTimeout(() => reject(new Error(`timed out after ${ms} ms: ${what()}`)), ms)
-  })
-  return Promise.race([p, timeout]).finally(() => clearTimeout(timer))
-}
 
 /**
  * The end of one turn on each of `clients` clients, told by their hooks (which see the events

@@ -4,6 +4,7 @@
  */
 import { type ChildProcess, spawn } from "node:child_process"
 import { onTestFinished } from "vitest"
+import { withTimeout } from "../support/timeout.js"
 import { DAEMON_BIN, sleep } from "./harness.js"
 
 export interface CliRun {
@@ -54,13 +55,11 @@ export const startCli = (args: ReadonlyArray<string>, options: CliOptions = {}):
  */
 export const runCli = (args: ReadonlyArray<string>, options: CliOptions & { readonly timeoutMs?: number } = {}) => {
   const run = startCli(args, options)
-  let timer: NodeJS.Timeout | undefined
-  const timedOut = new Promise<never>((_, reject) => {
-    timer = setTimeout(() => {
-      reject(new Error(`agentd ${args.join(" ").slice(0, 200)} still ran after ${options.timeoutMs ?? 40_000} ms\nstdout: ${run.stdout.slice(-2000)}\nstderr: ${run.stderr.slice(-2000)}`))
-    }, options.timeoutMs ?? 40_000)
-  })
-  return Promise.race([run.done, timedOut]).finally(() => clearTimeout(timer))
+  return withTimeout(
+    run.done,
+    options.timeoutMs ?? 40_000,
+    () => `agentd ${args.join(" ").slice(0, 200)} still ran\nstdout: ${run.stdout.slice(-2000)}\nstderr: ${run.stderr.slice(-2000)}`
+  )
 }
 
 /** Polls `f` until it holds; fails naming `what` after `timeoutMs`. */
