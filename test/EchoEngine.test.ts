@@ -42,6 +42,22 @@ describe("EchoEngine", () => {
       assert.strictEqual(assistant!.content, "echo: hello big world")
     }))
 
+  it.effect("plain text: the words are JavaScript's whitespace-separated words, whatever the whitespace (random texts)", () =>
+    Effect.gen(function*() {
+      // Every character \s matches and some it does not (NBSP is \s; U+200B is not).
+      const alphabet = ["a", "b", "é", "😀", "\u200b", " ", "\t", "\n", "\r", "\v", "\f", "\u00a0", "\u2028", "\u3000", "\ufeff"]
+      let seed = 7
+      const random = () => (seed = (seed * 1103515245 + 12345) % 2147483648) / 2147483648
+      for (let round = 0; round < 200; round++) {
+        const length = Math.floor(random() * 40)
+        const text = Array.from({ length }, () => alphabet[Math.floor(random() * alphabet.length)]!).join("")
+        const events = yield* turn(text)
+        const [assistant] = endOf(events, "assistant")
+        const words = text.split(/\s+/).filter((w) => w.length > 0)
+        assert.deepStrictEqual(deltasOf(events, assistant!.id), ["echo:", ...words.map((w) => ` ${w}`)], JSON.stringify(text))
+      }
+    }))
+
   it.effect("/bulk N: exactly N ASCII bytes in deltas of at most 65536", () =>
     Effect.gen(function*() {
       for (const n of [0, 1, 65536, 65537, 200_000]) {
