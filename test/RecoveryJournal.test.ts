@@ -16,8 +16,10 @@ import * as Logger from "effect/Logger"
 import * as Option from "effect/Option"
 import * as Schema from "effect/Schema"
 import type * as Scope from "effect/Scope"
+import * as TestClock from "effect/TestClock"
 import * as PostgresStore from "../src/PostgresStore.js"
 import * as RecoveryJournal from "../src/RecoveryJournal.js"
+import { shouldCompact } from "../src/internal/recoveryJournal/service.js"
 import { makeService } from "../src/internal/recoveryJournal/service.js"
 import { describePg, storeLayer } from "./support/postgres.js"
 import { childProgram } from "./support/fixtures.js"
@@ -79,7 +81,9 @@ const implementations: ReadonlyArray<{
     make: Effect.gen(function*() {
       const dir = yield* tempDir
       const path = nodePath.join(dir, "state", "recovery.jsonl")
-      const context = yield* Layer.build(RecoveryJournal.layer({ path }))
+      // Compacting inside the record that leaves every session idle: the shared cases race
+      // records with the compactions they trigger.
+      const context = yield* Layer.build(RecoveryJournal.layer({ path, compactDelayMs: 0 }))
       return { journal: Context.get(context, RecoveryJournal.RecoveryJournal), path: Option.some(path) }
     })
   },
@@ -258,8 +262,8 @@ describe("RecoveryJournal group commit", () => {
 // File-specific behaviour
 
 describe("RecoveryJournal (file)", () => {
-  const openAt = (path: string) =>
-    Layer.build(RecoveryJournal.layer({ path })).pipe(
+  const openAt = (path: string, options: Omit<RecoveryJournal.Options, "path"> = { compactDelayMs: 0 }) =>
+    Layer.build(RecoveryJournal.layer({ path, ...options })).pipe(
       Effect.map((context) => Context.get(context, RecoveryJournal.RecoveryJournal))
     )
 
@@ -297,6 +301,117 @@ describe("RecoveryJournal (file)", () => {
       yield* journal.record(input("a", false, "idle-3"))
       assert.strictEqual((yield* fileLines(path)).length, 2)
     }))
+
+  /** Real time passing (the journal's delay runs on the TestClock). */
+  const realSleep = (ms: number) => Effect.promise(() => new Promise<void>((resolve) => setTimeout(resolve, ms)))
+  /** Waits (real time) until the file has `n` lines; fails after 10 s. */
+  const untilLines = (path: string, n: number) =>
+    Effect.gen(function*() {
+      for (let i = 0; i < 500; i++) {
+        if ((yield* fileLines(path)).length === n) return
+        yield* realSleep(20)
+      }
+      assert.fail(`the journal never had ${n} lines: ${(yield* fileLines(path)).length}`)
+    })
+
+  it.scoped("a compaction waits until every session has stayed idle for compactDelayMs: turns back to back do not compact", () =>
+    Effect.gen(function*() {
+      const dir = yield* tempDir
+      const path = nodePath.join(dir, "recovery.jsonl")
+      const journal = yield* openAt(path, { compactDelayMs: 200 })
+      yield* journal.record(input("a", true, "prompt-0"))
+      const inode = (yield* Effect.promise(() => fsp.stat(path))).ino
+      yield* journal.record(input("a", false, "idle-0"))
+      for (let turn = 1; turn < 5; turn++) {
+        yield* journal.record(input("a", true, `prompt-${turn}`))
+        yield* journal.record(input("a", false, `idle-${turn}`))
+      }
+      // No time passed: every idle moment was cut short by the next prompt.
+      yield* TestClock.adjust("199 millis")
+      yield* realSleep(100)
+      assert.strictEqual((yield* fileLines(path)).length, 10)
+      assert.strictEqual((yield* Effect.promise(() => fsp.stat(path))).ino, inode)
+
+      // A prompt inside the delay: the compaction due at its start is not run when the delay ends.
+      yield* journal.record(input("a", true, "prompt-5"))
+      yield* TestClock.adjust("1 millis")
+      yield* realSleep(100)
+      assert.strictEqual((yield* fileLines(path)).length, 11)
+
+      // Idle for the whole delay: compacted, through a new file.
+      yield* journal.record(input("a", false, "idle-5"))
+      yield* TestClock.adjust("200 millis")
+      yield* untilLines(path, 1)
+      const [line] = yield* fileLines(path)
+      assert.strictEqual(Either.getOrThrow(decodeLine(line!)).operation, "idle-5")
+      assert.notStrictEqual((yield* Effect.promise(() => fsp.stat(path))).ino, inode)
+      assert.deepStrictEqual(yield* Effect.promise(() => fsp.readdir(dir)), ["recovery.jsonl"])
+      // Appends go to the new file.
+      yield* journal.record(input("a", true, "prompt-6"))
+      assert.strictEqual((yield* RecoveryJournal.readLatest(path)).get("a")?.operation, "prompt-6")
+    }))
+
+  it.scoped("sessions that are never idle together still have the file compacted, at compactBusyAfter lines too many", () =>
+    Effect.gen(function*() {
+      const dir = yield* tempDir
+      const path = nodePath.join(dir, "recovery.jsonl")
+      const journal = yield* openAt(path, { compactDelayMs: 0, compactBusyAfter: 30 })
+      yield* journal.record(input("b", true, "prompt"))
+      // b stays busy; a's turns come and go: 2 sessions, compacted once 30 lines are too many.
+      for (let turn = 0; turn < 15; turn++) {
+        yield* journal.record(input("a", true, `prompt-${turn}`))
+        yield* journal.record(input("a", false, `idle-${turn}`))
+      }
+      assert.strictEqual((yield* fileLines(path)).length, 31)
+      yield* journal.record(input("a", true, "prompt-15"))
+      const lines = (yield* fileLines(path)).map((line) => Either.getOrThrow(decodeLine(line)))
+      assert.deepStrictEqual(lines.map((r) => [r.activeSessionId, r.operation]).sort(), [["a", "prompt-15"], ["b", "prompt"]])
+      assert.deepStrictEqual(yield* RecoveryJournal.readLatest(path), yield* journal.latest())
+    }))
+
+  it.scoped("closing the journal compacts it, a compaction still waiting included", () =>
+    Effect.gen(function*() {
+      const dir = yield* tempDir
+      const path = nodePath.join(dir, "recovery.jsonl")
+      yield* Effect.scoped(Effect.gen(function*() {
+        const journal = yield* openAt(path, { compactDelayMs: 200 })
+        for (let turn = 0; turn < 5; turn++) {
+          yield* journal.record(input("a", true, `prompt-${turn}`))
+          yield* journal.record(input("a", false, `idle-${turn}`))
+        }
+        yield* journal.record(input("b", true, "prompt"))
+        assert.strictEqual((yield* fileLines(path)).length, 11)
+      }))
+      const lines = (yield* fileLines(path)).map((line) => Either.getOrThrow(decodeLine(line)))
+      assert.deepStrictEqual(lines.map((r) => [r.activeSessionId, r.operation]), [["a", "idle-4"], ["b", "prompt"]])
+    }))
+
+  it("shouldCompact: more lines than sessions, and every session idle or the busy bound reached (table)", () => {
+    const latest = (...busy: Array<boolean>) =>
+      new Map(busy.map((b, i) => [`s${i}`, Either.getOrThrow(decodeLine(JSON.stringify({
+        version: 1,
+        activeSessionId: `s${i}`,
+        sessionId: `e${i}`,
+        busy: b,
+        operation: "op",
+        recordedAt: new Date(0).toISOString()
+      })))]))
+    const cases: ReadonlyArray<readonly [lines: number, sessions: ReturnType<typeof latest>, busyAfter: number, expected: boolean]> = [
+      [0, latest(), 10, false],
+      [1, latest(false), 10, false], // one line per session: nothing to gain
+      [2, latest(false), 10, true],
+      [2, latest(false, false), 10, false],
+      [3, latest(false, false), 10, true],
+      [2, latest(true), 10, false], // busy: wait for a quiet moment
+      [10, latest(true), 10, false], // 9 too many
+      [11, latest(true), 10, true], // the busy bound: whatever the sessions do
+      [12, latest(false, true), 10, true],
+      [11, latest(false, true), 10, false]
+    ]
+    for (const [lines, sessions, busyAfter, expected] of cases) {
+      assert.strictEqual(shouldCompact(lines, sessions, busyAfter), expected, `${lines} lines, ${sessions.size} sessions, busy bound ${busyAfter}`)
+    }
+  })
 
   it.scoped("skips torn, garbage and unknown-version lines with one warning, and repairs the file on open", () =>
     Effect.gen(function*() {

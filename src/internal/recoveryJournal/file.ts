@@ -3,11 +3,13 @@
  * interface): `<stateDir>/recovery.jsonl`, one JSON record per line. `record` returns only once
  * the line is fsynced; a crash can tear at most the line being written, and readers skip such
  * lines (and any other invalid one) and never fail on content. The file only grows while some
- * session is busy: once every session is idle it is compacted to one line per session through a
- * temp file, fsync and rename, so a reader sees either the old journal or the compacted one.
+ * session is busy: once every session has been idle for `compactDelayMs` it is compacted to one
+ * line per session through a temp file, fsync and rename, so a reader sees either the old journal
+ * or the compacted one.
  */
 import * as nodePath from "node:path"
 import * as Effect from "effect/Effect"
+import * as FiberHandle from "effect/FiberHandle"
 import * as Either from "effect/Either"
 import * as Option from "effect/Option"
 import * as ParseResult from "effect/ParseResult"
@@ -15,6 +17,9 @@ import type * as Scope from "effect/Scope"
 import { type JournalRecord, type Options, RecoveryJournalError, type RecoveryJournalService } from "../../RecoveryJournal.js"
 import * as Fsx from "../fileIo.js"
 import { type Backend, decodeRecord, makeService } from "./service.js"
+
+/** How long every session stays idle before the journal is compacted (see `Options.compactDelayMs`). */
+export const DEFAULT_COMPACT_DELAY_MS = 200
 
 
 /** The outcome of parsing a journal's text. */
@@ -183,5 +188,20 @@ export const make = (options: Options): Effect.Effect<RecoveryJournalService, Re
       )
     }
 
-    return yield* makeService({ latest: parsed.latest, lines }, backend)
+    // A compaction due at an idle moment waits for the moment to last: a prompt that follows a
+    // turn at once would otherwise wait for it, and its record reopen the file.
+    const delayMs = options.compactDelayMs ?? DEFAULT_COMPACT_DELAY_MS
+    const pending = yield* FiberHandle.make<void, never>()
+    const later = (compaction: Effect.Effect<void>) =>
+      Effect.asVoid(FiberHandle.run(pending, Effect.delay(compaction, delayMs), { onlyIfMissing: true }))
+    const service = yield* makeService({ latest: parsed.latest, lines }, backend, {
+      // Without a delay, the record that leaves every session idle compacts, under its own permit.
+      ...(delayMs > 0 ? { later } : {}),
+      ...(options.compactBusyAfter === undefined ? {} : { busyAfter: options.compactBusyAfter })
+    })
+    // A clean stop leaves the journal compact (one line per session), whatever the bound.
+    yield* Effect.addFinalizer(() =>
+      service.compact().pipe(Effect.catchAll((error) => Effect.logWarning(`recovery journal compaction failed: ${error.message}`)))
+    )
+    return service
   })

@@ -1,8 +1,8 @@
 /**
  * The recovery journal's service over a storage backend, the same for every store: the latest
  * record per session, the one check of whether a record changes anything, the records' fields,
- * serialized writes with group commit, and compaction once every session is idle. A backend says only where
- * records go (a file's lines, a table's rows, nowhere).
+ * serialized writes with group commit, and when to compact. A backend says only where records go (a
+ * file's lines, a table's rows, nowhere).
  */
 import * as Clock from "effect/Clock"
 import * as Deferred from "effect/Deferred"
@@ -66,7 +66,39 @@ const allIdle = (latest: ReadonlyMap<string, JournalRecord>): boolean => {
   return true
 }
 
-export const makeService = (initial: State, backend: Backend): Effect.Effect<RecoveryJournalService> =>
+/** Records more than sessions past which the backend is compacted even with some session busy. */
+export const DEFAULT_COMPACT_BUSY_AFTER = 10_000
+
+/**
+ * Whether the backend is due for compaction: it holds more records than sessions and every
+ * session is idle (a quiet moment), or, should the sessions never be idle together, it holds
+ * `busyAfter` records too many.
+ */
+export const shouldCompact = (
+  lines: number,
+  latest: ReadonlyMap<string, JournalRecord>,
+  busyAfter: number = DEFAULT_COMPACT_BUSY_AFTER
+): boolean => {
+  const extra = lines - latest.size
+  return extra > 0 && (allIdle(latest) || extra >= busyAfter)
+}
+
+/** When compactions run. */
+export interface CompactPolicy {
+  /**
+   * Runs a compaction due at an idle moment a little later (the file journal: after a short
+   * quiet period, see its `compactDelayMs`); without it, it runs at once, inside the record.
+   */
+  readonly later?: (compaction: Effect.Effect<void>) => Effect.Effect<void>
+  /** See {@link shouldCompact}. */
+  readonly busyAfter?: number
+}
+
+export const makeService = (
+  initial: State,
+  backend: Backend,
+  policy: CompactPolicy = {}
+): Effect.Effect<RecoveryJournalService> =>
   Effect.gen(function*() {
     const state = yield* Ref.make(initial)
     const semaphore = yield* Effect.makeSemaphore(1)
@@ -80,6 +112,14 @@ export const makeService = (initial: State, backend: Backend): Effect.Effect<Rec
       yield* backend.compact(Array.from(current.latest.values()))
       yield* Ref.set(state, { latest: current.latest, lines: current.latest.size })
     })
+    const compactQuietly = compactLocked.pipe(
+      Effect.catchAll((error) => Effect.logWarning(`recovery journal compaction failed: ${error.message}`))
+    )
+    /** A compaction put off to a quiet moment: run only if that moment is still quiet. */
+    const compactIfDue = serialized(Effect.gen(function*() {
+      const current = yield* Ref.get(state)
+      if (current.lines > current.latest.size && allIdle(current.latest)) yield* compactQuietly
+    }))
 
     /**
      * Group commit: records asked for while a write is under way are written together by the
@@ -113,11 +153,10 @@ export const makeService = (initial: State, backend: Backend): Effect.Effect<Rec
           return
         }
         yield* Ref.set(state, { latest, lines: current.lines + entries.length })
-        if (allIdle(latest) && current.lines + entries.length > latest.size) {
+        if (shouldCompact(current.lines + entries.length, latest, policy.busyAfter)) {
           // The records are durable already: a failed compaction only leaves a longer file.
-          yield* compactLocked.pipe(
-            Effect.catchAll((error) => Effect.logWarning(`recovery journal compaction failed: ${error.message}`))
-          )
+          if (allIdle(latest) && policy.later !== undefined) yield* policy.later(compactIfDue)
+          else yield* compactQuietly
         }
       }
       for (const [i, { done }] of batch.entries()) yield* Deferred.succeed(done, changed[i]!)
