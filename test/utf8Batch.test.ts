@@ -47,6 +47,21 @@ describe("utf8Batch", () => {
     assert.strictEqual(first.toString(), "first batch")
   })
 
+  it("view gives the same bytes as take, without a copy, and a large batch's view outlives the scratch it came from", () => {
+    const many = Array.from({ length: 20_000 }, (_, i) => `{"type":"message_update","delta":" w${i}"}\n`)
+    for (const pieces of [["small"], many, ["é".repeat(2_200_000)]]) {
+      Utf8Batch.begin()
+      for (const p of pieces) Utf8Batch.put(p)
+      const view = Utf8Batch.view()
+      assert.isTrue(view.equals(expected(pieces)))
+      // The next batch reuses the scratch buffer (a small one's view is overwritten: used at once
+      // or not at all), but a view of a grown scratch is left alone.
+      const copy = Buffer.from(view)
+      build(["next batch"])
+      if (view.length > 4 * 1024 * 1024) assert.isTrue(view.equals(copy))
+    }
+  })
+
   it("putEventFrame writes exactly encodeEventFrame's line, type first", () => {
     const events = [
       { type: "message_update", messageId: "m1", delta: " wé\ud83d\ude00" },

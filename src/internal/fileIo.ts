@@ -390,18 +390,22 @@ export const fdWriteAll = (fd: number, buffer: Buffer, position: number): Effect
   })
 
 /**
- * Writes the whole buffer at `position` with write(2) on the calling thread. For group commits:
- * copying a batch into the page cache takes microseconds, while a round trip through libuv's
- * thread pool cost ~0.8 ms per batch under load (a third of the cycle); the fdatasync, which
- * does wait for the disk, stays on the pool.
+ * Writes the whole buffer `make` returns at `position` with write(2) on the calling thread, and
+ * returns its length. For group commits: copying a batch into the page cache takes microseconds,
+ * while a round trip through libuv's thread pool cost ~0.8 ms per batch under load (a third of the
+ * cycle); the fdatasync, which does wait for the disk, stays on the pool. The buffer is made and
+ * written in one synchronous step, so it may be a view of a scratch buffer that the next
+ * synchronous section reuses (Utf8Batch.view).
  */
-export const fdWriteAllSync = (fd: number, buffer: Buffer, position: number): Effect.Effect<void, FsError> =>
+export const fdWriteAllSync = (fd: number, make: () => Buffer, position: number): Effect.Effect<number, FsError> =>
   Effect.try({
     try: () => {
+      const buffer = make()
       let offset = 0
       while (offset < buffer.length) {
         offset += fs.writeSync(fd, buffer, offset, buffer.length - offset, position + offset)
       }
+      return buffer.length
     },
     catch: (cause) => new FsError({ op: "write", path: fdName(fd), cause })
   })

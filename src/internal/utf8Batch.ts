@@ -49,6 +49,19 @@ export const putBytes = (bytes: Uint8Array): void => {
 /** How many bytes were written since `begin`. */
 export const size = (): number => used
 
+/**
+ * The bytes written since `begin`, as a view of the scratch buffer itself (no copy); ends the
+ * batch. The view is valid only until the next `begin`: for a caller that uses it at once,
+ * synchronously (a file write), never for bytes that wait (a socket's queue).
+ */
+export const view = (): Buffer => {
+  const out = scratch.subarray(0, used)
+  used = 0
+  // A scratch grown for a large batch is dropped: the view keeps it alive as long as it is used.
+  if (scratch.length > KEEP_BYTES) scratch = Buffer.allocUnsafeSlow(INITIAL_BYTES)
+  return out
+}
+
 /** The bytes written since `begin`, in a buffer of their own; ends the batch. */
 export const take = (): Buffer => {
   const out = Buffer.allocUnsafe(used)

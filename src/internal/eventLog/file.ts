@@ -75,8 +75,6 @@ const fsRename = (sid: string, from: string, to: string) => io(sid, FileIo.renam
 const fsUnlink = (sid: string, file: string) => io(sid, FileIo.unlink(file))
 const fsChmod = (sid: string, file: string, mode: number) => io(sid, FileIo.chmod(file, mode))
 const fsWriteAll = (sid: string, fd: number, buffer: Buffer, position: number) => io(sid, FileIo.fdWriteAll(fd, buffer, position))
-const fsWriteAllSync = (sid: string, fd: number, buffer: Buffer, position: number) =>
-  io(sid, FileIo.fdWriteAllSync(fd, buffer, position))
 const mkdirPrivate = (sid: string, dir: string) => io(sid, FileIo.mkdirPrivate(dir))
 const fsyncDir = (sid: string, dir: string) => io(sid, FileIo.fdSyncDir(dir))
 
@@ -371,24 +369,28 @@ export const make = (options: EventLogOptions): Effect.Effect<EventLogService, E
             continue
           }
           let end = done
-          // Piece by piece: a joined string would be a rope to flatten first (see utf8Batch).
-          Utf8Batch.begin()
           const marks: Array<readonly [number, number]> = []
-          while (end < batch.length) {
-            const next = batch[end]!
-            if (next._tag !== "Append") break
-            if (next.cursor.sequence % MARK_EVERY === 0) marks.push([next.cursor.sequence, h.size + Utf8Batch.size()])
-            Utf8Batch.put(recordOpen(next.cursor))
-            if (typeof next.json === "string") Utf8Batch.put(next.json)
-            else for (const part of next.json.parts) Utf8Batch.put(part)
-            Utf8Batch.put("}\n")
-            end++
+          // Piece by piece: a joined string would be a rope to flatten first (see utf8Batch).
+          // Encoded and written in one synchronous step, straight from the scratch buffer: a
+          // copy of its own was fresh memory, page faults and all, on a session's first turns.
+          const encode = () => {
+            Utf8Batch.begin()
+            while (end < batch.length) {
+              const next = batch[end]!
+              if (next._tag !== "Append") break
+              if (next.cursor.sequence % MARK_EVERY === 0) marks.push([next.cursor.sequence, h.size + Utf8Batch.size()])
+              Utf8Batch.put(recordOpen(next.cursor))
+              if (typeof next.json === "string") Utf8Batch.put(next.json)
+              else for (const part of next.json.parts) Utf8Batch.put(part)
+              Utf8Batch.put("}\n")
+              end++
+            }
+            return Utf8Batch.view()
           }
-          const bytes = Utf8Batch.take()
-          yield* fsWriteAllSync(h.sessionId, h.fd!, bytes, h.size)
+          const length = yield* io(h.sessionId, FileIo.fdWriteAllSync(h.fd!, encode, h.size))
           yield* fsDataSync(h.sessionId, h.fd!)
-          h.size += bytes.length
-          h.bytes += bytes.length
+          h.size += length
+          h.bytes += length
           for (const [sequence, offset] of marks) h.marks.set(sequence, offset)
           h.count += end - done
           for (; done < end; done++) {
