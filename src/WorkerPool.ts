@@ -290,6 +290,12 @@ export class WorkerPool extends Context.Tag("agentd/WorkerPool")<WorkerPool, {
    */
   readonly holdSpare?: Effect.Effect<void, never, Scope.Scope>
   /**
+   * Holds the next spare's start for SPARE_HOLD_MS: a turn is starting. A new session's first
+   * turn runs right after it took the spare, and the next one booting beside it (its start and
+   * warm-up: ~150 ms of CPU) slowed that turn down on a 2-core machine. Optional, as holdSpare.
+   */
+  readonly deferSpare?: Effect.Effect<void>
+  /**
    * A fence: entering it SIGKILLs every worker given to a session, and every acquisition waits
    * until the scope closes (a worker that was starting meanwhile is not handed over). A cluster
    * runner's self-fence (docs/cluster.md section 5). Optional.
@@ -297,7 +303,11 @@ export class WorkerPool extends Context.Tag("agentd/WorkerPool")<WorkerPool, {
   readonly fence?: Effect.Effect<void, never, Scope.Scope>
 }>() {}
 
-/** The longest a restore holds the next spare's start (a worker wedged in its restore would hold it for ever). */
+/**
+ * The longest the next spare's start is held from when it was wanted, however many holds come
+ * and go meanwhile (a worker wedged in its restore, or turns that never stop starting, would
+ * hold it for ever).
+ */
 const SPARE_HOLD_MS = 2_000
 
 /**
@@ -468,14 +478,23 @@ export const make = (options: WorkerPoolOptions = {}) =>
         return worker
       })
 
-    /** Acquisitions (and their restores) under way that hold the next spare's start. */
+    /** Acquisitions (and their restores) under way, and turns starting, that hold the next spare's start. */
     let holds = 0
-    let spareHeld = false
-    const startSpare = () => {
+    /** The next spare is wanted and held: a timer starts it SPARE_HOLD_MS after it was first wanted. */
+    let heldSince: ReturnType<typeof setTimeout> | undefined
+    /** Starts the next spare, unless some hold holds it (`held`: the timer of a held spare, which starts it anyway). */
+    const startSpare = (held = false) => {
       if (options.warmSpare === false || closing) return
-      if (holds > 0) {
-        spareHeld = true
+      if (holds > 0 && !held) {
+        if (heldSince === undefined) {
+          heldSince = setTimeout(() => startSpare(true), SPARE_HOLD_MS)
+          heldSince.unref()
+        }
         return
+      }
+      if (heldSince !== undefined) {
+        clearTimeout(heldSince)
+        heldSince = undefined
       }
       // Started now: the process boots while nobody waits for it; whoever takes it waits for its outcome.
       const outcome = Deferred.unsafeMake<WorkerProcess, WorkerSpawnError>(FiberId.none)
@@ -517,7 +536,7 @@ export const make = (options: WorkerPoolOptions = {}) =>
           spare = undefined
           // Spawning is synchronous and takes milliseconds: let the caller send the taken
           // worker its `load` first (a restore waits for it), then start the next spare.
-          setImmediate(startSpare)
+          setImmediate(() => startSpare())
           worker = yield* Effect.orElseSucceed(taken, () => undefined).pipe(
             // Given up while the spare boots (its session was killed): it is stopped once it is
             // up, before the interruption completes, so that a `kill` answers with it gone.
@@ -545,31 +564,29 @@ export const make = (options: WorkerPoolOptions = {}) =>
         })
     )
 
-    const holdSpare: Effect.Effect<void, never, Scope.Scope> = Effect.asVoid(Effect.acquireRelease(
-      Effect.sync(() => {
-        holds++
-        let released = false
-        const release = () => {
-          if (released) return
-          released = true
-          clearTimeout(timer)
-          holds--
-          if (holds === 0 && spareHeld) {
-            spareHeld = false
-            startSpare()
-          }
-        }
-        const timer = setTimeout(release, SPARE_HOLD_MS)
-        timer.unref()
-        return release
-      }),
-      (release) => Effect.sync(release)
-    ))
+    /** Takes a hold; the release it returns may be called any number of times. */
+    const hold = () => {
+      holds++
+      let released = false
+      const release = () => {
+        if (released) return
+        released = true
+        clearTimeout(timer)
+        holds--
+        if (holds === 0 && heldSince !== undefined) startSpare()
+      }
+      const timer = setTimeout(release, SPARE_HOLD_MS)
+      timer.unref()
+      return release
+    }
+    const holdSpare: Effect.Effect<void, never, Scope.Scope> = Effect.asVoid(Effect.acquireRelease(Effect.sync(hold), (release) => Effect.sync(release)))
+    const deferSpare: Effect.Effect<void> = Effect.sync(() => void hold())
 
     return WorkerPool.of({
       acquire,
       live: Effect.sync(() => [...workers]),
       holdSpare,
+      deferSpare,
       fence
     })
   })

@@ -222,6 +222,29 @@ describe("WorkerPool", () => {
         yield* Scope.close(scope, Exit.void)
       }), true), 30_000)
 
+  it.live("turns starting (deferSpare) hold the next spare's start, 2 s at most from when it was wanted however many come", () =>
+    withPool((pool) =>
+      Effect.gen(function*() {
+        yield* pool.deferSpare!
+        // The next spare is wanted from the moment the spare is taken, somewhere in the acquisition
+        // (which waits for the spare to boot: long on a loaded machine).
+        const wantedAt = Date.now()
+        yield* pool.acquire("s-turns")
+        const acquiredAt = Date.now()
+        // A turn starting every 100 ms, each holding the spare for 2 s: holds overlap without end.
+        let startedAfter: number | undefined
+        let looksBefore = 0
+        while (Date.now() - acquiredAt < 3_500) {
+          yield* pool.deferSpare!
+          const live = (yield* pool.live).length
+          if (live >= 2 && startedAfter === undefined) startedAfter = Date.now() - wantedAt
+          if (startedAfter === undefined && Date.now() - wantedAt < 1_900) looksBefore++
+          yield* Effect.sleep("100 millis")
+        }
+        assert.isDefined(startedAfter, "the held spare never started while turns kept starting")
+        assert.isAtLeast(startedAfter!, 1_900, `the spare started ${startedAfter} ms after it was wanted (${looksBefore} looks before)`)
+      }), true), 30_000)
+
   it.live("a spare whose warm-up cannot run (TMPDIR missing) still starts and serves", () =>
     Effect.gen(function*() {
       const saved = process.env["TMPDIR"]

@@ -46,7 +46,7 @@ const SHUTDOWN_CUT_GRACE = "2 seconds"
 
 /** The session entity: one fiber per session takes every input from its mailbox, one at a time. */
 export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Supervisor, delivery: Delivery, names: Names) => {
-  const { config, journal, log, restartPolicy, sessions, slots, store, publish, publishAll, publishStatus, record, recordBestEffort, summary, fork, forkIn, post } = core
+  const { config, journal, log, pool, restartPolicy, sessions, slots, store, publish, publishAll, publishStatus, record, recordBestEffort, summary, fork, forkIn, post } = core
   const { abandonRewrite, rewriteFrame, runCheckpoint } = checkpoints
   const { detachAttachment } = delivery
 
@@ -381,6 +381,9 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
       }
       // Durable now: the same prompt sent again (to this runner or, through the log, another) starts no turn.
       if (promptId !== undefined) rememberPrompt(s.startedPrompts, promptId)
+      // The pool's next spare does not boot beside the turn's start (a new session's first turn
+      // follows its taking the spare at once).
+      if (pool.deferSpare !== undefined) yield* pool.deferSpare
       if (worker !== undefined) yield* worker.send({ type: "prompt", turnId, message: a.prompt.message })
       if (reply !== undefined) yield* Deferred.succeed(reply, { accepted: true as const })
     })
