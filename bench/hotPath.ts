@@ -87,6 +87,24 @@
  * more than agentd: 1.04-1.39x in the runs above); first turn 0.33-0.52x (17.0-17.5 us); 100
  * clients 11.8-18.1x. The warm turn is CPU-bound in the daemon (~87% of its wall time): 1.0x on a
  * quiet machine asks for ~5 us per event.
+ *
+ * Session 18 (quiet machine, load 0.2-2): a warm turn was not CPU-bound after all. A profile of
+ * turns 2-4 had the daemon idle 32% of the time, most of it at each turn's start, waiting 14-35 ms
+ * for its worker's first event: echo split the whole 20,000-word prompt before streaming a word
+ * (the worker runs interpreted, `--no-opt`). Echo now finds the words as it streams them. The
+ * recovery journal compacted at every turn's end (each session idle): a rewrite, two fsyncs and a
+ * rename, then the next prompt's record reopened the file and fsynced its directory (idle record
+ * 4.7 ms instead of 0.75, busy record 2.6 instead of 0.7), on the path from `agent_end` to the
+ * next turn; now a compaction waits until every session has stayed idle 200 ms. The event log's
+ * group commit is written straight from the scratch buffer (no copy into fresh memory). A turn's
+ * start holds the pool's next spare for up to 2 s: in turn 1 the next spare's boot and warm-up
+ * took 150 ms of CPU beside the daemon (now 0-50 ms). Ten runs on the final build: warm
+ * 0.78-1.38x (median ~1.1x; agentd 130-168k events/s, the relay 96-170k: its median of 5 runs
+ * moves more than agentd does), the daemon 6.5-8.0 us per event against the relay's 5.5-9.0;
+ * first turn 0.34-0.57x (57-66k events/s, the daemon 15.5-18.5 us per event); 100 clients
+ * 13-18x. Tried for the first turn and not kept: `--no-lazy-feedback-allocation` on the daemon
+ * (15.5-18.5 us against 16.5-17, 2 runs each). The first turn stays CPU-bound in the daemon,
+ * its extra spread thin over the path (not GC, not page faults: ~9,000 minor faults, ~10 ms).
  */
 import { type ChildProcess, spawn } from "node:child_process"
 import * as fs from "node:fs"
