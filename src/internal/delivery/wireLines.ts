@@ -42,7 +42,13 @@ export const bodyMessage = (body: LoggedBody): Outgoing => {
 }
 
 /** The log record of a message: its body and when it was emitted (`emittedAt` last). */
-export const logged = (m: Outgoing, emittedAt: number) => new EncodedEvent([m.head, m.body, `,"emittedAt":${emittedAt}}`])
+export const logged = (m: Outgoing, emittedAt: number) => loggedWith(m, loggedTail(emittedAt))
+
+/** What follows a logged message's body: `emittedAt` and the record's end (one string for a batch). */
+export const loggedTail = (emittedAt: number) => `,"emittedAt":${emittedAt}}`
+
+/** {@link logged}, with the tail of its batch. */
+export const loggedWith = (m: Outgoing, tail: string) => new EncodedEvent([m.head, m.body, tail])
 
 const EMITTED_AT = `,"emittedAt":`
 

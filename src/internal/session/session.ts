@@ -31,7 +31,7 @@ import type { SessionMeta, SessionStoreService } from "../../SessionStore.js"
 import type { SnapshotCacheService } from "../../SnapshotCache.js"
 import type { RestartPolicy, WorkerHandle, WorkerPool } from "../../WorkerPool.js"
 import type { Attachment } from "../delivery/attachment.js"
-import { bodyMessage, logged, type LoggedBody, type Outgoing, wireLineTail } from "../delivery/wireLines.js"
+import { bodyMessage, type LoggedBody, loggedTail, loggedWith, type Outgoing, wireLineTail } from "../delivery/wireLines.js"
 import * as Utf8Batch from "../utf8Batch.js"
 import type { Input } from "./mailbox.js"
 import { busyOf, type ReqId, type State, type WorkerId, workerOf, workerStateOf } from "./transition.js"
@@ -277,7 +277,8 @@ export const makeCore = (deps: CoreDeps): Core => {
       if (messages.length === 0) return
       const emittedAt = Date.now()
       // One write and one fsync for the batch; cursors follow the array order.
-      const cursors = yield* log.appendAll(s.meta.activeSessionId, messages.map((m) => logged(m, emittedAt))).pipe(
+      const tail = loggedTail(emittedAt)
+      const cursors = yield* log.appendAll(s.meta.activeSessionId, messages.map((m) => loggedWith(m, tail))).pipe(
         Effect.mapError((e) => new StorageFailed({ what: "event log", message: e.message }))
       )
       const sessionJson = JSON.stringify(s.meta.activeSessionId)
