@@ -52,6 +52,23 @@ const fingerprint = (dir: string): Array<string> => {
   return out
 }
 
+/**
+ * The state dir's fingerprint once the daemon holding it is quiet: its recovery journal is
+ * compacted a moment after every session went idle (one line per session), and that rewrite is
+ * the holder's own, not a refused start's.
+ */
+const settledFingerprint = async (dir: string): Promise<Array<string>> => {
+  const journal = path.join(dir, "recovery.jsonl")
+  for (let i = 0; i < 200; i++) {
+    const ids = fs.existsSync(journal)
+      ? fs.readFileSync(journal, "utf8").split("\n").filter((l) => l.trim() !== "").map((l) => (JSON.parse(l) as { activeSessionId: string }).activeSessionId)
+      : []
+    if (new Set(ids).size === ids.length) return fingerprint(dir)
+    await new Promise((resolve) => setTimeout(resolve, 50))
+  }
+  throw new Error(`the journal of ${dir} was never compacted`)
+}
+
 /** A `serve` run by the test (not through the harness, which expects it to start). */
 interface Serve {
   readonly proc: ChildProcess
@@ -138,7 +155,7 @@ describe("one daemon per state dir (e2e)", () => {
       await waitIdle(client, id)
       await client.ok({ type: "prompt", activeSessionId: id, message: "before" })
       await waitIdle(client, id)
-      const before = fingerprint(first.stateDir)
+      const before = await settledFingerprint(first.stateDir)
       expect(before).toContain(`f supervisor-generation 600 2 ${createHash("sha256").update("1\n").digest("hex")}`)
       const other = path.join(path.dirname(first.stateDir), "other.sock")
 
@@ -164,7 +181,7 @@ describe("one daemon per state dir (e2e)", () => {
       const root = path.dirname(first.stateDir)
       const link = path.join(root, "link")
       fs.symlinkSync(first.stateDir, link)
-      const before = fingerprint(first.stateDir)
+      const before = await settledFingerprint(first.stateDir)
       const other = path.join(root, "other.sock")
       for (const [named, shown] of [[link, link], [`${first.stateDir}/`, first.stateDir]] as const) {
         const second = serveProcess(["--state-dir", named, "--socket", other], other)
@@ -180,7 +197,7 @@ describe("one daemon per state dir (e2e)", () => {
 
     it("serve --detach on a held state dir exits 1 with the same message and writes nothing (no log either)", async () => {
       const first = held()
-      const before = fingerprint(first.stateDir)
+      const before = await settledFingerprint(first.stateDir)
       const other = path.join(path.dirname(first.stateDir), "other.sock")
       const detached = serveProcess(["--detach", "--state-dir", first.stateDir, "--socket", other], other)
       expect(await exitOf(detached, 40_000), detached.output).toBe(1)
@@ -218,7 +235,7 @@ describe("one daemon per state dir (e2e)", () => {
     await client.ok({ type: "shutdown" })
     while (fs.existsSync(first.socketPath)) await sleep(5)
     expect(first.running).toBe(true)
-    const before = fingerprint(first.stateDir)
+    const before = await settledFingerprint(first.stateDir)
     const second = serveProcess(["--state-dir", first.stateDir], first.socketPath)
     expect(await exitOf(second), second.output).toBe(1)
     expect(second.output).toBe(refusal(first.pid, first.socketPath, first.stateDir))
