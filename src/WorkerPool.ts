@@ -481,20 +481,20 @@ export const make = (options: WorkerPoolOptions = {}) =>
     /** Acquisitions (and their restores) under way, and turns starting, that hold the next spare's start. */
     let holds = 0
     /** The next spare is wanted and held: a timer starts it SPARE_HOLD_MS after it was first wanted. */
-    let heldSince: ReturnType<typeof setTimeout> | undefined
+    let heldSpareTimer: ReturnType<typeof setTimeout> | undefined
     /** Starts the next spare, unless some hold holds it (`held`: the timer of a held spare, which starts it anyway). */
     const startSpare = (held = false) => {
       if (options.warmSpare === false || closing) return
       if (holds > 0 && !held) {
-        if (heldSince === undefined) {
-          heldSince = setTimeout(() => startSpare(true), SPARE_HOLD_MS)
-          heldSince.unref()
+        if (heldSpareTimer === undefined) {
+          heldSpareTimer = setTimeout(() => startSpare(true), SPARE_HOLD_MS)
+          heldSpareTimer.unref()
         }
         return
       }
-      if (heldSince !== undefined) {
-        clearTimeout(heldSince)
-        heldSince = undefined
+      if (heldSpareTimer !== undefined) {
+        clearTimeout(heldSpareTimer)
+        heldSpareTimer = undefined
       }
       // Started now: the process boots while nobody waits for it; whoever takes it waits for its outcome.
       const outcome = Deferred.unsafeMake<WorkerProcess, WorkerSpawnError>(FiberId.none)
@@ -573,7 +573,7 @@ export const make = (options: WorkerPoolOptions = {}) =>
         released = true
         clearTimeout(timer)
         holds--
-        if (holds === 0 && heldSince !== undefined) startSpare()
+        if (holds === 0 && heldSpareTimer !== undefined) startSpare()
       }
       const timer = setTimeout(release, SPARE_HOLD_MS)
       timer.unref()

@@ -48,6 +48,24 @@ export const DEFAULT_WAIT_MS = 10_000
 
 export const sleep = (ms: number): Promise<void> => new Promise((resolve) => setTimeout(resolve, ms))
 
+/**
+ * The records of a state dir's recovery journal once it is compacted (one line per session):
+ * the daemon compacts it a moment after every session went idle. Fails after 10 s.
+ */
+export const compactedJournal = async (stateDir: string): Promise<Array<Record<string, unknown>>> => {
+  const journal = path.join(stateDir, "recovery.jsonl")
+  let ids: Array<unknown> = []
+  for (let i = 0; i < 200; i++) {
+    const records = fs.existsSync(journal)
+      ? fs.readFileSync(journal, "utf8").split("\n").filter((l) => l.trim() !== "").map((l) => JSON.parse(l) as Record<string, unknown>)
+      : []
+    ids = records.map((r) => r["activeSessionId"])
+    if (new Set(ids).size === ids.length) return records
+    await sleep(50)
+  }
+  throw new Error(`the journal of ${stateDir} was never compacted: ${ids.join(", ")}`)
+}
+
 /** JSON-ish value as read from the wire (tests inspect it freely). */
 // eslint-disable-next-line @typescript-eslint/no-explicit-any
 export type Msg = Record<string, any>

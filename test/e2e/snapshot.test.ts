@@ -12,6 +12,7 @@ import {
   e2eOnPostgres,
   allMessages,
   cleanUpAfterTests,
+  compactedJournal,
   collectTurn,
   collectUntil,
   createSession,
@@ -239,14 +240,7 @@ describe("chunked snapshot", () => {
     await collectTurn(c, checkpointed)
     const sessions = ((await c.ok({ type: "list" }))["sessions"] as Array<Msg>)
     expect(sessions.every((x) => x["busy"] === false)).toBe(true)
-    const journal = path.join(d.stateDir, "recovery.jsonl")
-    let records: Array<Msg> = []
-    for (let i = 0; i < 40; i++) {
-      records = fs.readFileSync(journal, "utf8").split("\n").filter((l) => l.trim() !== "").map((l) => JSON.parse(l) as Msg)
-      const ids = records.map((r) => r["activeSessionId"])
-      if (new Set(ids).size === ids.length) break
-      await sleep(100)
-    }
+    const records: Array<Msg> = await compactedJournal(d.stateDir)
     const ids = records.map((r) => r["activeSessionId"] as string)
     expect(new Set(ids).size, `journal lines per session: ${ids.join(", ")}`).toBe(ids.length)
     for (const r of records) {

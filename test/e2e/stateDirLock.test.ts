@@ -14,6 +14,7 @@ import { descendantsOf, killQuietly, processesWithEnv } from "../support/procfs.
 import {
   cleanUpAfterTests,
   Client,
+  compactedJournal,
   createSession,
   DAEMON_BIN,
   freshStateDir,
@@ -54,19 +55,12 @@ const fingerprint = (dir: string): Array<string> => {
 
 /**
  * The state dir's fingerprint once the daemon holding it is quiet: its recovery journal is
- * compacted a moment after every session went idle (one line per session), and that rewrite is
- * the holder's own, not a refused start's.
+ * compacted a moment after every session went idle, and that rewrite is the holder's own, not a
+ * refused start's.
  */
 const settledFingerprint = async (dir: string): Promise<Array<string>> => {
-  const journal = path.join(dir, "recovery.jsonl")
-  for (let i = 0; i < 200; i++) {
-    const ids = fs.existsSync(journal)
-      ? fs.readFileSync(journal, "utf8").split("\n").filter((l) => l.trim() !== "").map((l) => (JSON.parse(l) as { activeSessionId: string }).activeSessionId)
-      : []
-    if (new Set(ids).size === ids.length) return fingerprint(dir)
-    await new Promise((resolve) => setTimeout(resolve, 50))
-  }
-  throw new Error(`the journal of ${dir} was never compacted`)
+  await compactedJournal(dir)
+  return fingerprint(dir)
 }
 
 /** A `serve` run by the test (not through the harness, which expects it to start). */
