@@ -550,7 +550,11 @@ describe("agentd CLI across daemon restarts", () => {
       await first.sigkill()
       const second = await useDaemon({ stateDir: first.stateDir, env: { AGENTD_RETAIN_GENERATIONS: "1", AGENTD_CHECKPOINT_EVENTS: "1" } })
       for (const text of ["one", "two"]) {
-        const r = await runCli(["prompt", id, text, "--socket", second.socketPath])
+        // Seen once in CI: "one" not answered within 40 s. What the session and the daemon said then.
+        const r = await runCli(["prompt", id, text, "--socket", second.socketPath]).catch(async (e: Error) => {
+          const state = await runCli(["state", id, "--json", "--socket", second.socketPath], { timeoutMs: 5_000 }).catch((s: Error) => s)
+          throw new Error(`${e.message}\nstate: ${"stdout" in state ? state.stdout : state.message}\n${second.output}`)
+        })
         assert.strictEqual(r.code, 0, r.stderr)
       }
     } finally {
