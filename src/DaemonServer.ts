@@ -29,7 +29,7 @@ import { Outbox } from "./internal/outbox.js"
 import * as Metrics from "./Metrics.js"
 import { LineDecoder, type LineItem } from "./JsonLines.js"
 import * as Protocol from "./Protocol.js"
-import { CommandError, CommandTakesEffect, internalOfCause, SessionManager, SupervisorInfo } from "./SessionManager.js"
+import { CommandError, type CommandProgress, CommandTakesEffect, internalOfCause, SessionManager, SupervisorInfo } from "./SessionManager.js"
 
 /** The version this daemon reports in `daemon_hello`. */
 export const APP_VERSION = "0.1.0"
@@ -313,7 +313,15 @@ export const make = Effect.gen(function*() {
       // turn, a prompt while the worker starts) runs in a fiber of its own once it has taken
       // effect, so that it does not hold back the ones after it: an abort behind a checkpoint
       // still aborts the turn. The others answer at once. A bounded number may be owed.
+      // Taking effect is its session's step; the writes that step asked for (a prompt's busy
+      // record and status, fsynced) go on beside the commands after it: those to the same session
+      // queue behind it in its mailbox, and the others wait for them only if they read sessions
+      // (`get_state`, `list`, every command that is not a session's own). 200 prompts to 200
+      // sessions on one connection took their fsyncs one after another (25-45 s on a loaded
+      // machine); now they share the journal's and logs' group commits.
       const answering = yield* FiberSet.make<Answer>()
+      /** Commands that took effect whose writes may not be done (`settled` not yet completed). */
+      let unsettled: Array<Deferred.Deferred<void>> = []
       /** Answers owed behind one still being answered, in command order. */
       const owedAnswers: Array<Answer | Fiber.Fiber<Answer>> = []
       let flushing = false
@@ -366,14 +374,21 @@ export const make = Effect.gen(function*() {
         if ("response" in decoded) {
           owe(decoded)
         } else if (MAY_WAIT.has(decoded.command.type)) {
-          const taken = yield* Deferred.make<void>()
+          const progress: CommandProgress = { taken: yield* Deferred.make<void>(), settled: yield* Deferred.make<void>() }
           const answer = yield* FiberSet.run(
             answering,
-            answerCommand(decoded).pipe(Effect.locally(CommandTakesEffect, taken), Effect.ensuring(Deferred.succeed(taken, undefined)))
+            answerCommand(decoded).pipe(
+              Effect.locally(CommandTakesEffect, progress),
+              Effect.ensuring(Effect.zipRight(Deferred.succeed(progress.taken, undefined), Deferred.succeed(progress.settled, undefined)))
+            )
           )
-          yield* Deferred.await(taken)
+          yield* Deferred.await(progress.taken)
+          if (unsettled.length >= MAX_PENDING_LINES) unsettled = yield* Effect.filter(unsettled, (d) => Effect.map(Deferred.isDone(d), (done) => !done))
+          unsettled.push(progress.settled)
           owe(answer)
         } else {
+          for (const settled of unsettled) yield* Deferred.await(settled)
+          unsettled = []
           owe(yield* answerCommand(decoded))
         }
       }

@@ -70,7 +70,7 @@ import * as StateLayout from "./StateLayout.js"
 import { defaultRestartPolicy, WorkerPool } from "./WorkerPool.js"
 
 export { CommandError, internalOfCause } from "./internal/session/session.js"
-export { CommandTakesEffect } from "./internal/session/mailbox.js"
+export { type CommandProgress, CommandTakesEffect } from "./internal/session/mailbox.js"
 
 /**
  * What the core needs of a client's connection: a queue of outgoing bytes it can fill without

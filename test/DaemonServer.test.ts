@@ -9,6 +9,7 @@ import { assert, describe, it } from "@effect/vitest"
 import * as Context from "effect/Context"
 import * as Deferred from "effect/Deferred"
 import * as Effect from "effect/Effect"
+import * as Fiber from "effect/Fiber"
 import * as FiberRef from "effect/FiberRef"
 import * as Layer from "effect/Layer"
 import * as fs from "node:fs"
@@ -34,26 +35,37 @@ const summary = (id: string) => ({
   telemetry: false
 })
 
+/** What the stand-in's `slow-*` sessions did, in order; their writes wait for `slowWrites`. */
+const slowLog: Array<string> = []
+const slowWrites = Effect.unsafeMakeLatch(true)
+
 /**
  * Sessions whose id says what their commands do: `interrupted-*` are interrupted from inside
- * (after taking effect, for the commands that may wait), `died-*` die, others answer.
+ * (after taking effect, for the commands that may wait), `died-*` die, `slow-*` take effect at
+ * once and settle (their writes done) once `slowWrites` opens, others answer.
  */
 const standIn = Effect.gen(function*() {
-  const outcome = <A>(id: string, ok: A) =>
+  const outcome = <A>(id: string, ok: A, what: string) =>
     Effect.gen(function*() {
       // A command that may wait has taken effect before it is interrupted: the connection
       // goes on with its next commands meanwhile.
-      const deferred = yield* FiberRef.get(CommandTakesEffect)
-      if (deferred !== undefined) yield* Deferred.succeed(deferred, undefined)
+      const progress = yield* FiberRef.get(CommandTakesEffect)
+      if (progress !== undefined) yield* Deferred.succeed(progress.taken, undefined)
+      slowLog.push(`${what} ${id}`)
+      if (id.startsWith("slow-") && progress !== undefined) {
+        yield* slowWrites.await
+        slowLog.push(`${what} ${id} settled`)
+        yield* Deferred.succeed(progress.settled, undefined)
+      }
       if (id.startsWith("interrupted-")) return yield* Effect.interrupt
       if (id.startsWith("died-")) return yield* Effect.die(new Error("boom"))
       if (id.startsWith("missing-")) return yield* Effect.fail(new CommandError({ code: "session_not_found", message: `No session \`${id}\`.` }))
       return ok
     })
   return SessionManager.of({
-    getState: (id: string) => outcome(id, summary(id)),
-    prompt: (cmd: { activeSessionId: string }) => outcome(cmd.activeSessionId, { accepted: true as const }),
-    abort: (cmd: { activeSessionId: string }) => outcome(cmd.activeSessionId, { aborted: false }),
+    getState: (id: string) => outcome(id, summary(id), "get_state"),
+    prompt: (cmd: { activeSessionId: string }) => outcome(cmd.activeSessionId, { accepted: true as const }, "prompt"),
+    abort: (cmd: { activeSessionId: string }) => outcome(cmd.activeSessionId, { aborted: false }, "abort"),
     list: Effect.succeed({ sessions: [] }),
     attachedCount: () => 0,
     detachAll: () => Effect.void,
@@ -154,6 +166,31 @@ describe("DaemonServer", () => {
       assert.match(byId.get("5").error.message, /boom/)
       assert.strictEqual(byId.get("6").error.code, "session_not_found")
       for (const id of ["2", "4", "7"]) assert.isTrue(byId.get(id).success, `command ${id} answered with success`)
+    }))
+
+  it.scopedLive("a prompt's writes do not hold back the next session's prompt; a command that reads sessions waits for them", () =>
+    Effect.gen(function*() {
+      const socketPath = yield* withServer
+      slowLog.length = 0
+      slowWrites.unsafeClose()
+      const lines = [
+        { type: "prompt", id: "1", activeSessionId: "slow-a", message: "hi" },
+        { type: "prompt", id: "2", activeSessionId: "ok-b", message: "hi" },
+        { type: "abort", id: "3", activeSessionId: "slow-c" },
+        { type: "get_state", id: "4", activeSessionId: "ok-d" },
+        { type: "prompt", id: "5", activeSessionId: "ok-e", message: "hi" }
+      ]
+      const exchanged = yield* Effect.fork(exchange(socketPath, lines, lines.length))
+      // The prompts to other sessions took effect while slow-a's and slow-c's writes are held;
+      // get_state, which reads sessions, waits for them, and so does what comes after it.
+      for (let i = 0; i < 500 && slowLog.length < 3; i++) yield* Effect.sleep("10 millis")
+      yield* Effect.sleep("100 millis")
+      assert.deepStrictEqual(slowLog, ["prompt slow-a", "prompt ok-b", "abort slow-c"])
+      slowWrites.unsafeOpen()
+      const { responses } = yield* Fiber.join(exchanged)
+      assert.deepStrictEqual(responses.map((r) => [r.id, r.success]), [["1", true], ["2", true], ["3", true], ["4", true], ["5", true]], "in order")
+      assert.deepStrictEqual(slowLog.slice(3, 5).sort(), ["abort slow-c settled", "prompt slow-a settled"])
+      assert.deepStrictEqual(slowLog.slice(5), ["get_state ok-d", "prompt ok-e"])
     }))
 
   it.scopedLive("HTTP: a command interrupted from inside is answered 500 internal, and the server goes on", () =>

@@ -21,7 +21,7 @@ import * as Context from "effect/Context"
 import * as Ref from "effect/Ref"
 import { EventLog } from "../src/EventLog.js"
 import * as RecoveryJournal from "../src/RecoveryJournal.js"
-import { type CommandError, SessionManager } from "../src/SessionManager.js"
+import { type CommandError, CommandTakesEffect, SessionManager } from "../src/SessionManager.js"
 import { type WorkerHandle, WorkerPool } from "../src/WorkerPool.js"
 import { describeMsg } from "./chaos/streamCheck.js"
 import * as SessionStore from "../src/SessionStore.js"
@@ -1600,6 +1600,32 @@ describe("SessionManager (in-process)", () => {
           }), stored)
       }))
   })
+
+  it.scoped("a prompt takes effect at its session's step, before its writes: `taken` then, `settled` and the answer once its busy record is durable", () =>
+    Effect.gen(function*() {
+      const stored = yield* makeStored
+      const journal = Context.get(stored, RecoveryJournal.RecoveryJournal)
+      const gate = new Gate()
+      const gated = Context.add(stored, RecoveryJournal.RecoveryJournal, { ...journal, record: (input) => Effect.zipRight(gate.pass, journal.record(input)) })
+      yield* withCore({}, () =>
+        Effect.gen(function*() {
+          const sm = yield* SessionManager
+          const { conn, id } = yield* open(sm)
+          yield* waitReady(conn)
+          gate.close()
+          const progress = { taken: yield* Deferred.make<void>(), settled: yield* Deferred.make<void>() }
+          const prompting = yield* Effect.fork(Effect.locally(prompt(sm, id, "hello"), CommandTakesEffect, progress))
+          yield* until("the busy record under way", () => gate.waiting === 1)
+          assert.isTrue(yield* Deferred.isDone(progress.taken), "taken once stepped")
+          assert.isFalse(yield* Deferred.isDone(progress.settled), "not settled while its record waits")
+          assert.isNull(prompting.unsafePoll(), "not answered while its record waits")
+          assert.strictEqual((yield* sm.getState(id)).busy, false, "its busy status is not out yet")
+          gate.open()
+          assert.deepStrictEqual(yield* Fiber.join(prompting), { accepted: true })
+          assert.isTrue(yield* Deferred.isDone(progress.settled))
+          assert.strictEqual((yield* sm.getState(id)).busy, true)
+        }), gated)
+    }))
 
   describe("names", () => {
 

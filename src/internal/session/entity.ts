@@ -33,7 +33,7 @@ import type { Attachment } from "../delivery/attachment.js"
 import { realFramesArrived } from "../delivery/warmUp.js"
 import { eventMessage, type Outgoing, wireLineOfRecord } from "../delivery/wireLines.js"
 import type { Checkpoints } from "./checkpoint.js"
-import type { AnyFrame, CheckpointReply, Input } from "./mailbox.js"
+import type { AnyFrame, CheckpointReply, CommandProgress, Input } from "./mailbox.js"
 import { CommandTakesEffect } from "./mailbox.js"
 import { type CoreError, CoreInternal, failed, internal, metaWriteFailed, notFound, SessionBusy, shuttingDown, StorageUnavailable } from "./errors.js"
 import type { Names } from "./names.js"
@@ -61,14 +61,14 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
    */
   const send = <A>(
     s: Session,
-    make: (command: { readonly reply: Deferred.Deferred<A, CoreError>; readonly taken: Deferred.Deferred<void> | undefined }) => Input
+    make: (command: { readonly reply: Deferred.Deferred<A, CoreError>; readonly progress: CommandProgress | undefined }) => Input
   ) =>
     Effect.gen(function*() {
       const reply = yield* Deferred.make<A, CoreError>()
-      const taken = yield* FiberRef.get(CommandTakesEffect)
+      const progress = yield* FiberRef.get(CommandTakesEffect)
       if (stopping) return yield* Effect.fail(shuttingDown())
       if (isClosed(s)) return yield* Effect.fail(notFound(s.meta.activeSessionId))
-      s.mailbox.unsafeOffer(make({ reply, taken }))
+      s.mailbox.unsafeOffer(make({ reply, progress }))
       return yield* Deferred.await(reply)
     })
 
@@ -124,7 +124,7 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
    * publishing a turn's end depends on it: should storage refuse it, the transition did not
    * happen (the end is still owed) and `StorageFailed` is taken instead.
    */
-  const run = (s: Session, input: T.Input, frame?: FrameContext): Effect.Effect<void> =>
+  const run = (s: Session, input: T.Input, frame?: FrameContext, stepped?: Deferred.Deferred<void>): Effect.Effect<void> =>
     Effect.gen(function*() {
       const t = T.step(s.state, input, yield* envOf(s), restartPolicy)
       const first = t.actions[0]
@@ -135,6 +135,8 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
         return yield* perform(s, t.actions.slice(1), frame)
       }
       s.state = t.state
+      // A command has taken effect once stepped: its writes follow (see `CommandProgress`).
+      if (stepped !== undefined) Deferred.unsafeDone(stepped, Exit.void)
       return yield* perform(s, t.actions, frame)
     })
 
@@ -528,17 +530,17 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
     switch (input._tag) {
       case "Prompt":
         s.lastUsed = Date.now()
-        return run(s, { _tag: "Prompt", req: request(s, input.reply), message: input.message, promptId: input.promptId })
+        return run(s, { _tag: "Prompt", req: request(s, input.reply), message: input.message, promptId: input.promptId }, undefined, input.progress?.taken)
       case "Abort":
-        return run(s, { _tag: "Abort", req: request(s, input.reply) })
+        return run(s, { _tag: "Abort", req: request(s, input.reply) }, undefined, input.progress?.taken)
       case "Checkpoint":
-        return run(s, { _tag: "Checkpoint", req: request(s, input.reply) })
+        return run(s, { _tag: "Checkpoint", req: request(s, input.reply) }, undefined, input.progress?.taken)
       case "Retry":
-        return run(s, { _tag: "Retry", req: request(s, input.reply) })
+        return run(s, { _tag: "Retry", req: request(s, input.reply) }, undefined, input.progress?.taken)
       case "Kill":
-        return run(s, { _tag: "Kill", req: request(s, input.reply) })
+        return run(s, { _tag: "Kill", req: request(s, input.reply) }, undefined, input.progress?.taken)
       case "Rename":
-        return run(s, { _tag: "Rename", req: request(s, input.reply), name: input.name })
+        return run(s, { _tag: "Rename", req: request(s, input.reply), name: input.name }, undefined, input.progress?.taken)
       case "Passivate":
         return run(s, { _tag: "Passivate" })
       case "SetEnv":
@@ -645,7 +647,10 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
           ),
           Effect.onInterrupt(() => answerInterrupted(s, input))
         )
-        if ("taken" in input && input.taken !== undefined) yield* Deferred.succeed(input.taken, undefined)
+        if ("progress" in input && input.progress !== undefined) {
+          yield* Deferred.succeed(input.progress.taken, undefined)
+          yield* Deferred.succeed(input.progress.settled, undefined)
+        }
       }
       // Closed: nothing more is offered; what was offered before is answered.
       for (const input of yield* Queue.takeAll(s.mailbox)) yield* take(s, input)

@@ -16,19 +16,29 @@ import type * as WorkerProtocol from "../../WorkerProtocol.js"
 export type CheckpointReply = Deferred.Deferred<{ generation: number; snapshotId: string }, CoreError>
 
 /**
- * Completed once a command has taken effect in its session: its input handled by the entity (a
- * prompt reserved or started, an abort sent, a checkpoint taken or waiting for the turn's end,
- * a kill done), which may be long before its answer. Set by a caller that takes commands one
- * after another but lets their answers come as they may (the socket server, per connection):
- * a command that waits does not hold back the commands after it.
+ * How far a command has got in its session, for a caller that takes commands one after another
+ * but lets their answers come as they may (the socket server, per connection):
+ * - `taken`: the command has taken effect, its input stepped by the entity (a prompt reserved or
+ *   its turn begun, an abort sent, a checkpoint taken or waiting for the turn's end, a kill
+ *   decided), often long before its answer and before the writes that step asked for. The next
+ *   command to another session need not wait for more: one to the same session queues behind it
+ *   in the session's mailbox anyway.
+ * - `settled`: those writes are done too (a prompt's busy record and status logged): what a
+ *   command that reads the session (`get_state`, `list`) then sees includes this one's effect.
  */
-export const CommandTakesEffect = FiberRef.unsafeMake<Deferred.Deferred<void> | undefined>(undefined)
+export interface CommandProgress {
+  readonly taken: Deferred.Deferred<void>
+  readonly settled: Deferred.Deferred<void>
+}
+
+/** The caller's {@link CommandProgress} for the command it runs, if it follows one. */
+export const CommandTakesEffect = FiberRef.unsafeMake<CommandProgress | undefined>(undefined)
 
 /** What every command's input carries. */
 interface CommandInput<A> {
   readonly reply: Deferred.Deferred<A, CoreError>
   /** The caller's {@link CommandTakesEffect}, if any. */
-  readonly taken: Deferred.Deferred<void> | undefined
+  readonly progress: CommandProgress | undefined
 }
 
 /** What the entity of a session takes from its mailbox: commands, its worker's frames and exit, timers. */
