@@ -114,6 +114,8 @@ const WORDS = Number(process.env["AGENTD_BENCH_STREAM_WORDS"] ?? 150)
 const CLIENTS = 10
 const TOKEN_DELAY_MS = 20
 const TIMEOUT_MS = 180_000
+/** AGENTD_BENCH_WORKER_NICE: the daemon's AGENTD_WORKER_NICE (its workers' niceness) for the run. */
+const WORKER_NICE = process.env["AGENTD_BENCH_WORKER_NICE"]
 
 const cpuMicros = (pid: number): number => (cpuTicksOf(pid) ?? 0) * 10_000
 
@@ -365,7 +367,7 @@ const streamDaemon = (bin: string | undefined) => {
   return withDaemon(
     {
       ...(bin === undefined ? {} : { bin }),
-      env: { AGENTD_MAX_WORKERS: String(SESSIONS), ...pool },
+      env: { AGENTD_MAX_WORKERS: String(SESSIONS), ...pool, ...(WORKER_NICE === undefined ? {} : { AGENTD_WORKER_NICE: WORKER_NICE }) },
       // e.g. AGENTD_BENCH_DAEMON_NODE_ARGS=--cpu-prof to profile the daemon over the run.
       nodeArgs: (process.env["AGENTD_BENCH_DAEMON_NODE_ARGS"] ?? "").split(" ").filter((a) => a !== "")
     },
@@ -399,6 +401,7 @@ const streamDaemon = (bin: string | undefined) => {
       const workersBefore = workerPids.reduce((sum, pid) => sum + cpuMicros(pid), 0)
       const started = nowMs()
       await Promise.all(ids.map((id) => ctl.ok({ type: "prompt", activeSessionId: id, message }, 60_000)))
+      const promptsAnsweredMs = nowMs() - started
       let timer: NodeJS.Timeout | undefined
       await Promise.race([done, new Promise((_, reject) => (timer = setTimeout(() => reject(new Error(`${ended} of ${ids.length} turns ended in ${TIMEOUT_MS} ms`)), TIMEOUT_MS)))])
       clearTimeout(timer)
@@ -409,13 +412,14 @@ const streamDaemon = (bin: string | undefined) => {
       const totalRss = [daemon.pid, ...descendantsOf(daemon.pid)].reduce((sum, pid) => sum + (rssOf(pid) || 0), 0)
       const workers = descendantsOf(daemon.pid).length
       for (const c of clients) c.close()
+      if (process.env["AGENTD_BENCH_DAEMON_LOG"] !== undefined) fs.writeFileSync(process.env["AGENTD_BENCH_DAEMON_LOG"], daemon.stderrTail(1e9))
       if (process.env["AGENTD_BENCH_DAEMON_NODE_ARGS"]?.includes("--cpu-prof") === true) {
         // Node writes the profile only at a normal exit: a clean shutdown, not the cleanup's SIGKILL.
         daemon.stopping = true
         await ctl.ok({ type: "shutdown" }, 60_000)
         await Promise.race([daemon.exited, new Promise((resolve) => setTimeout(resolve, 30_000))])
       }
-      return { windowUs, daemonCpu, workersCpu, daemonRss, totalRss, workers, latencies: latencies.sort((a, b) => a - b) }
+      return { windowUs, daemonCpu, workersCpu, daemonRss, totalRss, workers, promptsAnsweredMs, latencies: latencies.sort((a, b) => a - b) }
     }
   )
 }
@@ -431,7 +435,8 @@ export default async function streaming(): Promise<void> {
   const sorted = result.latencies
   const p99 = percentile(sorted, 0.99)
   const perEvent = result.daemonCpu / sorted.length
-  console.log(`${SESSIONS} sessions streaming (echo, tokenDelayMs ${TOKEN_DELAY_MS}, ${WORDS} words), ${CLIENTS} clients across them, ${result.workers} workers:`)
+  console.log(`${SESSIONS} sessions streaming (echo, tokenDelayMs ${TOKEN_DELAY_MS}, ${WORDS} words), ${CLIENTS} clients across them, ${result.workers} workers (niceness ${WORKER_NICE ?? "0, the default"}):`)
+  console.log(`  ${SESSIONS} prompts sent together on one connection, all answered after ${(result.promptsAnsweredMs / 1000).toFixed(2)} s`)
   console.log(`  daemon CPU ${(100 * result.daemonCpu / result.windowUs).toFixed(1)}% of one core over ${(result.windowUs / 1e6).toFixed(1)} s; ${sorted.length} events delivered`)
   console.log(`  daemon CPU per delivered event ${perEvent.toFixed(1)} us | relay process ${relayCpu.toFixed(1)} us per relayed event | ratio ${(perEvent / relayCpu).toFixed(2)}x (lower is better)`)
   console.log(`  paced relay, same rate, no log: ${paced.cpuPerEvent.toFixed(1)} us per event, p50 ${paced.p50} ms, p99 ${paced.p99} ms | daemon/paced relay ${(perEvent / paced.cpuPerEvent).toFixed(2)}x`)
@@ -448,6 +453,7 @@ export default async function streaming(): Promise<void> {
     const baseWorker = base.workersCpu / n
     const ratio = (a: number, b: number) => `${(a / b).toFixed(2)}x`
     console.log(`  baseline build ${baselineBin} (run first, same run): ${n} events delivered`)
+    console.log(`    prompts all answered after ${(base.promptsAnsweredMs / 1000).toFixed(2)} -> ${(result.promptsAnsweredMs / 1000).toFixed(2)} s; the turns took ${(base.windowUs / 1e6).toFixed(1)} -> ${(result.windowUs / 1e6).toFixed(1)} s`)
     console.log(`    daemon CPU per event ${basePerEvent.toFixed(1)} us -> ${perEvent.toFixed(1)} (${ratio(perEvent, basePerEvent)}); workers ${baseWorker.toFixed(1)} -> ${workerPerEvent.toFixed(1)} us (${ratio(workerPerEvent, baseWorker)})`)
     console.log(`    latency p50 ${percentile(base.latencies, 0.5)} -> ${percentile(sorted, 0.5)} ms, p99 ${percentile(base.latencies, 0.99)} -> ${p99} ms; RSS per worker ${((base.totalRss - base.daemonRss) / 1048576 / Math.max(1, base.workers)).toFixed(1)} MB, daemon ${(base.daemonRss / 1048576).toFixed(0)} MB`)
   }

@@ -44,6 +44,12 @@ export interface DaemonConfigShape {
   /** Keep a started worker ready for the next session or restore. */
   readonly warmSpare: boolean
   /**
+   * The niceness (0-19) of worker processes, and of their scheduling group (Linux autogroup), so
+   * that on a machine short of CPU the daemon (the log's fsyncs, every client's stream and
+   * command) is not starved by its workers. 0: as the daemon. See WorkerPool's `nice`.
+   */
+  readonly workerNice?: number
+  /**
    * Compile the hot paths while nobody waits: the spare runs a few restores and echo turns, the
    * daemon made-up events, 2 s after its start (~0.1-0.2 s of CPU each). Off: the first restore
    * and turn of each worker are slower (a machine short of CPU, a test suite).
@@ -152,6 +158,9 @@ export const settings: Config.Config<Partial<DaemonConfigShape>> = Config.all({
     keys.split(",").map((k) => k.trim()).filter((k) => k.length > 0))),
   warmUp: onOff("AGENTD_WARM_UP", "no warm-up"),
   warmSpare: onOff("AGENTD_WARM_SPARE", "no spare"),
+  workerNice: Config.option(Config.integer("AGENTD_WORKER_NICE").pipe(
+    Config.validate({ message: "must be an integer from 0 to 19", validation: (n) => n >= 0 && n <= 19 })
+  )),
   shutdownGraceMs: count("AGENTD_SHUTDOWN_GRACE_MS", 0),
   // Checked with `--store` by the daemon (InvalidStore): one message and one exit code for both.
   store: Config.option(Config.string("AGENTD_STORE")),

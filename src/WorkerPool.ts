@@ -25,8 +25,8 @@ import * as ScheduleIntervals from "effect/ScheduleIntervals"
 import * as Schema from "effect/Schema"
 import type * as Scope from "effect/Scope"
 import { type ChildProcess, spawn } from "node:child_process"
-import { availableParallelism } from "node:os"
-import { existsSync } from "./internal/fileIoSync.js"
+import { availableParallelism, setPriority } from "node:os"
+import { existsSync, writeFileSync } from "./internal/fileIoSync.js"
 import type * as net from "node:net"
 import { fileURLToPath } from "node:url"
 import * as Metrics from "./Metrics.js"
@@ -247,6 +247,8 @@ export class WorkerProcess implements WorkerHandle {
 export interface WorkerPoolOptions {
   /** Keep one worker started ahead of need (default true). */
   readonly warmSpare?: boolean
+  /** Niceness (1-19) given to each worker and its autogroup as it starts (see `lowerPriority`); unset or 0: none. */
+  readonly nice?: number
   /** The spare warms up its restore and turn paths while it waits (default true). */
   readonly warmUp?: boolean
   /** The worker entry script (default: `bin/worker.js` next to this module). */
@@ -352,6 +354,28 @@ export const LEAN_WORKER_FLAGS: ReadonlyArray<string> = [
   "--single-threaded-gc"
 ]
 
+/**
+ * Lowers a new worker's priority to `nice`: the process's own niceness (inherited by what it
+ * runs) and, on Linux with autogroups, its scheduling group's. A worker has a session of its
+ * own (`detached`), so it is alone in its autogroup, and the kernel shares the CPU between
+ * autogroups first: with 200 busy workers the daemon's group, fsync threads included, had a
+ * 200th of it, and the log's appends took seconds (bench/streaming.ts). Raising niceness needs
+ * no privilege; a failure is logged and the worker runs as it is.
+ */
+const lowerPriority = (pid: number, nice: number, warn: (message: string) => void) => {
+  try {
+    setPriority(pid, nice)
+  } catch (e) {
+    warn(`worker ${pid}: cannot set its niceness to ${nice}: ${String(e)}`)
+  }
+  try {
+    writeFileSync(`/proc/${pid}/autogroup`, String(nice))
+  } catch (e) {
+    // No autogroups here (another OS, a kernel without them): the niceness above is what counts.
+    if ((e as NodeJS.ErrnoException).code !== "ENOENT") warn(`worker ${pid}: cannot set its autogroup's niceness to ${nice}: ${String(e)}`)
+  }
+}
+
 /** Waits for the first frame of a new worker (`worker_ready`), or its death. */
 const awaitReady = <W extends WorkerHandle>(worker: W): Effect.Effect<W, WorkerSpawnError> =>
   Effect.gen(function*() {
@@ -442,6 +466,7 @@ export const make = (options: WorkerPoolOptions = {}) =>
           if (child.pid === undefined) warn(`cannot spawn a worker: ${err.message}`)
         })
         const pipe = child.stdio?.[3] as net.Socket | null | undefined
+        if (child.pid !== undefined && options.nice !== undefined && options.nice > 0) lowerPriority(child.pid, options.nice, warn)
         if (child.pid === undefined) {
           // Never `child.kill()` here: until the 'error' event is emitted, node still holds the
           // failed spawn's handle, whose pid is 0, and kill(0, SIGKILL) kills the daemon's own

@@ -80,6 +80,19 @@ describe("WorkerPool", () => {
       })
     ), 30_000)
 
+  it.live("nice: each worker (the spare too, and a worker with an environment of its own) runs at that niceness, in an autogroup of that niceness where Linux has them", () =>
+    Effect.flatMap(WorkerPool.WorkerPool, (pool) =>
+      Effect.gen(function*() {
+        const workers = [yield* pool.acquire("s-nice"), yield* pool.acquire("s-env", { AGENTD_POOL_TEST: "yes" })]
+        const spare = (yield* pool.live).find((w) => !workers.includes(w))
+        for (const w of [...workers, ...(spare === undefined ? [] : [spare])]) {
+          assert.strictEqual(os.getPriority(w.pid), 7, `worker ${w.pid}'s niceness`)
+          const autogroup = `/proc/${w.pid}/autogroup`
+          if (fs.existsSync(autogroup)) assert.match(fs.readFileSync(autogroup, "utf8"), /nice 7\n/)
+        }
+      })
+    ).pipe(Effect.provide(WorkerPool.layer({ warmSpare: true, workerEntry, nice: 7 }))), 30_000)
+
   it.live("the warm spare is taken first and replaced; closing the pool stops every worker", () =>
     Effect.gen(function*() {
       const pids = yield* withPool((pool) =>
