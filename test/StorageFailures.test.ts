@@ -11,6 +11,7 @@ import * as Context from "effect/Context"
 import * as Effect from "effect/Effect"
 import * as Either from "effect/Either"
 import * as Option from "effect/Option"
+import * as Stream from "effect/Stream"
 import { EventLog, EventLogError } from "../src/EventLog.js"
 import * as RecoveryJournal from "../src/RecoveryJournal.js"
 import { SessionManager } from "../src/SessionManager.js"
@@ -32,6 +33,8 @@ interface Faults {
   journal: boolean
   /** The log's next generation start happens, then reports a failure (a step after the new segment's rename failed). */
   rotateThenFail?: boolean
+  /** The log's reads fail (a descriptor short: EMFILE). */
+  reads?: boolean
 }
 
 /** The stored context with an event log and a journal that fail while `faults` say so. */
@@ -40,11 +43,16 @@ const faulty = (stored: StoredContext, faults: Faults): StoredContext => {
   const journal = Context.get(stored, RecoveryJournal.RecoveryJournal)
   const enospc = (sessionId: string) =>
     new EventLogError({ reason: "Io", sessionId, message: "writing the event log failed: write: ENOSPC: no space left on device" })
+  const emfile = (sessionId: string) =>
+    new EventLogError({ reason: "Io", sessionId, message: `open /state/events/${sessionId}/1.jsonl failed: EMFILE: too many open files` })
   return stored.pipe(
     Context.add(EventLog, {
       ...log,
       append: (id, event) => faults.log ? Effect.fail(enospc(id)) : log.append(id, event),
       appendAll: (id, events) => faults.log ? Effect.fail(enospc(id)) : log.appendAll(id, events),
+      read: (id, after) => faults.reads ? Stream.fail(emfile(id)) : log.read(id, after),
+      readGeneration: (id, generation) => faults.reads ? Stream.fail(emfile(id)) : log.readGeneration(id, generation),
+      generations: (id) => faults.reads ? Effect.fail(emfile(id)) : log.generations(id),
       startGeneration: (id) =>
         faults.rotateThenFail
           ? Effect.zipRight(log.startGeneration(id), Effect.fail(new EventLogError({ reason: "Io", sessionId: id, message: "fsync: EMFILE: too many open files" })))
@@ -223,4 +231,34 @@ describe("storage failures (in-process)", () => {
           ], show(seq(conn)))
         }), stored)
     }), { timeout: 30_000 })
+
+  it.scopedLive("a log that cannot be read: attach from a cursor and get_messages answer storage_unavailable naming the file, not internal; once it reads, both work", () =>
+    Effect.gen(function*() {
+      const faults: Faults = { log: false, journal: false }
+      const stored = faulty(yield* makeStored, faults)
+      yield* withCore({}, () =>
+        Effect.gen(function*() {
+          const sm = yield* SessionManager
+          const { conn, id } = yield* open(sm)
+          assert.deepStrictEqual(yield* prompt(sm, id, "hello"), { accepted: true })
+          yield* waitFor("idle after the turn", () => eventTypes(seq(conn)).includes("agent_end") && statuses(seq(conn)).at(-1) === "ready/idle")
+          const from = seq(conn)[1]!["meta"]["cursor"]
+          faults.reads = true
+          const other = new MemoryConnection("c2")
+          const errorOf = <A>(outcome: Either.Either<A, { readonly code: string; readonly message: string }>) =>
+            Either.isLeft(outcome) ? `${outcome.left.code}: ${outcome.left.message}` : "answered"
+          const refusals = {
+            attach: errorOf(yield* Effect.either(sm.attach(other.id, other, { type: "attach", activeSessionId: id, resumeCursor: from } as any))),
+            get_messages: errorOf(yield* Effect.either(sm.getMessages({ type: "get_messages", activeSessionId: id } as any)))
+          }
+          for (const [what, error] of Object.entries(refusals)) {
+            assert.match(error, /^storage_unavailable: the event log could not be read: open \/state\/events\/.*EMFILE/, what)
+          }
+          faults.reads = false
+          const attached = yield* sm.attach(other.id, other, { type: "attach", activeSessionId: id, resumeCursor: from } as any)
+          yield* Effect.forkScoped(attached.deliver)
+          yield* waitFor("the events after the cursor", () => eventTypes(seq(other)).includes("agent_end"))
+          assert.isAbove((yield* sm.getMessages({ type: "get_messages", activeSessionId: id } as any)).messages.length, 0)
+        }), stored)
+    }))
 })

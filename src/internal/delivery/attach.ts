@@ -16,7 +16,7 @@ import type { EventRecord } from "../../EventLog.js"
 import * as Protocol from "../../Protocol.js"
 import type { AgentMessage, CommandOf } from "../../Protocol.js"
 import type { ConnectionPort, HandedOver } from "../../SessionManager.js"
-import { type CoreError, internal, TelemetryPolicyViolation } from "../session/errors.js"
+import { type CoreError, TelemetryPolicyViolation, unreadable } from "../session/errors.js"
 import { type Core, type Session, snapshotIdOf } from "../session/session.js"
 import type { Checkpoints } from "../session/checkpoint.js"
 import { Attachment } from "./attachment.js"
@@ -72,7 +72,7 @@ export const makeDelivery = (core: Core, checkpoints: Checkpoints): Delivery => 
         })
       }
       const id = s.meta.activeSessionId
-      const generations = yield* log.generations(id).pipe(Effect.mapError(internal("event log")))
+      const generations = yield* log.generations(id).pipe(Effect.mapError(unreadable("the event log")))
       const oldestGeneration = generations[0] ?? s.generation
       const lastSequenceOfResumeGeneration = needsLastSequence(resume, last, oldestGeneration)
         ? yield* lastSequenceOf(s, resume.generation)
@@ -103,7 +103,7 @@ export const makeDelivery = (core: Core, checkpoints: Checkpoints): Delivery => 
           type: "session_snapshot_failed",
           activeSessionId: s.meta.activeSessionId,
           snapshotId: checkpoints.snapshotEntryOf(s) ?? snapshotIdOf(s, s.generation),
-          error: { code: "internal", message: chosen.left.message }
+          error: { code: "storage_unavailable", message: chosen.left.message }
         }))
         return false
       }
@@ -374,7 +374,7 @@ export const makeDelivery = (core: Core, checkpoints: Checkpoints): Delivery => 
             type: "session_snapshot_failed",
             activeSessionId: a.session.meta.activeSessionId,
             snapshotId,
-            error: { code: "internal", message: e.message }
+            error: { code: "storage_unavailable", message: e.message }
           }))
           return false
         })
@@ -415,7 +415,7 @@ export const makeDelivery = (core: Core, checkpoints: Checkpoints): Delivery => 
       : log.read(s.meta.activeSessionId, after).pipe(
         Stream.takeWhile((r) => !Cursor.isAfter(r.cursor, until)),
         Stream.runCount,
-        Effect.mapError(internal("event log"))
+        Effect.mapError(unreadable("the event log"))
       )
 
   const firstAfter = (s: Session, after: Cursor.Cursor) =>
@@ -423,7 +423,7 @@ export const makeDelivery = (core: Core, checkpoints: Checkpoints): Delivery => 
       Stream.take(1),
       Stream.runHead,
       Effect.map(Option.match({ onNone: () => Cursor.next(after), onSome: (r) => r.cursor })),
-      Effect.mapError(internal("event log"))
+      Effect.mapError(unreadable("the event log"))
     )
 
   const continueAttachment = (s: Session, from: HandedOver) => {

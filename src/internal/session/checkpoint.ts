@@ -28,7 +28,7 @@ import type { WorkerHandle } from "../../WorkerPool.js"
 import type { SnapshotHeaderInput, SnapshotInfo } from "../../SessionStore.js"
 import type { LoggedBody } from "../delivery/wireLines.js"
 import type { AnyFrame, CheckpointReply } from "./mailbox.js"
-import { type CoreError, CoreInternal, internal } from "./errors.js"
+import { type CoreError, CoreInternal, internal, unreadable } from "./errors.js"
 import { type Core, READ_GATE_PERMITS, type Session, snapshotIdOf, storageAsUnavailable } from "./session.js"
 
 /** The seam of generations: checkpoints and rewrites move a session to its next one. */
@@ -265,7 +265,7 @@ export const makeCheckpoints = (core: Core): Checkpoints => {
           ? Option.some((body.event as Extract<Protocol.AgentEvent, { type: "message_end" }>).message)
           : Option.none()
       }),
-      Stream.mapError(internal("event log"))
+      Stream.mapError(unreadable("the event log"))
     )
 
   /** Chunks of a snapshot entry as the messages they hold. */
@@ -278,7 +278,7 @@ export const makeCheckpoints = (core: Core): Checkpoints => {
   const snapshotLines = (s: Session): Stream.Stream<string, CoreError> =>
     s.generation === 1
       ? Stream.empty
-      : store.readSnapshotLines(s.meta.activeSessionId, s.generation).pipe(Stream.mapError(internal("transcript")))
+      : store.readSnapshotLines(s.meta.activeSessionId, s.generation).pipe(Stream.mapError(unreadable("the transcript")))
 
   /** Every message of the transcript: the snapshot, then the messages ended since. */
   const transcript = (s: Session): Stream.Stream<AgentMessage, CoreError> =>

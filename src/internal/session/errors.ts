@@ -66,6 +66,15 @@ export const shuttingDown = () => new ShuttingDown({ message: "The daemon is shu
 export const internal = (what: string) => (e: { readonly message: string }) => new CoreInternal({ message: `${what}: ${e.message}` })
 
 /**
+ * A session's files that could not be read now (a descriptor short, a file gone or damaged
+ * under a live session), as `storage_unavailable`: the daemon works, this session's storage
+ * does not; the message names the file and the error. Not `internal`, which says the daemon is
+ * at fault.
+ */
+export const unreadable = (what: string) => (e: { readonly message: string }) =>
+  new StorageUnavailable({ message: `${what} could not be read: ${e.message}` })
+
+/**
  * A failure to write a session's meta: `NameTaken` when a store shared by several daemons (a
  * cluster's runners) found the name held by a session this daemon does not have; else `internal`.
  */
