@@ -97,6 +97,22 @@
  * us (bare node loop 117); latency p50 26 ms, p99 105 ms (max 244), against the durable paced
  * relay's p50 2 ms, p99 40 ms and the plain one's p99 3 ms; RSS 48.9 MB per worker, daemon 201
  * MB. Even the relay that only fdatasyncs each session's line misses a 20 ms p99 here.
+ * Session 19. The 200 prompts, sent together on one connection, took effect one after another,
+ * each after its journal record and busy status were fsynced: the last was answered after 12.8 s,
+ * so the turns were staggered over that time and never all ran at once. A command now takes
+ * effect at its session's step (DaemonServer, `CommandProgress`): all 200 answered after 4-7 s,
+ * the turns took 7.6 s instead of 16.0 (same run, the build before as baseline). With all 200
+ * streaming together the machine is saturated (workers 130-160% of a core) and latency is
+ * what it costs: p50 660-890 ms, p99 2.5-4.7 s (the staggered run: 26 ms, 177 ms); the daemon
+ * 47-68 us per event (332 staggered: its group commits now carry ~40 events). A timer in the
+ * daemon around the log's append (write and fdatasync): p50 134 ms, p99 2.6 s, about 800 appends
+ * in the run. Each worker is alone in an autogroup (its own session, `detached`), and Linux
+ * shares the CPU between autogroups first: 200 busy workers left the daemon's group, with its
+ * fsync threads, a 200th of it. AGENTD_WORKER_NICE=19 (AGENTD_BENCH_WORKER_NICE here) lowers the
+ * workers' autogroups: the 200 prompts answered after 0.41-0.53 s, appends p50 51 ms, latency
+ * p50 179-759 ms, p99 0.8-1.5 s (2 runs, load 28-37); niceness 10 was not enough (200 x weight
+ * 110 against the daemon's 1024). It stays off by default: a worker's tools (a build the agent
+ * runs) would yield to every other process of the machine.
  */
 import { type ChildProcess, spawn } from "node:child_process"
 import * as fs from "node:fs"
