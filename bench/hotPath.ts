@@ -105,6 +105,13 @@
  * 13-18x. Tried for the first turn and not kept: `--no-lazy-feedback-allocation` on the daemon
  * (15.5-18.5 us against 16.5-17, 2 runs each). The first turn stays CPU-bound in the daemon,
  * its extra spread thin over the path (not GC, not page faults: ~9,000 minor faults, ~10 ms).
+ *
+ * Session 19 (quiet machine, load 0.5-2, 3 runs each alternating): tried and not kept, small
+ * integers for the "unbounded" line limits and the warm-up's checkpoint thresholds instead of
+ * `Number.MAX_SAFE_INTEGER` (a double where the other instances hold Smis; `--trace-deopt` shows
+ * 9 "not a Smi" and 25 "wrong map" deoptimizations in a run): first turn's daemon CPU 19.0-21.0
+ * us per event against 18.5-20.5, no change. Today's main: first turn 0.35-0.49x, warm
+ * 0.85-1.09x (relay 122-142k events/s), daemon 7.3-8.7 us per warm event.
  */
 import { type ChildProcess, spawn } from "node:child_process"
 import * as fs from "node:fs"

@@ -75,7 +75,7 @@ export interface RecoveryJournalService {
   readonly latest: () => Effect.Effect<ReadonlyMap<string, JournalRecord>>
   /** The latest record of one session. */
   readonly get: (activeSessionId: string) => Effect.Effect<Option.Option<JournalRecord>>
-  /** Rewrites the file to one line per session (temp file, fsync, rename, fsync dir). */
+  /** Rewrites the file to one line per session (temp file, fsync, rename, fsync dir), unless it has that already. */
   readonly compact: () => Effect.Effect<void, RecoveryJournalError>
   /**
    * Drops a session (killed or archived) from the journal. The file is compacted at once so that

@@ -384,6 +384,19 @@ describe("RecoveryJournal (file)", () => {
       }))
       const lines = (yield* fileLines(path)).map((line) => Either.getOrThrow(decodeLine(line)))
       assert.deepStrictEqual(lines.map((r) => [r.activeSessionId, r.operation]), [["a", "idle-4"], ["b", "prompt"]])
+      // Compact already: the next close (and compact()) leaves the file as it is, same inode.
+      const inode = (yield* Effect.promise(() => fsp.stat(path))).ino
+      const sameFile = Effect.gen(function*() {
+        assert.strictEqual((yield* Effect.promise(() => fsp.stat(path))).ino, inode)
+        assert.strictEqual((yield* fileLines(path)).length, 2)
+      })
+      // (Checked after each one: two rewrites in a row may give the file its old inode number back.)
+      yield* Effect.scoped(Effect.gen(function*() {
+        const journal = yield* openAt(path, { compactDelayMs: 200 })
+        yield* journal.compact()
+        yield* sameFile
+      }))
+      yield* sameFile
     }))
 
   it("shouldCompact: more lines than sessions, and every session idle or the busy bound reached (table)", () => {

@@ -178,7 +178,8 @@ export const makeService = (
     })
 
     const compact = Effect.fn("RecoveryJournal.compact")(function*() {
-      yield* serialized(compactLocked)
+      // One line per session already (a torn or stale line counts as a line): nothing to rewrite.
+      yield* serialized(Effect.flatMap(Ref.get(state), (s) => s.lines > s.latest.size ? compactLocked : Effect.void))
     })
 
     const forget = Effect.fn("RecoveryJournal.forget")(function*(activeSessionId: string) {
