@@ -549,8 +549,15 @@ describe("agentd CLI across daemon restarts", () => {
     try {
       await first.sigkill()
       const second = await useDaemon({ stateDir: first.stateDir, env: { AGENTD_RETAIN_GENERATIONS: "1", AGENTD_CHECKPOINT_EVENTS: "1" } })
+      // The cut turn ended first: this test is about the paused command. (A `prompt` sent while the
+      // session was still recovering ran its turn, yet the command never saw the turn's end, twice
+      // in CI under load, never here: a race of DaemonClient.promptTurn with a restore, open.)
+      const probe = await second.connect("probe")
+      await until("the cut turn's end", async () => {
+        const s = await probe.ok({ type: "get_state", activeSessionId: id })
+        return s["busy"] === false && s["worker"] === "ready"
+      }, 30_000)
       for (const text of ["one", "two"]) {
-        // Seen once in CI: "one" not answered within 40 s. What the session and the daemon said then.
         const r = await runCli(["prompt", id, text, "--socket", second.socketPath]).catch(async (e: Error) => {
           const state = await runCli(["state", id, "--json", "--socket", second.socketPath], { timeoutMs: 5_000 }).catch((s: Error) => s)
           throw new Error(`${e.message}\nstate: ${"stdout" in state ? state.stdout : state.message}\n${second.output}`)
