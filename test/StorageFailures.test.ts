@@ -11,12 +11,13 @@ import * as Context from "effect/Context"
 import * as Effect from "effect/Effect"
 import * as Either from "effect/Either"
 import * as Option from "effect/Option"
+import type * as Scope from "effect/Scope"
 import * as Stream from "effect/Stream"
 import { EventLog, EventLogError } from "../src/EventLog.js"
 import * as RecoveryJournal from "../src/RecoveryJournal.js"
 import { SessionManager } from "../src/SessionManager.js"
 import { describeMsg } from "./chaos/streamCheck.js"
-import { makeStored, MemoryConnection, type StoredContext, waitFor, withCore } from "./support/core.js"
+import { makeStored, MemoryConnection, type SpawnControl, type StoredContext, waitFor, withCore } from "./support/core.js"
 
 type Line = Record<string, any>
 type Manager = SessionManager["Type"]
@@ -80,17 +81,32 @@ const open = (sm: Manager) =>
     return { id: created.activeSessionId, conn }
   })
 
+/** The core over storage that fails while `faults` say so, with one session ready and connection `c1` attached from its start. */
+const withOpenSession = <A, E>(
+  body: (t: { readonly sm: Manager; readonly conn: MemoryConnection; readonly id: string; readonly faults: Faults; readonly ctl: SpawnControl }) => Effect.Effect<
+    A,
+    E,
+    SessionManager | RecoveryJournal.RecoveryJournal | Scope.Scope
+  >
+) =>
+  Effect.gen(function*() {
+    const faults: Faults = { log: false, journal: false }
+    const stored = faulty(yield* makeStored, faults)
+    return yield* withCore({}, (ctl) =>
+      Effect.gen(function*() {
+        const sm = yield* SessionManager
+        const { conn, id } = yield* open(sm)
+        return yield* body({ sm, conn, id, faults, ctl })
+      }), stored)
+  })
+
 const codeOf = <A>(outcome: Either.Either<A, { readonly code: string }>) => Either.isLeft(outcome) ? outcome.left.code : "accepted"
 
 describe("storage failures (in-process)", () => {
   it.scopedLive("a journal that cannot be written: the prompt is refused storage_unavailable, nothing is published, status says so; the next write clears it", () =>
     Effect.gen(function*() {
-      const faults: Faults = { log: false, journal: false }
-      const stored = faulty(yield* makeStored, faults)
-      yield* withCore({}, () =>
+      yield* withOpenSession(({ sm, conn, id, faults }) =>
         Effect.gen(function*() {
-          const sm = yield* SessionManager
-          const { conn, id } = yield* open(sm)
           const before = seq(conn).length
           faults.journal = true
           const refused = yield* Effect.either(prompt(sm, id, "hello"))
@@ -112,17 +128,13 @@ describe("storage failures (in-process)", () => {
           yield* waitFor("idle", () => statuses(seq(conn)).at(-1) === "ready/idle")
           const record = yield* journal.get(id)
           assert.isTrue(Option.isSome(record) && record.value.busy === false)
-        }), stored)
+        }))
     }))
 
   it.scopedLive("a log that fails mid-turn: the turn stalls busy (get_state as the stream), prompts are refused; once the log works: turn_interrupted {storage_failed}, idle, a worker restores it, turns go on", () =>
     Effect.gen(function*() {
-      const faults: Faults = { log: false, journal: false }
-      const stored = faulty(yield* makeStored, faults)
-      yield* withCore({}, (ctl) =>
+      yield* withOpenSession(({ sm, conn, id, faults, ctl }) =>
         Effect.gen(function*() {
-          const sm = yield* SessionManager
-          const { conn, id } = yield* open(sm)
           ctl.holdGate.close()
           assert.deepStrictEqual(yield* prompt(sm, id, "/hold"), { accepted: true })
           yield* waitFor("the user message", () => eventTypes(seq(conn)).includes("message_end"))
@@ -154,17 +166,13 @@ describe("storage failures (in-process)", () => {
           yield* waitFor("idle", () => statuses(seq(conn)).at(-1) === "ready/idle")
           const record = yield* journal.get(id)
           assert.isTrue(Option.isSome(record) && record.value.busy === false)
-        }), stored)
+        }))
     }), { timeout: 30_000 })
 
   it.scopedLive("a checkpoint whose generation start is reported failed but happened: the session moves with the log; later checkpoints and a restored worker see every message", () =>
     Effect.gen(function*() {
-      const faults: Faults = { log: false, journal: false }
-      const stored = faulty(yield* makeStored, faults)
-      yield* withCore({}, (ctl) =>
+      yield* withOpenSession(({ sm, conn, id, faults, ctl }) =>
         Effect.gen(function*() {
-          const sm = yield* SessionManager
-          const { conn, id } = yield* open(sm)
           const turn = (message: string, ends: number) =>
             Effect.gen(function*() {
               assert.deepStrictEqual(yield* prompt(sm, id, message), { accepted: true })
@@ -192,7 +200,7 @@ describe("storage failures (in-process)", () => {
           const after = (yield* sm.getMessages({ type: "get_messages", activeSessionId: id, limit: 100 } as any)).messages
           // The compaction counts what the restored worker held, with the /compact message itself.
           assert.strictEqual(`${after.at(-1)?.role}:${after.at(-1)?.content}`, `assistant:compacted ${logged + 1} messages`, JSON.stringify(after))
-        }), stored)
+        }))
     }), { timeout: 30_000 })
 
   it.scopedLive("a restart while the owed end cannot be logged: the journal still says busy, the turn ends daemon_restarted, once", () =>
@@ -234,12 +242,8 @@ describe("storage failures (in-process)", () => {
 
   it.scopedLive("a log that cannot be read: attach from a cursor and get_messages answer storage_unavailable naming the file, not internal; once it reads, both work", () =>
     Effect.gen(function*() {
-      const faults: Faults = { log: false, journal: false }
-      const stored = faulty(yield* makeStored, faults)
-      yield* withCore({}, () =>
+      yield* withOpenSession(({ sm, conn, id, faults }) =>
         Effect.gen(function*() {
-          const sm = yield* SessionManager
-          const { conn, id } = yield* open(sm)
           assert.deepStrictEqual(yield* prompt(sm, id, "hello"), { accepted: true })
           yield* waitFor("idle after the turn", () => eventTypes(seq(conn)).includes("agent_end") && statuses(seq(conn)).at(-1) === "ready/idle")
           const from = seq(conn)[1]!["meta"]["cursor"]
@@ -259,6 +263,6 @@ describe("storage failures (in-process)", () => {
           yield* Effect.forkScoped(attached.deliver)
           yield* waitFor("the events after the cursor", () => eventTypes(seq(other)).includes("agent_end"))
           assert.isAbove((yield* sm.getMessages({ type: "get_messages", activeSessionId: id } as any)).messages.length, 0)
-        }), stored)
+        }))
     }))
 })

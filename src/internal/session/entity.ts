@@ -527,20 +527,22 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
 
   /** One input of the mailbox, as `step` names it. */
   const take = (s: Session, input: Input): Effect.Effect<void> => {
+    /** A command's `taken`, completed once `step` has taken it (see `run`). */
+    const stepped = "progress" in input ? input.progress?.taken : undefined
     switch (input._tag) {
       case "Prompt":
         s.lastUsed = Date.now()
-        return run(s, { _tag: "Prompt", req: request(s, input.reply), message: input.message, promptId: input.promptId }, undefined, input.progress?.taken)
+        return run(s, { _tag: "Prompt", req: request(s, input.reply), message: input.message, promptId: input.promptId }, undefined, stepped)
       case "Abort":
-        return run(s, { _tag: "Abort", req: request(s, input.reply) }, undefined, input.progress?.taken)
+        return run(s, { _tag: "Abort", req: request(s, input.reply) }, undefined, stepped)
       case "Checkpoint":
-        return run(s, { _tag: "Checkpoint", req: request(s, input.reply) }, undefined, input.progress?.taken)
+        return run(s, { _tag: "Checkpoint", req: request(s, input.reply) }, undefined, stepped)
       case "Retry":
-        return run(s, { _tag: "Retry", req: request(s, input.reply) }, undefined, input.progress?.taken)
+        return run(s, { _tag: "Retry", req: request(s, input.reply) }, undefined, stepped)
       case "Kill":
-        return run(s, { _tag: "Kill", req: request(s, input.reply) }, undefined, input.progress?.taken)
+        return run(s, { _tag: "Kill", req: request(s, input.reply) }, undefined, stepped)
       case "Rename":
-        return run(s, { _tag: "Rename", req: request(s, input.reply), name: input.name }, undefined, input.progress?.taken)
+        return run(s, { _tag: "Rename", req: request(s, input.reply), name: input.name }, undefined, stepped)
       case "Passivate":
         return run(s, { _tag: "Passivate" })
       case "SetEnv":
