@@ -36,6 +36,7 @@ import * as Schema from "effect/Schema"
 import type * as Scope from "effect/Scope"
 import * as Stream from "effect/Stream"
 import * as Take from "effect/Take"
+import { randomUUID } from "node:crypto"
 import * as net from "node:net"
 import * as Cursor from "./Cursor.js"
 import * as Remote from "./internal/remote.js"
@@ -259,8 +260,17 @@ export interface DaemonClientService {
    */
   readonly attach: (activeSessionId: string, options?: AttachOptions) => Effect.Effect<Protocol.DaemonAttachResult, RequestError>
   readonly detach: (activeSessionId: string) => Effect.Effect<void, RequestError>
-  /** Sends a prompt; answered once its turn starts. The turn's events go to attached connections. */
-  readonly prompt: (activeSessionId: string, message: string) => Effect.Effect<Protocol.PromptResult, RequestError>
+  /**
+   * Sends a prompt; answered once its turn starts. The turn's events go to attached connections.
+   * `promptId` (1-128 characters) tags it: the `session_status` that starts its turn carries the
+   * id, and the same prompt sent again with it (say after a lost connection) runs no second turn
+   * once its turn started.
+   */
+  readonly prompt: (
+    activeSessionId: string,
+    message: string,
+    options?: { readonly promptId?: string }
+  ) => Effect.Effect<Protocol.PromptResult, RequestError>
   /** Aborts the running turn; answered once it has ended. */
   readonly abort: (activeSessionId: string) => Effect.Effect<Protocol.AbortResult, RequestError>
   readonly getState: (activeSessionId: string) => Effect.Effect<Protocol.SessionSummary, RequestError>
@@ -300,9 +310,9 @@ export interface DaemonClientService {
    * reads them gets a `resync` snapshot instead: the stream then ends once the session is
    * idle, without the events it never received (the transcript holds the turn's messages).
    *
-   * The turn followed is the first one to start after the prompt was sent; if another client
-   * of the same session runs a whole turn between this client's state query and its prompt,
-   * that turn would be taken for this one (the protocol does not tag a turn with its prompt).
+   * The turn followed is the prompt's own: the prompt goes with a `promptId` of its own, and the
+   * turn is the one whose starting `session_status` carries it (not a turn of another client, nor
+   * a turn cut by a restart that was still ending when the prompt was sent).
    */
   readonly promptTurn: (activeSessionId: string, message: string) => Stream.Stream<Protocol.SessionEvent, TurnError>
 }
@@ -542,7 +552,7 @@ export const make = (options: DaemonClientOptions = {}): Effect.Effect<DaemonCli
       status: () => request({ type: "status" }),
       attach: (activeSessionId, options = {}) => request({ ...options, type: "attach", activeSessionId }),
       detach: (activeSessionId) => Effect.asVoid(request({ type: "detach", activeSessionId })),
-      prompt: (activeSessionId, message) => request({ type: "prompt", activeSessionId, message }),
+      prompt: (activeSessionId, message, options = {}) => request({ ...options, type: "prompt", activeSessionId, message }),
       abort: (activeSessionId) => request({ type: "abort", activeSessionId }),
       getState: (activeSessionId) => request({ type: "get_state", activeSessionId }),
       getMessages: (activeSessionId, options = {}) => request({ ...options, type: "get_messages", activeSessionId }),
@@ -556,12 +566,12 @@ export const make = (options: DaemonClientOptions = {}): Effect.Effect<DaemonCli
       promptTurn: (activeSessionId, message) =>
         Stream.unwrapScoped(Effect.gen(function*() {
           // Refused before anything is sent (no attach for a prompt that cannot go).
-          const command: Protocol.Command = { type: "prompt", activeSessionId, message }
+          const promptId = randomUUID()
+          const command: Protocol.Command = { type: "prompt", activeSessionId, message, promptId }
           const error = tooLarge(command, Buffer.byteLength(Protocol.encodeCommand(`r${nextId + 1}`, command, greeting.clientId), "utf8") - 1)
           if (error !== undefined) return yield* error
           const pushes = yield* subscribe
-          // The session as it is before the prompt: the turn is after its last event, and after
-          // the end of a turn that is running now (then the prompt waits for it or is refused).
+          // The session as it is before the prompt: the turn is after its last event.
           const before = yield* service.getState(activeSessionId)
           if (!attached.has(activeSessionId)) {
             yield* service.attach(activeSessionId, {
@@ -569,8 +579,8 @@ export const make = (options: DaemonClientOptions = {}): Effect.Effect<DaemonCli
               ...(before.lastEventCursor === undefined ? {} : { resumeCursor: before.lastEventCursor })
             })
           }
-          yield* service.prompt(activeSessionId, message)
-          return turnOf(pushes, activeSessionId, before, socketPath, service.getState(activeSessionId))
+          yield* service.prompt(activeSessionId, message, { promptId })
+          return turnOf(pushes, activeSessionId, promptId, before, socketPath, service.getState(activeSessionId))
         }))
     }
     return service
@@ -796,21 +806,22 @@ const decodeAnswer = (type: Protocol.CommandType, raw: unknown): Effect.Effect<u
 }
 
 /**
- * The events of the turn that starts after `before` (the session's state before the prompt):
- * sequenced messages of the session with a cursor after its last event then, each once (a
- * resync or a replay after a pause may send some again); when a turn was running then, from
- * after that turn's idle status.
+ * The events of prompt `promptId`'s turn: the session's events after the `session_status` that
+ * starts it (which carries that id), each once (a resync or a replay after a pause may send some
+ * again), looked for after `before` (the session's state before the prompt was sent).
  */
 const turnOf = (
   pushes: Stream.Stream<Protocol.PushMessage, DaemonDisconnected>,
   activeSessionId: string,
+  promptId: string,
   before: Protocol.SessionSummary,
   socketPath: string,
   stateNow: Effect.Effect<Protocol.SessionSummary, RequestError>
 ): Stream.Stream<Protocol.SessionEvent, TurnError> =>
   Stream.suspend(() => {
     let last = before.lastEventCursor
-    let previousTurnRunning = before.busy
+    /** Whether the status that starts the prompt's turn was seen (or skipped in a snapshot). */
+    let started = false
     let ended = false
     /** The turn ended failed: its `agent_end` is emitted, then the stream fails with this. */
     let failure: TurnFailed | undefined
@@ -825,10 +836,9 @@ const turnOf = (
         if (last !== undefined && !Cursor.isAfter(cursor, last)) return false
         last = cursor
         if ((yield* stateNow).busy) {
-          // The prompt was accepted before this stream runs, so its turn has started: the turn
-          // running now is this one (the end of one before it, and its idle status, may be
-          // inside the snapshot; waiting for that status would skip this turn whole).
-          previousTurnRunning = false
+          // The prompt was accepted before this stream runs, so its turn has started (its status
+          // may be inside the snapshot): the turn running now is this one.
+          started = true
           return false
         }
         ended = true
@@ -855,8 +865,8 @@ const turnOf = (
           })
         )
       }
-      if (previousTurnRunning) {
-        if (message.type === "session_status" && !message.state.busy) previousTurnRunning = false
+      if (!started) {
+        if (message.type === "session_status" && message.promptId === promptId) started = true
         return Effect.succeedNone
       }
       if (message.type !== "session_event") return Effect.succeedNone

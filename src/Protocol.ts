@@ -202,7 +202,12 @@ export const Attach = Tagged("attach", {
   recoveryConfig: optional(Json)
 })
 export const Detach = Tagged("detach", SessionRef)
-export const Prompt = Tagged("prompt", { ...SessionRef, message: Schema.String })
+/**
+ * A client's id for a prompt (docs/protocol.md section 9): the status that starts its turn
+ * carries it, and a prompt sent again with an id whose turn started runs no second turn.
+ */
+export const PromptId = Schema.String.pipe(Schema.minLength(1), Schema.maxLength(128))
+export const Prompt = Tagged("prompt", { ...SessionRef, message: Schema.String, promptId: optional(PromptId) })
 export const Abort = Tagged("abort", SessionRef)
 export const GetState = Tagged("get_state", SessionRef)
 export const GetMessages = Tagged("get_messages", {
@@ -343,7 +348,7 @@ export const SessionEvent = Tagged("session_event", {
 export const SessionStatus = Tagged("session_status", {
   activeSessionId: Schema.String,
   state: SessionSummary,
-  /** Cluster mode only: on the status that starts the turn of a prompt one runner forwarded to the owner, that prompt's id. */
+  /** On the status that starts a prompt's turn: the prompt's `promptId` (the client's, or a cluster runner's for a forwarded prompt). */
   promptId: optional(Schema.String),
   meta: EventMeta
 })

@@ -150,9 +150,11 @@ export class SessionManager extends Context.Tag("agentd/SessionManager")<Session
   /** How many sessions a connection is attached to. */
   readonly attachedCount: (connectionId: string) => number
   /**
-   * `promptId`: a prompt forwarded by a cluster runner, which may send it again (docs/cluster.md
-   * section 3): once a turn of it started, here or on the session's previous owner (its first
-   * status, logged, carries the id), it is answered `accepted` again and starts no other turn.
+   * `promptId` (default: the command's own): the client's id for the prompt, or a cluster
+   * runner's for one it forwarded and may send again (docs/cluster.md section 3). The status that
+   * starts its turn carries it; once a turn of it started, here or on the session's previous
+   * owner (that status, logged, carries the id), it is answered `accepted` again and starts no
+   * other turn.
    */
   readonly prompt: (cmd: CommandOf<"prompt">, promptId?: string) => Effect.Effect<{ accepted: true }, CommandError>
   readonly abort: (cmd: CommandOf<"abort">) => Effect.Effect<{ aborted: boolean }, CommandError>
@@ -723,7 +725,7 @@ export const make = Effect.gen(function*() {
         for (const a of [...(connections.get(connectionId)?.values() ?? [])]) detachAttachment(a)
       }),
     attachedCount: (connectionId) => connections.get(connectionId)?.size ?? 0,
-    prompt: (cmd, promptId) =>
+    prompt: (cmd, promptId = cmd.promptId) =>
       route(cmd.activeSessionId, (s) =>
         promptId !== undefined && s.startedPrompts.includes(promptId)
           ? Effect.succeed({ accepted: true as const })

@@ -95,6 +95,16 @@ const answeringDaemon = (answer: (envelope: Record<string, unknown>, socket: net
     })()
   })
 
+/** A fake's answer to `attach` of session `s-1` from its event 4 (nothing replayed). */
+const ATTACHED_AT_4 = {
+  protocol: { name: "agentd", version: 1 },
+  activeSessionId: "s-1",
+  snapshot: { snapshotId: "s-1~g1", messageCount: 0, messages: [] },
+  replay: { status: "complete", eventCount: 0 },
+  lastEventSequence: 4,
+  client: { id: "c-fake", capabilities: ["event_sequence", "slim_attach"] }
+}
+
 const failureOf = <A, E>(exit: Exit.Exit<A, E>): E => {
   if (Exit.isSuccess(exit)) assert.fail(`expected a failure, got ${JSON.stringify(exit.value)}`)
   const failure = exit.cause._tag === "Fail" ? exit.cause.error : undefined
@@ -317,18 +327,11 @@ describe("DaemonClient: responses and messages", () => {
         const type = (envelope["command"] as { type: string }).type
         const ok = (data: unknown) => socket.write(line({ type: "response", id, command: type, success: true, data }))
         if (type === "get_state") return ok(summary(false, states++ === 0 ? 4 : 12))
-        if (type === "attach") {
-          return ok({
-            protocol: { name: "agentd", version: 1 },
-            activeSessionId: "s-1",
-            snapshot: { snapshotId: "s-1~g1", messageCount: 0, messages: [] },
-            replay: { status: "complete", eventCount: 0 },
-            lastEventSequence: 4,
-            client: { id: "c-fake", capabilities: ["event_sequence", "slim_attach"] }
-          })
-        }
+        if (type === "attach") return ok(ATTACHED_AT_4)
         ok({ accepted: true })
         // The turn starts; then the connection falls behind and its events are pruned: a resync.
+        const promptId = (envelope["command"] as { promptId: string }).promptId
+        socket.write(line({ type: "session_status", activeSessionId: "s-1", state: summary(true, 5), promptId, meta: { cursor: { generation: 1, sequence: 5 }, emittedAt: 1 } }))
         socket.write(push(6, { type: "agent_start" }))
         socket.write(push(7, { type: "turn_start" }))
         const frame = { activeSessionId: "s-1", snapshotId: "s-1~g2" }
@@ -340,6 +343,58 @@ describe("DaemonClient: responses and messages", () => {
       const turn = yield* Stream.runCollect(client.promptTurn("s-1", "hello")).pipe(Effect.timeout("5 seconds"))
       assert.deepStrictEqual([...turn].map((m) => m.event.type), ["agent_start", "turn_start"])
       assert.strictEqual(states, 2, "the state was asked again after the resync")
+    }))
+
+  it.scopedLive("promptTurn follows its own prompt's turn: not a restore's cut turn still ending, nor another client's turn", () =>
+    Effect.gen(function*() {
+      const summary = (busy: boolean, sequence: number, worker = "ready") => ({
+        activeSessionId: "s-1",
+        engine: "echo",
+        createdAt: "2026-01-01T00:00:00.000Z",
+        messageCount: 2,
+        busy,
+        worker,
+        restarts: 0,
+        telemetry: false,
+        lastEventCursor: { generation: 1, sequence }
+      })
+      const meta = (sequence: number) => ({ cursor: { generation: 1, sequence }, emittedAt: 1 })
+      const push = (sequence: number, ev: unknown) => line({ type: "session_event", activeSessionId: "s-1", event: ev, meta: meta(sequence) })
+      const status = (sequence: number, busy: boolean, promptId?: string) =>
+        line({ type: "session_status", activeSessionId: "s-1", state: summary(busy, sequence), ...(promptId === undefined ? {} : { promptId }), meta: meta(sequence) })
+      const prompts: Array<Record<string, unknown>> = []
+      const socketPath = yield* answeringDaemon((envelope, socket) => {
+        const id = envelope["id"]
+        const command = envelope["command"] as { type: string; promptId?: string }
+        const ok = (data: unknown) => socket.write(line({ type: "response", id, command: command.type, success: true, data }))
+        // A session loaded at the daemon's start with a cut turn: idle until its restore is stepped.
+        if (command.type === "get_state") return ok(summary(false, 4, "passivated"))
+        if (command.type === "attach") return ok(ATTACHED_AT_4)
+        prompts.push(command)
+        // The restore ends the cut turn, then another client's tagged turn runs whole, then this prompt's.
+        socket.write(status(5, true))
+        socket.write(push(6, { type: "turn_interrupted", reason: "daemon_restarted" }))
+        socket.write(status(7, false))
+        socket.write(status(8, true, "someone-else"))
+        socket.write(push(9, { type: "agent_start" }))
+        socket.write(push(10, { type: "message_update", messageId: "m-other", delta: "not mine" }))
+        socket.write(push(11, { type: "agent_end" }))
+        socket.write(status(12, false))
+        ok({ accepted: true })
+        socket.write(status(13, true, command.promptId))
+        socket.write(push(14, { type: "agent_start" }))
+        socket.write(push(15, { type: "message_update", messageId: "m-mine", delta: "mine" }))
+        socket.write(push(15, { type: "message_update", messageId: "m-mine", delta: "mine" })) // sent again: dropped
+        socket.write(push(16, { type: "agent_end" }))
+      })
+      const client = yield* DaemonClient.make({ socketPath })
+      const turn = yield* Stream.runCollect(client.promptTurn("s-1", "hello")).pipe(Effect.timeout("5 seconds"))
+      assert.deepStrictEqual([...turn].map((m) => m.meta.cursor.sequence), [14, 15, 16])
+      assert.strictEqual(prompts.length, 1)
+      assert.match(String(prompts[0]!["promptId"]), /^[0-9a-f-]{36}$/, "each prompt goes with a UUID of its own")
+      // A second promptTurn tags its prompt with another id.
+      yield* Stream.runDrain(client.promptTurn("s-1", "again")).pipe(Effect.timeout("5 seconds"))
+      assert.notStrictEqual(prompts[1]!["promptId"], prompts[0]!["promptId"])
     }))
 
   it.scopedLive("a daemon that goes away fails what waits with DaemonDisconnected; later commands fail at once", () =>

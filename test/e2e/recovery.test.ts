@@ -271,6 +271,57 @@ describe("daemon crash", () => {
     expect(workerPids.filter(isAlive), "old workers must stay dead").toEqual([])
   }, 60_000)
 
+  it("a tagged prompt: its turn's status carries its promptId; sent again, before and after a SIGKILL restart, it runs no second turn", async () => {
+    const d1 = await useDaemon()
+    const a = await d1.connect("a")
+    const { id } = await createSession(a)
+    await attach(a, { activeSessionId: id })
+    const promptId = "client-prompt-1"
+    await a.ok({ type: "prompt", activeSessionId: id, message: "tagged", promptId })
+    const turn = await collectTurn(a, id)
+    // The worker's start shows as busy statuses too; the one right before the turn's first event carries the id.
+    const tagged = turn.filter((m) => m["promptId"] !== undefined)
+    expect(tagged.length).toBe(1)
+    expect(tagged[0]!["state"]["busy"]).toBe(true)
+    expect(turn.indexOf(tagged[0]!)).toBe(turn.findIndex(isEvent("agent_start")) - 1)
+    expect(tagged[0]!["promptId"]).toBe(promptId)
+    // Sent again: accepted, no turn (the session stays idle, its transcript as it was).
+    const count = (await a.ok({ type: "get_state", activeSessionId: id }))["messageCount"] as number
+    const last = cursorOf(a.sequenced(id).pop()!)
+    expect(await a.ok({ type: "prompt", activeSessionId: id, message: "tagged", promptId })).toEqual({ accepted: true })
+    // An untagged prompt after it runs (and shows the resend started nothing in between).
+    await a.ok({ type: "prompt", activeSessionId: id, message: "untagged" })
+    const second = await collectTurn(a, id)
+    expect(cursorGap(second, last)).toBeUndefined()
+    expect(second.filter((m) => m["promptId"] !== undefined)).toEqual([])
+    expect(second.filter(isEvent("agent_end")).length).toBe(1)
+    expect((await a.ok({ type: "get_state", activeSessionId: id }))["messageCount"]).toBe(count + 2)
+
+    // After a SIGKILL and a restart, the id is known from the session's log.
+    await d1.sigkill()
+    const d2 = await useDaemon({ stateDir: d1.stateDir })
+    const c = await d2.connect("c")
+    expect(await c.ok({ type: "prompt", activeSessionId: id, message: "tagged", promptId })).toEqual({ accepted: true })
+    await sleep(300)
+    // No turn, not even a worker started for it.
+    const after = await c.ok({ type: "get_state", activeSessionId: id })
+    expect(after).toMatchObject({ busy: false, worker: "passivated", messageCount: count + 2 })
+    // A new id runs.
+    await attach(c, { activeSessionId: id, resumeCursor: after["lastEventCursor"] })
+    await c.ok({ type: "prompt", activeSessionId: id, message: "fresh", promptId: "client-prompt-2" })
+    const third = await collectTurn(c, id, 20_000)
+    expect(third.filter((m) => m["promptId"] !== undefined).map((m) => m["promptId"])).toEqual(["client-prompt-2"])
+    // Ids are 1-128 characters: refused with the request's id, nothing started.
+    for (const bad of ["", "x".repeat(129), 7]) {
+      const r = await c.request({ type: "prompt", activeSessionId: id, message: "bad id", promptId: bad })
+      expect(r["success"], JSON.stringify(r)).toBe(false)
+      expect(r["error"]["code"]).toBe("invalid_command")
+      expect(r["error"]["message"]).toContain("promptId")
+      expect(r["id"]).toMatch(/^prompt-/)
+    }
+    expect((await waitIdle(c, id))["messageCount"]).toBe(count + 4)
+  }, 60_000)
+
   it("SIGKILL of the daemon mid-stream: every event a client saw is durable (resume is complete, never cursor_ahead) and identical after restart", async () => {
     const d1 = await useDaemon()
     const a = await d1.connect("a")

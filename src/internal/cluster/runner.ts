@@ -189,7 +189,8 @@ const entityLayer = (self: string) =>
             return Effect.map(local.create(command as CommandOf<"create">, id), (r) => ({ ...r, state: withRunner(r.state) }))
           case "prompt":
             // The id goes with the turn's first status into the log: the next owner knows it too.
-            return Effect.tap(local.prompt(command as CommandOf<"prompt">, commandId), () => replyDelay)
+            // The client's own id, when it gave one, is the one its turn's status must carry.
+            return Effect.tap(local.prompt(command as CommandOf<"prompt">, command.promptId ?? commandId), () => replyDelay)
           case "abort":
             return local.abort(command as CommandOf<"abort">)
           case "get_state":
