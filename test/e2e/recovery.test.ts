@@ -7,7 +7,10 @@
  */
 import * as fs from "node:fs"
 import * as path from "node:path"
+import * as Effect from "effect/Effect"
+import * as Stream from "effect/Stream"
 import { describe, expect, it } from "vitest"
+import { DaemonClient } from "../../src/client.js"
 import {
   cleanUpAfterTests,
   collectTurn,
@@ -321,6 +324,38 @@ describe("daemon crash", () => {
     }
     expect((await waitIdle(c, id))["messageCount"]).toBe(count + 4)
   }, 60_000)
+
+  it("the SDK's promptTurn sent at random moments of a restore follows its own turn to its end (not the cut turn's end)", async () => {
+    let stateDir: string | undefined
+    let id: string | undefined
+    for (let round = 0; round < 4; round++) {
+      const d = await useDaemon(stateDir === undefined ? {} : { stateDir })
+      stateDir = d.stateDir
+      const a = await d.connect("a")
+      if (id === undefined) id = (await createSession(a)).id
+      const sid = id
+      if (round > 0) {
+        // Right after the restart, while the cut turn is being restored: the SDK's prompt.
+        await sleep(Math.floor(Math.random() * 400))
+        const events = await Effect.runPromise(
+          Effect.scoped(Effect.flatMap(DaemonClient.make({ socketPath: d.socketPath }), (c) => Stream.runCollect(c.promptTurn(sid, `round ${round}`)))).pipe(
+            Effect.timeout("20 seconds")
+          )
+        )
+        const types = [...events].map((m) => m.event.type)
+        expect(types[0], types.join(",")).toBe("agent_start")
+        expect(types.at(-1)).toBe("agent_end")
+        const text = [...events].flatMap((m) => (m.event.type === "message_update" ? [m.event.delta] : [])).join("")
+        expect(text).toContain(`round ${round}`)
+        await waitIdle(a, sid)
+      }
+      // A turn to cut.
+      await attach(a, { activeSessionId: sid, resumeCursor: (await a.ok({ type: "get_state", activeSessionId: sid }))["lastEventCursor"] })
+      await a.ok({ type: "prompt", activeSessionId: sid, message: "/sleep 10000" })
+      await a.waitFor((m) => isEvent("tool_execution_start")(m) && m["activeSessionId"] === sid, 10_000)
+      await d.sigkill()
+    }
+  }, 90_000)
 
   it("SIGKILL of the daemon mid-stream: every event a client saw is durable (resume is complete, never cursor_ahead) and identical after restart", async () => {
     const d1 = await useDaemon()
