@@ -9,6 +9,7 @@ import * as Logger from "effect/Logger"
 import * as LogLevel from "effect/LogLevel"
 import * as fs from "node:fs"
 import * as Daemon from "../Daemon.js"
+import { capYoungGeneration } from "../internal/youngGeneration.js"
 import { describeConfigError } from "../DaemonConfig.js"
 import type { ServeOptions } from "./main.js"
 
@@ -26,6 +27,7 @@ const levels: Record<string, LogLevel.LogLevel> = {
  */
 export const serve = (options: ServeOptions & { readonly workerEntry: string }): void => {
   ioThreads()
+  capYoungGeneration(DAEMON_SEMI_SPACE_MIB)
   holdSecondSignals()
   runDaemon(options)
 }
@@ -54,6 +56,9 @@ const ioThreads = (): void => {
   fs.stat(".", () => {})
   delete process.env["UV_THREADPOOL_SIZE"]
 }
+
+/** The largest semi-space (MiB) the daemon's young generation grows to (see {@link capYoungGeneration}). */
+export const DAEMON_SEMI_SPACE_MIB = 4
 
 /**
  * The runtime below listens for the first SIGINT or SIGTERM only, and starts the graceful stop;
