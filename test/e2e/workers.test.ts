@@ -177,10 +177,37 @@ describe("workers (e2e)", () => {
       const { id } = await createSession(client)
       await client.ok({ type: "kill", activeSessionId: id })
       left.push(daemon.workerProcesses())
-      // The next create takes the spare started meanwhile, still booting.
+      // The next create spawns its worker (a create holds the next spare back for 2 s): still
+      // booting when the kill comes.
       await sleep(100)
     }
     expect(left.every((pids) => pids.length <= 1), `worker processes right after each kill: ${JSON.stringify(left)}`).toBe(true)
+  }, 60_000)
+
+  it("a new session's first turn runs with no spare booting beside it: the next spare starts once the create's hold (2 s) is over", async () => {
+    const daemon = await useDaemon()
+    const client = await daemon.connect()
+    // The daemon's first spare, up and idle.
+    const deadline = Date.now() + 15_000
+    while (daemon.workerProcesses().length < 1) {
+      if (Date.now() > deadline) throw new Error("no spare after 15 s")
+      await sleep(50)
+    }
+    const { id } = await createSession(client)
+    const createdAt = Date.now()
+    await client.ok({ type: "attach", activeSessionId: id, capabilities: ["event_sequence", "slim_attach"] })
+    await client.ok({ type: "prompt", activeSessionId: id, message: "/sleep 800" })
+    const counts: Array<number> = []
+    while (Date.now() - createdAt < 1_500) {
+      counts.push(daemon.workerProcesses().length)
+      await sleep(50)
+    }
+    expect(counts.every((n) => n === 1), `worker processes in the 1.5 s after the create: ${counts.join(",")}`).toBe(true)
+    await collectTurn(client, id)
+    while (daemon.workerProcesses().length < 2) {
+      if (Date.now() - createdAt > 10_000) throw new Error(`no next spare 10 s after the create: ${daemon.workerProcesses().join(",")}`)
+      await sleep(50)
+    }
   }, 60_000)
 
   it("with --max-workers 2 and both workers in turns, a third session's prompt waits for a worker: never more than 2 live, every turn runs", async () => {

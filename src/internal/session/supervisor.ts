@@ -82,11 +82,13 @@ export const makeSupervisor = (core: Core): Supervisor => {
       // killed): a worker left in between would run on, holding its slot. The restore is sent
       // once the entity has the worker (interruptible: a kill, a worker wedged on a full pipe).
       // The pool's next spare starts once the restore is sent (or soon after, whatever happens):
-      // a process booting beside a restore slows it down.
+      // a process booting beside a restore slows it down. A new session's worker defers it as a
+      // turn's start does (for the pool's hold time): its first prompt usually follows at once,
+      // and the next spare booting beside that first turn (~150 ms of CPU) slowed it down.
       const holdSpare = restore === undefined ? undefined : pool.holdSpare
       const acquire = (scope: Scope.Scope) =>
         holdSpare === undefined
-          ? pool.acquire(s.meta.activeSessionId, workerEnv(s))
+          ? Effect.zipRight(pool.deferSpare ?? Effect.void, pool.acquire(s.meta.activeSessionId, workerEnv(s)))
           : Effect.zipRight(Scope.extend(holdSpare, scope), pool.acquire(s.meta.activeSessionId, workerEnv(s)))
       yield* forkIn(
         s,
