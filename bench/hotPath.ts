@@ -112,6 +112,20 @@
  * 9 "not a Smi" and 25 "wrong map" deoptimizations in a run): first turn's daemon CPU 19.0-21.0
  * us per event against 18.5-20.5, no change. Today's main: first turn 0.35-0.49x, warm
  * 0.85-1.09x (relay 122-142k events/s), daemon 7.3-8.7 us per warm event.
+ *
+ * Session 20 (quiet machine, load 0.4-2.5, runs alternating with the build before): the young
+ * generation. `--trace-gc` of turn 1 showed scavenges of 10-30 ms that each freed only a fifth of
+ * the new space (a turn's batches in flight are alive when it runs) and promoted the rest, and
+ * the new space growing to its 16 MiB semi-spaces through the first turn (fresh pages: ~9,000
+ * minor faults). Daemon flag `--max-semi-space-size` (first turn's daemon CPU per event, warm):
+ * default 20-24.5 us, 8-10; 1 MiB 17.5-21, 9-11; 2 MiB 16.5-17; 4 MiB 16-17, 7.7-9.3; 32-64
+ * MiB 23-26.5, 14-15 (warm turns dearer). `agentd serve` now keeps 4 MiB at run time
+ * (src/internal/youngGeneration.ts): first turn 13.5-18.5 us against 19-22.5, minor faults
+ * ~5,500 against ~9,000. And a new session's worker now holds the next spare back as a turn's
+ * start does: it booted beside the first turn (140-180 ms of the other workers' CPU in turn 1,
+ * now 0): first turn 62-65k events/s against 53-64k. Where a first turn stands now: 0.46-0.73x
+ * (the relay moves between 86k and 135k events/s from run to run), the daemon 16-17 us per
+ * event; turn 2 costs about as much as turn 1, turns 3-4 half: V8 still optimizing.
  */
 import { type ChildProcess, spawn } from "node:child_process"
 import * as fs from "node:fs"

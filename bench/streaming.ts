@@ -113,6 +113,15 @@
  * p50 179-759 ms, p99 0.8-1.5 s (2 runs, load 28-37); niceness 10 was not enough (200 x weight
  * 110 against the daemon's 1024). It stays off by default: a worker's tools (a build the agent
  * runs) would yield to every other process of the machine.
+ * Session 20 (load 1.3 at the start, 34 at the end; after the daemon's young generation was
+ * capped at 4 MiB): 200 prompts answered after 6.4 s; daemon 50.9 us per event, 22% of a core;
+ * workers 367 us per event (161% of a core; a bare node loop 183 us per line); daemon and worker
+ * together 418 us per event against the ~200 us that 2 cores have at this rate; latency p50 1.1
+ * s, p99 3.1 s. The durable paced relay, which only appends and fdatasyncs each session's line,
+ * has p99 59 ms in the same run: the 20 ms asked for is under what a log fsynced per session
+ * gives on this disk, and the machine has half the CPU that 200 worker processes woken 50
+ * times a second need. Either needs a change of model: several sessions per worker process,
+ * and one write-ahead sync for the events of every session of a tick.
  */
 import { type ChildProcess, spawn } from "node:child_process"
 import * as fs from "node:fs"
