@@ -138,6 +138,8 @@ describe("agentd CLI against a daemon", () => {
     const s = sock()
     const name = `tty-${randomUUID().slice(0, 6)}`
     const id = (await runCli(["create", "--name", name, ...s])).stdout.trim()
+    // The row shows `ready` once the session's worker is up (a create within 2 s of another starts one of its own).
+    await until(`session ${id} ready`, async () => JSON.parse((await runCli(["state", id, "--json", ...s])).stdout)["worker"] === "ready")
     const table = await onTerminal(["sessions", ...s])
     assert.strictEqual(table.code, 0, table.output)
     const lines = table.output.trimEnd().split("\n")

@@ -308,10 +308,13 @@ describe("the command line's log lines go to stderr", () => {
             // Lines the SDK cannot use: each makes it log a warning.
             socket.write("this line is not JSON\n")
             socket.write(line({ type: "response", id: "nobody-waits", command: "ping", success: true, data: { pong: true } }))
-            socket.write(event(0, { type: "agent_start" }))
-            socket.write(event(1, { type: "message_start", message: { id: "m1", role: "assistant", content: "", timestamp: 1 } }))
-            socket.write(event(2, { type: "message_update", messageId: "m1", delta: "the reply" }))
-            socket.write(event(3, { type: "agent_end" }))
+            // The turn's first status carries the prompt's id (docs/protocol.md section 9).
+            const promptId = envelope["command"]["promptId"] as string
+            socket.write(line({ type: "session_status", activeSessionId: sessionId, state: { ...summary, busy: true }, promptId, meta: { cursor: { generation: 1, sequence: 0 }, emittedAt: 1 } }))
+            socket.write(event(1, { type: "agent_start" }))
+            socket.write(event(2, { type: "message_start", message: { id: "m1", role: "assistant", content: "", timestamp: 1 } }))
+            socket.write(event(3, { type: "message_update", messageId: "m1", delta: "the reply" }))
+            socket.write(event(4, { type: "agent_end" }))
           } else {
             socket.write(line({ type: "response", id: envelope["id"], command: type, success: false, error: { code: "internal", message: "not scripted" } }))
           }

@@ -328,7 +328,7 @@ describe("daemon crash", () => {
   it("the SDK's promptTurn sent at random moments of a restore follows its own turn to its end (not the cut turn's end)", async () => {
     let stateDir: string | undefined
     let id: string | undefined
-    for (let round = 0; round < 4; round++) {
+    for (let round = 0; round < 3; round++) {
       const d = await useDaemon(stateDir === undefined ? {} : { stateDir })
       stateDir = d.stateDir
       const a = await d.connect("a")
