@@ -312,7 +312,9 @@ export interface DaemonClientService {
    *
    * The turn followed is the prompt's own: the prompt goes with a `promptId` of its own, and the
    * turn is the one whose starting `session_status` carries it (not a turn of another client, nor
-   * a turn cut by a restart that was still ending when the prompt was sent).
+   * a turn cut by a restart that was still ending when the prompt was sent). Only a resync that
+   * covers that status falls back to the session's state (see above). Needs a daemon that tags
+   * the status (this package's; docs/protocol.md section 9).
    */
   readonly promptTurn: (activeSessionId: string, message: string) => Stream.Stream<Protocol.SessionEvent, TurnError>
 }

@@ -423,7 +423,7 @@ export const make = Effect.gen(function*() {
             if (body.type === "session_event" && body.event.type === "message_end") from.messageCount++
             if (body.type === "session_status") {
               lastStatusBusy = body.state.busy
-              // A forwarded prompt's turn started here, perhaps on another runner (cluster mode).
+              // A tagged prompt's turn started here (in cluster mode perhaps on another runner).
               if (body.promptId !== undefined) rememberPrompt(from.startedPrompts, body.promptId)
             }
             endsWithTurnEnd = body.type === "session_event" && (body.event.type === "agent_end" || body.event.type === "turn_interrupted")

@@ -122,14 +122,15 @@ export interface Session {
    */
   shown: { busy: boolean; worker: WorkerState }
   /**
-   * The ids of the last forwarded prompts whose turns started (cluster mode), oldest first, at
-   * most {@link STARTED_PROMPTS_KEPT}: read from the log at the session's load, then added by
-   * each turn's start. A prompt sent again with one of them is answered without a second turn.
+   * The ids of the last tagged prompts whose turns started (a client's `promptId`, or a cluster
+   * runner's for a forwarded prompt), oldest first, at most {@link STARTED_PROMPTS_KEPT}: read
+   * from the log at the session's load, then added by each turn's start. A prompt sent again with
+   * one of them is answered without a second turn.
    */
   startedPrompts: Array<string>
 }
 
-/** How many forwarded prompt ids a session remembers (docs/cluster.md section 3). */
+/** How many started prompt ids a session remembers (docs/protocol.md section 9). */
 export const STARTED_PROMPTS_KEPT = 64
 
 /** Remembers `promptId` among the session's started prompts (bounded, oldest dropped). */
@@ -192,7 +193,7 @@ export interface Publisher {
   readonly publishAll: (s: Session, messages: ReadonlyArray<Outgoing>) => Effect.Effect<void, StorageFailed>
   readonly publish: (s: Session, body: LoggedBody) => Effect.Effect<void, StorageFailed>
   /** Publishes the session's status (`view`, or what its state says); the summary shows it once logged. */
-  /** `promptId`: the forwarded prompt whose turn this status starts (docs/cluster.md section 3). */
+  /** `promptId`: the tagged prompt whose turn this status starts (docs/protocol.md section 9). */
   readonly publishStatus: (s: Session, view?: { readonly busy: boolean; readonly worker: WorkerState }, promptId?: string) => Effect.Effect<void, StorageFailed>
   /** The session's summary and last cursor at one moment, consistent with what is logged. */
   readonly publishedState: (s: Session) => Effect.Effect<{ state: SessionSummary; lastCursor: Cursor.Cursor | undefined }>
