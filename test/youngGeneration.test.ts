@@ -11,6 +11,7 @@ import * as fs from "node:fs"
 import * as path from "node:path"
 import { fileURLToPath } from "node:url"
 import { assert, describe, it } from "vitest"
+import { semiSpaceFlags } from "../src/internal/youngGeneration.js"
 
 const MODULE = path.resolve(path.dirname(fileURLToPath(import.meta.url)), "..", "dist", "src", "internal", "youngGeneration.js")
 
@@ -42,6 +43,17 @@ const newSpaceAfterWorkload = (options: { readonly capMib?: number; readonly nod
   })
   return Number(out)
 }
+
+describe("semiSpaceFlags", () => {
+  it("adds the cap unless the process's flags set a semi-space size", () => {
+    for (const [execArgv, flags] of [
+      [[], ["--max-semi-space-size=4"]],
+      [["--enable-source-maps"], ["--max-semi-space-size=4"]],
+      [["--max-semi-space-size=16"], []],
+      [["--min_semi_space_size=2"], []]
+    ] as const) assert.deepStrictEqual(semiSpaceFlags(execArgv), [...flags], JSON.stringify(execArgv))
+  })
+})
 
 describe("capYoungGeneration", () => {
   it("keeps the semi-spaces at the cap where V8 alone grows them to 16 MiB; leaves a process with its own semi-space flag alone", () => {

@@ -11,6 +11,7 @@ import * as path from "node:path"
 import * as DaemonClient from "../DaemonClient.js"
 import type * as Protocol from "../Protocol.js"
 import * as StateDirLock from "../StateDirLock.js"
+import { semiSpaceFlags } from "../internal/youngGeneration.js"
 import type { Context } from "./commands.js"
 import { CliError, EXIT, failed } from "./errors.js"
 import type { ServeOptions } from "./main.js"
@@ -54,6 +55,8 @@ export const detach = (ctx: Context, options: ServeOptions, self: ReadonlyArray<
       catch: (e) => failed(`cannot open ${log}: ${(e as NodeJS.ErrnoException).code ?? String(e)}`)
     })
     const args = [
+      // The young generation's cap, exact from the start (see src/internal/youngGeneration.ts).
+      ...semiSpaceFlags(self),
       ...self,
       "serve",
       "--state-dir",

@@ -9,7 +9,7 @@ import * as Logger from "effect/Logger"
 import * as LogLevel from "effect/LogLevel"
 import * as fs from "node:fs"
 import * as Daemon from "../Daemon.js"
-import { capYoungGeneration } from "../internal/youngGeneration.js"
+import { capYoungGeneration, DAEMON_SEMI_SPACE_MIB } from "../internal/youngGeneration.js"
 import { describeConfigError } from "../DaemonConfig.js"
 import type { ServeOptions } from "./main.js"
 
@@ -56,9 +56,6 @@ const ioThreads = (): void => {
   fs.stat(".", () => {})
   delete process.env["UV_THREADPOOL_SIZE"]
 }
-
-/** The largest semi-space (MiB) the daemon's young generation grows to (see {@link capYoungGeneration}). */
-export const DAEMON_SEMI_SPACE_MIB = 4
 
 /**
  * The runtime below listens for the first SIGINT or SIGTERM only, and starts the graceful stop;

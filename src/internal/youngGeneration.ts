@@ -11,6 +11,19 @@
 import { PerformanceObserver } from "node:perf_hooks"
 import * as v8 from "node:v8"
 
+/** The largest semi-space (MiB) of the daemon's young generation. */
+export const DAEMON_SEMI_SPACE_MIB = 4
+
+const givesSemiSpace = (args: ReadonlyArray<string>): boolean => args.some((a) => /semi[-_]space/.test(a))
+
+/**
+ * The Node flag that caps the young generation from a process's start, for where the daemon's
+ * process is spawned (`serve --detach`): exact, where {@link capYoungGeneration} is best effort.
+ * None when `execArgv` sets a semi-space size already.
+ */
+export const semiSpaceFlags = (execArgv: ReadonlyArray<string>): Array<string> =>
+  givesSemiSpace(execArgv) ? [] : [`--max-semi-space-size=${DAEMON_SEMI_SPACE_MIB}`]
+
 /**
  * Caps the process's semi-spaces at `mib`. `--max-semi-space-size` is read only when the
  * process starts, and the daemon is often started as `node .../agentd.js serve`; so the cap is
@@ -26,8 +39,7 @@ import * as v8 from "node:v8"
  * flags itself (its command line or NODE_OPTIONS). Returns a function that stops it.
  */
 export const capYoungGeneration = (mib: number): (() => void) => {
-  const given = [...process.execArgv, process.env["NODE_OPTIONS"] ?? ""].some((a) => /semi[-_]space/.test(a))
-  if (given) return () => {}
+  if (givesSemiSpace([...process.execArgv, process.env["NODE_OPTIONS"] ?? ""])) return () => {}
   const cap = mib * 1024 * 1024
   let factor = 2
   const setFactor = (next: number) => {

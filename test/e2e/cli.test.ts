@@ -631,6 +631,8 @@ describe("agentd CLI across daemon restarts", () => {
     assert.match(started.stdout, new RegExp(`^agentd listening at ${socketPath} \\(pid (\\d+)\\); log: ${path.join(stateDir, "agentd.log")}\\n$`))
     const pid = Number(/pid (\d+)/.exec(started.stdout)![1])
     assert.isTrue(isAlive(pid))
+    // Its young generation is capped from its start.
+    assert.include(fs.readFileSync(`/proc/${pid}/cmdline`, "utf8").split("\0"), "--max-semi-space-size=4")
     const twice = await runCli(["serve", "--detach", "--state-dir", stateDir], { env })
     assert.strictEqual(twice.code, 1)
     assert.include(twice.stderr, `another daemon (pid ${pid}, socket ${socketPath}) holds ${stateDir}`)
