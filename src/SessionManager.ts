@@ -39,6 +39,7 @@ import * as Either from "effect/Either"
 import * as Exit from "effect/Exit"
 import * as Fiber from "effect/Fiber"
 import * as FiberMap from "effect/FiberMap"
+import * as FiberRef from "effect/FiberRef"
 import * as FiberSet from "effect/FiberSet"
 import * as Layer from "effect/Layer"
 import * as Option from "effect/Option"
@@ -55,7 +56,7 @@ import { bodyMessage, type LoggedBody, logged } from "./internal/delivery/wireLi
 import { makeCheckpoints } from "./internal/session/checkpoint.js"
 import { makeEntity } from "./internal/session/entity.js"
 import { makeNames } from "./internal/session/names.js"
-import type { Input } from "./internal/session/mailbox.js"
+import { CommandTakesEffect, type Input } from "./internal/session/mailbox.js"
 import * as Transition from "./internal/session/transition.js"
 import { type CoreError, metaWriteFailed, toCommandError } from "./internal/session/errors.js"
 import { CommandError, internal, isClosed, makeCore, newHandles, notFound, READ_GATE_PERMITS, rememberPrompt, type Session } from "./internal/session/session.js"
@@ -278,6 +279,7 @@ export const make = Effect.gen(function*() {
         startedPrompts: [],
         ...from,
         attachments: new Set(),
+        waitingPrompts: new Map(),
         publishLock: yield* Effect.makeSemaphore(1),
         readGate: yield* Effect.makeSemaphore(READ_GATE_PERMITS),
         lastUsed: Date.now(),
@@ -727,9 +729,23 @@ export const make = Effect.gen(function*() {
     attachedCount: (connectionId) => connections.get(connectionId)?.size ?? 0,
     prompt: (cmd, promptId = cmd.promptId) =>
       route(cmd.activeSessionId, (s) =>
-        promptId !== undefined && s.startedPrompts.includes(promptId)
-          ? Effect.succeed({ accepted: true as const })
-          : send<{ accepted: true }>(s, (c) => ({ _tag: "Prompt", message: cmd.message, promptId, ...c }))),
+        Effect.gen(function*() {
+          if (promptId === undefined) return yield* send<{ accepted: true }>(s, (c) => ({ _tag: "Prompt", message: cmd.message, ...c }))
+          if (s.startedPrompts.includes(promptId)) return { accepted: true as const }
+          // Sent again before the first was answered: the first's answer (its turn started, or it was refused).
+          const first = s.waitingPrompts.get(promptId)
+          if (first !== undefined && !(yield* Deferred.isDone(first))) {
+            // Joining it changes nothing: the connection's next commands need not wait for it.
+            const progress = yield* FiberRef.get(CommandTakesEffect)
+            if (progress !== undefined) yield* Effect.zipRight(Deferred.succeed(progress.taken, undefined), Deferred.succeed(progress.settled, undefined))
+            return yield* Deferred.await(first)
+          }
+          for (const [id, answer] of s.waitingPrompts) if (yield* Deferred.isDone(answer)) s.waitingPrompts.delete(id)
+          return yield* send<{ accepted: true }>(s, (c) => {
+            s.waitingPrompts.set(promptId, c.reply)
+            return { _tag: "Prompt", message: cmd.message, promptId, ...c }
+          })
+        })),
     abort: (cmd) => route(cmd.activeSessionId, (s) => send<{ aborted: boolean }>(s, (c) => ({ _tag: "Abort", ...c }))),
     // Under the publish lock: a change of state being published is out before it is read here.
     getState: (id) =>

@@ -25,7 +25,7 @@ import { type CommandError, CommandTakesEffect, SessionManager } from "../src/Se
 import { type WorkerHandle, WorkerPool } from "../src/WorkerPool.js"
 import { describeMsg } from "./chaos/streamCheck.js"
 import * as SessionStore from "../src/SessionStore.js"
-import { coreLayer, Gate, makeStored, MemoryConnection, settle, until, waitUntil, withCore } from "./support/core.js"
+import { coreLayer, Gate, makeStored, MemoryConnection, settle, type SpawnControl, until, waitUntil, withCore } from "./support/core.js"
 
 // ---------------------------------------------------------------------------------------------
 // Helpers
@@ -163,6 +163,16 @@ const expectCode = <A>(what: string, outcome: Either.Either<A, CommandError>, co
 const failsWith = <A, R>(what: string, effect: Effect.Effect<A, CommandError, R>, code: string) =>
   Effect.map(Effect.either(effect), (outcome) => expectCode(what, outcome, code))
 
+/** A new session whose worker's spawn is held at the gate, and `send` (a prompt) forked: the session reserved. */
+const promptWhileSpawnHeld = <A, E>(sm: Manager, ctl: SpawnControl, send: (id: string) => Effect.Effect<A, E>) =>
+  Effect.gen(function*() {
+    ctl.spawnGate.close()
+    const { conn, id } = yield* open(sm)
+    yield* until("the spawn held", () => ctl.spawnGate.waiting === 1)
+    const first = yield* Effect.fork(send(id))
+    yield* waitUntil("the prompt reserved the session", Effect.map(sm.getState(id), (s) => s.busy))
+    return { conn, id, first }
+  })
 const isPending = <A, E>(fiber: Fiber.Fiber<A, E>) => Effect.map(Fiber.poll(fiber), Option.isNone)
 
 /** The session's live worker (the one the pool runs for it). */
@@ -250,15 +260,32 @@ describe("SessionManager (in-process)", () => {
           assert.deepStrictEqual((yield* sm.list).sessions.map((s) => s.activeSessionId), [id])
         })))
 
+    it.scoped("a tagged prompt sent again while the first waits for its worker gets the first's answer, and one turn runs; a new id is session_busy", () =>
+      withCore({}, (ctl) =>
+        Effect.gen(function*() {
+          const sm = yield* SessionManager
+          const tagged = (id: string, promptId: string) => sm.prompt({ type: "prompt", activeSessionId: id, message: "hello", promptId } as any)
+          const { conn, id, first } = yield* promptWhileSpawnHeld(sm, ctl, (id) => tagged(id, "p-1"))
+          const again = yield* Effect.fork(tagged(id, "p-1"))
+          yield* failsWith("another id while one is reserved", tagged(id, "p-2"), "session_busy")
+          assert.isTrue(yield* isPending(again), "the resend waits for the first's answer")
+          ctl.spawnGate.open()
+          assert.deepStrictEqual(yield* joinWithin("the first", first), Either.right({ accepted: true as const }))
+          assert.deepStrictEqual(yield* joinWithin("the resend", again), Either.right({ accepted: true as const }))
+          yield* until("the turn's end", () => turnsDone(seq(conn)) === 1)
+          // Once its turn started, the id is answered at once, without a turn.
+          assert.deepStrictEqual(yield* tagged(id, "p-1"), { accepted: true })
+          yield* settle
+          assert.strictEqual(turnsDone(seq(conn)), 1)
+          assert.strictEqual((yield* sm.getState(id)).messageCount, 2)
+          assert.deepStrictEqual(seq(conn).filter((l) => l["promptId"] !== undefined).map((l) => l["promptId"]), ["p-1"])
+        })))
+
     it.scoped("a prompt reserved while the worker starts runs once, when it is ready; meanwhile a second prompt is session_busy and abort is {aborted:false}", () =>
       withCore({}, (ctl) =>
         Effect.gen(function*() {
           const sm = yield* SessionManager
-          ctl.spawnGate.close()
-          const { conn, id } = yield* open(sm)
-          yield* until("the spawn held", () => ctl.spawnGate.waiting === 1)
-          const first = yield* Effect.fork(prompt(sm, id, "hello world"))
-          yield* waitUntil("the prompt reserved the session", Effect.map(sm.getState(id), (s) => s.busy))
+          const { conn, id, first } = yield* promptWhileSpawnHeld(sm, ctl, (id) => prompt(sm, id, "hello world"))
           assert.deepStrictEqual(statuses(seq(conn)), ["starting/busy"])
           yield* failsWith("a second prompt while one is reserved", prompt(sm, id, "other"), "session_busy")
           assert.deepStrictEqual(yield* abort(sm, id), { aborted: false })

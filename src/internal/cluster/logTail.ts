@@ -409,7 +409,8 @@ export const make = (url: string) =>
           mailbox: yield* Queue.unbounded<Session["mailbox"] extends Queue.Queue<infer I> ? I : never>(),
           sessionFile: undefined,
           shown: { busy: false, worker: "passivated" },
-          startedPrompts: []
+          startedPrompts: [],
+          waitingPrompts: new Map()
         }
         const f: Follower = {
           session: s,

@@ -128,6 +128,12 @@ export interface Session {
    * one of them is answered without a second turn.
    */
   startedPrompts: Array<string>
+  /**
+   * The answers of tagged prompts not answered yet, by `promptId`: the same prompt sent again
+   * meanwhile (its worker still starting, its turn not durable yet) gets the first one's answer
+   * instead of `session_busy`. An entry whose answer came is dropped when another is added.
+   */
+  readonly waitingPrompts: Map<string, Deferred.Deferred<{ accepted: true }, CoreError>>
 }
 
 /** How many started prompt ids a session remembers (docs/protocol.md section 9). */
