@@ -29,7 +29,7 @@ import { Outbox } from "./internal/outbox.js"
 import * as Metrics from "./Metrics.js"
 import { LineDecoder, type LineItem } from "./JsonLines.js"
 import * as Protocol from "./Protocol.js"
-import { CommandError, type CommandProgress, CommandTakesEffect, internalOfCause, SessionManager, SupervisorInfo } from "./SessionManager.js"
+import { CommandError, type CommandProgress, CommandTakesEffect, internalOfCause, progressDone, SessionManager, SupervisorInfo } from "./SessionManager.js"
 
 /** The version this daemon reports in `daemon_hello`. */
 export const APP_VERSION = "0.1.0"
@@ -379,7 +379,7 @@ export const make = Effect.gen(function*() {
             answering,
             answerCommand(decoded).pipe(
               Effect.locally(CommandTakesEffect, progress),
-              Effect.ensuring(Effect.zipRight(Deferred.succeed(progress.taken, undefined), Deferred.succeed(progress.settled, undefined)))
+              Effect.ensuring(progressDone(progress))
             )
           )
           yield* Deferred.await(progress.taken)

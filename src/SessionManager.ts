@@ -56,7 +56,7 @@ import { bodyMessage, type LoggedBody, logged } from "./internal/delivery/wireLi
 import { makeCheckpoints } from "./internal/session/checkpoint.js"
 import { makeEntity } from "./internal/session/entity.js"
 import { makeNames } from "./internal/session/names.js"
-import { CommandTakesEffect, type Input } from "./internal/session/mailbox.js"
+import { CommandTakesEffect, type Input, progressDone } from "./internal/session/mailbox.js"
 import * as Transition from "./internal/session/transition.js"
 import { type CoreError, metaWriteFailed, toCommandError } from "./internal/session/errors.js"
 import { CommandError, internal, isClosed, makeCore, newHandles, notFound, READ_GATE_PERMITS, rememberPrompt, type Session } from "./internal/session/session.js"
@@ -71,7 +71,7 @@ import * as StateLayout from "./StateLayout.js"
 import { defaultRestartPolicy, WorkerPool } from "./WorkerPool.js"
 
 export { CommandError, internalOfCause } from "./internal/session/session.js"
-export { type CommandProgress, CommandTakesEffect } from "./internal/session/mailbox.js"
+export { type CommandProgress, CommandTakesEffect, progressDone } from "./internal/session/mailbox.js"
 
 /**
  * What the core needs of a client's connection: a queue of outgoing bytes it can fill without
@@ -737,7 +737,7 @@ export const make = Effect.gen(function*() {
           if (first !== undefined && !(yield* Deferred.isDone(first))) {
             // Joining it changes nothing: the connection's next commands need not wait for it.
             const progress = yield* FiberRef.get(CommandTakesEffect)
-            if (progress !== undefined) yield* Effect.zipRight(Deferred.succeed(progress.taken, undefined), Deferred.succeed(progress.settled, undefined))
+            if (progress !== undefined) yield* progressDone(progress)
             return yield* Deferred.await(first)
           }
           for (const [id, answer] of s.waitingPrompts) if (yield* Deferred.isDone(answer)) s.waitingPrompts.delete(id)

@@ -34,7 +34,7 @@ import { realFramesArrived } from "../delivery/warmUp.js"
 import { eventMessage, type Outgoing, wireLineOfRecord } from "../delivery/wireLines.js"
 import type { Checkpoints } from "./checkpoint.js"
 import type { AnyFrame, CheckpointReply, CommandProgress, Input } from "./mailbox.js"
-import { CommandTakesEffect } from "./mailbox.js"
+import { CommandTakesEffect, progressDone } from "./mailbox.js"
 import { type CoreError, CoreInternal, failed, internal, metaWriteFailed, notFound, SessionBusy, shuttingDown, StorageUnavailable } from "./errors.js"
 import type { Names } from "./names.js"
 import { type Core, isClosed, PUBLISH_BATCH_BYTES, rememberPrompt, type Session, StorageFailed, storageUnavailable } from "./session.js"
@@ -649,10 +649,7 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
           ),
           Effect.onInterrupt(() => answerInterrupted(s, input))
         )
-        if ("progress" in input && input.progress !== undefined) {
-          yield* Deferred.succeed(input.progress.taken, undefined)
-          yield* Deferred.succeed(input.progress.settled, undefined)
-        }
+        if ("progress" in input && input.progress !== undefined) yield* progressDone(input.progress)
       }
       // Closed: nothing more is offered; what was offered before is answered.
       for (const input of yield* Queue.takeAll(s.mailbox)) yield* take(s, input)

@@ -6,7 +6,8 @@
  *
  * Owns: the inputs' shapes, and `CommandTakesEffect`.
  */
-import type * as Deferred from "effect/Deferred"
+import * as Deferred from "effect/Deferred"
+import * as Effect from "effect/Effect"
 import * as FiberRef from "effect/FiberRef"
 import type { SessionSummary } from "../../Protocol.js"
 import type { CoreError } from "./errors.js"
@@ -30,6 +31,10 @@ export interface CommandProgress {
   readonly taken: Deferred.Deferred<void>
   readonly settled: Deferred.Deferred<void>
 }
+
+/** Both stages of a command's progress done (it ended, or it has nothing to write). */
+export const progressDone = (progress: CommandProgress): Effect.Effect<void> =>
+  Effect.zipRight(Deferred.succeed(progress.taken, undefined), Deferred.succeed(progress.settled, undefined))
 
 /** The caller's {@link CommandProgress} for the command it runs, if it follows one. */
 export const CommandTakesEffect = FiberRef.unsafeMake<CommandProgress | undefined>(undefined)
