@@ -30,8 +30,9 @@ if (built === 0 || changed > built || !fs.existsSync("dist/src/bin/agentd.js")) 
   if (build.status !== 0) process.exit(build.status ?? 1)
 }
 
-// The daemon's young generation at 4 MiB semi-spaces from the start (src/internal/youngGeneration.ts).
-const child = spawn(process.execPath, ["--max-semi-space-size=4", "dist/src/bin/agentd.js", "serve", ...process.argv.slice(2)], { stdio: "inherit" })
+// The daemon's young generation capped from its start, as `serve --detach` does (src/internal/youngGeneration.ts).
+const { semiSpaceFlags } = await import("../dist/src/internal/youngGeneration.js")
+const child = spawn(process.execPath, [...semiSpaceFlags(process.execArgv), "dist/src/bin/agentd.js", "serve", ...process.argv.slice(2)], { stdio: "inherit" })
 // Ctrl-C reaches the daemon too (same process group); SIGTERM to this process is passed on.
 process.on("SIGINT", () => {})
 process.on("SIGTERM", () => child.kill("SIGTERM"))
