@@ -27,6 +27,19 @@ describe("utf8Batch", () => {
     }), { numRuns: 100 })
   })
 
+  it("putUint writes what String(n) does, for every non-negative safe integer, between other pieces", () => {
+    const edges = [0, 9, 10, 99, 100, 2 ** 31 - 1, 2 ** 31, 2 ** 32, 1_733_224_800_000, Number.MAX_SAFE_INTEGER]
+    const n = FastCheck.oneof(FastCheck.constantFrom(...edges), FastCheck.nat(), FastCheck.maxSafeNat())
+    FastCheck.assert(FastCheck.property(FastCheck.array(FastCheck.tuple(FastCheck.string({ maxLength: 8 }), n), { maxLength: 30 }), (items) => {
+      Utf8Batch.begin()
+      for (const [text, value] of items) {
+        Utf8Batch.put(text)
+        Utf8Batch.putUint(value)
+      }
+      assert.strictEqual(Utf8Batch.take().toString("utf8"), items.map(([text, value]) => `${text}${value}`).join(""))
+    }), { numRuns: 200 })
+  })
+
   it("grows past its scratch buffer (one large piece, many pieces) and starts small again after", () => {
     const large = "é".repeat(1536 * 1024) // 3 MiB of UTF-8 (room for 4.5 MiB asked): past the scratch buffer kept
     const many = Array.from({ length: 20_000 }, (_, i) => `{"type":"message_update","delta":" w${i}"}\n`)

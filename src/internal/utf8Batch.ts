@@ -23,27 +23,44 @@ export const begin = (): void => {
   used = 0
 }
 
+/** Makes room for `bytes` more bytes in the scratch buffer. */
+const room = (bytes: number): void => {
+  if (scratch.length - used >= bytes) return
+  const grown = Buffer.allocUnsafeSlow(Math.max(scratch.length * 2, used + bytes))
+  scratch.copy(grown, 0, 0, used)
+  scratch = grown
+}
+
 /** Appends `text` to the batch, UTF-8 encoded exactly as `Buffer.from(text, "utf8")` would. */
 export const put = (text: string): void => {
   // A UTF-16 unit takes at most 3 bytes in UTF-8.
-  const room = text.length * 3
-  if (scratch.length - used < room) {
-    const grown = Buffer.allocUnsafeSlow(Math.max(scratch.length * 2, used + room))
-    scratch.copy(grown, 0, 0, used)
-    scratch = grown
-  }
+  room(text.length * 3)
   used += scratch.write(text, used, "utf8")
 }
 
 /** Appends bytes already encoded (a constant piece: no string to encode each time). */
 export const putBytes = (bytes: Uint8Array): void => {
-  if (scratch.length - used < bytes.length) {
-    const grown = Buffer.allocUnsafeSlow(Math.max(scratch.length * 2, used + bytes.length))
-    scratch.copy(grown, 0, 0, used)
-    scratch = grown
-  }
+  room(bytes.length)
   scratch.set(bytes, used)
   used += bytes.length
+}
+
+/**
+ * Appends a non-negative safe integer in decimal, as `String(n)` writes it, without making that
+ * string (a cursor's sequence in every record and wire line: a string each was a fifth of what
+ * the daemon allocated per event).
+ */
+export const putUint = (n: number): void => {
+  let digits = 1
+  for (let x = n; x >= 10; x = Math.floor(x / 10)) digits++
+  room(digits)
+  let at = used + digits
+  let x = n
+  do {
+    scratch[--at] = 48 + (x % 10)
+    x = Math.floor(x / 10)
+  } while (x > 0)
+  used += digits
 }
 
 /** How many bytes were written since `begin`. */

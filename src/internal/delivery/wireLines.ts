@@ -6,6 +6,7 @@
 import type * as Cursor from "../../Cursor.js"
 import { EncodedEvent, type EventRecord } from "../../EventLog.js"
 import type { SessionSummary } from "../../Protocol.js"
+import * as Utf8Batch from "../utf8Batch.js"
 
 /** What a sequenced message looks like in the EventLog: its wire form without session and meta. */
 export type LoggedBody =
@@ -61,6 +62,29 @@ export const wireLineTail = (sessionJson: string, cursor: Cursor.Cursor, emitted
   `,"activeSessionId":${sessionJson},"meta":{"cursor":{"generation":${cursor.generation},"sequence":${cursor.sequence}},"emittedAt":${emittedAt}${
     replayed ? ",\"replayed\":true" : ""
   }}}\n`
+
+/**
+ * Writes {@link wireLineTail} of live messages (not replayed) of one batch into the open
+ * Utf8Batch, without making its string: the session and `emittedAt` are the batch's, so only
+ * the sequence changes from one line to the next (a string per line, flattened again to be
+ * encoded, was the largest thing the daemon allocated per event).
+ */
+export const liveTailWriter = (sessionJson: string, emittedAt: number): (cursor: Cursor.Cursor) => void => {
+  let generation = -1
+  let open = EMPTY
+  const close = Buffer.from(`},"emittedAt":${emittedAt}}}\n`)
+  return (cursor) => {
+    if (cursor.generation !== generation) {
+      generation = cursor.generation
+      open = Buffer.from(`,"activeSessionId":${sessionJson},"meta":{"cursor":{"generation":${generation},"sequence":`)
+    }
+    Utf8Batch.putBytes(open)
+    Utf8Batch.putUint(cursor.sequence)
+    Utf8Batch.putBytes(close)
+  }
+}
+
+const EMPTY = Buffer.alloc(0)
 
 /** The wire line of a logged record (replay, catch-up), from its text: `emittedAt` moves into meta. */
 export const wireLineOfRecord = (sessionJson: string, r: EventRecord, replayed: boolean) => {

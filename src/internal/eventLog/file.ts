@@ -35,7 +35,7 @@ import {
 import * as StateLayout from "../../StateLayout.js"
 import * as FileIo from "../fileIo.js"
 import * as AppendQueue from "./appendQueue.js"
-import { fail, isCursor, makeService, parseRecord, recordOpen } from "./records.js"
+import { fail, isCursor, makeService, parseRecord, putRecordClose, putRecordOpen } from "./records.js"
 import * as Utf8Batch from "../utf8Batch.js"
 
 const headerLine = (generation: number, after: Option.Option<Cursor.Cursor>): string =>
@@ -379,10 +379,10 @@ export const make = (options: EventLogOptions): Effect.Effect<EventLogService, E
               const next = batch[end]!
               if (next._tag !== "Append") break
               if (next.cursor.sequence % MARK_EVERY === 0) marks.push([next.cursor.sequence, h.size + Utf8Batch.size()])
-              Utf8Batch.put(recordOpen(next.cursor))
+              putRecordOpen(next.cursor)
               if (typeof next.json === "string") Utf8Batch.put(next.json)
               else for (const part of next.json.parts) Utf8Batch.put(part)
-              Utf8Batch.put("}\n")
+              putRecordClose()
               end++
             }
             return Utf8Batch.view()

@@ -18,6 +18,7 @@ import {
   type EventLogStatus,
   type EventRecord
 } from "../../EventLog.js"
+import * as Utf8Batch from "../utf8Batch.js"
 
 export const fail = (reason: EventLogErrorReason, sessionId: string, message: string, cause?: unknown) =>
   new EventLogError(cause === undefined ? { reason, sessionId, message } : { reason, sessionId, message, cause })
@@ -60,6 +61,26 @@ export const serializeChecked = (sessionId: string, event: EventData | EncodedEv
 /** A record line up to its event, built by hand: cursors are plain integers. */
 export const recordOpen = (cursor: Cursor.Cursor): string =>
   `{"cursor":{"generation":${cursor.generation},"sequence":${cursor.sequence}},"event":`
+
+const RECORD_OPEN_GENERATION = Buffer.from(`{"cursor":{"generation":`)
+const RECORD_OPEN_SEQUENCE = Buffer.from(`,"sequence":`)
+const RECORD_OPEN_EVENT = Buffer.from(`},"event":`)
+const RECORD_CLOSE = Buffer.from("}\n")
+
+/**
+ * Writes {@link recordOpen}'s bytes into the open Utf8Batch without making its string (one per
+ * record on the group commit's path).
+ */
+export const putRecordOpen = (cursor: Cursor.Cursor): void => {
+  Utf8Batch.putBytes(RECORD_OPEN_GENERATION)
+  Utf8Batch.putUint(cursor.generation)
+  Utf8Batch.putBytes(RECORD_OPEN_SEQUENCE)
+  Utf8Batch.putUint(cursor.sequence)
+  Utf8Batch.putBytes(RECORD_OPEN_EVENT)
+}
+
+/** Writes a record line's end (after its event) into the open Utf8Batch. */
+export const putRecordClose = (): void => Utf8Batch.putBytes(RECORD_CLOSE)
 
 /** One record line: the event is already JSON text. */
 export const recordLine = (cursor: Cursor.Cursor, eventJson: string): string => `${recordOpen(cursor)}${eventJson}}\n`

@@ -31,7 +31,7 @@ import type { SessionMeta, SessionStoreService } from "../../SessionStore.js"
 import type { SnapshotCacheService } from "../../SnapshotCache.js"
 import type { RestartPolicy, WorkerHandle, WorkerPool } from "../../WorkerPool.js"
 import type { Attachment } from "../delivery/attachment.js"
-import { bodyMessage, type LoggedBody, loggedTail, loggedWith, type Outgoing, wireLineTail } from "../delivery/wireLines.js"
+import { bodyMessage, liveTailWriter, type LoggedBody, loggedTail, loggedWith, type Outgoing } from "../delivery/wireLines.js"
 import * as Utf8Batch from "../utf8Batch.js"
 import type { Input } from "./mailbox.js"
 import { busyOf, type ReqId, type State, type WorkerId, workerOf, workerStateOf } from "./transition.js"
@@ -291,12 +291,13 @@ export const makeCore = (deps: CoreDeps): Core => {
       const sessionJson = JSON.stringify(s.meta.activeSessionId)
       // Encoded once for the whole batch, shared by every attached client; piece by piece (a
       // joined string would be a rope of thousands of pieces to flatten first: see utf8Batch).
+      const putTail = liveTailWriter(sessionJson, emittedAt)
       Utf8Batch.begin()
       for (let i = 0; i < messages.length; i++) {
         const m = messages[i]!
         Utf8Batch.put(m.head)
         Utf8Batch.put(m.body)
-        Utf8Batch.put(wireLineTail(sessionJson, cursors[i]!, emittedAt, false))
+        putTail(cursors[i]!)
         // Counted once logged, so the count never runs ahead of what get_messages can read.
         if (m.eventType === "message_end") s.messageCount++
       }
