@@ -116,14 +116,17 @@ export const makeSupervisor = (core: Core): Supervisor => {
   /** Pumps a worker's frames to the entity until the pipe closes, then reports the exit. */
   const pump = (s: Session, worker: WorkerHandle) =>
     Effect.gen(function*() {
-      while (true) {
-        const frames = yield* worker.takeFrames
-        if (frames.length === 0) break
-        // Waits until the entity has handled them: the worker's pipe is the backpressure.
+      let frames = yield* worker.takeFrames
+      while (frames.length > 0) {
         const handled = yield* Deferred.make<void>()
         yield* post(s, { _tag: "Frames", worker, frames, handled })
         if (isClosed(s)) break
+        // The next take is decoded while the entity handles this one (most of that time it
+        // waits for its log's fdatasync); it is posted once this one is handled: the worker's
+        // pipe is the backpressure, and at most two takes are decoded at a time.
+        const next = yield* worker.takeFrames
         yield* Deferred.await(handled)
+        frames = next
       }
       const exit = yield* Deferred.await(worker.exited)
       yield* post(s, { _tag: "Exited", worker, exit })
