@@ -40,43 +40,58 @@ export type EventData = { readonly [key: string]: unknown }
  * The text may come in parts (a worker's event between the head and tail the supervisor adds),
  * which the file layer writes one after the other and never joins: a joined text is a new string
  * of the whole event, which V8 allocates and copies at each write, and for a large event (a 16 MB
- * message) that copy was most of what the daemon spent on it.
+ * message) that copy was most of what the daemon spent on it. A part is a string or UTF-8 bytes
+ * (a worker's event as it came off its pipe, never decoded on the live path).
  */
 export class EncodedEvent {
-  readonly parts: ReadonlyArray<string>
+  readonly parts: ReadonlyArray<string | Uint8Array>
   private joined: string | undefined
 
-  constructor(text: string | ReadonlyArray<string>) {
+  constructor(text: string | ReadonlyArray<string | Uint8Array>) {
     this.parts = typeof text === "string" ? [text] : text
     if (typeof text === "string") this.joined = text
   }
 
   /** The whole text, joined on first use (by the stores that keep it as one string). */
   get json(): string {
-    return (this.joined ??= this.parts.join(""))
+    return (this.joined ??= this.parts.map(partText).join(""))
   }
 
-  /** Whether the text starts with `prefix` (read across the parts, without joining them). */
+  /**
+   * Whether the text starts with `prefix`, an ASCII string (read across the parts, without
+   * joining them: a part of bytes is compared byte for character).
+   */
   startsWith(prefix: string): boolean {
     let at = 0
     for (const part of this.parts) {
       const n = Math.min(part.length, prefix.length - at)
-      if (!part.startsWith(prefix.slice(at, at + n))) return false
+      if (typeof part === "string") {
+        if (!part.startsWith(prefix.slice(at, at + n))) return false
+      } else {
+        for (let i = 0; i < n; i++) if (part[i] !== prefix.charCodeAt(at + i)) return false
+      }
       at += n
       if (at === prefix.length) return true
     }
     return false
   }
 
-  /** The UTF-8 code unit at `index` of the text (NaN past its end), without joining the parts. */
+  /**
+   * The code unit at `index` of the text (NaN past its end), without joining the parts. A part
+   * of bytes counts bytes: exact for an index within an ASCII start, which is how it is used.
+   */
   charCodeAt(index: number): number {
     for (const part of this.parts) {
-      if (index < part.length) return part.charCodeAt(index)
+      if (index < part.length) return typeof part === "string" ? part.charCodeAt(index) : part[index]!
       index -= part.length
     }
     return NaN
   }
 }
+
+/** A part's text (bytes are UTF-8). */
+const partText = (part: string | Uint8Array): string =>
+  typeof part === "string" ? part : Buffer.from(part.buffer, part.byteOffset, part.byteLength).toString("utf8")
 
 /** One logged event with the cursor the log assigned to it. */
 export interface EventRecord {

@@ -65,6 +65,25 @@ export class LineDecoder {
 
   push(chunk: Uint8Array): Array<LineItem> {
     const out: Array<LineItem> = []
+    this.scan(chunk, (buf, start, end) => {
+      const text = buf.toString("utf8", start, end)
+      if (!isBlank(text)) out.push(text)
+    }, out)
+    return out
+  }
+
+  /**
+   * Like {@link push}, for a reader that takes each line's bytes instead of its text: `onLine`
+   * gets a buffer and the line's range in it (a view of the chunk, or a buffer of its own for a
+   * line that came in several chunks), `\r` and empty lines dropped. The bytes are the line's
+   * as received, not checked as UTF-8, and whitespace-only lines are not skipped. A too-long
+   * line is dropped (a reader that must report it uses push).
+   */
+  pushLines(chunk: Uint8Array, onLine: (buf: Buffer, start: number, end: number) => void): void {
+    this.scan(chunk, onLine, undefined)
+  }
+
+  private scan(chunk: Uint8Array, onLine: (buf: Buffer, start: number, end: number) => void, tooLong: Array<LineItem> | undefined): void {
     const buf = Buffer.isBuffer(chunk) ? chunk : Buffer.from(chunk.buffer, chunk.byteOffset, chunk.byteLength)
     let start = 0
     while (start < buf.length) {
@@ -73,14 +92,13 @@ export class LineDecoder {
       if (this.discarding) {
         // Skip the rest of a too-long line without keeping any of it.
       } else if (this.pendingBytes + (end - start) > this.maxLineBytes) {
-        const head = this.headOf(buf.subarray(start, end))
+        if (tooLong !== undefined) tooLong.push(new LineTooLong(this.maxLineBytes, this.headOf(buf.subarray(start, end))))
         this.pieces = []
         this.pendingBytes = 0
         this.discarding = true
-        out.push(new LineTooLong(this.maxLineBytes, head))
       } else if (nl !== -1 && this.pieces.length === 0) {
-        // The common case, a whole line inside one chunk: decode straight from the chunk.
-        this.emit(buf, start, end, out)
+        // The common case, a whole line inside one chunk: straight from the chunk.
+        emitRange(buf, start, end, onLine)
       } else if (end > start) {
         this.pieces.push(buf.subarray(start, end))
         this.pendingBytes += end - start
@@ -89,17 +107,21 @@ export class LineDecoder {
       if (this.discarding) {
         this.discarding = false
       } else if (this.pieces.length > 0) {
-        this.flushPieces(out)
+        this.flushPieces(onLine)
       }
       start = nl + 1
     }
-    return out
   }
 
   /** Ends the stream: a last line without `\n` still counts. */
   end(): Array<LineItem> {
     const out: Array<LineItem> = []
-    if (!this.discarding && this.pieces.length > 0) this.flushPieces(out)
+    if (!this.discarding && this.pieces.length > 0) {
+      this.flushPieces((buf, start, end) => {
+        const text = buf.toString("utf8", start, end)
+        if (!isBlank(text)) out.push(text)
+      })
+    }
     this.pieces = []
     this.pendingBytes = 0
     this.discarding = false
@@ -120,20 +142,19 @@ export class LineDecoder {
     return head.subarray(0, at)
   }
 
-  private flushPieces(out: Array<LineItem>): void {
+  private flushPieces(onLine: (buf: Buffer, start: number, end: number) => void): void {
     const joined = this.pieces.length === 1 ? this.pieces[0]! : Buffer.concat(this.pieces, this.pendingBytes)
     this.pieces = []
     this.pendingBytes = 0
     const buf = Buffer.isBuffer(joined) ? joined : Buffer.from(joined.buffer, joined.byteOffset, joined.byteLength)
-    this.emit(buf, 0, buf.length, out)
+    emitRange(buf, 0, buf.length, onLine)
   }
+}
 
-  private emit(buf: Buffer, start: number, end: number, out: Array<LineItem>): void {
-    if (end > start && buf[end - 1] === CR) end--
-    if (end === start) return
-    const text = buf.toString("utf8", start, end)
-    if (!isBlank(text)) out.push(text)
-  }
+/** Hands on a line's range, without its `\r`, unless it is empty. */
+const emitRange = (buf: Buffer, start: number, end: number, onLine: (buf: Buffer, start: number, end: number) => void): void => {
+  if (end > start && buf[end - 1] === CR) end--
+  if (end > start) onLine(buf, start, end)
 }
 
 /** Splits all of `input` into line items at once (for tests and tools). */

@@ -112,6 +112,9 @@ export const TAKE_BYTES = 256 * 1024
 
 const LF = 10
 
+/** For chunks inside a line: they complete none. */
+const noLine = () => {}
+
 /**
  * Holds a worker's bytes as read and hands them to the one fiber that takes them, decoded into
  * frames a bounded take at a time. Decoding when taken, not when read, is for the heap: a
@@ -142,7 +145,7 @@ export class FrameInbox {
       // Inside a long line, with nothing before it left to decode: the decoder keeps it (a view,
       // off the heap) until the line ends, and it holds back no frame. Queued, a line longer
       // than HIGH_WATER_BYTES would pause the pipe before the newline that completes it came.
-      this.decoder.push(chunk)
+      this.decoder.pushLines(chunk, noLine)
       return
     }
     this.chunks.push(chunk)
@@ -171,17 +174,17 @@ export class FrameInbox {
     const frames: Array<WorkerProtocol.ReceivedFrame> = []
     let used = 0
     let bytes = 0
+    const onLine = (buf: Buffer, start: number, end: number) => {
+      try {
+        frames.push(WorkerProtocol.readWorkerBytes(buf, start, end))
+      } catch {
+        this.warn(`unreadable frame dropped: ${buf.toString("utf8", start, Math.min(end, start + 200))}`)
+      }
+    }
     while (used < this.chunks.length && (bytes < TAKE_BYTES || frames.length === 0)) {
       const chunk = this.chunks[used++]!
       bytes += chunk.length
-      for (const item of this.decoder.push(chunk)) {
-        if (typeof item !== "string") continue
-        try {
-          frames.push(WorkerProtocol.readWorkerLine(item))
-        } catch {
-          this.warn(`unreadable frame dropped: ${item.slice(0, 200)}`)
-        }
-      }
+      this.decoder.pushLines(chunk, onLine)
     }
     this.chunks = used === this.chunks.length ? [] : this.chunks.slice(used)
     this.chunkBytes -= bytes

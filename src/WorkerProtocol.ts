@@ -197,33 +197,75 @@ export const putEventFrame = (event: AgentEvent): void => {
 export interface EventFrame {
   readonly type: "worker_event"
   readonly eventType: string
-  /** The event exactly as the worker serialized it. */
-  readonly eventJson: string
+  /** The event exactly as the worker serialized it, UTF-8: a view of the bytes it came in. */
+  readonly eventBytes: Buffer
 }
 
 /** A line from a worker, as the supervisor holds it: an event frame, or another frame's JSON value. */
 export type ReceivedFrame = EventFrame | { readonly type?: unknown; readonly [key: string]: unknown }
 
+/** An event frame's event, as text (for the few readers that parse it: never on the live path). */
+export const eventTextOf = (frame: EventFrame): string => frame.eventBytes.toString("utf8")
+
+const EVENT_PREFIX_BYTES = Buffer.from(EVENT_FRAME_OPEN + TYPE_KEY)
+const QUOTE = 0x22
+const BACKSLASH = 0x5c
+const CLOSE_BRACE = 0x7d
+
 /**
- * Reads one line from a worker. An event frame is not parsed: its type is read from its fixed
- * prefix and its JSON text is kept as it is, to be logged and sent to clients without being
- * parsed and serialized again on the supervisor's hottest path. The text is trusted as JSON: it
- * comes from the worker's own `JSON.stringify` over a private pipe, and a line only counts once
- * its newline has arrived, so a worker killed mid-write leaves no torn frame. Any other line is
+ * Event types seen, as their bytes and their string, so that a frame's type is one of a few
+ * strings instead of a new one per event (the type is 7-20 ASCII bytes: compared in place).
+ */
+const knownTypes: Array<{ readonly bytes: Buffer; readonly type: string }> = []
+const KNOWN_TYPES_MAX = 64
+
+const typeAt = (buf: Buffer, start: number, end: number): string => {
+  const length = end - start
+  for (let k = 0; k < knownTypes.length; k++) {
+    const known = knownTypes[k]!
+    if (known.bytes.length !== length) continue
+    let same = true
+    for (let i = 0; i < length; i++) {
+      if (known.bytes[i] !== buf[start + i]) {
+        same = false
+        break
+      }
+    }
+    if (same) return known.type
+  }
+  const type = buf.toString("utf8", start, end)
+  if (knownTypes.length < KNOWN_TYPES_MAX) knownTypes.push({ bytes: Buffer.from(type, "utf8"), type })
+  return type
+}
+
+/**
+ * Reads one line from a worker, `buf[start, end)`. An event frame is not parsed: its type is
+ * read from its fixed prefix and its JSON is kept as the bytes it came in, to be logged and sent
+ * to clients without being decoded, parsed or encoded again on the supervisor's hottest path.
+ * The bytes are trusted as the UTF-8 text of a JSON value: they come from the worker's own
+ * `JSON.stringify` (always well-formed) over a private pipe, and a line only counts once its
+ * newline has arrived, so a worker killed mid-write leaves no torn frame. Any other line is
  * parsed (and throws if it is not JSON, or is an event frame without an event); other frames
  * are trusted as WorkerProtocol frames.
  */
-export const readWorkerLine = (line: string): ReceivedFrame => {
-  if (line.startsWith(EVENT_FRAME_OPEN + TYPE_KEY) && line.endsWith("}}")) {
-    const start = EVENT_FRAME_OPEN.length + TYPE_KEY.length
-    const end = line.indexOf("\"", start)
+export const readWorkerBytes = (buf: Buffer, start: number, end: number): ReceivedFrame => {
+  const prefix = EVENT_PREFIX_BYTES.length
+  if (end - start > prefix + 2 && buf[end - 1] === CLOSE_BRACE && buf[end - 2] === CLOSE_BRACE && buf.compare(EVENT_PREFIX_BYTES, 0, prefix, start, start + prefix) === 0) {
+    const typeStart = start + prefix
+    const typeEnd = buf.indexOf(QUOTE, typeStart)
+    let escaped = false
+    for (let i = typeStart; i < typeEnd; i++) {
+      if (buf[i] === BACKSLASH) {
+        escaped = true
+        break
+      }
+    }
     // An escape inside the type would need decoding: leave such a line to JSON.parse.
-    const escaped = line.lastIndexOf("\\", end) >= start
-    if (end > start && !escaped) {
-      return { type: "worker_event", eventType: line.slice(start, end), eventJson: line.slice(EVENT_FRAME_OPEN.length, -1) }
+    if (typeEnd > typeStart && typeEnd < end && !escaped) {
+      return { type: "worker_event", eventType: typeAt(buf, typeStart, typeEnd), eventBytes: buf.subarray(start + EVENT_FRAME_OPEN.length, end - 1) }
     }
   }
-  const value: unknown = JSON.parse(line)
+  const value: unknown = JSON.parse(buf.toString("utf8", start, end))
   if (!isRecord(value)) return {}
   if (value["type"] === "worker_event") {
     const event = value["event"]
@@ -231,7 +273,13 @@ export const readWorkerLine = (line: string): ReceivedFrame => {
       // Never logged: an event without a type is no AgentEvent (and the log would hold `undefined`).
       throw new Error("a worker_event frame whose event is not an object with a string `type`")
     }
-    return { type: "worker_event", eventType: event["type"], eventJson: JSON.stringify(event) }
+    return { type: "worker_event", eventType: event["type"], eventBytes: Buffer.from(JSON.stringify(event), "utf8") }
   }
   return value
+}
+
+/** {@link readWorkerBytes} of a line given as text (tests, tools). */
+export const readWorkerLine = (line: string): ReceivedFrame => {
+  const buf = Buffer.from(line, "utf8")
+  return readWorkerBytes(buf, 0, buf.length)
 }

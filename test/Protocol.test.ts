@@ -221,8 +221,8 @@ describe("WorkerProtocol", () => {
     assert.isTrue(line.startsWith(`{"type":"worker_event","event":{"type":"message_update",`))
     const read = WorkerProtocol.readWorkerLine(line.slice(0, -1)) as WorkerProtocol.EventFrame
     assert.strictEqual(read.eventType, "message_update")
-    assert.deepStrictEqual(JSON.parse(read.eventJson), event)
-    assert.strictEqual(read.eventJson, JSON.stringify(JSON.parse(line).event))
+    assert.deepStrictEqual(JSON.parse(WorkerProtocol.eventTextOf(read)), event)
+    assert.strictEqual(WorkerProtocol.eventTextOf(read), JSON.stringify(JSON.parse(line).event))
     // Still a plain JSON line that the schema decodes.
     assert.isTrue(Either.isRight(WorkerProtocol.decodeWorkerFrame(line)))
   })
@@ -231,14 +231,30 @@ describe("WorkerProtocol", () => {
     const read = WorkerProtocol.readWorkerLine(WorkerProtocol.encodeFrame(frame).slice(0, -1)) as WorkerProtocol.EventFrame
     assert.strictEqual(read.type, "worker_event")
     assert.strictEqual(read.eventType, frame.event.type)
-    assert.deepStrictEqual(JSON.parse(read.eventJson), JSON.parse(JSON.stringify(frame.event)))
+    assert.deepStrictEqual(JSON.parse(WorkerProtocol.eventTextOf(read)), JSON.parse(JSON.stringify(frame.event)))
   }, { fastCheck: { numRuns: 200 } })
+
+  it.prop("readWorkerBytes reads a line inside a larger buffer (lines after it, a quote past its end) and gives each type once as a string", [Arbitrary.make(WorkerProtocol.WorkerEvent), Arbitrary.make(WorkerProtocol.WorkerEvent)], ([a, b]) => {
+    const lines = [WorkerProtocol.encodeFrame(a), WorkerProtocol.encodeFrame(b)]
+    const buf = Buffer.from(`junk"${lines.join("")}"tail`, "utf8")
+    let start = buf.indexOf("{")
+    for (const [k, frame] of [a, b].entries()) {
+      const end = buf.indexOf(10, start)
+      const read = WorkerProtocol.readWorkerBytes(buf, start, end) as WorkerProtocol.EventFrame
+      assert.strictEqual(read.eventType, frame.event.type, `line ${k}`)
+      assert.strictEqual(WorkerProtocol.eventTextOf(read), JSON.stringify(JSON.parse(lines[k]!).event))
+      // The same type read again is the same string (no new string per event).
+      assert.strictEqual(WorkerProtocol.readWorkerLine(lines[k]!.slice(0, -1)).eventType === read.eventType, true)
+      start = end + 1
+    }
+  }, { fastCheck: { numRuns: 100 } })
 
   it("lines off the fast path are parsed: other key orders, escaped types, other frames", () => {
     const reordered = WorkerProtocol.readWorkerLine(`{"event":{"delta":"x","type":"message_update"},"type":"worker_event"}`)
-    assert.deepStrictEqual(reordered, { type: "worker_event", eventType: "message_update", eventJson: `{"delta":"x","type":"message_update"}` })
+    const textOf = (f: WorkerProtocol.ReceivedFrame) => ({ ...f, eventBytes: WorkerProtocol.eventTextOf(f as WorkerProtocol.EventFrame) })
+    assert.deepStrictEqual(textOf(reordered), { type: "worker_event", eventType: "message_update", eventBytes: `{"delta":"x","type":"message_update"}` })
     const escaped = WorkerProtocol.readWorkerLine(`{"type":"worker_event","event":{"type":"agent\\u005fend"}}`)
-    assert.deepStrictEqual(escaped, { type: "worker_event", eventType: "agent_end", eventJson: `{"type":"agent_end"}` })
+    assert.deepStrictEqual(textOf(escaped), { type: "worker_event", eventType: "agent_end", eventBytes: `{"type":"agent_end"}` })
     assert.deepStrictEqual(WorkerProtocol.readWorkerLine(`{"type":"worker_ready","pid":3,"messageCount":0}`), {
       type: "worker_ready",
       pid: 3,

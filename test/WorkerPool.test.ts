@@ -41,7 +41,7 @@ describe("WorkerPool", () => {
         yield* worker.send({ type: "prompt", turnId: "t", message: "/bulk 20000000" })
         const { seen, found } = yield* takeUntil(worker, (f) => f.eventType === "agent_end")
         assert.isDefined(found)
-        const ends = seen.filter((f) => f.eventType === "message_end").map((f) => JSON.parse(f.eventJson))
+        const ends = seen.filter((f) => f.eventType === "message_end").map((f) => JSON.parse(WorkerProtocol.eventTextOf(f)))
         const end = ends.find((e) => e.message.role === "assistant")
         assert.strictEqual(end.message.content.length, 20_000_000)
         yield* worker.stop()
@@ -152,7 +152,7 @@ describe("WorkerPool", () => {
         assert.isDefined(found)
         assert.strictEqual(found.messageCount, 4)
         // The journal said busy: the restored worker reports the turn cut before it is ready.
-        assert.deepStrictEqual(seen.filter((f) => f.type === "worker_event").map((f) => JSON.parse(f.eventJson)), [
+        assert.deepStrictEqual(seen.filter((f) => f.type === "worker_event").map((f) => JSON.parse(WorkerProtocol.eventTextOf(f))), [
           { type: "turn_interrupted", reason: "worker_crashed" }
         ])
         // The restored transcript is the history of the next turn: `/compact` counts it (4 and its own).

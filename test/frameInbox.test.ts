@@ -64,10 +64,10 @@ describe("FrameInbox", () => {
           assert.deepStrictEqual(warnings, [])
           const frames = takes.flat()
           assert.strictEqual(frames.length, lines.length)
-          frames.forEach((f, i) => assert.deepStrictEqual(f, WorkerProtocol.readWorkerLine(lines[i]!.slice(0, -1))))
+          frames.forEach((f, i) => assert.deepStrictEqual(f, WorkerProtocol.readWorkerLine(lines[i]!.slice(0, -1)), `frame ${i}`))
           // A take decodes about TAKE_BYTES: at most that plus one chunk and one line.
           for (const t of takes) {
-            const bytes = t.reduce((n, f) => n + ("eventJson" in f ? (f.eventJson as string).length + 40 : 30), 0)
+            const bytes = t.reduce((n, f) => n + ("eventBytes" in f ? (f.eventBytes as Buffer).length + 40 : 30), 0)
             assert.isAtMost(bytes, TAKE_BYTES + 70_000 + 3100)
           }
         }
@@ -83,7 +83,7 @@ describe("FrameInbox", () => {
       const { takes } = await feed(Buffer.from(lines.join("")), [chunk], takeChances)
       const frames = takes.flat()
       assert.strictEqual(frames.length, 3)
-      assert.strictEqual((frames[1] as WorkerProtocol.EventFrame).eventJson.length, long.length - 33)
+      assert.strictEqual((frames[1] as WorkerProtocol.EventFrame).eventBytes.length, long.length - 33)
     }
   }, 60_000)
 })

@@ -89,7 +89,7 @@ describe("utf8Batch", () => {
     for (const line of text.trimEnd().split("\n")) {
       const frame = WorkerProtocol.readWorkerLine(line) as WorkerProtocol.EventFrame
       assert.strictEqual(frame.type, "worker_event")
-      assert.deepStrictEqual(JSON.parse(frame.eventJson), JSON.parse(line).event)
+      assert.deepStrictEqual(JSON.parse(WorkerProtocol.eventTextOf(frame)), JSON.parse(line).event)
     }
   })
 })

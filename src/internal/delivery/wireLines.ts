@@ -24,7 +24,8 @@ export type LoggedBody =
  */
 export interface Outgoing {
   readonly head: string
-  readonly body: string
+  /** A worker's event as the UTF-8 bytes it came in, or a message the supervisor made, as text. */
+  readonly body: string | Uint8Array
   /** For a `session_event`, the agent event's type. */
   readonly eventType?: string
 }
@@ -32,7 +33,7 @@ export interface Outgoing {
 const EVENT_HEAD = `{"type":"session_event","event":`
 
 /** A worker's event, from its JSON text. */
-export const eventMessage = (eventType: string, eventJson: string): Outgoing => ({ head: EVENT_HEAD, body: eventJson, eventType })
+export const eventMessage = (eventType: string, eventBytes: Uint8Array): Outgoing => ({ head: EVENT_HEAD, body: eventBytes, eventType })
 
 /** A message the supervisor makes itself (status, closed, an interruption it reports). */
 export const bodyMessage = (body: LoggedBody): Outgoing => {

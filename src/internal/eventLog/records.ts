@@ -89,7 +89,7 @@ export const recordLine = (cursor: Cursor.Cursor, eventJson: string): string => 
 export const recordBytes = (cursor: Cursor.Cursor, eventJson: EventText): number => {
   let bytes = recordOpen(cursor).length + 2
   if (typeof eventJson === "string") return bytes + Buffer.byteLength(eventJson, "utf8")
-  for (const part of eventJson.parts) bytes += Buffer.byteLength(part, "utf8")
+  for (const part of eventJson.parts) bytes += typeof part === "string" ? Buffer.byteLength(part, "utf8") : part.length
   return bytes
 }
 

@@ -27,7 +27,7 @@ import * as Cursor from "../../Cursor.js"
 import type * as Protocol from "../../Protocol.js"
 import * as StateLayout from "../../StateLayout.js"
 import type { WorkerHandle } from "../../WorkerPool.js"
-import type * as WorkerProtocol from "../../WorkerProtocol.js"
+import * as WorkerProtocol from "../../WorkerProtocol.js"
 import type { Delivery } from "../delivery/attach.js"
 import type { Attachment } from "../delivery/attachment.js"
 import { realFramesArrived } from "../delivery/warmUp.js"
@@ -432,22 +432,22 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
     Effect.gen(function*() {
       const worker = s.handles.workerIds.get(handle) ?? UNKNOWN
       let events: Array<Outgoing> = []
-      let eventBytes = 0
+      let batchBytes = 0
       const flush = Effect.suspend(() => {
         if (events.length === 0) return Effect.void
         const batch = events
         events = []
-        eventBytes = 0
+        batchBytes = 0
         return publishAll(s, batch)
       })
       /** Flushes the batch; storage refusing it is the next input. */
       const flushed = Effect.catchTag(flush, "StorageFailed", (e) => storageFailed(s, e))
       /** A frame's event published now, with the batch before it. */
-      const eventNow = (raw: AnyFrame, eventType: string, eventJson: string): FrameContext => ({
+      const eventNow = (raw: AnyFrame, eventType: string, eventBytes: Uint8Array): FrameContext => ({
         raw,
         add: () =>
           Effect.suspend(() => {
-            events.push(eventMessage(eventType, eventJson))
+            events.push(eventMessage(eventType, eventBytes))
             return flush
           })
       })
@@ -456,15 +456,15 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
       for (const raw of frames) {
         const frame = raw as AnyFrame
         if (frame.type === "worker_event") {
-          const { eventJson, eventType } = raw as WorkerProtocol.EventFrame
+          const { eventBytes, eventType } = raw as WorkerProtocol.EventFrame
           const end = eventType === "agent_end" || eventType === "turn_interrupted"
           if (!end) {
             const t = T.step(s.state, eventsInput, env, restartPolicy)
             if (t.actions === HOT) {
               // The hot path: the event joins the batch, nothing else is made.
-              events.push(eventMessage(eventType, eventJson))
-              eventBytes += eventJson.length
-              if (eventBytes >= PUBLISH_BATCH_BYTES) yield* flushed
+              events.push(eventMessage(eventType, eventBytes))
+              batchBytes += eventBytes.length
+              if (batchBytes >= PUBLISH_BATCH_BYTES) yield* flushed
               if (eventType === "tool_execution_start" || eventType === "tool_execution_end") {
                 yield* flushed
                 // The journal said busy when the turn began: a restart cuts it either way.
@@ -474,14 +474,14 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
               // A stale worker's event (no actions), or one that changes the state (a passivation
               // waits for it): it is logged before what follows.
               s.state = t.state
-              yield* perform(s, t.actions, eventNow(frame, eventType, eventJson))
+              yield* perform(s, t.actions, eventNow(frame, eventType, eventBytes))
             }
             continue
           }
           const how: T.TurnEnd = eventType === "agent_end"
             ? "agent_end"
-            : (JSON.parse(eventJson) as Extract<Protocol.AgentEvent, { type: "turn_interrupted" }>).reason
-          yield* run(s, { _tag: "TurnEnded", worker, how }, eventNow(frame, eventType, eventJson))
+            : (JSON.parse(WorkerProtocol.eventTextOf(raw as WorkerProtocol.EventFrame)) as Extract<Protocol.AgentEvent, { type: "turn_interrupted" }>).reason
+          yield* run(s, { _tag: "TurnEnded", worker, how }, eventNow(frame, eventType, eventBytes))
           yield* flushed
           continue
         }

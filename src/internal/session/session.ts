@@ -296,7 +296,8 @@ export const makeCore = (deps: CoreDeps): Core => {
       for (let i = 0; i < messages.length; i++) {
         const m = messages[i]!
         Utf8Batch.put(m.head)
-        Utf8Batch.put(m.body)
+        if (typeof m.body === "string") Utf8Batch.put(m.body)
+        else Utf8Batch.putBytes(m.body)
         putTail(cursors[i]!)
         // Counted once logged, so the count never runs ahead of what get_messages can read.
         if (m.eventType === "message_end") s.messageCount++
