@@ -41,6 +41,12 @@ export type Op =
 
 export type AppendOp = Extract<Op, { readonly _tag: "Append" }>
 
+/**
+ * The `resume` of an op of `appendAll` other than its last: the last answers for all of them
+ * (they are written together), so a store may skip making a result for this one.
+ */
+export const answeredByLast = (): void => {}
+
 /** What the queue needs of a store's open session. */
 export interface QueueHandle {
   readonly sessionId: string
@@ -238,7 +244,6 @@ export const make = <H extends QueueHandle>(
         // Queued in one synchronous step, so the ops are consecutive in one batch and one write:
         // they succeed or fail together, and the last one answers for all.
         const cursors: Array<Cursor.Cursor> = []
-        const ignore = () => {}
         jsons.forEach((json, i) => {
           const cursor = h.next
           h.next = Cursor.next(cursor)
@@ -248,7 +253,7 @@ export const make = <H extends QueueHandle>(
             _tag: "Append",
             cursor,
             json,
-            resume: last ? (result) => resume(Effect.as(result, cursors)) : ignore
+            resume: last ? (result) => resume(Effect.as(result, cursors)) : answeredByLast
           })
         })
         ensureFlusher(h)

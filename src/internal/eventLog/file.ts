@@ -393,10 +393,10 @@ export const make = (options: EventLogOptions): Effect.Effect<EventLogService, E
           h.bytes += length
           for (const [sequence, offset] of marks) h.marks.set(sequence, offset)
           h.count += end - done
+          h.last = Option.some((batch[end - 1] as AppendQueue.AppendOp).cursor)
           for (; done < end; done++) {
             const append = batch[done] as AppendQueue.AppendOp
-            h.last = Option.some(append.cursor)
-            append.resume(Effect.succeed(append.cursor))
+            if (append.resume !== AppendQueue.answeredByLast) append.resume(Effect.succeed(append.cursor))
           }
         }
       })

@@ -453,7 +453,9 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
       })
       const eventsInput: T.Input = { _tag: "Events", worker }
       const env = yield* envOf(s)
-      for (const raw of frames) {
+      // Indexed: a for-of in a generator made an iterator result per frame.
+      for (let i = 0; i < frames.length; i++) {
+        const raw = frames[i]!
         const frame = raw as AnyFrame
         if (frame.type === "worker_event") {
           const { eventBytes, eventType } = raw as WorkerProtocol.EventFrame
