@@ -126,6 +126,25 @@
  * now 0): first turn 62-65k events/s against 53-64k. Where a first turn stands now: 0.46-0.73x
  * (the relay moves between 86k and 135k events/s from run to run), the daemon 16-17 us per
  * event; turn 2 costs about as much as turn 1, turns 3-4 half: V8 still optimizing.
+ *
+ * Session 21 (quiet machine, load 0.5-2; the relay itself moved between 150k and 280k events/s
+ * from run to run, so the ratios are mostly its noise: compare the daemon's CPU). A sampling
+ * heap profile of the daemon over this bench (inspector, collected objects included): 407 MB
+ * allocated, about 2 KB per event, and `--trace-gc` showed each scavenge promoting ~1 MB (a
+ * batch's objects alive through its group commit). Cut to 229 MB: the cursor parts of record
+ * and wire lines written as bytes (a tail string per event, flattened again to be encoded, was
+ * 16%); a worker's bytes decoded when taken, 256 KB at a time, instead of as read (frames waited
+ * as objects while the batches before them were logged), the next take decoded while the entity
+ * handles the current one; a worker's event kept as the bytes it came in, from its frame to the
+ * log and the wire (no UTF-8 decode and encode back); no result per op of an appendAll. 6 runs
+ * each, alternating with the build before: daemon CPU per event warm 6.3 us against 7.45,
+ * first turn 10.0 against 13.0; first turn 92k events/s against 85k, warm 143k both (the
+ * machine's two cores are shared by daemon, worker and client: ~6.3 + 4 + 2 us per event).
+ * Publish batches of 64 KB instead of 256 KB: daemon 9.15 us per event warm (1 MB: 7.25, same
+ * as 256 KB). The worker with TurboFan (AGENTD_BENCH_WORKER_NODE_ARGS="--opt --sparkplug"):
+ * 1.8-2.2 us per event against 3.7-4.0, warm ~200k events/s against ~155k in 3 runs each, but
+ * optimized code stays in an idle worker's memory (session 14: --no-opt saved ~6 MB of an idle
+ * worker's RSS, which the 1.25x target needs); not changed.
  */
 import { type ChildProcess, spawn } from "node:child_process"
 import * as fs from "node:fs"
