@@ -41,7 +41,10 @@ export type EventData = { readonly [key: string]: unknown }
  * which the file layer writes one after the other and never joins: a joined text is a new string
  * of the whole event, which V8 allocates and copies at each write, and for a large event (a 16 MB
  * message) that copy was most of what the daemon spent on it. A part is a string or UTF-8 bytes
- * (a worker's event as it came off its pipe, never decoded on the live path).
+ * (a worker's event as it came off its pipe, never decoded on the live path): a store reads
+ * the text with `json`, or writes string parts as UTF-8 and byte parts as they are. A part of
+ * bytes may be a view of a larger buffer (the pipe's chunk, up to 64 KB): a store that keeps
+ * events after their append keeps their `json`, not these objects.
  */
 export class EncodedEvent {
   readonly parts: ReadonlyArray<string | Uint8Array>

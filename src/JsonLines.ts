@@ -52,6 +52,15 @@ const isBlank = (text: string): boolean => {
   return true
 }
 
+/** True for a line of bytes that carries nothing but whitespace (as {@link isBlank}, for ASCII whitespace). */
+export const isBlankBytes = (buf: Uint8Array, start: number, end: number): boolean => {
+  for (let i = start; i < end; i++) {
+    const c = buf[i]!
+    if (c !== 0x20 && (c < 0x09 || c > 0x0d)) return false
+  }
+  return true
+}
+
 /**
  * A stateful bytes-to-lines decoder. `push` each chunk as it arrives, `end` once at end of
  * stream. Each call returns the items completed by it.

@@ -31,7 +31,7 @@ import type * as net from "node:net"
 import { fileURLToPath } from "node:url"
 import * as Metrics from "./Metrics.js"
 import type { Engine } from "./Engine.js"
-import { LineDecoder } from "./JsonLines.js"
+import { isBlankBytes, LineDecoder } from "./JsonLines.js"
 import * as Worker from "./Worker.js"
 import * as WorkerProtocol from "./WorkerProtocol.js"
 
@@ -75,10 +75,11 @@ export interface WorkerHandle {
   /** True once the supervisor asked it to stop: its exit is then not a crash. */
   readonly stopping: boolean
   /**
-   * Every frame received and not yet taken, waiting for at least one; an empty array means
-   * the link closed (the worker is gone or going). Event frames come as
-   * {@link WorkerProtocol.EventFrame} (the supervisor treats agent events as opaque JSON text);
-   * other frames as JSON values, trusted as WorkerProtocol frames.
+   * The next frames received and not yet taken (those of about TAKE_BYTES of the pipe),
+   * waiting for at least one; an empty array means the link closed (the worker is gone or
+   * going). Event frames come as {@link WorkerProtocol.EventFrame} (the supervisor treats agent
+   * events as opaque JSON, the bytes they came in); other frames as JSON values, trusted as
+   * WorkerProtocol frames.
    */
   readonly takeFrames: Effect.Effect<Array<WorkerProtocol.ReceivedFrame>>
   /** Sends one frame; waits while the link is full. */
@@ -144,7 +145,8 @@ export class FrameInbox {
     if (!completesLine && this.chunks.length === 0) {
       // Inside a long line, with nothing before it left to decode: the decoder keeps it (a view,
       // off the heap) until the line ends, and it holds back no frame. Queued, a line longer
-      // than HIGH_WATER_BYTES would pause the pipe before the newline that completes it came.
+      // than HIGH_WATER_BYTES would pause the pipe before the newline that completes it came
+      // (behind queued chunks it can: the next take, finding no frame, decodes them all).
       this.decoder.pushLines(chunk, noLine)
       return
     }
@@ -175,6 +177,7 @@ export class FrameInbox {
     let used = 0
     let bytes = 0
     const onLine = (buf: Buffer, start: number, end: number) => {
+      if (isBlankBytes(buf, start, end)) return
       try {
         frames.push(WorkerProtocol.readWorkerBytes(buf, start, end))
       } catch {

@@ -11,6 +11,7 @@ import * as Either from "effect/Either"
 import * as ParseResult from "effect/ParseResult"
 import { isRecord } from "effect/Predicate"
 import * as Schema from "effect/Schema"
+import { isUtf8 } from "node:buffer"
 import {
   AgentEvent,
   InterruptReason,
@@ -162,7 +163,7 @@ export const decodeSupervisorFrame = (line: string): Either.Either<SupervisorFra
 /**
  * One frame as a JSON line. A `worker_event` frame is always `{"type":"worker_event","event":
  * {"type":"<event type>",...}}`, the event's own `type` first, so the supervisor can read the
- * type and take the event's JSON text as it is ({@link readWorkerLine}).
+ * type and take the event's JSON as the bytes it came in ({@link readWorkerBytes}).
  */
 export const encodeFrame = (frame: SupervisorFrame | WorkerFrame): string =>
   frame.type === "worker_event" ? encodeEventFrame(frame.event) : JSON.stringify(frame) + "\n"
@@ -242,27 +243,25 @@ const typeAt = (buf: Buffer, start: number, end: number): string => {
  * Reads one line from a worker, `buf[start, end)`. An event frame is not parsed: its type is
  * read from its fixed prefix and its JSON is kept as the bytes it came in, to be logged and sent
  * to clients without being decoded, parsed or encoded again on the supervisor's hottest path.
- * The bytes are trusted as the UTF-8 text of a JSON value: they come from the worker's own
- * `JSON.stringify` (always well-formed) over a private pipe, and a line only counts once its
- * newline has arrived, so a worker killed mid-write leaves no torn frame. Any other line is
- * parsed (and throws if it is not JSON, or is an event frame without an event); other frames
- * are trusted as WorkerProtocol frames.
+ * The bytes are trusted as the text of a JSON value: they come from the worker's own
+ * `JSON.stringify` over a private pipe, and a line only counts once its newline has arrived, so
+ * a worker killed mid-write leaves no torn frame. They are checked as UTF-8 (a native scan):
+ * clients are promised UTF-8 lines, and every store must count and keep the same text; a line
+ * that is not takes the slow path, where invalid bytes become U+FFFD as a decoder makes them.
+ * Any other line is parsed (and throws if it is not JSON, or is an event frame without an
+ * event); other frames are trusted as WorkerProtocol frames.
  */
 export const readWorkerBytes = (buf: Buffer, start: number, end: number): ReceivedFrame => {
   const prefix = EVENT_PREFIX_BYTES.length
   if (end - start > prefix + 2 && buf[end - 1] === CLOSE_BRACE && buf[end - 2] === CLOSE_BRACE && buf.compare(EVENT_PREFIX_BYTES, 0, prefix, start, start + prefix) === 0) {
     const typeStart = start + prefix
-    const typeEnd = buf.indexOf(QUOTE, typeStart)
-    let escaped = false
-    for (let i = typeStart; i < typeEnd; i++) {
-      if (buf[i] === BACKSLASH) {
-        escaped = true
-        break
-      }
-    }
-    // An escape inside the type would need decoding: leave such a line to JSON.parse.
-    if (typeEnd > typeStart && typeEnd < end && !escaped) {
-      return { type: "worker_event", eventType: typeAt(buf, typeStart, typeEnd), eventBytes: buf.subarray(start + EVENT_FRAME_OPEN.length, end - 1) }
+    // The type's closing quote, within the line; an escape inside the type would need decoding:
+    // such a line is left to JSON.parse.
+    let typeEnd = typeStart
+    while (typeEnd < end && buf[typeEnd] !== QUOTE && buf[typeEnd] !== BACKSLASH) typeEnd++
+    if (typeEnd > typeStart && typeEnd < end && buf[typeEnd] === QUOTE) {
+      const eventBytes = buf.subarray(start + EVENT_FRAME_OPEN.length, end - 1)
+      if (isUtf8(eventBytes)) return { type: "worker_event", eventType: typeAt(buf, typeStart, typeEnd), eventBytes }
     }
   }
   const value: unknown = JSON.parse(buf.toString("utf8", start, end))

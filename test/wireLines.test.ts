@@ -2,7 +2,8 @@ import { assert, describe, it } from "@effect/vitest"
 import * as FastCheck from "effect/FastCheck"
 import type * as Cursor from "../src/Cursor.js"
 import { liveTailWriter, wireLineTail } from "../src/internal/delivery/wireLines.js"
-import { putRecordClose, putRecordOpen, recordLine } from "../src/internal/eventLog/records.js"
+import { EncodedEvent } from "../src/EventLog.js"
+import { putRecordClose, putRecordOpen, recordBytes, recordLine } from "../src/internal/eventLog/records.js"
 import * as Utf8Batch from "../src/internal/utf8Batch.js"
 
 const cursor = FastCheck.record({ generation: FastCheck.integer({ min: 1, max: 2 ** 40 }), sequence: FastCheck.maxSafeNat() })
@@ -33,6 +34,29 @@ describe("wire and record bytes written without strings", () => {
       }
       const expected = cursors.map((c) => `{body${wireLineTail(sessionJson, c, emittedAt, false)}`).join("")
       assert.strictEqual(Utf8Batch.take().toString("utf8"), expected)
+    }), { numRuns: 200 })
+  })
+
+  it("an EncodedEvent with parts of bytes: its text, its prefixes, its record's size as the file layer writes it", () => {
+    const piece = FastCheck.oneof(FastCheck.fullUnicodeString({ maxLength: 12 }), FastCheck.constantFrom("é", "\ud83d\ude00", "\n", ""))
+    FastCheck.assert(FastCheck.property(cursor, FastCheck.array(FastCheck.tuple(piece, FastCheck.boolean()), { maxLength: 6 }), (c, pieces) => {
+      const head = `{"type":"session_event","event":{"type":"agent_start"`
+      const parts = [head, ...pieces.map(([text, asBytes]) => (asBytes ? Buffer.from(text, "utf8") : text))]
+      const text = head + pieces.map(([t]) => t).join("")
+      const event = new EncodedEvent(parts)
+      assert.strictEqual(event.json, text)
+      assert.isTrue(event.startsWith(`{"type":"session_event","event":{"type":"agent_start"`))
+      assert.isFalse(event.startsWith(`{"type":"session_event","event":{"type":"agent_end"`))
+      assert.strictEqual(event.charCodeAt(42), text.charCodeAt(42))
+      // What the file layer writes for it, byte for byte, is what every store counts.
+      Utf8Batch.begin()
+      putRecordOpen(c)
+      for (const part of event.parts) typeof part === "string" ? Utf8Batch.put(part) : Utf8Batch.putBytes(part)
+      putRecordClose()
+      const written = Utf8Batch.take()
+      assert.strictEqual(written.toString("utf8"), recordLine(c, text))
+      assert.strictEqual(recordBytes(c, event), written.length)
+      assert.strictEqual(recordBytes(c, text), written.length)
     }), { numRuns: 200 })
   })
 

@@ -32,7 +32,7 @@ export interface Outgoing {
 
 const EVENT_HEAD = `{"type":"session_event","event":`
 
-/** A worker's event, from its JSON text. */
+/** A worker's event, from its JSON as the bytes it came in. */
 export const eventMessage = (eventType: string, eventBytes: Uint8Array): Outgoing => ({ head: EVENT_HEAD, body: eventBytes, eventType })
 
 /** A message the supervisor makes itself (status, closed, an interruption it reports). */
@@ -72,7 +72,7 @@ export const wireLineTail = (sessionJson: string, cursor: Cursor.Cursor, emitted
  */
 export const liveTailWriter = (sessionJson: string, emittedAt: number): (cursor: Cursor.Cursor) => void => {
   let generation = -1
-  let open = EMPTY
+  let open = Buffer.alloc(0)
   const close = Buffer.from(`},"emittedAt":${emittedAt}}}\n`)
   return (cursor) => {
     if (cursor.generation !== generation) {
@@ -84,8 +84,6 @@ export const liveTailWriter = (sessionJson: string, emittedAt: number): (cursor:
     Utf8Batch.putBytes(close)
   }
 }
-
-const EMPTY = Buffer.alloc(0)
 
 /** The wire line of a logged record (replay, catch-up), from its text: `emittedAt` moves into meta. */
 export const wireLineOfRecord = (sessionJson: string, r: EventRecord, replayed: boolean) => {
