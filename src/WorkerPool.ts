@@ -31,7 +31,8 @@ import type * as net from "node:net"
 import { fileURLToPath } from "node:url"
 import * as Metrics from "./Metrics.js"
 import type { Engine } from "./Engine.js"
-import { isBlankBytes, LineDecoder } from "./JsonLines.js"
+import { LineDecoder } from "./JsonLines.js"
+import { FrameInbox } from "./internal/frameInbox.js"
 import * as Worker from "./Worker.js"
 import * as WorkerProtocol from "./WorkerProtocol.js"
 
@@ -101,119 +102,6 @@ const READY_TIMEOUT_MS = 30_000
 
 /** Bytes written to a worker and not yet taken by its pipe past which a sender waits. */
 const RAW_HIGH_WATER_BYTES = 4 * 1024 * 1024
-
-/** Bytes read from a worker and not yet taken past which the link stops reading (backpressure). */
-export const HIGH_WATER_BYTES = 4 * 1024 * 1024
-
-/**
- * Bytes of lines one take decodes at most (about one publish batch: see PUBLISH_BATCH_BYTES).
- * The rest stays as read, off the JS heap, until the next take.
- */
-export const TAKE_BYTES = 256 * 1024
-
-const LF = 10
-
-/** For chunks inside a line: they complete none. */
-const noLine = () => {}
-
-/**
- * Holds a worker's bytes as read and hands them to the one fiber that takes them, decoded into
- * frames a bounded take at a time. Decoding when taken, not when read, is for the heap: a
- * worker runs ahead of the daemon (a turn's events come faster than they are logged and sent),
- * and frames decoded as they arrived waited as JS objects through the group commits before
- * them, survived the young generation's collections and were promoted (bench/hotPath.ts: a
- * third of a warm turn's daemon CPU was GC). Raw chunks wait outside the heap instead.
- * Exported for its tests (test/frameInbox.test.ts).
- */
-export class FrameInbox {
-  private readonly decoder = new LineDecoder(Number.MAX_SAFE_INTEGER)
-  /** Chunks read and not yet decoded, oldest first. */
-  private chunks: Array<Uint8Array> = []
-  private chunkBytes = 0
-  private ended = false
-  private wake: (() => void) | undefined
-
-  constructor(
-    private readonly warn: (message: string) => void,
-    /** Called when the bytes waiting pass HIGH_WATER_BYTES, and when a take brings them under. */
-    private readonly flow: { readonly pause: () => void; readonly resume: () => void }
-  ) {}
-
-  push(chunk: Uint8Array): void {
-    if (chunk.length === 0) return
-    const completesLine = chunk.indexOf(LF) !== -1
-    if (!completesLine && this.chunks.length === 0) {
-      // Inside a long line, with nothing before it left to decode: the decoder keeps it (a view,
-      // off the heap) until the line ends, and it holds back no frame. Queued, a line longer
-      // than HIGH_WATER_BYTES would pause the pipe before the newline that completes it came
-      // (behind queued chunks it can: the next take, finding no frame, decodes them all).
-      this.decoder.pushLines(chunk, noLine)
-      return
-    }
-    this.chunks.push(chunk)
-    this.chunkBytes += chunk.length
-    if (this.chunkBytes > HIGH_WATER_BYTES) this.flow.pause()
-    // A chunk inside a long line completes no frame: nothing to hand over yet.
-    if (completesLine) this.notify()
-  }
-
-  end(): void {
-    this.ended = true
-    this.notify()
-  }
-
-  private notify() {
-    const wake = this.wake
-    this.wake = undefined
-    wake?.()
-  }
-
-  /**
-   * Decodes the oldest chunks, about TAKE_BYTES of them, into frames; all of them when those
-   * give none (inside a long line), so that a take that finds nothing leaves nothing queued.
-   */
-  private decode(): Array<WorkerProtocol.ReceivedFrame> {
-    const frames: Array<WorkerProtocol.ReceivedFrame> = []
-    let used = 0
-    let bytes = 0
-    const onLine = (buf: Buffer, start: number, end: number) => {
-      if (isBlankBytes(buf, start, end)) return
-      try {
-        frames.push(WorkerProtocol.readWorkerBytes(buf, start, end))
-      } catch {
-        this.warn(`unreadable frame dropped: ${buf.toString("utf8", start, Math.min(end, start + 200))}`)
-      }
-    }
-    while (used < this.chunks.length && (bytes < TAKE_BYTES || frames.length === 0)) {
-      const chunk = this.chunks[used++]!
-      bytes += chunk.length
-      this.decoder.pushLines(chunk, onLine)
-    }
-    this.chunks = used === this.chunks.length ? [] : this.chunks.slice(used)
-    this.chunkBytes -= bytes
-    if (this.chunkBytes <= HIGH_WATER_BYTES) this.flow.resume()
-    return frames
-  }
-
-  /** The next frames; none once the pipe has ended and every frame was taken. */
-  readonly take: Effect.Effect<Array<WorkerProtocol.ReceivedFrame>> = Effect.async((resume) => {
-    const deliver = (): boolean => {
-      const frames = this.decode()
-      // Chunks inside a long line gave nothing: wait for the chunk that ends it.
-      if (frames.length === 0 && !this.ended) return false
-      resume(Effect.succeed(frames))
-      return true
-    }
-    if (deliver()) return
-    const retry = () => {
-      if (!deliver()) this.wake = retry
-    }
-    this.wake = retry
-    return Effect.sync(() => {
-      if (this.wake === retry) this.wake = undefined
-    })
-  })
-}
 
 /** A worker child process, on a private pipe (its fd 3). */
 export class WorkerProcess implements WorkerHandle {

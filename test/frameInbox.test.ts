@@ -2,7 +2,7 @@ import { assert, describe, it } from "@effect/vitest"
 import * as Effect from "effect/Effect"
 import * as FastCheck from "effect/FastCheck"
 import * as Fiber from "effect/Fiber"
-import { FrameInbox, HIGH_WATER_BYTES, TAKE_BYTES } from "../src/WorkerPool.js"
+import { FrameInbox, HIGH_WATER_BYTES, TAKE_BYTES } from "../src/internal/frameInbox.js"
 import * as WorkerProtocol from "../src/WorkerProtocol.js"
 
 const tick = () => new Promise((resolve) => setImmediate(resolve))
