@@ -74,10 +74,7 @@ export class LineDecoder {
 
   push(chunk: Uint8Array): Array<LineItem> {
     const out: Array<LineItem> = []
-    this.scan(chunk, (buf, start, end) => {
-      const text = buf.toString("utf8", start, end)
-      if (!isBlank(text)) out.push(text)
-    }, out)
+    this.scan(chunk, textInto(out), out)
     return out
   }
 
@@ -125,12 +122,7 @@ export class LineDecoder {
   /** Ends the stream: a last line without `\n` still counts. */
   end(): Array<LineItem> {
     const out: Array<LineItem> = []
-    if (!this.discarding && this.pieces.length > 0) {
-      this.flushPieces((buf, start, end) => {
-        const text = buf.toString("utf8", start, end)
-        if (!isBlank(text)) out.push(text)
-      })
-    }
+    if (!this.discarding && this.pieces.length > 0) this.flushPieces(textInto(out))
     this.pieces = []
     this.pendingBytes = 0
     this.discarding = false
@@ -158,6 +150,12 @@ export class LineDecoder {
     const buf = Buffer.isBuffer(joined) ? joined : Buffer.from(joined.buffer, joined.byteOffset, joined.byteLength)
     emitRange(buf, 0, buf.length, onLine)
   }
+}
+
+/** Decodes each line it is given and adds it to `out`, unless it is blank (push's lines). */
+const textInto = (out: Array<LineItem>) => (buf: Buffer, start: number, end: number): void => {
+  const text = buf.toString("utf8", start, end)
+  if (!isBlank(text)) out.push(text)
 }
 
 /** Hands on a line's range, without its `\r`, unless it is empty. */

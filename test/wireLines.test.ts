@@ -51,7 +51,7 @@ describe("wire and record bytes written without strings", () => {
       // What the file layer writes for it, byte for byte, is what every store counts.
       Utf8Batch.begin()
       putRecordOpen(c)
-      for (const part of event.parts) typeof part === "string" ? Utf8Batch.put(part) : Utf8Batch.putBytes(part)
+      for (const part of event.parts) Utf8Batch.putPart(part)
       putRecordClose()
       const written = Utf8Batch.take()
       assert.strictEqual(written.toString("utf8"), recordLine(c, text))

@@ -45,6 +45,9 @@ export const putBytes = (bytes: Uint8Array): void => {
   used += bytes.length
 }
 
+/** Appends a piece of text given as a string or as its UTF-8 bytes (an event's part). */
+export const putPart = (part: string | Uint8Array): void => (typeof part === "string" ? put(part) : putBytes(part))
+
 /**
  * Appends a non-negative safe integer in decimal, as `String(n)` writes it, without making that
  * string (a cursor's sequence in every record and wire line: a string each was a fifth of what

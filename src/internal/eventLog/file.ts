@@ -381,7 +381,7 @@ export const make = (options: EventLogOptions): Effect.Effect<EventLogService, E
               if (next.cursor.sequence % MARK_EVERY === 0) marks.push([next.cursor.sequence, h.size + Utf8Batch.size()])
               putRecordOpen(next.cursor)
               if (typeof next.json === "string") Utf8Batch.put(next.json)
-              else for (const part of next.json.parts) typeof part === "string" ? Utf8Batch.put(part) : Utf8Batch.putBytes(part)
+              else for (const part of next.json.parts) Utf8Batch.putPart(part)
               putRecordClose()
               end++
             }

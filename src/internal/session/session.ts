@@ -296,8 +296,7 @@ export const makeCore = (deps: CoreDeps): Core => {
       for (let i = 0; i < messages.length; i++) {
         const m = messages[i]!
         Utf8Batch.put(m.head)
-        if (typeof m.body === "string") Utf8Batch.put(m.body)
-        else Utf8Batch.putBytes(m.body)
+        Utf8Batch.putPart(m.body)
         putTail(cursors[i]!)
         // Counted once logged, so the count never runs ahead of what get_messages can read.
         if (m.eventType === "message_end") s.messageCount++
