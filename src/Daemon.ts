@@ -160,6 +160,7 @@ export const workerPoolLayer: Layer.Layer<WorkerPool.WorkerPool, never, StorageC
     WorkerPool.layer({
       warmSpare: config.warmSpare,
       warmUp: config.warmUp,
+      sessionsPerWorker: config.sessionsPerWorker,
       ...(config.workerNice === undefined ? {} : { nice: config.workerNice }),
       ...(config.workerEntry === undefined ? {} : { workerEntry: config.workerEntry })
     }))

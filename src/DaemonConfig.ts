@@ -20,8 +20,15 @@ export interface DaemonConfigShape {
   readonly socketPath: string
   /** The engine of a `create` that names none. */
   readonly engine: string
-  /** Live worker processes beyond which idle sessions are passivated. */
+  /** Live session workers beyond which idle sessions are passivated. */
   readonly maxWorkers: number
+  /**
+   * Sessions one worker process runs at most (1: a process of its own per session). Above 1,
+   * sessions with no `launchEnv` share worker hosts: far less CPU for sessions streaming at a
+   * model's pace (a process's wake-up is what they cost), but a host's crash interrupts every
+   * session in it (each is restored). See WorkerPool's `sessionsPerWorker`.
+   */
+  readonly sessionsPerWorker: number
   /** Longest inbound line. */
   readonly maxLineBytes: number
   /** Automatic checkpoint after a turn once the generation holds this many events... */
@@ -109,6 +116,7 @@ export const defaults = (stateDir: string = defaultStateDir()): DaemonConfigShap
   socketPath: path.join(stateDir, "agentd.sock"),
   engine: "echo",
   maxWorkers: 32,
+  sessionsPerWorker: 1,
   maxLineBytes: 16 * 1024 * 1024,
   checkpointEvents: 1000,
   checkpointBytes: 8 * 1024 * 1024,
@@ -145,6 +153,7 @@ const count = (name: string, min: number) =>
  */
 export const settings: Config.Config<Partial<DaemonConfigShape>> = Config.all({
   maxWorkers: count("AGENTD_MAX_WORKERS", 1),
+  sessionsPerWorker: count("AGENTD_SESSIONS_PER_WORKER", 1),
   maxLineBytes: count("AGENTD_MAX_LINE_BYTES", 1),
   checkpointEvents: count("AGENTD_CHECKPOINT_EVENTS", 1),
   checkpointBytes: count("AGENTD_CHECKPOINT_BYTES", 1),

@@ -17,6 +17,7 @@ import * as Effect from "effect/Effect"
 import * as Either from "effect/Either"
 import * as Exit from "effect/Exit"
 import * as Fiber from "effect/Fiber"
+import * as FiberId from "effect/FiberId"
 import * as FiberSet from "effect/FiberSet"
 import * as Layer from "effect/Layer"
 import * as Logger from "effect/Logger"
@@ -32,6 +33,7 @@ import type { AgentEvent, AgentMessage, InterruptReason } from "./Protocol.js"
 // Not from ./SnapshotCache.js: that module reads files, and would load the file system layer and node:crypto into every worker.
 import { chunkMessages, DEFAULT_TARGET_CHUNK_BYTES } from "./internal/snapshotCache/messageChunks.js"
 import * as WorkerProtocol from "./WorkerProtocol.js"
+import { chmodSync } from "./internal/fileIoSync.js"
 import * as Utf8Batch from "./internal/utf8Batch.js"
 
 type LoadFrame = typeof WorkerProtocol.Load.Type
@@ -54,17 +56,9 @@ export interface WorkerPipe {
 /** How long a worker whose pipe closed may take to wind down before it exits anyway. */
 const EXIT_GRACE_MS = 2000
 
-/** The private pipe on an inherited fd (a worker process's fd 3). */
-class FdPipe implements WorkerPipe {
-  private readonly socket: net.Socket
-  constructor(fd: number) {
-    this.socket = new net.Socket({ fd, readable: true, writable: true })
-    // The supervisor is gone: the program winds down (its turn interrupted, its warm-up dir
-    // removed), but a worker must never outlive its pipe, whatever hangs on the way out.
-    const exitSoon = () => setTimeout(() => process.exit(0), EXIT_GRACE_MS).unref()
-    this.socket.once("end", exitSoon)
-    this.socket.once("close", exitSoon)
-  }
+/** A link to the supervisor over a socket: a worker's fd 3, or a hosted session's connection. */
+class SocketPipe implements WorkerPipe {
+  constructor(protected readonly socket: net.Socket) {}
 
   /** Writes a frame; resolves once the kernel took it or the pipe drained. */
   send(frame: WorkerProtocol.WorkerFrame): Effect.Effect<void> {
@@ -104,6 +98,23 @@ class FdPipe implements WorkerPipe {
       this.socket.on("close", resolve)
       this.socket.on("error", resolve)
     })
+  }
+
+  /** Ends the link from this side (a hosted session's `stop`). */
+  end(): void {
+    this.socket.end()
+  }
+}
+
+/** The private pipe on an inherited fd (a worker process's fd 3). */
+class FdPipe extends SocketPipe {
+  constructor(fd: number) {
+    super(new net.Socket({ fd, readable: true, writable: true }))
+    // The supervisor is gone: the program winds down (its turn interrupted, its warm-up dir
+    // removed), but a worker must never outlive its pipe, whatever hangs on the way out.
+    const exitSoon = () => setTimeout(() => process.exit(0), EXIT_GRACE_MS).unref()
+    this.socket.once("end", exitSoon)
+    this.socket.once("close", exitSoon)
   }
 }
 
@@ -423,11 +434,36 @@ const IDLE_GC_MS = 1000
  * flag saved as much but compacted every full GC of a turn too, a worker's CPU per event in a
  * burst 6.7 -> 8.8 us (bench/hotPath.ts, 3 runs each, load 4-5).
  */
-class IdleCollector {
+export class IdleCollector {
   private timer: ReturnType<typeof setTimeout> | undefined
+  /** Sessions of this process that are busy (a host runs several: it collects when all are idle). */
+  private busyMembers = 0
 
-  idle(): void {
-    this.busy()
+  /** A session's (or a spare's) say in when the process is idle; it starts busy. */
+  member(): { readonly idle: () => void; readonly busy: () => void } {
+    let busy = true
+    this.busyMembers++
+    this.cancel()
+    return {
+      idle: () => {
+        if (busy) {
+          busy = false
+          this.busyMembers--
+        }
+        if (this.busyMembers === 0) this.schedule()
+      },
+      busy: () => {
+        if (!busy) {
+          busy = true
+          this.busyMembers++
+        }
+        this.cancel()
+      }
+    }
+  }
+
+  private schedule(): void {
+    this.cancel()
     const gc = globalThis.gc
     if (typeof gc !== "function") return
     this.timer = setTimeout(() => {
@@ -437,7 +473,7 @@ class IdleCollector {
     this.timer.unref()
   }
 
-  busy(): void {
+  private cancel(): void {
     if (this.timer !== undefined) clearTimeout(this.timer)
     this.timer = undefined
   }
@@ -480,8 +516,12 @@ export interface RunOptions {
   readonly exit?: Effect.Effect<void>
   /** Told the session's id when the `load` frame comes, before anything else of the session. */
   readonly onSession?: (activeSessionId: string) => void
-  /** Collect garbage whenever the worker goes idle (its own process only: see IdleCollector). */
-  readonly collectWhenIdle?: boolean
+  /**
+   * Collect garbage whenever the worker goes idle (its own process only: see IdleCollector):
+   * `true` for a collector of its own, or the collector it shares with the other sessions of
+   * its process (a host), which collects once all of them are idle.
+   */
+  readonly collectWhenIdle?: boolean | IdleCollector
 }
 
 /**
@@ -494,7 +534,11 @@ export const run = (pipe: WorkerPipe, options: RunOptions = {}) =>
     const engines = yield* Engine
     const pid = options.pid ?? process.pid
     const fibers = yield* FiberSet.make()
-    const collector = options.collectWhenIdle === true ? new IdleCollector() : undefined
+    const collector = options.collectWhenIdle === undefined || options.collectWhenIdle === false
+      ? undefined
+      : (options.collectWhenIdle === true ? new IdleCollector() : options.collectWhenIdle).member()
+    // A session leaving a host must not keep it busy for the others.
+    if (collector !== undefined) yield* Effect.addFinalizer(() => Effect.sync(() => collector.idle()))
     let session: LoadedSession | undefined
     /** A session whose restore frames are coming in (between `load` and `restore_end`). */
     let restoring: {
@@ -710,6 +754,61 @@ export const run = (pipe: WorkerPipe, options: RunOptions = {}) =>
   }).pipe(Effect.scoped)
 
 /**
+ * A worker host: one process running several sessions (the pool's `sessionsPerWorker`), each on a
+ * connection of its own that the supervisor opens to `socketPath` (a Unix socket in a private
+ * directory of the daemon's), and over which it speaks WorkerProtocol exactly as to a worker of
+ * its own: `load` (fresh or restoring), prompts, aborts, `stop`. The host's fd 3 is its lifeline:
+ * it says `worker_ready` there once it listens, and exits when that pipe closes, taking its
+ * sessions with it. A session's `stop` ends its connection; the host goes on with the others.
+ *
+ * What it buys: a process woken by a timer costs ~120-150 us of CPU per wake-up here whatever it
+ * does (bench/streaming.ts), so sessions streaming at a model's pace each in a process of its own
+ * spend most of the machine waking processes up. What it costs: a crash of the host is a crash of
+ * every session it runs (each is restored, as after any worker crash), and its sessions share one
+ * process's CPU and heap.
+ */
+export const runHost = (control: WorkerPipe, socketPath: string) =>
+  Effect.gen(function*() {
+    const engines = yield* Engine
+    const fibers = yield* FiberSet.make()
+    const runFork = yield* FiberSet.runtime(fibers)<Engine>()
+    const collector = new IdleCollector()
+    const spareMember = collector.member()
+    // Warmed like a spare, until its first session connects.
+    let warmUp: Fiber.RuntimeFiber<void> | undefined = runFork(
+      warmUpRestore.pipe(
+        Effect.zipRight(warmUpTurnPath(engines, 3).pipe(Effect.catchAllCause((cause) => Effect.logDebug("turn warm-up skipped", cause)))),
+        Effect.asVoid,
+        Effect.ensuring(Effect.sync(() => spareMember.idle()))
+      )
+    )
+    const server = net.createServer((socket) => {
+      if (warmUp !== undefined) {
+        warmUp.unsafeInterruptAsFork(FiberId.none)
+        warmUp = undefined
+      }
+      const pipe = new SocketPipe(socket)
+      socket.on("error", () => {})
+      runFork(
+        run(pipe, { collectWhenIdle: collector, exit: Effect.sync(() => pipe.end()) }).pipe(
+          Effect.catchAllCause((cause) => Effect.logError("a hosted session failed", cause)),
+          Effect.ensuring(Effect.sync(() => socket.destroy()))
+        )
+      )
+    })
+    yield* Effect.async<void, Error>((resume) => {
+      server.once("error", (err) => resume(Effect.fail(err)))
+      server.listen(socketPath, () => resume(Effect.void))
+    })
+    // Only the daemon's user may connect (its directory is private too).
+    chmodSync(socketPath, 0o600)
+    yield* Effect.addFinalizer(() => Effect.sync(() => server.close()))
+    yield* control.send({ type: "worker_ready", pid: process.pid, messageCount: 0 })
+    // The supervisor sends nothing else on this pipe: it closes it (or sends `stop`) to end the host.
+    yield* Effect.promise(() => control.lines(() => process.exit(0)))
+  }).pipe(Effect.scoped)
+
+/**
  * The worker process entry: fd 3 is the pipe; exits when the supervisor goes away. `engines`
  * is the registry the worker loads a session's engine from by name: an embedder with engines of
  * its own writes a one-line entry calling `main(itsEngines)` and names it as the daemon's
@@ -728,6 +827,18 @@ export const main = (engines: Layer.Layer<Engine> = BuiltinEngines.layer): void 
   // A profiled worker (AGENTD_WORKER_NODE_ARGS=--cpu-prof) is stopped by SIGTERM: exiting
   // from it lets Node write the profile, which a death by the signal would not.
   if (process.execArgv.some((arg) => arg.startsWith("--cpu-prof"))) process.once("SIGTERM", () => process.exit(0))
+  const hostPath = process.argv.find((arg) => arg.startsWith(WorkerProtocol.HOST_FLAG))?.slice(WorkerProtocol.HOST_FLAG.length)
+  const logged = <A, E>(program: Effect.Effect<A, E, Engine>) =>
+    program.pipe(
+      Effect.tapErrorCause((cause) => Effect.logError("the worker failed", cause)),
+      // stdout and stderr are copied to the daemon's log; the default logger would use stdout.
+      Effect.provide(Layer.merge(engines, Logger.replace(Logger.defaultLogger, Logger.prettyLogger({ stderr: true, colors: false }))))
+    )
+  if (hostPath !== undefined) {
+    process.title = `${WorkerProtocol.WORKER_TITLE_PREFIX}host`
+    Effect.runPromiseExit(logged(runHost(pipe, hostPath))).then((exit) => process.exit(Exit.isSuccess(exit) ? 0 : 1))
+    return
+  }
   const warmUp = process.argv.includes(WorkerProtocol.WARM_UP_FLAG)
   // The process table names the session this worker runs (`/proc/PID/cmdline` on Linux, which
   // keeps a title within the length of the original argv: see `workerTitleKey`), so that "at
@@ -736,12 +847,7 @@ export const main = (engines: Layer.Layer<Engine> = BuiltinEngines.layer): void 
   const onSession = (id: string) => {
     process.title = `${WorkerProtocol.WORKER_TITLE_PREFIX}${WorkerProtocol.workerTitleKey(id)}`
   }
-  const program = run(pipe, { warmUp, onSession, collectWhenIdle: true }).pipe(
-    Effect.tapErrorCause((cause) => Effect.logError("the worker failed", cause)),
-    // stdout and stderr are copied to the daemon's log; the default logger would use stdout.
-    Effect.provide(Layer.merge(engines, Logger.replace(Logger.defaultLogger, Logger.prettyLogger({ stderr: true, colors: false }))))
-  )
-  Effect.runPromiseExit(program).then((exit) => {
+  Effect.runPromiseExit(logged(run(pipe, { warmUp, onSession, collectWhenIdle: true }))).then((exit) => {
     // The supervisor is gone (or we failed): a worker never outlives its pipe.
     process.exit(Exit.isSuccess(exit) ? 0 : 1)
   })

@@ -15,6 +15,7 @@ import * as Clock from "effect/Clock"
 import * as Deferred from "effect/Deferred"
 import * as Duration from "effect/Duration"
 import * as Effect from "effect/Effect"
+import * as Exit from "effect/Exit"
 import * as FiberId from "effect/FiberId"
 import * as FiberSet from "effect/FiberSet"
 import * as Layer from "effect/Layer"
@@ -25,9 +26,10 @@ import * as ScheduleIntervals from "effect/ScheduleIntervals"
 import * as Schema from "effect/Schema"
 import type * as Scope from "effect/Scope"
 import { type ChildProcess, spawn } from "node:child_process"
-import { availableParallelism, setPriority } from "node:os"
-import { existsSync, writeFileSync } from "./internal/fileIoSync.js"
-import type * as net from "node:net"
+import { existsSync, mkdtempSync, readdirSync, rmSync, writeFileSync } from "./internal/fileIoSync.js"
+import * as net from "node:net"
+import * as os from "node:os"
+import * as path from "node:path"
 import { fileURLToPath } from "node:url"
 import * as Metrics from "./Metrics.js"
 import type { Engine } from "./Engine.js"
@@ -103,21 +105,11 @@ const READY_TIMEOUT_MS = 30_000
 /** Bytes written to a worker and not yet taken by its pipe past which a sender waits. */
 const RAW_HIGH_WATER_BYTES = 4 * 1024 * 1024
 
-/** A worker child process, on a private pipe (its fd 3). */
-export class WorkerProcess implements WorkerHandle {
+/** The supervisor's end of a link to a worker: frames in (decoded when taken), frames and raw lines out. */
+abstract class WorkerLink {
   private readonly inbox: FrameInbox
-  readonly exited: Deferred.Deferred<WorkerExit>
-  activeSessionId: string | undefined
-  stopping = false
 
-  constructor(
-    readonly child: ChildProcess,
-    readonly pipe: net.Socket,
-    exited: Deferred.Deferred<WorkerExit>,
-    /** Logs through the daemon's logger. */
-    warn: (message: string) => void = () => {}
-  ) {
-    this.exited = exited
+  constructor(readonly pipe: net.Socket, warn: (message: string) => void) {
     this.inbox = new FrameInbox((message) => warn(`worker ${this.pid}: ${message}`), {
       pause: () => pipe.pause(),
       resume: () => {
@@ -131,9 +123,7 @@ export class WorkerProcess implements WorkerHandle {
     pipe.on("error", end)
   }
 
-  get pid(): number {
-    return this.child.pid ?? -1
-  }
+  abstract get pid(): number
 
   get takeFrames(): Effect.Effect<Array<WorkerProtocol.ReceivedFrame>> {
     return this.inbox.take
@@ -157,6 +147,33 @@ export class WorkerProcess implements WorkerHandle {
       this.pipe.on("drain", done)
       this.pipe.on("close", done)
     })
+  }
+}
+
+/** A worker child process, on a private pipe (its fd 3). */
+export class WorkerProcess extends WorkerLink implements WorkerHandle {
+  readonly exited: Deferred.Deferred<WorkerExit>
+  activeSessionId: string | undefined
+  stopping = false
+
+  constructor(
+    readonly child: ChildProcess,
+    pipe: net.Socket,
+    exited: Deferred.Deferred<WorkerExit>,
+    /** Logs through the daemon's logger. */
+    warn: (message: string) => void = () => {}
+  ) {
+    super(pipe, warn)
+    this.exited = exited
+  }
+
+  get pid(): number {
+    return this.child.pid ?? -1
+  }
+
+  /** Whether the process has exited (its `exit` event may still be on its way to `exited`). */
+  get gone(): boolean {
+    return this.child.exitCode !== null || this.child.signalCode !== null
   }
 
   kill(): void {
@@ -186,6 +203,69 @@ export class WorkerProcess implements WorkerHandle {
   }
 }
 
+/**
+ * How long a hosted session's connection may be closed before its host's exit is known, for the
+ * session to end with the host's exit (a crash of the host) rather than as a session of its own.
+ */
+const HOST_EXIT_WAIT_MS = 1000
+
+/**
+ * A session in a worker host (`sessionsPerWorker` > 1): its own connection to a process that runs
+ * several. Its pid is the host's; it ends when its connection closes: asked to (`stop`), killed
+ * (`kill`: its connection cut, as SIGKILL would cut a worker's pipe), or with the host, whose exit
+ * (a crash: code, signal) is then its own.
+ */
+export class HostedWorker extends WorkerLink implements WorkerHandle {
+  readonly exited = Deferred.unsafeMake<WorkerExit>(FiberId.none)
+  activeSessionId: string | undefined
+  stopping = false
+  private killed = false
+
+  constructor(readonly host: WorkerProcess, pipe: net.Socket, warn: (message: string) => void) {
+    super(pipe, warn)
+    pipe.once("close", () => this.closed())
+  }
+
+  get pid(): number {
+    return this.host.pid
+  }
+
+  private closed(): void {
+    const done = (exit: WorkerExit) => Deferred.unsafeDone(this.exited, Exit.succeed(exit))
+    if (this.stopping) return done({ code: 0, signal: null })
+    if (this.killed) return done({ code: null, signal: "SIGKILL" })
+    // Not asked to end: the host is dying (its exit is on its way), or the session's program
+    // in it ended by itself, a crash of that session alone.
+    const timer = setTimeout(() => done({ code: 1, signal: null }), HOST_EXIT_WAIT_MS)
+    timer.unref()
+    const onExit = (code: number | null, signal: NodeJS.Signals | null) => {
+      clearTimeout(timer)
+      done({ code, signal })
+    }
+    if (this.host.gone) onExit(this.host.child.exitCode, this.host.child.signalCode)
+    else this.host.child.once("exit", onExit)
+  }
+
+  kill(): void {
+    this.killed = true
+    this.pipe.destroy()
+  }
+
+  /** `stop`: the connection's end (the host ends the session's program), cut after `graceMs`. */
+  stop(graceMs = 2000): Effect.Effect<WorkerExit> {
+    return Effect.suspend(() => {
+      this.stopping = true
+      if (!this.pipe.destroyed) {
+        this.pipe.end()
+        const fallback = setTimeout(() => this.pipe.destroy(), graceMs)
+        fallback.unref()
+        this.pipe.once("close", () => clearTimeout(fallback))
+      }
+      return Deferred.await(this.exited)
+    })
+  }
+}
+
 /** Options of the pool. */
 export interface WorkerPoolOptions {
   /** Keep one worker started ahead of need (default true). */
@@ -203,6 +283,13 @@ export interface WorkerPoolOptions {
    * one of them to be ready. See {@link defaultStartConcurrency}.
    */
   readonly startConcurrency?: number
+  /**
+   * Sessions one worker process runs at most (default 1: a process of its own per session).
+   * Above 1, sessions started with no environment of their own share worker hosts
+   * (Worker.ts, `runHost`), each on a connection of its own; a session with a `launchEnv` still
+   * gets a process of its own.
+   */
+  readonly sessionsPerWorker?: number
 }
 
 /**
@@ -213,7 +300,7 @@ export interface WorkerPoolOptions {
  * a few at a time, each start takes what it costs and the ready timeout measures one start, not
  * a queue.
  */
-export const defaultStartConcurrency = (): number => Math.max(2, availableParallelism())
+export const defaultStartConcurrency = (): number => Math.max(2, os.availableParallelism())
 
 /** Starts and tracks worker processes. */
 export class WorkerPool extends Context.Tag("agentd/WorkerPool")<WorkerPool, {
@@ -307,7 +394,7 @@ export const LEAN_WORKER_FLAGS: ReadonlyArray<string> = [
  */
 const lowerPriority = (pid: number, nice: number, warn: (message: string) => void) => {
   try {
-    setPriority(pid, nice)
+    os.setPriority(pid, nice)
   } catch (e) {
     warn(`worker ${pid}: cannot set its niceness to ${nice}: ${String(e)}`)
   }
@@ -346,6 +433,44 @@ const startAndAwaitReady = <W extends WorkerHandle, E>(start: Effect.Effect<W, E
     Effect.flatMap(start, (worker) => restore(awaitReady(worker)).pipe(Effect.onInterrupt(() => worker.stop(500))))
   )
 
+/**
+ * The private directory (0700) of this daemon's worker hosts' sockets, in the temp dir: a state
+ * dir's path may be too long for a Unix socket's. Named after the daemon's pid: those of daemons
+ * no longer running (SIGKILLed: no pool finalizer removed them) are removed first.
+ */
+const makeHostDir = (): string => {
+  const prefix = "agentd-hosts-"
+  try {
+    for (const name of readdirSync(os.tmpdir())) {
+      const pid = Number(name.slice(prefix.length).split("-")[0])
+      if (!name.startsWith(prefix) || !Number.isInteger(pid) || pid <= 0 || isRunning(pid)) continue
+      rmSync(path.join(os.tmpdir(), name), { recursive: true, force: true })
+    }
+  } catch {
+    // Best effort: a leftover directory holds no session data, only dead sockets.
+  }
+  return mkdtempSync(path.join(os.tmpdir(), `${prefix}${process.pid}-`))
+}
+
+/** Whether a process with this pid runs (EPERM: one of another user's, running). */
+const isRunning = (pid: number): boolean => {
+  try {
+    process.kill(pid, 0)
+    return true
+  } catch (e) {
+    return (e as NodeJS.ErrnoException).code === "EPERM"
+  }
+}
+
+/** A worker host of the pool and the sessions it runs. */
+interface Host {
+  readonly control: WorkerProcess
+  readonly socketPath: string
+  readonly sessions: Set<HostedWorker>
+  /** Sessions on their way in (connecting). */
+  reserved: number
+}
+
 /** Builds the pool; every worker is stopped when the scope closes. */
 export const make = (options: WorkerPoolOptions = {}) =>
   Effect.gen(function*() {
@@ -357,10 +482,10 @@ export const make = (options: WorkerPoolOptions = {}) =>
      * Spawns a worker and waits until it is ready, once one of the `starts` permits is free. The
      * worker gets the daemon's environment of now, when it is asked for, not of when it spawns.
      */
-    const startLimited = (env: Readonly<Record<string, string>> | undefined, spare = false) => {
+    const startLimited = (env: Readonly<Record<string, string>> | undefined, spare = false, hostPath?: string) => {
       const now: Record<string, string> = {}
       for (const [key, value] of Object.entries(process.env)) if (value !== undefined) now[key] = value
-      return starts.withPermits(1)(startAndAwaitReady(spawnWorker(env === undefined ? now : Object.assign(now, env), spare)))
+      return starts.withPermits(1)(startAndAwaitReady(spawnWorker(env === undefined ? now : Object.assign(now, env), spare, hostPath)))
     }
     /** Sessions whose worker crashed: their next worker counts as a restart (metrics). */
     const crashed = new Set<string>()
@@ -387,13 +512,18 @@ export const make = (options: WorkerPoolOptions = {}) =>
     }
 
     /** A spare also warms up its restore path while it waits (see `Worker.warmUpRestore`). */
-    const spawnWorker = (env: Readonly<Record<string, string>> | undefined, spare = false) =>
+    const spawnWorker = (env: Readonly<Record<string, string>> | undefined, spare = false, hostPath?: string) =>
       Effect.gen(function*() {
         if (closing) return yield* new WorkerSpawnError({ message: "the daemon is stopping" })
         const exited = yield* Deferred.make<WorkerExit>()
         const child = yield* Effect.try({
           try: () =>
-            spawn(process.execPath, [...execArgv, entry, ...(spare && options.warmUp !== false ? [WorkerProtocol.WARM_UP_FLAG] : [])], {
+            spawn(process.execPath, [
+              ...execArgv,
+              entry,
+              ...(spare && options.warmUp !== false ? [WorkerProtocol.WARM_UP_FLAG] : []),
+              ...(hostPath === undefined ? [] : [`${WorkerProtocol.HOST_FLAG}${hostPath}`])
+            ], {
               stdio: ["ignore", "pipe", "pipe", "pipe"],
               env: env === undefined ? process.env : { ...process.env, ...env },
               // A process group (and session) of its own: a terminal's Ctrl-C, sent to the
@@ -446,6 +576,91 @@ export const make = (options: WorkerPoolOptions = {}) =>
         return worker
       })
 
+    // Worker hosts (`sessionsPerWorker` > 1): processes running several sessions, each reached
+    // on a Unix socket of its own in a private directory (0700, removed when the pool closes).
+    const perWorker = Math.max(1, Math.floor(options.sessionsPerWorker ?? 1))
+    const hostDir = perWorker > 1 ? makeHostDir() : undefined
+    const hosts = new Set<Host>()
+    let spareHost: Effect.Effect<Host, WorkerSpawnError> | undefined
+    let hostCount = 0
+    const hasRoom = (host: Host) => !host.control.gone && host.sessions.size + host.reserved < perWorker
+    /** The fullest host with room: sessions packed into as few processes as they need. */
+    const hostWithRoom = (): Host | undefined => {
+      let best: Host | undefined
+      for (const host of hosts) {
+        if (hasRoom(host) && (best === undefined || host.sessions.size + host.reserved > best.sessions.size + best.reserved)) best = host
+      }
+      return best
+    }
+    const startHost = (): Effect.Effect<Host, WorkerSpawnError> =>
+      Effect.suspend(() => {
+        const socketPath = path.join(hostDir!, `h${hostCount++}.sock`)
+        return Effect.map(startLimited(undefined, false, socketPath), (control) => {
+          const host: Host = { control, socketPath, sessions: new Set(), reserved: 0 }
+          hosts.add(host)
+          control.child.once("exit", () => {
+            hosts.delete(host)
+            rmSync(socketPath, { force: true })
+          })
+          return host
+        })
+      })
+    /** A host that has no session left is stopped, unless it is the only room for the next one. */
+    const retireIfEmpty = (host: Host) => {
+      if (closing || host.sessions.size > 0 || host.reserved > 0 || host.control.gone) return
+      for (const other of hosts) {
+        if (other !== host && hasRoom(other)) {
+          runSpare(Effect.asVoid(host.control.stop()))
+          return
+        }
+      }
+    }
+    const connectTo = (host: Host) =>
+      Effect.async<net.Socket, WorkerSpawnError>((resume) => {
+        const socket = net.createConnection(host.socketPath)
+        const failed = (err: Error) => resume(Effect.fail(new WorkerSpawnError({ message: `cannot reach worker host ${host.control.pid}: ${err.message}` })))
+        socket.once("error", failed)
+        socket.once("connect", () => {
+          socket.off("error", failed)
+          // Like a worker's pipe, a session's connection does not keep the daemon alive.
+          socket.unref()
+          resume(Effect.succeed(socket))
+        })
+      })
+    /** A session's place in a host with room; a new host when none has any. */
+    const acquireHosted: Effect.Effect<HostedWorker, WorkerSpawnError> = Effect.gen(function*() {
+      let host = hostWithRoom()
+      while (host === undefined) {
+        const taken = spareHost
+        spareHost = undefined
+        const started = taken === undefined ? undefined : yield* Effect.orElseSucceed(taken, () => undefined)
+        if (started === undefined) yield* startHost()
+        host = hostWithRoom()
+      }
+      const chosen = host
+      chosen.reserved++
+      // The next session will need a host of its own: start it ahead, as a spare.
+      if (hostWithRoom() === undefined && spareHost === undefined) setImmediate(() => startSpare())
+      const socket = yield* connectTo(chosen).pipe(Effect.ensuring(Effect.sync(() => chosen.reserved--)))
+      const worker = new HostedWorker(chosen.control, socket, warn)
+      chosen.sessions.add(worker)
+      Metrics.count(Metrics.workerStarts)
+      worker.pipe.once("close", () => {
+        // Its `exited` completes with the host's exit when the host died: counted then.
+        Deferred.await(worker.exited).pipe(
+          Effect.map((exit) => {
+            chosen.sessions.delete(worker)
+            if (!worker.stopping && !closing && !(exit.code === null && exit.signal === "SIGKILL" && !chosen.control.gone)) {
+              if (worker.activeSessionId !== undefined) crashed.add(worker.activeSessionId)
+            }
+            retireIfEmpty(chosen)
+          }),
+          runSpare
+        )
+      })
+      return yield* startAndAwaitReady(Effect.succeed(worker))
+    })
+
     /** Acquisitions (and their restores) under way, and turns starting, that hold the next spare's start. */
     let holds = 0
     /** The next spare is wanted and held: a timer starts it SPARE_HOLD_MS after it was first wanted. */
@@ -464,6 +679,12 @@ export const make = (options: WorkerPoolOptions = {}) =>
         clearTimeout(heldSpareTimer)
         heldSpareTimer = undefined
       }
+      if (perWorker > 1) {
+        const outcome = Deferred.unsafeMake<Host, WorkerSpawnError>(FiberId.none)
+        runSpare(Effect.flatMap(Effect.exit(startHost()), (exit) => Deferred.done(outcome, exit)))
+        spareHost = Deferred.await(outcome)
+        return
+      }
       // Started now: the process boots while nobody waits for it; whoever takes it waits for its outcome.
       const outcome = Deferred.unsafeMake<WorkerProcess, WorkerSpawnError>(FiberId.none)
       runSpare(Effect.flatMap(Effect.exit(startLimited(undefined, true)), (exit) => Deferred.done(outcome, exit)))
@@ -473,7 +694,11 @@ export const make = (options: WorkerPoolOptions = {}) =>
     yield* Effect.addFinalizer(() =>
       Effect.suspend(() => {
         closing = true
-        return Effect.forEach([...workers], (w) => w.stop(), { concurrency: "unbounded", discard: true })
+        return Effect.forEach([...workers], (w) => w.stop(), { concurrency: "unbounded", discard: true }).pipe(
+          Effect.ensuring(Effect.sync(() => {
+            if (hostDir !== undefined) rmSync(hostDir, { recursive: true, force: true })
+          }))
+        )
       })
     )
     startSpare()
@@ -482,7 +707,7 @@ export const make = (options: WorkerPoolOptions = {}) =>
     let fences = 0
     const unfenced = Effect.unsafeMakeLatch(true)
 
-    const acquire = (activeSessionId: string, env?: Readonly<Record<string, string>>): Effect.Effect<WorkerProcess, WorkerSpawnError> =>
+    const acquire = (activeSessionId: string, env?: Readonly<Record<string, string>>): Effect.Effect<WorkerHandle, WorkerSpawnError> =>
       Effect.gen(function*() {
         yield* unfenced.await
         const worker = yield* acquireUnfenced(env)
@@ -496,8 +721,10 @@ export const make = (options: WorkerPoolOptions = {}) =>
         return worker
       })
 
-    const acquireUnfenced = (env?: Readonly<Record<string, string>>) =>
+    const acquireUnfenced = (env?: Readonly<Record<string, string>>): Effect.Effect<WorkerHandle, WorkerSpawnError> =>
       Effect.gen(function*() {
+        // A session with an environment of its own gets a process of its own.
+        if (perWorker > 1 && env === undefined) return yield* acquireHosted
         let worker: WorkerProcess | undefined
         if (env === undefined && spare !== undefined) {
           const taken = spare
@@ -511,9 +738,7 @@ export const make = (options: WorkerPoolOptions = {}) =>
             Effect.onInterrupt(() => Effect.ignore(Effect.flatMap(taken, (w) => w.stop())))
           )
           // A spare that died meanwhile is no use: fall through to a fresh spawn.
-          if (worker !== undefined && (worker.child.exitCode !== null || worker.child.signalCode !== null)) {
-            worker = undefined
-          }
+          if (worker?.gone === true) worker = undefined
         }
         if (worker === undefined) worker = yield* startLimited(env)
         return worker
@@ -524,6 +749,7 @@ export const make = (options: WorkerPoolOptions = {}) =>
         fences++
         unfenced.unsafeClose()
         for (const worker of workers) if (worker.activeSessionId !== undefined) worker.kill()
+        for (const host of hosts) if (host.sessions.size > 0 || host.reserved > 0) host.control.kill()
       }),
       () =>
         Effect.sync(() => {
@@ -552,7 +778,11 @@ export const make = (options: WorkerPoolOptions = {}) =>
 
     return WorkerPool.of({
       acquire,
-      live: Effect.sync(() => [...workers]),
+      live: Effect.sync(() => {
+        const live: Array<WorkerHandle> = [...workers]
+        for (const host of hosts) live.push(...host.sessions)
+        return live
+      }),
       holdSpare,
       deferSpare,
       fence

@@ -29,6 +29,12 @@ import * as Utf8Batch from "./internal/utf8Batch.js"
 export const WARM_UP_FLAG = "--warm-up"
 
 /**
+ * The worker argument that makes it a host of several sessions (`--host=<socket path>`): each
+ * session on a connection of its own to that Unix socket (Worker.ts, `runHost`).
+ */
+export const HOST_FLAG = "--host="
+
+/**
  * A worker's process title once it runs a session: this prefix, then {@link workerTitleKey} of
  * the session's id.
  */

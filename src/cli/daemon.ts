@@ -65,6 +65,7 @@ export const detach = (ctx: Context, options: ServeOptions, self: ReadonlyArray<
       options.socketPath,
       ...(options.engine === undefined ? [] : ["--engine", options.engine]),
       ...(options.maxWorkers === undefined ? [] : ["--max-workers", String(options.maxWorkers)]),
+      ...(options.sessionsPerWorker === undefined ? [] : ["--sessions-per-worker", String(options.sessionsPerWorker)]),
       ...(options.shutdownGraceMs === undefined ? [] : ["--shutdown-grace-ms", String(options.shutdownGraceMs)]),
       ...(options.logLevel === undefined ? [] : ["--log-level", options.logLevel]),
       ...(options.store === undefined ? [] : ["--store", options.store]),

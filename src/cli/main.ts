@@ -42,6 +42,7 @@ export interface ServeOptions {
   readonly socketPath: string
   readonly engine: string | undefined
   readonly maxWorkers: number | undefined
+  readonly sessionsPerWorker?: number | undefined
   readonly shutdownGraceMs: number | undefined
   readonly logLevel: string | undefined
   readonly store?: string | undefined
@@ -110,7 +111,15 @@ export const commands: ReadonlyArray<CommandSpec> = [
         kind: "integer",
         value: "N",
         min: 1,
-        description: "Live worker processes beyond which the least recently used idle session is passivated (default 32)."
+        description: "Live session workers beyond which the least recently used idle session is passivated (default 32)."
+      },
+      {
+        name: "sessions-per-worker",
+        kind: "integer",
+        value: "N",
+        min: 1,
+        description:
+          "Sessions one worker process runs at most (default 1, or $AGENTD_SESSIONS_PER_WORKER). Above 1, sessions share processes: much less CPU at a model's pace, but a crash interrupts every session of its process."
       },
       {
         name: "shutdown-grace-ms",

@@ -39,6 +39,7 @@ export const serveOptionsOf = (p: Parsed, socketPath: string): ServeOptions => {
     socketPath,
     engine: p.options.get("engine") as string | undefined,
     maxWorkers: int("max-workers"),
+    sessionsPerWorker: int("sessions-per-worker"),
     shutdownGraceMs: int("shutdown-grace-ms"),
     logLevel: p.options.get("log-level") as string | undefined,
     store: p.options.get("store") as string | undefined,

@@ -79,6 +79,7 @@ const runDaemon = (options: ServeOptions & { readonly workerEntry: string }): vo
     workerEntry: options.workerEntry,
     ...(options.engine === undefined ? {} : { engine: options.engine }),
     ...(options.maxWorkers === undefined ? {} : { maxWorkers: options.maxWorkers }),
+    ...(options.sessionsPerWorker === undefined ? {} : { sessionsPerWorker: options.sessionsPerWorker }),
     ...(options.shutdownGraceMs === undefined ? {} : { shutdownGraceMs: options.shutdownGraceMs }),
     ...(options.store === undefined ? {} : { store: options.store }),
     ...(options.http === undefined ? {} : { http: options.http }),
