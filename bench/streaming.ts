@@ -148,6 +148,8 @@ const TOKEN_DELAY_MS = 20
 const TIMEOUT_MS = 180_000
 /** AGENTD_BENCH_WORKER_NICE: the daemon's AGENTD_WORKER_NICE (its workers' niceness) for the run. */
 const WORKER_NICE = process.env["AGENTD_BENCH_WORKER_NICE"]
+/** AGENTD_BENCH_SESSIONS_PER_WORKER: the daemon's `--sessions-per-worker` for the run (default 1). */
+const PER_WORKER = process.env["AGENTD_BENCH_SESSIONS_PER_WORKER"]
 
 const cpuMicros = (pid: number): number => (cpuTicksOf(pid) ?? 0) * 10_000
 
@@ -399,7 +401,12 @@ const streamDaemon = (bin: string | undefined) => {
   return withDaemon(
     {
       ...(bin === undefined ? {} : { bin }),
-      env: { AGENTD_MAX_WORKERS: String(SESSIONS), ...pool, ...(WORKER_NICE === undefined ? {} : { AGENTD_WORKER_NICE: WORKER_NICE }) },
+      env: {
+        AGENTD_MAX_WORKERS: String(SESSIONS),
+        ...pool,
+        ...(WORKER_NICE === undefined ? {} : { AGENTD_WORKER_NICE: WORKER_NICE }),
+        ...(PER_WORKER === undefined ? {} : { AGENTD_SESSIONS_PER_WORKER: PER_WORKER })
+      },
       // e.g. AGENTD_BENCH_DAEMON_NODE_ARGS=--cpu-prof to profile the daemon over the run.
       nodeArgs: (process.env["AGENTD_BENCH_DAEMON_NODE_ARGS"] ?? "").split(" ").filter((a) => a !== "")
     },

@@ -19,6 +19,7 @@ import * as Exit from "effect/Exit"
 import * as FiberId from "effect/FiberId"
 import * as FiberSet from "effect/FiberSet"
 import * as Layer from "effect/Layer"
+import * as Option from "effect/Option"
 import * as Schedule from "effect/Schedule"
 import * as ScheduleDecision from "effect/ScheduleDecision"
 import * as ScheduleInterval from "effect/ScheduleInterval"
@@ -581,7 +582,8 @@ export const make = (options: WorkerPoolOptions = {}) =>
     const perWorker = Math.max(1, Math.floor(options.sessionsPerWorker ?? 1))
     const hostDir = perWorker > 1 ? makeHostDir() : undefined
     const hosts = new Set<Host>()
-    let spareHost: Effect.Effect<Host, WorkerSpawnError> | undefined
+    /** A host being started (the spare, or one a session waits for): at most one at a time. */
+    let hostStarting: Effect.Effect<Host | undefined> | undefined
     let hostCount = 0
     const hasRoom = (host: Host) => !host.control.gone && host.sessions.size + host.reserved < perWorker
     /** The fullest host with room: sessions packed into as few processes as they need. */
@@ -592,10 +594,13 @@ export const make = (options: WorkerPoolOptions = {}) =>
       }
       return best
     }
-    const startHost = (): Effect.Effect<Host, WorkerSpawnError> =>
-      Effect.suspend(() => {
-        const socketPath = path.join(hostDir!, `h${hostCount++}.sock`)
-        return Effect.map(startLimited(undefined, false, socketPath), (control) => {
+    /** Starts a host in the pool's fibers; whoever needs it awaits `hostStarting` (undefined: it failed, and was logged). */
+    const startHost = () => {
+      const socketPath = path.join(hostDir!, `h${hostCount++}.sock`)
+      const outcome = Deferred.unsafeMake<Host | undefined>(FiberId.none)
+      hostStarting = Deferred.await(outcome)
+      runSpare(startLimited(undefined, false, socketPath).pipe(
+        Effect.map((control) => {
           const host: Host = { control, socketPath, sessions: new Set(), reserved: 0 }
           hosts.add(host)
           control.child.once("exit", () => {
@@ -603,8 +608,18 @@ export const make = (options: WorkerPoolOptions = {}) =>
             rmSync(socketPath, { force: true })
           })
           return host
-        })
-      })
+        }),
+        Effect.tapError((e) => Effect.logWarning(e.message)),
+        Effect.option,
+        Effect.flatMap((host) =>
+          Effect.sync(() => {
+            hostStarting = undefined
+            Deferred.unsafeDone(outcome, Exit.succeed(Option.getOrUndefined(host)))
+          })
+        )
+      ))
+      return hostStarting
+    }
     /** A host that has no session left is stopped, unless it is the only room for the next one. */
     const retireIfEmpty = (host: Host) => {
       if (closing || host.sessions.size > 0 || host.reserved > 0 || host.control.gone) return
@@ -631,16 +646,15 @@ export const make = (options: WorkerPoolOptions = {}) =>
     const acquireHosted: Effect.Effect<HostedWorker, WorkerSpawnError> = Effect.gen(function*() {
       let host = hostWithRoom()
       while (host === undefined) {
-        const taken = spareHost
-        spareHost = undefined
-        const started = taken === undefined ? undefined : yield* Effect.orElseSucceed(taken, () => undefined)
-        if (started === undefined) yield* startHost()
+        if (closing) return yield* new WorkerSpawnError({ message: "the daemon is stopping" })
+        const started = yield* (hostStarting ?? startHost())
+        if (started === undefined) return yield* new WorkerSpawnError({ message: "cannot start a worker host" })
         host = hostWithRoom()
       }
       const chosen = host
       chosen.reserved++
       // The next session will need a host of its own: start it ahead, as a spare.
-      if (hostWithRoom() === undefined && spareHost === undefined) setImmediate(() => startSpare())
+      if (hostWithRoom() === undefined) setImmediate(() => startSpare())
       const socket = yield* connectTo(chosen).pipe(Effect.ensuring(Effect.sync(() => chosen.reserved--)))
       const worker = new HostedWorker(chosen.control, socket, warn)
       chosen.sessions.add(worker)
@@ -680,9 +694,8 @@ export const make = (options: WorkerPoolOptions = {}) =>
         heldSpareTimer = undefined
       }
       if (perWorker > 1) {
-        const outcome = Deferred.unsafeMake<Host, WorkerSpawnError>(FiberId.none)
-        runSpare(Effect.flatMap(Effect.exit(startHost()), (exit) => Deferred.done(outcome, exit)))
-        spareHost = Deferred.await(outcome)
+        // A host with room is the spare.
+        if (hostStarting === undefined && hostWithRoom() === undefined) startHost()
         return
       }
       // Started now: the process boots while nobody waits for it; whoever takes it waits for its outcome.
