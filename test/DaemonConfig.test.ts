@@ -14,20 +14,23 @@ describe("DaemonConfig", () => {
         AGENTD_MAX_RESTARTS: "0",
         AGENTD_CLIENT_ENV_KEYS: "TERM, LANG ,",
         AGENTD_WARM_SPARE: "0",
-        AGENTD_WORKER_NICE: "19"
+        AGENTD_WORKER_NICE: "19",
+        AGENTD_SESSIONS_PER_WORKER: "20"
       }))
       assert.strictEqual(config.maxWorkers, 3)
       assert.strictEqual(config.maxRestarts, 9)
       assert.deepStrictEqual(config.clientEnvKeys, ["TERM", "LANG"])
       assert.isFalse(config.warmSpare)
       assert.strictEqual(config.workerNice, 19)
+      assert.strictEqual(config.sessionsPerWorker, 20)
+      assert.strictEqual(DaemonConfig.defaults().sessionsPerWorker, 1)
       assert.strictEqual(config.retainGenerations, DaemonConfig.defaults().retainGenerations)
       assert.strictEqual(config.socketPath, "/tmp/agentd-x/agentd.sock")
     }))
 
   it.effect("a setting that is set but invalid fails with a ConfigError naming it", () =>
     Effect.gen(function*() {
-      for (const [name, value] of [["AGENTD_MAX_WORKERS", "abc"], ["AGENTD_OUTBOX_BYTES", "0"], ["AGENTD_MAX_RESTARTS", "-1"], ["AGENTD_WORKER_NICE", "20"], ["AGENTD_WORKER_NICE", "-1"]]) {
+      for (const [name, value] of [["AGENTD_MAX_WORKERS", "abc"], ["AGENTD_OUTBOX_BYTES", "0"], ["AGENTD_MAX_RESTARTS", "-1"], ["AGENTD_WORKER_NICE", "20"], ["AGENTD_WORKER_NICE", "-1"], ["AGENTD_SESSIONS_PER_WORKER", "0"], ["AGENTD_SESSIONS_PER_WORKER", "1.5"]]) {
         const error = yield* Effect.flip(DaemonConfig.make({ stateDir: "/tmp/agentd-x" }, {}).pipe(withSettings({ [name!]: value! })))
         assert.include(String(error), name!)
         // What `agentd serve` prints: the name, then why (a lone error's message leaves it out).
