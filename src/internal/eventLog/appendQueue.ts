@@ -152,25 +152,35 @@ export const make = <H extends QueueHandle>(
     // After each flush the loop yields: the appenders just acknowledged usually append again at
     // once, and their records then join the next write instead of waiting for the one after it.
     // The spans capture no stack trace: one per group commit cost ~3% of the append path (profiled).
+    /** Session grouping: the sessions whose batch is being written (by a flusher, or in place). */
+    const flushing = new Set<H>()
+    /**
+     * Session grouping: writes what `h` has queued once its lock is taken, as one batch (taken
+     * then, not before: a caller interrupted while it waits for the lock leaves its ops queued).
+     */
+    const flushQueued = (lockOf: (h: H) => Effect.Semaphore, h: H): Effect.Effect<void> =>
+      lockOf(h).withPermits(1)(Effect.suspend(() => {
+        const ops = h.queue
+        if (ops.length === 0) return Effect.void
+        h.queue = []
+        return options.flush([[h, ops]]).pipe(
+          Effect.withSpan("EventLog.flush", {
+            attributes: { sessionId: h.sessionId, ops: ops.length },
+            captureStackTrace: false
+          })
+        )
+      }))
     const ensureFlusher: (h: H) => void = options.grouping._tag === "Session"
       ? (() => {
         const lockOf = options.grouping.lockOf
-        const flushing = new Set<H>()
         const loop = (h: H): Effect.Effect<void> =>
           Effect.gen(function*() {
             while (true) {
-              const ops = h.queue
-              if (ops.length === 0) {
+              if (h.queue.length === 0) {
                 flushing.delete(h)
                 return
               }
-              h.queue = []
-              yield* lockOf(h).withPermits(1)(options.flush([[h, ops]])).pipe(
-                Effect.withSpan("EventLog.flush", {
-                  attributes: { sessionId: h.sessionId, ops: ops.length },
-                  captureStackTrace: false
-                })
-              )
+              yield* flushQueued(lockOf, h)
               yield* Effect.yieldNow()
             }
           })
@@ -214,16 +224,56 @@ export const make = <H extends QueueHandle>(
 
     const refuse = options.refuse
 
-    /** Serializes, assigns the cursor and queues in one synchronous step, then waits. */
+    /**
+     * Session grouping, nothing queued and no batch being written: the caller writes its own
+     * batch in its own fiber, with no flusher forked. A session's events come one batch at a time
+     * (its publisher waits for each to be durable), so at a model's pace, one event per batch,
+     * the flusher forked for each and the wake-up of the appender were most of an append's cost
+     * beside the write and the fdatasync. The batch, once taken, is written whatever happens to
+     * the caller (the store's flush is uninterruptible); what is still queued when the caller is
+     * done or interrupted (its own ops, if it was interrupted waiting for the lock; appends that
+     * arrived meanwhile) gets a flusher.
+     */
+    const inPlace = (h: H): ((ops: () => void) => Effect.Effect<void>) | undefined => {
+      if (options.grouping._tag !== "Session" || flushing.has(h) || h.queue.length > 0) return undefined
+      const lockOf = options.grouping.lockOf
+      return (queueOps) => {
+        flushing.add(h)
+        queueOps()
+        return flushQueued(lockOf, h).pipe(
+          Effect.ensuring(Effect.sync(() => {
+            flushing.delete(h)
+            if (h.queue.length > 0) ensureFlusher(h)
+          }))
+        )
+      }
+    }
+
+    /** Serializes, assigns the cursor and queues in one synchronous step, then waits (or writes it: `inPlace`). */
     const appendTo = (h: H, sessionId: string, event: EventData | EncodedEvent) =>
-      Effect.async<Cursor.Cursor, EventLogError>((resume) => {
-        if (h.dead !== undefined) return resume(Effect.fail(h.dead))
+      Effect.suspend(() => {
+        if (h.dead !== undefined) return Effect.fail(h.dead)
         const json = serialize(sessionId, event)
-        if (json instanceof EventLogError) return resume(Effect.fail(json))
-        const cursor = h.next
-        h.next = Cursor.next(cursor)
-        h.queue.push({ _tag: "Append", cursor, json, resume })
-        ensureFlusher(h)
+        if (json instanceof EventLogError) return Effect.fail(json)
+        const here = inPlace(h)
+        if (here !== undefined) {
+          let answer: Effect.Effect<Cursor.Cursor, EventLogError> | undefined
+          return Effect.zipRight(
+            here(() => {
+              const cursor = h.next
+              h.next = Cursor.next(cursor)
+              h.queue.push({ _tag: "Append", cursor, json, resume: (result) => (answer = result) })
+            }),
+            Effect.suspend(() => answer ?? Effect.die(new Error("a flush left an append unanswered")))
+          )
+        }
+        return Effect.async<Cursor.Cursor, EventLogError>((resume) => {
+          if (h.dead !== undefined) return resume(Effect.fail(h.dead))
+          const cursor = h.next
+          h.next = Cursor.next(cursor)
+          h.queue.push({ _tag: "Append", cursor, json, resume })
+          ensureFlusher(h)
+        })
       })
 
     // The hot path is one `Effect.async` and nothing else, and it is the one boundary without
@@ -237,26 +287,36 @@ export const make = <H extends QueueHandle>(
         : Effect.flatMap(handleFor(sessionId), (opened) => appendTo(opened, sessionId, event))
     }
 
-    /** Assigns the cursors and queues the ops in one synchronous step, then waits for the last. */
+    /** Assigns the cursors and queues the ops in one synchronous step, then waits for the last (or writes them: `inPlace`). */
     const queueAll = (h: H, jsons: ReadonlyArray<EventText>) =>
-      Effect.async<ReadonlyArray<Cursor.Cursor>, EventLogError>((resume) => {
-        if (h.dead !== undefined) return resume(Effect.fail(h.dead))
+      Effect.suspend(() => {
+        if (h.dead !== undefined) return Effect.fail(h.dead)
         // Queued in one synchronous step, so the ops are consecutive in one batch and one write:
         // they succeed or fail together, and the last one answers for all.
         const cursors: Array<Cursor.Cursor> = []
-        jsons.forEach((json, i) => {
-          const cursor = h.next
-          h.next = Cursor.next(cursor)
-          cursors.push(cursor)
-          const last = i === jsons.length - 1
-          h.queue.push({
-            _tag: "Append",
-            cursor,
-            json,
-            resume: last ? (result) => resume(Effect.as(result, cursors)) : answeredByLast
-          })
+        const queueOps = (answerLast: (result: Effect.Effect<Cursor.Cursor, EventLogError>) => void) => {
+          for (let i = 0; i < jsons.length; i++) {
+            const cursor = h.next
+            h.next = Cursor.next(cursor)
+            cursors.push(cursor)
+            h.queue.push({ _tag: "Append", cursor, json: jsons[i]!, resume: i === jsons.length - 1 ? answerLast : answeredByLast })
+          }
+        }
+        const here = inPlace(h)
+        if (here !== undefined) {
+          let answer: Effect.Effect<Cursor.Cursor, EventLogError> | undefined
+          return Effect.zipRight(
+            here(() => queueOps((result) => (answer = result))),
+            Effect.suspend(() =>
+              answer === undefined ? Effect.die(new Error("a flush left an append unanswered")) : Effect.as(answer, cursors)
+            )
+          )
+        }
+        return Effect.async<ReadonlyArray<Cursor.Cursor>, EventLogError>((resume) => {
+          if (h.dead !== undefined) return resume(Effect.fail(h.dead))
+          queueOps((result) => resume(Effect.as(result, cursors)))
+          ensureFlusher(h)
         })
-        ensureFlusher(h)
       })
 
     // The session's hot path (each batch of a worker's events), so no `Effect.fn` either, as

@@ -1,0 +1,135 @@
+/**
+ * The append queue's Session grouping, on a store made up here whose writes wait until the test
+ * lets them finish: a session's batch is written in the appender's own fiber when nothing else is
+ * queued or being written (no flusher forked), appends arriving meanwhile are queued for a
+ * flusher, and an appender interrupted at any point (waiting for the session's lock, or while its
+ * batch is written) leaves no gap: every cursor handed out is written, in order, once.
+ */
+import { assert, describe, it } from "@effect/vitest"
+import * as Deferred from "effect/Deferred"
+import * as Effect from "effect/Effect"
+import * as Fiber from "effect/Fiber"
+import type * as FiberId from "effect/FiberId"
+import * as Cursor from "../src/Cursor.js"
+import * as AppendQueue from "../src/internal/eventLog/appendQueue.js"
+
+interface FakeHandle extends AppendQueue.QueueHandle {
+  readonly lock: Effect.Semaphore
+}
+
+/** A store whose flushes record what they write, each waiting for `gate` when one is set. */
+const fakeStore = Effect.gen(function*() {
+  const written: Array<string> = []
+  const flushes: Array<number> = []
+  /** The fiber each flush ran in. */
+  const flushFibers: Array<FiberId.FiberId> = []
+  let gate: Deferred.Deferred<void> | undefined
+  const handle: FakeHandle = { sessionId: "s", next: Cursor.make(1, 0), queue: [], dead: undefined, lock: Effect.unsafeMakeSemaphore(1) }
+  const queue = yield* AppendQueue.make<FakeHandle>({
+    open: () => Effect.succeed(handle),
+    flush: (batch) =>
+      Effect.uninterruptible(Effect.gen(function*() {
+        flushFibers.push(yield* Effect.fiberId)
+        if (gate !== undefined) yield* Deferred.await(gate)
+        for (const [, ops] of batch) {
+          flushes.push(ops.length)
+          for (const op of ops) {
+            if (op._tag !== "Append") continue
+            written.push(Cursor.format(op.cursor))
+            op.resume(Effect.succeed(op.cursor))
+          }
+        }
+      })),
+    grouping: { _tag: "Session", lockOf: (h) => h.lock }
+  })
+  return {
+    queue,
+    handle,
+    written,
+    flushes,
+    flushFibers,
+    /** Holds every write until the returned effect is run. */
+    hold: Effect.gen(function*() {
+      const d = yield* Deferred.make<void>()
+      gate = d
+      return Effect.sync(() => {
+        gate = undefined
+        Deferred.unsafeDone(d, Effect.void)
+      })
+    })
+  }
+})
+
+const range = (n: number) => Array.from({ length: n }, (_, i) => i)
+
+describe("AppendQueue (Session grouping)", () => {
+  it.scoped("an append with nothing queued is written in the appender's fiber; those arriving meanwhile form the next batch", () =>
+    Effect.gen(function*() {
+      const store = yield* fakeStore
+      assert.deepStrictEqual(yield* store.queue.appendAll("s", [{ a: 1 }, { a: 2 }]), [Cursor.make(1, 0), Cursor.make(1, 1)])
+      assert.deepStrictEqual(store.flushes, [2])
+      assert.deepStrictEqual(store.flushFibers, [yield* Effect.fiberId])
+      const release = yield* store.hold
+      const first = yield* Effect.fork(store.queue.append("s", { b: 1 }))
+      yield* Effect.yieldNow()
+      // Queued behind the batch being written: one more batch for the two of them.
+      const later = yield* Effect.fork(Effect.all([store.queue.append("s", { c: 1 }), store.queue.append("s", { c: 2 })], { concurrency: "unbounded" }))
+      while (store.handle.queue.length < 2) yield* Effect.yieldNow()
+      assert.deepStrictEqual(store.flushes, [2])
+      yield* release
+      assert.deepStrictEqual(yield* Fiber.join(first), Cursor.make(1, 2))
+      assert.deepStrictEqual(yield* Fiber.join(later), [Cursor.make(1, 3), Cursor.make(1, 4)])
+      assert.deepStrictEqual(store.flushes, [2, 1, 2])
+      assert.deepStrictEqual(store.written, range(5).map((i) => `1:${i}`))
+    }))
+
+  it.scoped("an appender interrupted while it waits for the session's lock leaves its events queued: they are written, no gap", () =>
+    Effect.gen(function*() {
+      const store = yield* fakeStore
+      // The lock held elsewhere (a prune, a removal): the appender waits for it.
+      yield* store.handle.lock.take(1)
+      const waiting = yield* Effect.fork(store.queue.appendAll("s", [{ a: 1 }, { a: 2 }]))
+      yield* Effect.yieldNow()
+      yield* Fiber.interrupt(waiting)
+      const next = yield* Effect.fork(store.queue.append("s", { b: 1 }))
+      yield* Effect.yieldNow()
+      yield* store.handle.lock.release(1)
+      assert.deepStrictEqual(yield* Fiber.join(next), Cursor.make(1, 2))
+      assert.deepStrictEqual(store.written, ["1:0", "1:1", "1:2"])
+    }))
+
+  it.scoped("appenders interrupted at random points, with the lock and the writes held at random: every cursor handed out is written once, in order", () =>
+    Effect.gen(function*() {
+      const store = yield* fakeStore
+      let seed = 11
+      const rand = (n: number) => {
+        seed = (seed * 1103515245 + 12345) % 2147483648
+        return seed % n
+      }
+      let handedOut = 0
+      const acknowledged: Array<string> = []
+      for (const _round of range(200)) {
+        const release = rand(3) === 0 ? yield* store.hold : undefined
+        const locked = rand(4) === 0
+        if (locked) yield* store.handle.lock.take(1)
+        const fibers = yield* Effect.forEach(range(1 + rand(4)), () => {
+          const events = range(1 + rand(3)).map((i) => ({ i }))
+          handedOut += events.length
+          return Effect.fork(Effect.tap(store.queue.appendAll("s", events), (cs) => Effect.sync(() => acknowledged.push(...cs.map(Cursor.format)))))
+        })
+        for (const fiber of fibers) {
+          yield* Effect.repeatN(Effect.yieldNow(), rand(3))
+          if (rand(2) === 0) yield* Fiber.interrupt(fiber)
+        }
+        if (locked) yield* store.handle.lock.release(1)
+        if (release !== undefined) yield* release
+        yield* Effect.forEach(fibers, Fiber.await, { discard: true })
+      }
+      // Whatever is still queued is written by then.
+      yield* store.queue.append("s", { last: true })
+      handedOut++
+      assert.deepStrictEqual(store.written, range(handedOut).map((i) => `1:${i}`))
+      const written = new Set(store.written)
+      for (const c of acknowledged) assert.isTrue(written.has(c))
+    }))
+})
