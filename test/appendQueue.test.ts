@@ -9,6 +9,7 @@ import { assert, describe, it } from "@effect/vitest"
 import * as Deferred from "effect/Deferred"
 import * as Effect from "effect/Effect"
 import * as Fiber from "effect/Fiber"
+import * as Tracer from "effect/Tracer"
 import type * as FiberId from "effect/FiberId"
 import * as Cursor from "../src/Cursor.js"
 import * as AppendQueue from "../src/internal/eventLog/appendQueue.js"
@@ -131,5 +132,24 @@ describe("AppendQueue (Session grouping)", () => {
       assert.deepStrictEqual(store.written, range(handedOut).map((i) => `1:${i}`))
       const written = new Set(store.written)
       for (const c of acknowledged) assert.isTrue(written.has(c))
+    }))
+
+  it.scoped("a flush is the span EventLog.flush when a tracer was provided (an embedder's); with Effect's own tracer none is made", () =>
+    Effect.gen(function*() {
+      const spans: Array<string> = []
+      const recording = Tracer.make({
+        span: (name, parent, context, links, startTime, kind) => {
+          spans.push(name)
+          return builtIn.span(name, parent, context, links, startTime, kind)
+        },
+        context: (f) => f()
+      })
+      const builtIn = yield* Effect.tracer
+      const store = yield* fakeStore
+      yield* store.queue.append("s", { a: 1 }).pipe(Effect.withTracer(recording))
+      assert.deepStrictEqual(spans, ["EventLog.flush"])
+      // Effect's own tracer keeps its spans nowhere: none is made.
+      yield* store.queue.append("s", { a: 2 })
+      assert.deepStrictEqual(spans, ["EventLog.flush"])
     }))
 })
