@@ -7,6 +7,8 @@
  * regression seeds are `npm run chaos` and `npm run chaos -- --regressions`.
  *
  * `AGENTD_CHAOS_SEED` picks another seed (the failure message prints the command that reruns it).
+ * The second run does the same with sessions sharing worker hosts (`--sessions-per-worker 3`):
+ * a worker SIGKILL there is the crash of every session in its host.
  */
 import { expect, it } from "vitest"
 import { describeResult } from "./report.js"
@@ -17,5 +19,12 @@ it("a seeded chaos run of every fault kind, with tiny thresholds, breaks no inva
   // Short, for the suite's budget: the long runs and the regression seeds are run by hand.
   const args = { seconds: 20, faults: 16, kinds: undefined, settings: {} }
   const r = await runChaos({ seed, seconds: args.seconds, faults: args.faults })
+  expect(r.violation, describeResult(r, args)).toBeUndefined()
+}, 90_000)
+
+it("the same with sessions sharing worker hosts (--sessions-per-worker 3): a host's crash is every hosted session's, and breaks no invariant", async () => {
+  const seed = Number(process.env["AGENTD_CHAOS_SEED"] ?? 20261203)
+  const args = { seconds: 20, faults: 16, kinds: undefined, settings: { AGENTD_SESSIONS_PER_WORKER: "3" } }
+  const r = await runChaos({ seed, seconds: args.seconds, faults: args.faults, settings: args.settings })
   expect(r.violation, describeResult(r, args)).toBeUndefined()
 }, 90_000)
