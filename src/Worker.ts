@@ -767,25 +767,28 @@ export const run = (pipe: WorkerPipe, options: RunOptions = {}) =>
  * every session it runs (each is restored, as after any worker crash), and its sessions share one
  * process's CPU and heap.
  */
-export const runHost = (control: WorkerPipe, socketPath: string) =>
+export const runHost = (control: WorkerPipe, socketPath: string, warmUp: boolean) =>
   Effect.gen(function*() {
     const engines = yield* Engine
     const fibers = yield* FiberSet.make()
     const runFork = yield* FiberSet.runtime(fibers)<Engine>()
     const collector = new IdleCollector()
     const spareMember = collector.member()
-    // Warmed like a spare, until its first session connects.
-    let warmUp: Fiber.RuntimeFiber<void> | undefined = runFork(
-      warmUpRestore.pipe(
-        Effect.zipRight(warmUpTurnPath(engines, 3).pipe(Effect.catchAllCause((cause) => Effect.logDebug("turn warm-up skipped", cause)))),
-        Effect.asVoid,
-        Effect.ensuring(Effect.sync(() => spareMember.idle()))
+    // Warmed like a spare (when the pool asks it to), until its first session connects.
+    let warming: Fiber.RuntimeFiber<void> | undefined = warmUp
+      ? runFork(
+        warmUpRestore.pipe(
+          Effect.zipRight(warmUpTurnPath(engines, 3).pipe(Effect.catchAllCause((cause) => Effect.logDebug("turn warm-up skipped", cause)))),
+          Effect.asVoid,
+          Effect.ensuring(Effect.sync(() => spareMember.idle()))
+        )
       )
-    )
+      : undefined
+    if (warming === undefined) spareMember.idle()
     const server = net.createServer((socket) => {
-      if (warmUp !== undefined) {
-        warmUp.unsafeInterruptAsFork(FiberId.none)
-        warmUp = undefined
+      if (warming !== undefined) {
+        warming.unsafeInterruptAsFork(FiberId.none)
+        warming = undefined
       }
       const pipe = new SocketPipe(socket)
       socket.on("error", () => {})
@@ -835,8 +838,9 @@ export const main = (engines: Layer.Layer<Engine> = BuiltinEngines.layer): void 
       Effect.provide(Layer.merge(engines, Logger.replace(Logger.defaultLogger, Logger.prettyLogger({ stderr: true, colors: false }))))
     )
   if (hostPath !== undefined) {
-    process.title = `${WorkerProtocol.WORKER_TITLE_PREFIX}host`
-    Effect.runPromiseExit(logged(runHost(pipe, hostPath))).then((exit) => process.exit(Exit.isSuccess(exit) ? 0 : 1))
+    process.title = `${WorkerProtocol.WORKER_TITLE_PREFIX}${WorkerProtocol.HOST_TITLE_KEY}`
+    const warmUp = process.argv.includes(WorkerProtocol.WARM_UP_FLAG)
+    Effect.runPromiseExit(logged(runHost(pipe, hostPath, warmUp))).then((exit) => process.exit(Exit.isSuccess(exit) ? 0 : 1))
     return
   }
   const warmUp = process.argv.includes(WorkerProtocol.WARM_UP_FLAG)

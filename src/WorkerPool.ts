@@ -522,7 +522,8 @@ export const make = (options: WorkerPoolOptions = {}) =>
             spawn(process.execPath, [
               ...execArgv,
               entry,
-              ...(spare && options.warmUp !== false ? [WorkerProtocol.WARM_UP_FLAG] : []),
+              // A host warms up as a spare does: it is one until its first session comes.
+              ...((spare || hostPath !== undefined) && options.warmUp !== false ? [WorkerProtocol.WARM_UP_FLAG] : []),
               ...(hostPath === undefined ? [] : [`${WorkerProtocol.HOST_FLAG}${hostPath}`])
             ], {
               stdio: ["ignore", "pipe", "pipe", "pipe"],

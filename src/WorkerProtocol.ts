@@ -34,6 +34,9 @@ export const WARM_UP_FLAG = "--warm-up"
  */
 export const HOST_FLAG = "--host="
 
+/** What follows WORKER_TITLE_PREFIX in a worker host's title (a host runs several sessions: it names none). */
+export const HOST_TITLE_KEY = "host"
+
 /**
  * A worker's process title once it runs a session: this prefix, then {@link workerTitleKey} of
  * the session's id.

@@ -41,7 +41,10 @@ it("counts the live titled workers of each session, not spares, zombies, vanishe
     "15": { cmdline: `agentd-worker s-c${pad}` }, // gone before its stat was read
     "16": { cmdline: "", state: "Z" },
     "17": { cmdline: "agentd-worker \0\0", state: "S" },
-    "18": { cmdline: "agentd-workers-d\0", state: "S" }
+    "18": { cmdline: "agentd-workers-d\0", state: "S" },
+    // Worker hosts run several sessions and name none.
+    "19": { cmdline: `agentd-worker host${pad}`, state: "S" },
+    "20": { cmdline: `agentd-worker host${pad}`, state: "S" }
   })
   const found = workersBySession(root)
   expect(Object.fromEntries([...found].map(([s, pids]) => [s, pids.sort()]))).toEqual({ "s-a": [10, 11], "s-b": [14] })

@@ -15,7 +15,7 @@
  */
 import * as fs from "node:fs"
 import * as path from "node:path"
-import { WORKER_TITLE_PREFIX } from "../../src/WorkerProtocol.js"
+import { HOST_TITLE_KEY, WORKER_TITLE_PREFIX } from "../../src/WorkerProtocol.js"
 
 /** One moment where a session had more than one live worker. */
 export interface Double {
@@ -71,7 +71,8 @@ export const workersBySession = (procRoot = "/proc"): Map<string, Array<number>>
     if (cmdline === undefined || cmdline.length <= TITLE.length || !cmdline.subarray(0, TITLE.length).equals(TITLE)) continue
     const end = cmdline.indexOf(0, TITLE.length)
     const session = cmdline.subarray(TITLE.length, end < 0 ? cmdline.length : end).toString("utf8")
-    if (session === "") continue
+    // A spare names no session yet; a host (several sessions) names none.
+    if (session === "" || session === HOST_TITLE_KEY) continue
     const state = stateOf(procRoot, pid)
     if (state === undefined || state === "Z" || state === "X") continue
     const pids = out.get(session)
