@@ -43,7 +43,6 @@ import * as FiberRef from "effect/FiberRef"
 import * as FiberSet from "effect/FiberSet"
 import * as Layer from "effect/Layer"
 import * as Option from "effect/Option"
-import * as Queue from "effect/Queue"
 import * as Scope from "effect/Scope"
 import * as Stream from "effect/Stream"
 import { randomUUID } from "node:crypto"
@@ -56,7 +55,7 @@ import { bodyMessage, type LoggedBody, logged } from "./internal/delivery/wireLi
 import { makeCheckpoints } from "./internal/session/checkpoint.js"
 import { makeEntity } from "./internal/session/entity.js"
 import { makeNames } from "./internal/session/names.js"
-import { CommandTakesEffect, type Input, progressDone } from "./internal/session/mailbox.js"
+import { CommandTakesEffect, type Input, InputQueue, progressDone } from "./internal/session/mailbox.js"
 import * as Transition from "./internal/session/transition.js"
 import { type CoreError, metaWriteFailed, toCommandError } from "./internal/session/errors.js"
 import { CommandError, internal, isClosed, makeCore, newHandles, notFound, READ_GATE_PERMITS, rememberPrompt, type Session } from "./internal/session/session.js"
@@ -285,7 +284,7 @@ export const make = Effect.gen(function*() {
         lastUsed: Date.now(),
         state,
         handles: newHandles(),
-        mailbox: yield* Queue.unbounded<Input>(),
+        mailbox: new InputQueue<Input>(),
         shown: { busy: Transition.busyOf(state), worker: Transition.workerStateOf(state) }
       }
     })
@@ -677,7 +676,7 @@ export const make = Effect.gen(function*() {
         message: `Session \`${id}\` left this runner (its shard moved to another runner): send the command again.`
       })
       for (const waiting of s.handles.requests.values()) yield* Deferred.fail(waiting, moved)
-      for (const input of yield* Queue.takeAll(s.mailbox)) {
+      for (const input of s.mailbox.takeAll()) {
         if ("reply" in input) yield* Deferred.fail(input.reply as Deferred.Deferred<unknown, unknown>, moved)
       }
       const streaming: Array<HandedOver> = []

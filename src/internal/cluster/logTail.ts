@@ -41,7 +41,6 @@ import * as ExecutionStrategy from "effect/ExecutionStrategy"
 import * as FiberSet from "effect/FiberSet"
 import * as Layer from "effect/Layer"
 import * as Option from "effect/Option"
-import * as Queue from "effect/Queue"
 import * as Schema from "effect/Schema"
 import * as Scope from "effect/Scope"
 import * as Stream from "effect/Stream"
@@ -65,6 +64,7 @@ import * as PgSessionStore from "../postgres/sessionStore.js"
 import { makeCheckpoints } from "../session/checkpoint.js"
 import { toCommandError } from "../session/errors.js"
 import { makeCore, newHandles, notFound, READ_GATE_PERMITS, type Session } from "../session/session.js"
+import { InputQueue } from "../session/mailbox.js"
 import * as Transition from "../session/transition.js"
 import * as WorkerSlots from "../session/workerSlots.js"
 import { Wakeup } from "./wakeup.js"
@@ -406,7 +406,7 @@ export const make = (url: string) =>
           rewriteGeneration: Option.isSome(header) ? header.value.rewrittenAt : undefined,
           state,
           handles: newHandles(),
-          mailbox: yield* Queue.unbounded<Session["mailbox"] extends Queue.Queue<infer I> ? I : never>(),
+          mailbox: new InputQueue(),
           sessionFile: undefined,
           shown: { busy: false, worker: "passivated" },
           startedPrompts: [],

@@ -19,7 +19,6 @@ import * as Either from "effect/Either"
 import * as Exit from "effect/Exit"
 import * as FiberId from "effect/FiberId"
 import * as FiberRef from "effect/FiberRef"
-import * as Queue from "effect/Queue"
 import * as Scope from "effect/Scope"
 import * as Stream from "effect/Stream"
 import { randomUUID } from "node:crypto"
@@ -397,7 +396,7 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
       // Inputs queued before the kill are answered now, before the kill's own answer: a worker
       // handed over just before it (an `Acquired` not taken in yet) is stopped by then, not
       // after `kill` answered (it ran on beside the next spare, past --max-workers).
-      for (const input of yield* Queue.takeAll(s.mailbox)) yield* take(s, input)
+      for (const input of s.mailbox.takeAll()) yield* take(s, input)
       const archived = yield* Effect.either(Effect.gen(function*() {
         yield* recordBestEffort(s, false, "closed")
         yield* Effect.ignoreLogged(journal.forget(id))
@@ -571,7 +570,7 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
       case "Frames":
         // The daemon's start-up warm-up of this path gives way to the real thing.
         realFramesArrived(s.meta.activeSessionId)
-        return Effect.ensuring(onFrames(s, input.worker, input.frames), Deferred.succeed(input.handled, undefined))
+        return Effect.ensuring(onFrames(s, input.worker, input.frames), Effect.sync(input.handled))
       case "Exited": {
         const worker = s.handles.workerIds.get(input.worker)
         if (worker === undefined) return Effect.void
@@ -639,7 +638,7 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
   const runEntity = (s: Session): Effect.Effect<void> =>
     Effect.gen(function*() {
       while (!isClosed(s)) {
-        const input = yield* Queue.take(s.mailbox)
+        const input = yield* s.mailbox.take
         // A defect here is a broken invariant of the interpreter: logged loudly, never control
         // flow; the command it carried is still answered (`internal`), so no caller waits forever.
         yield* take(s, input).pipe(
@@ -654,7 +653,7 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
         if ("progress" in input && input.progress !== undefined) yield* progressDone(input.progress)
       }
       // Closed: nothing more is offered; what was offered before is answered.
-      for (const input of yield* Queue.takeAll(s.mailbox)) yield* take(s, input)
+      for (const input of s.mailbox.takeAll()) yield* take(s, input)
     })
 
   /** Starts the first worker of a new session (its state is `initial`: that start is owed). */

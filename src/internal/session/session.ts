@@ -19,7 +19,6 @@ import * as Data from "effect/Data"
 import type * as Deferred from "effect/Deferred"
 import * as Effect from "effect/Effect"
 import * as FiberSet from "effect/FiberSet"
-import * as Queue from "effect/Queue"
 import type * as Scope from "effect/Scope"
 import type * as Cursor from "../../Cursor.js"
 import type { DaemonConfigShape } from "../../DaemonConfig.js"
@@ -33,7 +32,7 @@ import type { RestartPolicy, WorkerHandle, WorkerPool } from "../../WorkerPool.j
 import type { Attachment } from "../delivery/attachment.js"
 import { bodyMessage, liveTailWriter, type LoggedBody, loggedTail, loggedWith, type Outgoing } from "../delivery/wireLines.js"
 import * as Utf8Batch from "../utf8Batch.js"
-import type { Input } from "./mailbox.js"
+import type { Input, InputQueue } from "./mailbox.js"
 import { busyOf, type ReqId, type State, type WorkerId, workerOf, workerStateOf } from "./transition.js"
 import { type CoreError, notFound, type SessionNotFound, StorageUnavailable } from "./errors.js"
 import type { WorkerSlots } from "./workerSlots.js"
@@ -112,7 +111,7 @@ export interface Session {
   state: State
   /** The worker and request handles the state names by id (the entity's tables). */
   handles: Handles
-  mailbox: Queue.Queue<Input>
+  mailbox: InputQueue<Input>
   /** The latest checkpoint's snapshot file: every journal record names it (once there is one). */
   sessionFile: string | undefined
   /**

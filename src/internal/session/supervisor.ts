@@ -13,6 +13,7 @@ import type * as Protocol from "../../Protocol.js"
 import * as StateLayout from "../../StateLayout.js"
 import type { WorkerHandle } from "../../WorkerPool.js"
 import type * as WorkerProtocol from "../../WorkerProtocol.js"
+import { signal } from "./mailbox.js"
 import { journalSaysBusy, sendRestore } from "./restore.js"
 import { type Core, isClosed, type Session } from "./session.js"
 
@@ -118,14 +119,14 @@ export const makeSupervisor = (core: Core): Supervisor => {
     Effect.gen(function*() {
       let frames = yield* worker.takeFrames
       while (frames.length > 0) {
-        const handled = yield* Deferred.make<void>()
-        yield* post(s, { _tag: "Frames", worker, frames, handled })
+        const handled = signal()
+        yield* post(s, { _tag: "Frames", worker, frames, handled: handled.give })
         if (isClosed(s)) break
         // The next take is decoded while the entity handles this one (most of that time it
         // waits for its log's fdatasync); it is posted once this one is handled: the worker's
         // pipe is the backpressure, and at most two takes are decoded at a time.
         const next = yield* worker.takeFrames
-        yield* Deferred.await(handled)
+        yield* handled.wait
         frames = next
       }
       const exit = yield* Deferred.await(worker.exited)
