@@ -1,6 +1,8 @@
 /**
  * Many sessions streaming at model-like rates: AGENTD_BENCH_SESSIONS sessions (default 200),
- * `--max-workers` as many, the echo engine with `tokenDelayMs` 20 (about 50 events/s each),
+ * `--max-workers` as many, in worker hosts of 20 sessions each (`--sessions-per-worker`,
+ * AGENTD_BENCH_SESSIONS_PER_WORKER; 1 runs a process per session, the daemon's default: see
+ * session 22 below), the echo engine with `tokenDelayMs` 20 (about 50 events/s each),
  * one turn of AGENTD_BENCH_STREAM_WORDS words (default 150, about 3 s) in every session at once,
  * 10 clients attached across them (each to a tenth of the sessions). Reports the daemon's CPU %
  * over the streaming window, its CPU per delivered event next to the envelope relay's CPU per
@@ -129,6 +131,25 @@
  * `perf stat` (task-clock) on this VM: a C loop woken by a 20 ms timer to write a line costs 34 us
  * per wake-up, a bare node loop ~220 us (its working set cold after each sleep): 200 sessions x
  * 50 wake-ups a second is two cores for the workers' wake-ups alone.
+ * Session 22: worker hosts (`--sessions-per-worker N`: sessions without a launchEnv share worker
+ * processes, each on a Unix socket of its own to its host; docs/protocol.md section 9). A bare
+ * node loop woken every 20 ms costs 120-160 us per wake-up here whether 20 or 200 of them run
+ * (perf: 2 syscalls a wake-up, the rest spread thin over V8 and libuv), so only fewer processes
+ * help. One run against the start-of-session build (AGENTD_BENCH_BASELINE_BIN, a process per
+ * session; load 4-5, a reviewer's stress scripts beside it): prompts answered after 1.92 -> 0.33
+ * s, the turns of 3 s took 6.1 -> 3.5 s, workers 304 -> 72 us of CPU per event (0.24x; 11
+ * processes, 66% of a core), latency p50 1829 -> 163 ms, p99 3460 -> 308 ms, all processes' RSS
+ * ~9.5 GB (200 x 47 MB) -> 732 MB. The daemon's CPU per event doubled (50 -> 104 us): with the
+ * latency gone its batches are single events again, and it is now the bottleneck, its main thread
+ * ~100% busy over the turns. Its profile there: GC 20-25%, handing each session's fdatasync to
+ * libuv's pool 9-11% (~15 us a submission: it wakes a pool thread, which preempts it on 2 cores),
+ * Effect's fibers most of the rest. Cut the same day: a session's batch written in the appender's
+ * fiber (no flusher forked per batch), no `EventLog.flush` span under Effect's own tracer (~12 us
+ * each), the entity's mailbox and the pump's wait on `Effect.async` instead of an Effect Queue and
+ * a Deferred (~8 us each): p99 379-469 -> 167-221 ms in two runs each on a quiet machine. The
+ * durable paced relay (each session's line appended and fdatasynced, nothing else) has p99 11-55
+ * ms. Under 20 ms needs the daemon's cost per event about halved: one write-ahead fdatasync per
+ * tick for every session's events (no submission per session), and fewer Effect steps per event.
  */
 import { type ChildProcess, spawn } from "node:child_process"
 import * as fs from "node:fs"
@@ -148,8 +169,11 @@ const TOKEN_DELAY_MS = 20
 const TIMEOUT_MS = 180_000
 /** AGENTD_BENCH_WORKER_NICE: the daemon's AGENTD_WORKER_NICE (its workers' niceness) for the run. */
 const WORKER_NICE = process.env["AGENTD_BENCH_WORKER_NICE"]
-/** AGENTD_BENCH_SESSIONS_PER_WORKER: the daemon's `--sessions-per-worker` for the run (default 1). */
-const PER_WORKER = process.env["AGENTD_BENCH_SESSIONS_PER_WORKER"]
+/**
+ * AGENTD_BENCH_SESSIONS_PER_WORKER: the daemon's `--sessions-per-worker` for the run (default 20:
+ * worker hosts; 1 gives each session a process of its own, as `agentd serve` does by default).
+ */
+const PER_WORKER = process.env["AGENTD_BENCH_SESSIONS_PER_WORKER"] ?? "20"
 
 const cpuMicros = (pid: number): number => (cpuTicksOf(pid) ?? 0) * 10_000
 
@@ -405,7 +429,7 @@ const streamDaemon = (bin: string | undefined) => {
         AGENTD_MAX_WORKERS: String(SESSIONS),
         ...pool,
         ...(WORKER_NICE === undefined ? {} : { AGENTD_WORKER_NICE: WORKER_NICE }),
-        ...(PER_WORKER === undefined ? {} : { AGENTD_SESSIONS_PER_WORKER: PER_WORKER })
+        AGENTD_SESSIONS_PER_WORKER: PER_WORKER
       },
       // e.g. AGENTD_BENCH_DAEMON_NODE_ARGS=--cpu-prof to profile the daemon over the run.
       nodeArgs: (process.env["AGENTD_BENCH_DAEMON_NODE_ARGS"] ?? "").split(" ").filter((a) => a !== "")
@@ -474,7 +498,7 @@ export default async function streaming(): Promise<void> {
   const sorted = result.latencies
   const p99 = percentile(sorted, 0.99)
   const perEvent = result.daemonCpu / sorted.length
-  console.log(`${SESSIONS} sessions streaming (echo, tokenDelayMs ${TOKEN_DELAY_MS}, ${WORDS} words), ${CLIENTS} clients across them, ${result.workers} workers (niceness ${WORKER_NICE ?? "0, the default"}):`)
+  console.log(`${SESSIONS} sessions streaming (echo, tokenDelayMs ${TOKEN_DELAY_MS}, ${WORDS} words), ${CLIENTS} clients across them, ${result.workers} worker processes (--sessions-per-worker ${PER_WORKER}; niceness ${WORKER_NICE ?? "0, the default"}):`)
   console.log(`  ${SESSIONS} prompts sent together on one connection, all answered after ${(result.promptsAnsweredMs / 1000).toFixed(2)} s`)
   console.log(`  daemon CPU ${(100 * result.daemonCpu / result.windowUs).toFixed(1)}% of one core over ${(result.windowUs / 1e6).toFixed(1)} s; ${sorted.length} events delivered`)
   console.log(`  daemon CPU per delivered event ${perEvent.toFixed(1)} us | relay process ${relayCpu.toFixed(1)} us per relayed event | ratio ${(perEvent / relayCpu).toFixed(2)}x (lower is better)`)
