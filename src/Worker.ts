@@ -1,8 +1,9 @@
 /**
  * The worker program: one process per active session, running its engine (docs/protocol.md
- * section 6). It speaks WorkerProtocol in JSON lines on fd 3, a private pipe to the supervisor;
- * stdout and stderr are only logs. It exits by itself when that pipe closes, so a worker never
- * outlives its daemon, even one killed with SIGKILL.
+ * section 6), or a host running several (`runHost`, `--sessions-per-worker`), each session then
+ * on a connection of its own speaking the same protocol. It speaks WorkerProtocol in JSON lines
+ * on fd 3, a private pipe to the supervisor; stdout and stderr are only logs. It exits by itself
+ * when that pipe closes, so a worker never outlives its daemon, even one killed with SIGKILL.
  *
  * A worker starts empty (the pool's warm spare) and becomes a session's worker on `load`,
  * either fresh or restoring: the supervisor sends it the latest complete transcript and the
