@@ -3,14 +3,17 @@
  * lets them finish: a session's batch is written in the appender's own fiber when nothing else is
  * queued or being written (no flusher forked), appends arriving meanwhile are queued for a
  * flusher, and an appender interrupted at any point (waiting for the session's lock, or while its
- * batch is written) leaves no gap: every cursor handed out is written, in order, once.
+ * batch is written) leaves no gap: every cursor handed out is written, in order, once. The last
+ * two tests deliver the interruption at a chosen op boundary inside the in-place path (an
+ * interruption lands at any boundary where the fiber yields, every 2048 ops): the fiber is
+ * interrupted from code that runs exactly there (an event's `toJSON`, a provided tracer's span).
  */
 import { assert, describe, it } from "@effect/vitest"
 import * as Deferred from "effect/Deferred"
 import * as Effect from "effect/Effect"
 import * as Fiber from "effect/Fiber"
+import * as FiberId from "effect/FiberId"
 import * as Tracer from "effect/Tracer"
-import type * as FiberId from "effect/FiberId"
 import * as Cursor from "../src/Cursor.js"
 import * as AppendQueue from "../src/internal/eventLog/appendQueue.js"
 
@@ -151,5 +154,72 @@ describe("AppendQueue (Session grouping)", () => {
       // Effect's own tracer keeps its spans nowhere: none is made.
       yield* store.queue.append("s", { a: 2 })
       assert.deepStrictEqual(spans, ["EventLog.flush"])
+    }))
+})
+
+/** As the file store: a forEach over writes that are each uninterruptible (not the whole flush). */
+const forEachStore = Effect.gen(function*() {
+  const written: Array<string> = []
+  const handle: FakeHandle = { sessionId: "s", next: Cursor.make(1, 0), queue: [], dead: undefined, lock: Effect.unsafeMakeSemaphore(1) }
+  const queue = yield* AppendQueue.make<FakeHandle>({
+    open: () => Effect.succeed(handle),
+    // As the file store: a forEach over writes that are each uninterruptible.
+    flush: (batch) =>
+      Effect.forEach(batch, ([, ops]) =>
+        Effect.uninterruptible(Effect.sync(() => {
+          for (const op of ops) {
+            if (op._tag !== "Append") continue
+            written.push(Cursor.format(op.cursor))
+            op.resume(Effect.succeed(op.cursor))
+          }
+        })), { discard: true }),
+    grouping: { _tag: "Session", lockOf: (h) => h.lock }
+  })
+  return { queue, handle, written }
+})
+
+let victim: Fiber.RuntimeFiber<unknown, unknown> | undefined
+const interruptVictim = () => victim!.unsafeInterruptAsFork(FiberId.none)
+
+describe("AppendQueue in place: interruption at any op boundary", () => {
+  it.scopedLive("A: interrupted right after its op is queued: later appends are still written", () =>
+    Effect.gen(function*() {
+      const s = yield* forEachStore
+      yield* s.queue.append("s", { n: 0 })
+      const event = { n: 1, toJSON: () => (interruptVictim(), { n: 1 }) }
+      victim = yield* Effect.fork(s.queue.append("s", event))
+      yield* Fiber.await(victim)
+      const later = yield* s.queue.append("s", { n: 2 }).pipe(Effect.timeout("1 second"), Effect.either)
+      assert.isTrue(later._tag === "Right", "a later append hangs: the session is left `flushing` with nobody flushing")
+      assert.deepStrictEqual(s.written, ["1:0", "1:1", "1:2"])
+    }))
+
+  it.scopedLive("B: interrupted after its batch is taken, before the store's write: no cursor lost, every caller answered", () =>
+    Effect.gen(function*() {
+      const s = yield* forEachStore
+      yield* s.queue.append("s", { n: 0 })
+      let armed = true
+      const builtIn = yield* Effect.tracer
+      const tracer = Tracer.make({
+        span: (name, parent, context, links, startTime, kind) => {
+          if (armed && name === "EventLog.flush") {
+            armed = false
+            interruptVictim()
+          }
+          return builtIn.span(name, parent, context, links, startTime, kind)
+        },
+        context: (f) => f()
+      })
+      yield* s.handle.lock.take(1)
+      victim = yield* Effect.fork(Effect.withTracer(s.queue.append("s", { n: 1 }), tracer))
+      yield* Effect.yieldNow()
+      const bystander = yield* Effect.fork(s.queue.append("s", { n: 2 }))
+      yield* Effect.yieldNow()
+      yield* s.handle.lock.release(1)
+      yield* Fiber.await(victim)
+      const answered = yield* Fiber.join(bystander).pipe(Effect.timeout("1 second"), Effect.either)
+      assert.isTrue(answered._tag === "Right", "an append taken into the interrupted batch is never answered")
+      yield* s.queue.append("s", { n: 3 })
+      assert.deepStrictEqual(s.written, ["1:0", "1:1", "1:2", "1:3"])
     }))
 })

@@ -171,12 +171,30 @@ export const make = <H extends QueueHandle>(
      * then, not before: a caller interrupted while it waits for the lock leaves its ops queued).
      */
     const flushQueued = (lockOf: (h: H) => Effect.Semaphore, h: H): Effect.Effect<void> =>
-      lockOf(h).withPermits(1)(Effect.suspend(() => {
-        const ops = h.queue
-        if (ops.length === 0) return Effect.void
-        h.queue = []
-        return traced(options.flush([[h, ops]]), { sessionId: h.sessionId, ops: ops.length })
-      }))
+      Effect.uninterruptibleMask((restore) => flushQueuedIn(restore, lockOf(h), h))
+    /**
+     * The same, inside an uninterruptible region whose `restore` makes only the wait for the lock
+     * interruptible: from taking the ops to the end of their write no interruption can land (an
+     * interruption between them lost the batch: its cursors never written, its appenders never
+     * answered).
+     */
+    const flushQueuedIn = (
+      restore: <A, E, R>(effect: Effect.Effect<A, E, R>) => Effect.Effect<A, E, R>,
+      lock: Effect.Semaphore,
+      h: H
+    ): Effect.Effect<void> =>
+      Effect.zipRight(
+        restore(lock.take(1)),
+        Effect.ensuring(
+          Effect.suspend(() => {
+            const ops = h.queue
+            if (ops.length === 0) return Effect.void
+            h.queue = []
+            return traced(options.flush([[h, ops]]), { sessionId: h.sessionId, ops: ops.length })
+          }),
+          lock.release(1)
+        )
+      )
     const ensureFlusher: (h: H) => void = options.grouping._tag === "Session"
       ? (() => {
         const lockOf = options.grouping.lockOf
@@ -239,13 +257,17 @@ export const make = <H extends QueueHandle>(
      * done or interrupted (its own ops, if it was interrupted waiting for the lock; appends that
      * arrived meanwhile) gets a flusher.
      */
-    const inPlace = (h: H): ((ops: () => void) => Effect.Effect<void>) | undefined => {
+    type Restore = <A, E, R>(effect: Effect.Effect<A, E, R>) => Effect.Effect<A, E, R>
+    const inPlace = (h: H, restore: Restore): ((ops: () => void) => Effect.Effect<void>) | undefined => {
       if (options.grouping._tag !== "Session" || flushing.has(h) || h.queue.length > 0) return undefined
-      const lockOf = options.grouping.lockOf
+      const lock = options.grouping.lockOf(h)
+      // Called in the synchronous step that decided on it, inside the caller's
+      // `uninterruptibleMask`: the ops are queued and `flushing` set in the step that returns
+      // their clean-up, and nothing but the wait for the lock is interruptible after it.
       return (queueOps) => {
         flushing.add(h)
         queueOps()
-        return flushQueued(lockOf, h).pipe(
+        return flushQueuedIn(restore, lock, h).pipe(
           Effect.ensuring(Effect.sync(() => {
             flushing.delete(h)
             if (h.queue.length > 0) ensureFlusher(h)
@@ -256,11 +278,11 @@ export const make = <H extends QueueHandle>(
 
     /** Serializes, assigns the cursor and queues in one synchronous step, then waits (or writes it: `inPlace`). */
     const appendTo = (h: H, sessionId: string, event: EventData | EncodedEvent) =>
-      Effect.suspend(() => {
+      Effect.uninterruptibleMask((restore) => Effect.suspend(() => {
         if (h.dead !== undefined) return Effect.fail(h.dead)
         const json = serialize(sessionId, event)
         if (json instanceof EventLogError) return Effect.fail(json)
-        const here = inPlace(h)
+        const here = inPlace(h, restore)
         if (here !== undefined) {
           let answer: Effect.Effect<Cursor.Cursor, EventLogError> | undefined
           return Effect.zipRight(
@@ -272,14 +294,14 @@ export const make = <H extends QueueHandle>(
             Effect.suspend(() => answer ?? Effect.die(new Error("a flush left an append unanswered")))
           )
         }
-        return Effect.async<Cursor.Cursor, EventLogError>((resume) => {
+        return restore(Effect.async<Cursor.Cursor, EventLogError>((resume) => {
           if (h.dead !== undefined) return resume(Effect.fail(h.dead))
           const cursor = h.next
           h.next = Cursor.next(cursor)
           h.queue.push({ _tag: "Append", cursor, json, resume })
           ensureFlusher(h)
-        })
-      })
+        }))
+      }))
 
     // The hot path is one `Effect.async` and nothing else, and it is the one boundary without
     // `Effect.fn`: a span cost ~40 µs of CPU per call here, more than the whole rest of an append.
@@ -295,7 +317,7 @@ export const make = <H extends QueueHandle>(
 
     /** Assigns the cursors and queues the ops in one synchronous step, then waits for the last (or writes them: `inPlace`). */
     const queueAll = (h: H, jsons: ReadonlyArray<EventText>) =>
-      Effect.suspend(() => {
+      Effect.uninterruptibleMask((restore) => Effect.suspend(() => {
         if (h.dead !== undefined) return Effect.fail(h.dead)
         // Queued in one synchronous step, so the ops are consecutive in one batch and one write:
         // they succeed or fail together, and the last one answers for all.
@@ -308,7 +330,7 @@ export const make = <H extends QueueHandle>(
             h.queue.push({ _tag: "Append", cursor, json: jsons[i]!, resume: i === jsons.length - 1 ? answerLast : answeredByLast })
           }
         }
-        const here = inPlace(h)
+        const here = inPlace(h, restore)
         if (here !== undefined) {
           let answer: Effect.Effect<Cursor.Cursor, EventLogError> | undefined
           return Effect.zipRight(
@@ -318,12 +340,12 @@ export const make = <H extends QueueHandle>(
             )
           )
         }
-        return Effect.async<ReadonlyArray<Cursor.Cursor>, EventLogError>((resume) => {
+        return restore(Effect.async<ReadonlyArray<Cursor.Cursor>, EventLogError>((resume) => {
           if (h.dead !== undefined) return resume(Effect.fail(h.dead))
           queueOps((result) => resume(Effect.as(result, cursors)))
           ensureFlusher(h)
-        })
-      })
+        }))
+      }))
 
     // The session's hot path (each batch of a worker's events), so no `Effect.fn` either, as
     // `append`: at a model's pace every batch is one event, and its span was paid per event.
