@@ -802,7 +802,12 @@ export const runHost = (control: WorkerPipe, socketPath: string, warmUp: boolean
     })
     yield* Effect.async<void, Error>((resume) => {
       server.once("error", (err) => resume(Effect.fail(err)))
-      server.listen(socketPath, () => resume(Effect.void))
+      server.listen(socketPath, () => {
+        // From now on an error (EMFILE accepting a connection) is logged: it must not take the
+        // host, and every session in it, down.
+        server.on("error", (err) => process.stderr.write(`worker host: ${err.message}\n`))
+        resume(Effect.void)
+      })
     })
     // Only the daemon's user may connect (its directory is private too).
     chmodSync(socketPath, 0o600)

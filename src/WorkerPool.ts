@@ -27,7 +27,7 @@ import * as ScheduleIntervals from "effect/ScheduleIntervals"
 import * as Schema from "effect/Schema"
 import type * as Scope from "effect/Scope"
 import { type ChildProcess, spawn } from "node:child_process"
-import { existsSync, mkdtempSync, readdirSync, rmSync, writeFileSync } from "./internal/fileIoSync.js"
+import { chmodSync, existsSync, mkdirSync, mkdtempSync, readdirSync, rmSync, statSync, writeFileSync } from "./internal/fileIoSync.js"
 import * as net from "node:net"
 import * as os from "node:os"
 import * as path from "node:path"
@@ -220,7 +220,8 @@ export class HostedWorker extends WorkerLink implements WorkerHandle {
   readonly exited = Deferred.unsafeMake<WorkerExit>(FiberId.none)
   activeSessionId: string | undefined
   stopping = false
-  private killed = false
+  /** Set by `kill` (its end is a crash, as a worker's SIGKILL is). */
+  killed = false
 
   constructor(readonly host: WorkerProcess, pipe: net.Socket, warn: (message: string) => void) {
     super(pipe, warn)
@@ -236,15 +237,18 @@ export class HostedWorker extends WorkerLink implements WorkerHandle {
     if (this.stopping) return done({ code: 0, signal: null })
     if (this.killed) return done({ code: null, signal: "SIGKILL" })
     // Not asked to end: the host is dying (its exit is on its way), or the session's program
-    // in it ended by itself, a crash of that session alone.
-    const timer = setTimeout(() => done({ code: 1, signal: null }), HOST_EXIT_WAIT_MS)
-    timer.unref()
-    const onExit = (code: number | null, signal: NodeJS.Signals | null) => {
-      clearTimeout(timer)
-      done({ code, signal })
-    }
-    if (this.host.gone) onExit(this.host.child.exitCode, this.host.child.signalCode)
-    else this.host.child.once("exit", onExit)
+    // in it ended by itself, a crash of that session alone. (Through the host's `exited`, not a
+    // listener on its process per session: a host of 20 that crashed added 20.)
+    Effect.runFork(
+      Deferred.await(this.host.exited).pipe(
+        Effect.timeoutTo({
+          duration: HOST_EXIT_WAIT_MS,
+          onSuccess: (exit): WorkerExit => exit,
+          onTimeout: (): WorkerExit => ({ code: 1, signal: null })
+        }),
+        Effect.map(done)
+      )
+    )
   }
 
   kill(): void {
@@ -434,24 +438,80 @@ const startAndAwaitReady = <W extends WorkerHandle, E>(start: Effect.Effect<W, E
     Effect.flatMap(start, (worker) => restore(awaitReady(worker)).pipe(Effect.onInterrupt(() => worker.stop(500))))
   )
 
+const HOST_DIR_PREFIX = "agentd-hosts-"
+
+/** The socket the pool listens on in its host directory while it lives: how a directory is known to be in use. */
+const HOST_DIR_MARKER = "daemon.sock"
+
 /**
  * The private directory (0700) of this daemon's worker hosts' sockets, in the temp dir: a state
- * dir's path may be too long for a Unix socket's. Named after the daemon's pid: those of daemons
- * no longer running (SIGKILLed: no pool finalizer removed them) are removed first.
+ * dir's path may be too long for a Unix socket's. Named after the daemon's pid, and marked as in
+ * use by a socket the pool listens on (see {@link removeStaleHostDirs}); `close` removes both.
  */
-const makeHostDir = (): string => {
-  const prefix = "agentd-hosts-"
-  try {
-    for (const name of readdirSync(os.tmpdir())) {
-      const pid = Number(name.slice(prefix.length).split("-")[0])
-      if (!name.startsWith(prefix) || !Number.isInteger(pid) || pid <= 0 || isRunning(pid)) continue
-      rmSync(path.join(os.tmpdir(), name), { recursive: true, force: true })
+const makeHostDir = (): { readonly dir: string; readonly close: () => void } => {
+  const dir = mkdtempSync(path.join(os.tmpdir(), `${HOST_DIR_PREFIX}${process.pid}-`))
+  const marker = net.createServer((socket) => socket.destroy())
+  marker.on("error", () => {})
+  marker.listen(path.join(dir, HOST_DIR_MARKER), () => chmodSync(path.join(dir, HOST_DIR_MARKER), 0o600))
+  marker.unref()
+  return {
+    dir,
+    close: () => {
+      marker.close()
+      rmSync(dir, { recursive: true, force: true })
     }
-  } catch {
-    // Best effort: a leftover directory holds no session data, only dead sockets.
   }
-  return mkdtempSync(path.join(os.tmpdir(), `${prefix}${process.pid}-`))
 }
+
+/** How old a host directory without its marker must be to be taken for a dead daemon's (not one being made). */
+const UNMARKED_DIR_AGE_MS = 60_000
+
+/**
+ * Removes the host directories of daemons that are gone (SIGKILLed: no pool finalizer removed
+ * them). Gone means: its pid runs no process here, and its marker socket does not answer (or is
+ * missing from a directory a minute old). A daemon in another pid namespace sharing this /tmp
+ * has a pid that may run nothing here; its marker answers.
+ */
+const removeStaleHostDirs = async (): Promise<void> => {
+  let names: Array<string>
+  try {
+    names = readdirSync(os.tmpdir())
+  } catch {
+    return
+  }
+  for (const name of names) {
+    if (!name.startsWith(HOST_DIR_PREFIX)) continue
+    const pid = Number(name.slice(HOST_DIR_PREFIX.length).split("-")[0])
+    if (!Number.isInteger(pid) || pid <= 0 || pid === process.pid || isRunning(pid)) continue
+    const dir = path.join(os.tmpdir(), name)
+    try {
+      const marked = readdirSync(dir).includes(HOST_DIR_MARKER)
+      if (marked ? await isAnswered(path.join(dir, HOST_DIR_MARKER)) : Date.now() - statSync(dir).mtimeMs < UNMARKED_DIR_AGE_MS) continue
+      rmSync(dir, { recursive: true, force: true })
+    } catch {
+      // Best effort: a leftover directory holds no session data, only dead sockets.
+    }
+  }
+}
+
+/** Whether something accepts a connection on the Unix socket at `socketPath`. */
+const isAnswered = (socketPath: string): Promise<boolean> =>
+  new Promise((resolve) => {
+    const socket = net.createConnection(socketPath)
+    const timer = setTimeout(() => {
+      socket.destroy()
+      resolve(true) // No refusal: something may be there.
+    }, 1000)
+    socket.once("connect", () => {
+      clearTimeout(timer)
+      socket.destroy()
+      resolve(true)
+    })
+    socket.once("error", () => {
+      clearTimeout(timer)
+      resolve(false)
+    })
+  })
 
 /** Whether a process with this pid runs (EPERM: one of another user's, running). */
 const isRunning = (pid: number): boolean => {
@@ -470,6 +530,8 @@ interface Host {
   readonly sessions: Set<HostedWorker>
   /** Sessions on their way in (connecting). */
   reserved: number
+  /** It could not be reached: it takes no more sessions, and is stopped once it has none. */
+  unreachable: boolean
 }
 
 /** Builds the pool; every worker is stopped when the scope closes. */
@@ -500,13 +562,13 @@ export const make = (options: WorkerPoolOptions = {}) =>
       runSpare(Effect.logWarning(message))
     }
 
-    const copyOutput = (worker: WorkerProcess, stream: NodeJS.ReadableStream | null, label: string) => {
+    const copyOutput = (worker: WorkerProcess, stream: NodeJS.ReadableStream | null, label: string, role: string) => {
       if (stream === null) return
       const decoder = new LineDecoder()
       stream.on("data", (chunk: Buffer) => {
         for (const line of decoder.push(chunk)) {
           if (typeof line === "string") {
-            process.stderr.write(`[worker ${worker.pid} ${worker.activeSessionId ?? "spare"} ${label}] ${line}\n`)
+            process.stderr.write(`[worker ${worker.pid} ${worker.activeSessionId ?? role} ${label}] ${line}\n`)
           }
         }
       })
@@ -573,20 +635,26 @@ export const make = (options: WorkerPoolOptions = {}) =>
           Deferred.unsafeDone(exited, Effect.succeed({ code, signal }))
         })
         child.on("error", (err) => warn(`worker ${worker.pid}: ${err.message}`))
-        copyOutput(worker, child.stdout, "out")
-        copyOutput(worker, child.stderr, "err")
+        const role = hostPath === undefined ? "spare" : "host"
+        copyOutput(worker, child.stdout, "out", role)
+        copyOutput(worker, child.stderr, "err", role)
         return worker
       })
 
     // Worker hosts (`sessionsPerWorker` > 1): processes running several sessions, each reached
     // on a Unix socket of its own in a private directory (0700, removed when the pool closes).
     const perWorker = Math.max(1, Math.floor(options.sessionsPerWorker ?? 1))
-    const hostDir = perWorker > 1 ? makeHostDir() : undefined
+    const hostDirHandle = perWorker > 1 ? makeHostDir() : undefined
+    const hostDir = hostDirHandle?.dir
+    if (hostDir !== undefined) runSpare(Effect.promise(removeStaleHostDirs))
     const hosts = new Set<Host>()
     /** A host being started (the spare, or one a session waits for): at most one at a time. */
     let hostStarting: Effect.Effect<Host | undefined> | undefined
     let hostCount = 0
-    const hasRoom = (host: Host) => !host.control.gone && host.sessions.size + host.reserved < perWorker
+    /** A host can take a session: alive, not being stopped, not given up on, with room. */
+    const hasRoom = (host: Host) =>
+      hosts.has(host) && !host.unreachable && !host.control.gone && !host.control.stopping &&
+      host.sessions.size + host.reserved < perWorker
     /** The fullest host with room: sessions packed into as few processes as they need. */
     const hostWithRoom = (): Host | undefined => {
       let best: Host | undefined
@@ -595,14 +663,32 @@ export const make = (options: WorkerPoolOptions = {}) =>
       }
       return best
     }
-    /** Starts a host in the pool's fibers; whoever needs it awaits `hostStarting` (undefined: it failed, and was logged). */
+    /** Takes a host out of the pool (it takes no more sessions) and stops it. */
+    const dropHost = (host: Host) => {
+      hosts.delete(host)
+      runSpare(Effect.asVoid(host.control.stop()))
+    }
+    /**
+     * Starts a host in the pool's fibers; whoever needs it awaits `hostStarting` (undefined: it
+     * failed, and was logged, or the pool is closing).
+     */
     const startHost = () => {
       const socketPath = path.join(hostDir!, `h${hostCount++}.sock`)
       const outcome = Deferred.unsafeMake<Host | undefined>(FiberId.none)
-      hostStarting = Deferred.await(outcome)
-      runSpare(startLimited(undefined, false, socketPath).pipe(
+      const settle = (host: Host | undefined) =>
+        Effect.sync(() => {
+          if (hostStarting === started) hostStarting = undefined
+          Deferred.unsafeDone(outcome, Exit.succeed(host))
+        })
+      const started = Deferred.await(outcome)
+      hostStarting = started
+      runSpare(Effect.suspend(() => {
+        // Made again if it went away (its socket dir is the pool's own, but /tmp is cleaned by others).
+        mkdirSync(hostDir!, { recursive: true, mode: 0o700 })
+        return startLimited(undefined, false, socketPath)
+      }).pipe(
         Effect.map((control) => {
-          const host: Host = { control, socketPath, sessions: new Set(), reserved: 0 }
+          const host: Host = { control, socketPath, sessions: new Set(), reserved: 0, unreachable: false }
           hosts.add(host)
           control.child.once("exit", () => {
             hosts.delete(host)
@@ -612,23 +698,18 @@ export const make = (options: WorkerPoolOptions = {}) =>
         }),
         Effect.tapError((e) => Effect.logWarning(e.message)),
         Effect.option,
-        Effect.flatMap((host) =>
-          Effect.sync(() => {
-            hostStarting = undefined
-            Deferred.unsafeDone(outcome, Exit.succeed(Option.getOrUndefined(host)))
-          })
-        )
+        Effect.flatMap((host) => settle(Option.getOrUndefined(host))),
+        // Interrupted (the pool closing): nobody waits for ever.
+        Effect.onInterrupt(() => settle(undefined))
       ))
-      return hostStarting
+      return started
     }
     /** A host that has no session left is stopped, unless it is the only room for the next one. */
     const retireIfEmpty = (host: Host) => {
-      if (closing || host.sessions.size > 0 || host.reserved > 0 || host.control.gone) return
+      if (closing || !hosts.has(host) || host.sessions.size > 0 || host.reserved > 0 || host.control.gone) return
+      if (host.unreachable) return dropHost(host)
       for (const other of hosts) {
-        if (other !== host && hasRoom(other)) {
-          runSpare(Effect.asVoid(host.control.stop()))
-          return
-        }
+        if (other !== host && hasRoom(other)) return dropHost(host)
       }
     }
     const connectTo = (host: Host) =>
@@ -642,38 +723,65 @@ export const make = (options: WorkerPoolOptions = {}) =>
           socket.unref()
           resume(Effect.succeed(socket))
         })
+        // Given up while it connects: nobody owns the connection.
+        return Effect.sync(() => socket.destroy())
       })
-    /** A session's place in a host with room; a new host when none has any. */
+    /** A session's connection to `host`, registered with it; only the connecting is interruptible. */
+    const joinHost = (host: Host) =>
+      Effect.uninterruptibleMask((restore) =>
+        Effect.suspend(() => {
+          host.reserved++
+          return restore(connectTo(host)).pipe(
+            Effect.ensuring(Effect.sync(() => host.reserved--)),
+            Effect.map((socket) => {
+              const worker = new HostedWorker(host.control, socket, warn)
+              host.sessions.add(worker)
+              worker.pipe.once("close", () => {
+                // Its `exited` completes with the host's exit when the host died.
+                Deferred.await(worker.exited).pipe(
+                  Effect.map(() => {
+                    host.sessions.delete(worker)
+                    // The session's next worker counts as a restart unless it was asked to end.
+                    if (!worker.stopping && !closing && worker.activeSessionId !== undefined) {
+                      crashed.add(worker.activeSessionId)
+                    }
+                    retireIfEmpty(host)
+                  }),
+                  runSpare
+                )
+              })
+              return worker
+            }),
+            Effect.tapError((e) =>
+              Effect.sync(() => {
+                // A host that cannot be reached (dying, its socket gone) takes no more sessions;
+                // those it runs go on, and it is stopped once they are gone.
+                if (host.unreachable) return
+                host.unreachable = true
+                warn(`${e.message}: it takes no more sessions`)
+                retireIfEmpty(host)
+              })
+            )
+          )
+        })
+      )
+    /** A session's place in a host with room; a new host when none has any, or the chosen one cannot be reached. */
     const acquireHosted: Effect.Effect<HostedWorker, WorkerSpawnError> = Effect.gen(function*() {
-      let host = hostWithRoom()
-      while (host === undefined) {
-        if (closing) return yield* new WorkerSpawnError({ message: "the daemon is stopping" })
-        const started = yield* (hostStarting ?? startHost())
-        if (started === undefined) return yield* new WorkerSpawnError({ message: "cannot start a worker host" })
-        host = hostWithRoom()
+      for (let attempt = 0;; attempt++) {
+        let host = hostWithRoom()
+        while (host === undefined) {
+          if (closing) return yield* new WorkerSpawnError({ message: "the daemon is stopping" })
+          const started = yield* (hostStarting ?? startHost())
+          if (started === undefined) return yield* new WorkerSpawnError({ message: "cannot start a worker host" })
+          host = hostWithRoom()
+        }
+        // The next session will need a host of its own: start it ahead, as a spare.
+        if (host.sessions.size + host.reserved + 1 >= perWorker) setImmediate(() => startSpare())
+        const joined = yield* Effect.either(joinHost(host))
+        if (joined._tag === "Right") return yield* startAndAwaitReady(Effect.succeed(joined.right))
+        // That host was dropped: another (or a new one), a few times at most.
+        if (attempt >= 3) return yield* Effect.fail(joined.left)
       }
-      const chosen = host
-      chosen.reserved++
-      // The next session will need a host of its own: start it ahead, as a spare.
-      if (hostWithRoom() === undefined) setImmediate(() => startSpare())
-      const socket = yield* connectTo(chosen).pipe(Effect.ensuring(Effect.sync(() => chosen.reserved--)))
-      const worker = new HostedWorker(chosen.control, socket, warn)
-      chosen.sessions.add(worker)
-      Metrics.count(Metrics.workerStarts)
-      worker.pipe.once("close", () => {
-        // Its `exited` completes with the host's exit when the host died: counted then.
-        Deferred.await(worker.exited).pipe(
-          Effect.map((exit) => {
-            chosen.sessions.delete(worker)
-            if (!worker.stopping && !closing && !(exit.code === null && exit.signal === "SIGKILL" && !chosen.control.gone)) {
-              if (worker.activeSessionId !== undefined) crashed.add(worker.activeSessionId)
-            }
-            retireIfEmpty(chosen)
-          }),
-          runSpare
-        )
-      })
-      return yield* startAndAwaitReady(Effect.succeed(worker))
     })
 
     /** Acquisitions (and their restores) under way, and turns starting, that hold the next spare's start. */
@@ -710,7 +818,7 @@ export const make = (options: WorkerPoolOptions = {}) =>
         closing = true
         return Effect.forEach([...workers], (w) => w.stop(), { concurrency: "unbounded", discard: true }).pipe(
           Effect.ensuring(Effect.sync(() => {
-            if (hostDir !== undefined) rmSync(hostDir, { recursive: true, force: true })
+            hostDirHandle?.close()
           }))
         )
       })

@@ -151,12 +151,14 @@ describe("worker hosts (e2e)", () => {
     expect(processes.every((p) => titleOf(p) === HOST_TITLE), `titles: ${processes.map((p) => `${p}=${titleOf(p)}`).join(", ")}`).toBe(true)
     expect(processes.length).toBeLessThanOrEqual(3)
 
-    // The hosts' sockets are in a private directory of this daemon's, reachable by its user only.
+    // The hosts' sockets (and the daemon's marker, daemon.sock) are in a private directory of this
+    // daemon's, reachable by its user only.
     const dirs = hostDirsOf(daemon.pid)
     expect(dirs).toHaveLength(1)
     expect(fs.statSync(dirs[0]!).mode & 0o777).toBe(0o700)
     const sockets = fs.readdirSync(dirs[0]!).map((name) => path.join(dirs[0]!, name))
-    expect(sockets.length).toBeGreaterThanOrEqual(2)
+    expect(sockets.filter((s) => /h\d+\.sock$/.test(s)).length).toBeGreaterThanOrEqual(2)
+    expect(sockets.map((s) => path.basename(s))).toContain("daemon.sock")
     for (const s of sockets) {
       expect(fs.statSync(s).isSocket(), s).toBe(true)
       expect(fs.statSync(s).mode & 0o777, s).toBe(0o600)
@@ -282,7 +284,7 @@ describe("worker hosts (e2e)", () => {
     // The host is full: a spare host starts (a host with room is the spare). Up and listening:
     // once s2 is gone, the next session has the choice between a host with one session and an empty one.
     const deadline = Date.now() + 10_000
-    while (hostProcesses(daemon).filter((p) => p !== pid).length < 1 || fs.readdirSync(hostDirsOf(daemon.pid)[0]!).length < 2) {
+    while (hostProcesses(daemon).filter((p) => p !== pid).length < 1 || fs.readdirSync(hostDirsOf(daemon.pid)[0]!).filter((name) => /^h\d+\.sock$/.test(name)).length < 2) {
       if (Date.now() > deadline) throw new Error(`no spare host after 10 s: ${daemon.workerProcesses().map((p) => `${p}=${titleOf(p)}`).join(", ")}`)
       await sleep(50)
     }
@@ -408,7 +410,9 @@ describe("worker hosts (e2e)", () => {
 
     const second = await useDaemon({ stateDir: first.stateDir, extraArgs: args })
     // The dead daemon's socket directory is removed by the next one.
-    expect(hostDirsOf(first.pid)).toEqual([])
+    // Removed by the new daemon's pool in the background (its dead hosts' sockets refuse).
+    for (const until = Date.now() + 5_000; hostDirsOf(first.pid).length > 0 && Date.now() < until;) await sleep(50)
+    expect(hostDirsOf(first.pid), "the dead daemon's host dir was not removed").toEqual([])
     expect(hostDirsOf(second.pid)).toHaveLength(1)
     const again = await second.connect("again")
     const listedAgain = (await again.ok({ type: "list" }))["sessions"] as Array<Msg>
@@ -431,4 +435,64 @@ describe("worker hosts (e2e)", () => {
       expect(hosts).not.toContain(pid)
     }
   }, 40_000)
+
+  it("a host that cannot be reached takes no more sessions (they go to another, with no restart) and is stopped once empty; a client env with no allowed key is no environment of its own", async () => {
+    const daemon = await useDaemon({ extraArgs: ["--sessions-per-worker", "3"] })
+    const client = await daemon.connect()
+    const { id: a } = await createSession(client, { name: "first" })
+    await waitIdle(client, a)
+    const hostA = (await stateOf(daemon, client, a))["workerPid"] as number
+    // Its socket vanishes (someone cleaned /tmp): the host itself runs on.
+    const dir = hostDirsOf(daemon.pid)[0]!
+    for (const name of fs.readdirSync(dir)) if (/^h\d+\.sock$/.test(name)) {
+      const probe = await import("node:net").then((net) => new Promise<boolean>((resolve) => {
+        const c = net.createConnection(path.join(dir, name))
+        c.once("connect", () => (c.destroy(), resolve(true)))
+        c.once("error", () => resolve(false))
+      }))
+      if (probe) fs.rmSync(path.join(dir, name))
+    }
+    // A client env whose variables the daemon does not let through: no environment of its own.
+    const { id: b } = await createSession(client, { name: "second", env: { NOT_ALLOWED_HOSTS_E2E: "1" } })
+    await waitIdle(client, b)
+    const stateB = await stateOf(daemon, client, b)
+    expect(stateB["restarts"]).toBe(0)
+    expect(stateB["workerPid"]).not.toBe(hostA)
+    expect(titleOf(stateB["workerPid"] as number)).toBe(HOST_TITLE)
+    // The first session is not disturbed, and answers.
+    const stateA = await stateOf(daemon, client, a)
+    expect(stateA["workerPid"], JSON.stringify(stateA)).toBe(hostA)
+    await attach(client, a)
+    await client.ok({ type: "prompt", activeSessionId: a, message: "still in the old host" })
+    expect(endContents(await collectTurn(client, a))).toEqual(["still in the old host", "echo: still in the old host"])
+    // Empty, the unreachable host is stopped.
+    await client.ok({ type: "kill", activeSessionId: a })
+    expect(await waitGone([hostA], 5_000), "the unreachable host was not stopped once empty").toEqual([])
+  }, 40_000)
+
+  it("a dead daemon's host directory is removed by the next daemon with hosts; a live one's (in another pid namespace: its pid runs nothing here) is not", async () => {
+    const { spawn } = await import("node:child_process")
+    const net = await import("node:net")
+    const unusedPid = 4_194_000 + Math.floor(Math.random() * 200)
+    const live = fs.mkdtempSync(path.join(os.tmpdir(), `agentd-hosts-${unusedPid}-`))
+    const dead = fs.mkdtempSync(path.join(os.tmpdir(), `agentd-hosts-${unusedPid + 1}-`))
+    const marker = net.createServer((c) => c.destroy())
+    await new Promise<void>((resolve) => marker.listen(path.join(live, "daemon.sock"), resolve))
+    // A marker nobody listens on any more: its process was SIGKILLed.
+    const child = spawn(process.execPath, ["-e", `require("net").createServer().listen(${JSON.stringify(path.join(dead, "daemon.sock"))}, () => process.stdout.write("up"))`])
+    await new Promise((resolve) => child.stdout!.once("data", resolve))
+    child.kill("SIGKILL")
+    await new Promise((resolve) => child.once("exit", resolve))
+    try {
+      expect(fs.existsSync(path.join(dead, "daemon.sock"))).toBe(true)
+      await useDaemon({ extraArgs: ["--sessions-per-worker", "2"] })
+      for (const until = Date.now() + 5_000; fs.existsSync(dead) && Date.now() < until;) await sleep(50)
+      expect(fs.existsSync(dead), "the dead daemon's directory is still there").toBe(false)
+      expect(fs.existsSync(live), "a live daemon's directory was removed").toBe(true)
+    } finally {
+      marker.close()
+      fs.rmSync(live, { recursive: true, force: true })
+      fs.rmSync(dead, { recursive: true, force: true })
+    }
+  }, 30_000)
 })

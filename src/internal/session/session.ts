@@ -358,12 +358,21 @@ export const makeCore = (deps: CoreDeps): Core => {
       if (!isClosed(s)) s.mailbox.unsafeOffer(input)
     })
 
-  /** Only the variables of a client's `env` that the configuration lets through. */
+  /**
+   * Only the variables of a client's `env` that the configuration lets through; undefined when
+   * none does (a worker host can run the session: a process has one environment).
+   */
   const filterEnv = (env: Record<string, string> | undefined) => {
     if (env === undefined) return undefined
     const out: Record<string, string> = {}
-    for (const key of config.clientEnvKeys) if (Object.hasOwn(env, key)) out[key] = env[key]!
-    return out
+    let any = false
+    for (const key of config.clientEnvKeys) {
+      if (Object.hasOwn(env, key)) {
+        out[key] = env[key]!
+        any = true
+      }
+    }
+    return any ? out : undefined
   }
 
   return {
