@@ -147,8 +147,11 @@
  * fiber (no flusher forked per batch), no `EventLog.flush` span under Effect's own tracer (~12 us
  * each), the entity's mailbox and the pump's wait on `Effect.async` instead of an Effect Queue and
  * a Deferred (~8 us each): p99 379-469 -> 167-221 ms in two runs each on a quiet machine. The
- * durable paced relay (each session's line appended and fdatasynced, nothing else) has p99 11-55
- * ms. Under 20 ms needs the daemon's cost per event about halved: one write-ahead fdatasync per
+ * final build after review, two runs on a quiet machine (load 0.5-1.4): prompts answered after
+ * 0.27-0.31 s, the turns took 3.4 s, daemon 114-116 us per event (106-109% of a core: its main
+ * thread saturated), workers 50-55 us (11 processes, ~50% of a core), latency p50 74-89 ms, p99
+ * 204-209 ms, RSS 717-742 MB in all. The durable paced relay (each session's line appended and
+ * fdatasynced, nothing else) has p99 6-55 ms over the day's runs. Under 20 ms needs the daemon's cost per event about halved: one write-ahead fdatasync per
  * tick for every session's events (no submission per session), and fewer Effect steps per event.
  */
 import { type ChildProcess, spawn } from "node:child_process"
