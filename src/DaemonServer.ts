@@ -21,6 +21,7 @@ import * as Layer from "effect/Layer"
 import * as Queue from "effect/Queue"
 import { randomUUID } from "node:crypto"
 import * as fs from "./internal/fileIoSync.js"
+import { probeSocket } from "./internal/liveness.js"
 import * as net from "node:net"
 import * as path from "node:path"
 import { DaemonConfig } from "./DaemonConfig.js"
@@ -45,19 +46,6 @@ export class DaemonServer extends Context.Tag("agentd/DaemonServer")<DaemonServe
   readonly shutdownRequested: Deferred.Deferred<void>
 }>() {}
 
-/** True when something accepts connections at `socketPath`. */
-const probe = (socketPath: string): Promise<boolean> =>
-  new Promise((resolve) => {
-    const socket = net.connect(socketPath)
-    const done = (alive: boolean) => {
-      socket.destroy()
-      resolve(alive)
-    }
-    socket.once("connect", () => done(true))
-    socket.once("error", () => done(false))
-    setTimeout(() => done(false), 1000).unref()
-  })
-
 /**
  * Makes the socket path ours: creates its directory (0700) if missing, removes a stale socket
  * file (nothing answers), fails if a daemon answers there. Anything else at the path (a file, a
@@ -73,7 +61,8 @@ export const claimSocketPath = (socketPath: string): Effect.Effect<void, ServerS
     if (!existing.isSocket()) {
       return yield* Effect.fail(new ServerStartError(`${socketPath} exists and is not a socket; not removing it`))
     }
-    if (yield* Effect.promise(() => probe(socketPath))) {
+    // A listener that does not answer within a second is taken for gone.
+    if ((yield* Effect.promise(() => probeSocket(socketPath))) === "answers") {
       return yield* Effect.fail(new ServerStartError(`another daemon is listening at ${socketPath}`))
     }
     fs.unlinkSync(socketPath)

@@ -319,6 +319,14 @@ const warmUpRestore: Effect.Effect<void> = warmUpRestorePath(20).pipe(
   Effect.catchAllCause((cause) => Effect.logDebug("warm-up skipped", cause))
 )
 
+/** A spare's (or an empty host's) warm-up: the restore path, then the turn path; never fails. */
+const warmUpSpare = (engines: Context.Tag.Service<typeof Engine>): Effect.Effect<void> =>
+  warmUpRestore.pipe(
+    Effect.zipRight(warmUpTurnPath(engines, 3)),
+    // An embedder's registry without `echo`: the restore path was warmed all the same.
+    Effect.catchAllCause((cause) => Effect.logDebug("turn warm-up skipped", cause))
+  )
+
 /**
  * Runs one turn of `engine`: every batch of its outputs is made bytes by `encode` and written by
  * `write` (a promise back: the pipe is full, and the turn waits for it). The engine pushes its
@@ -716,12 +724,8 @@ export const run = (pipe: WorkerPipe, options: RunOptions = {}) =>
     yield* pipe.send({ type: "worker_ready", pid, messageCount: 0 })
     // The warm-up runs while nobody needs this worker: the first frame interrupts it (its
     // scratch dir is removed on the way), without waiting for it to wind down.
-    const warmUpTurn = warmUpTurnPath(engines, 3).pipe(
-      // An embedder's registry without `echo`: the restore path was warmed all the same.
-      Effect.catchAllCause((cause) => Effect.logDebug("turn warm-up skipped", cause))
-    )
     let warmUp = options.warmUp === true
-      ? yield* FiberSet.run(fibers, warmUpRestore.pipe(Effect.zipRight(warmUpTurn), Effect.zipRight(Effect.sync(() => collector?.idle()))))
+      ? yield* FiberSet.run(fibers, warmUpSpare(engines).pipe(Effect.zipRight(Effect.sync(() => collector?.idle()))))
       : undefined
     if (warmUp === undefined) collector?.idle()
     const lines = yield* Queue.unbounded<string | undefined>()
@@ -777,13 +781,7 @@ export const runHost = (control: WorkerPipe, socketPath: string, warmUp: boolean
     const spareMember = collector.member()
     // Warmed like a spare (when the pool asks it to), until its first session connects.
     let warming: Fiber.RuntimeFiber<void> | undefined = warmUp
-      ? runFork(
-        warmUpRestore.pipe(
-          Effect.zipRight(warmUpTurnPath(engines, 3).pipe(Effect.catchAllCause((cause) => Effect.logDebug("turn warm-up skipped", cause)))),
-          Effect.asVoid,
-          Effect.ensuring(Effect.sync(() => spareMember.idle()))
-        )
-      )
+      ? runFork(warmUpSpare(engines).pipe(Effect.ensuring(Effect.sync(() => spareMember.idle()))))
       : undefined
     if (warming === undefined) spareMember.idle()
     const server = net.createServer((socket) => {
@@ -843,13 +841,14 @@ export const main = (engines: Layer.Layer<Engine> = BuiltinEngines.layer): void 
       // stdout and stderr are copied to the daemon's log; the default logger would use stdout.
       Effect.provide(Layer.merge(engines, Logger.replace(Logger.defaultLogger, Logger.prettyLogger({ stderr: true, colors: false }))))
     )
+  const warmUp = process.argv.includes(WorkerProtocol.WARM_UP_FLAG)
+  // The supervisor is gone (or we failed): a worker never outlives its pipe.
+  const exitWith = (exit: Exit.Exit<unknown, unknown>) => process.exit(Exit.isSuccess(exit) ? 0 : 1)
   if (hostPath !== undefined) {
     process.title = `${WorkerProtocol.WORKER_TITLE_PREFIX}${WorkerProtocol.HOST_TITLE_KEY}`
-    const warmUp = process.argv.includes(WorkerProtocol.WARM_UP_FLAG)
-    Effect.runPromiseExit(logged(runHost(pipe, hostPath, warmUp))).then((exit) => process.exit(Exit.isSuccess(exit) ? 0 : 1))
+    Effect.runPromiseExit(logged(runHost(pipe, hostPath, warmUp))).then(exitWith)
     return
   }
-  const warmUp = process.argv.includes(WorkerProtocol.WARM_UP_FLAG)
   // The process table names the session this worker runs (`/proc/PID/cmdline` on Linux, which
   // keeps a title within the length of the original argv: see `workerTitleKey`), so that "at
   // most one live worker per session" can be checked from outside, across runners and daemons
@@ -857,8 +856,5 @@ export const main = (engines: Layer.Layer<Engine> = BuiltinEngines.layer): void 
   const onSession = (id: string) => {
     process.title = `${WorkerProtocol.WORKER_TITLE_PREFIX}${WorkerProtocol.workerTitleKey(id)}`
   }
-  Effect.runPromiseExit(logged(run(pipe, { warmUp, onSession, collectWhenIdle: true }))).then((exit) => {
-    // The supervisor is gone (or we failed): a worker never outlives its pipe.
-    process.exit(Exit.isSuccess(exit) ? 0 : 1)
-  })
+  Effect.runPromiseExit(logged(run(pipe, { warmUp, onSession, collectWhenIdle: true }))).then(exitWith)
 }

@@ -36,6 +36,7 @@ import * as Metrics from "./Metrics.js"
 import type { Engine } from "./Engine.js"
 import { LineDecoder } from "./JsonLines.js"
 import { FrameInbox } from "./internal/frameInbox.js"
+import { deadDaemonDirs, probeSocket } from "./internal/liveness.js"
 import * as Worker from "./Worker.js"
 import * as WorkerProtocol from "./WorkerProtocol.js"
 
@@ -470,56 +471,19 @@ const UNMARKED_DIR_AGE_MS = 60_000
  * Removes the host directories of daemons that are gone (SIGKILLed: no pool finalizer removed
  * them). Gone means: its pid runs no process here, and its marker socket does not answer (or is
  * missing from a directory a minute old). A daemon in another pid namespace sharing this /tmp
- * has a pid that may run nothing here; its marker answers.
+ * has a pid that may run nothing here; its marker answers (a silent one is taken as alive).
  */
 const removeStaleHostDirs = async (): Promise<void> => {
-  let names: Array<string>
-  try {
-    names = readdirSync(os.tmpdir())
-  } catch {
-    return
-  }
-  for (const name of names) {
-    if (!name.startsWith(HOST_DIR_PREFIX)) continue
-    const pid = Number(name.slice(HOST_DIR_PREFIX.length).split("-")[0])
-    if (!Number.isInteger(pid) || pid <= 0 || pid === process.pid || isRunning(pid)) continue
-    const dir = path.join(os.tmpdir(), name)
+  for (const dir of deadDaemonDirs(HOST_DIR_PREFIX)) {
     try {
       const marked = readdirSync(dir).includes(HOST_DIR_MARKER)
-      if (marked ? await isAnswered(path.join(dir, HOST_DIR_MARKER)) : Date.now() - statSync(dir).mtimeMs < UNMARKED_DIR_AGE_MS) continue
-      rmSync(dir, { recursive: true, force: true })
+      const inUse = marked
+        ? (await probeSocket(path.join(dir, HOST_DIR_MARKER))) !== "refused"
+        : Date.now() - statSync(dir).mtimeMs < UNMARKED_DIR_AGE_MS
+      if (!inUse) rmSync(dir, { recursive: true, force: true })
     } catch {
       // Best effort: a leftover directory holds no session data, only dead sockets.
     }
-  }
-}
-
-/** Whether something accepts a connection on the Unix socket at `socketPath`. */
-const isAnswered = (socketPath: string): Promise<boolean> =>
-  new Promise((resolve) => {
-    const socket = net.createConnection(socketPath)
-    const timer = setTimeout(() => {
-      socket.destroy()
-      resolve(true) // No refusal: something may be there.
-    }, 1000)
-    socket.once("connect", () => {
-      clearTimeout(timer)
-      socket.destroy()
-      resolve(true)
-    })
-    socket.once("error", () => {
-      clearTimeout(timer)
-      resolve(false)
-    })
-  })
-
-/** Whether a process with this pid runs (EPERM: one of another user's, running). */
-const isRunning = (pid: number): boolean => {
-  try {
-    process.kill(pid, 0)
-    return true
-  } catch (e) {
-    return (e as NodeJS.ErrnoException).code === "EPERM"
   }
 }
 

@@ -1,12 +1,11 @@
 /**
- * The session's mailbox (`InputQueue`) and the pump's `signal`: inputs are taken in the order
- * offered whether the taker waits or not, an interrupted take loses nothing offered after it,
- * and a signal given before or after it is awaited releases its waiter once.
+ * The session's mailbox (`InputQueue`): inputs are taken in the order offered whether the taker
+ * waits or not, and an interrupted take loses nothing offered after it.
  */
 import { assert, describe, it } from "@effect/vitest"
 import * as Effect from "effect/Effect"
 import * as Fiber from "effect/Fiber"
-import { InputQueue, signal } from "../src/internal/session/mailbox.js"
+import { InputQueue } from "../src/internal/session/mailbox.js"
 
 describe("InputQueue", () => {
   it.effect("inputs are taken in the order offered, offered before the take or while it waits", () =>
@@ -54,22 +53,5 @@ describe("InputQueue", () => {
       while (taken.length < offered) yield* Effect.yieldNow()
       yield* Fiber.interrupt(taker)
       assert.deepStrictEqual(taken, Array.from({ length: offered }, (_, i) => i))
-    }))
-})
-
-describe("signal", () => {
-  it.effect("given before it is awaited, or while it is", () =>
-    Effect.gen(function*() {
-      const early = signal()
-      early.give()
-      yield* early.wait
-      const late = signal()
-      const waiting = yield* Effect.fork(late.wait)
-      yield* Effect.yieldNow()
-      assert.isNull(yield* Fiber.poll(waiting).pipe(Effect.map((o) => (o._tag === "Some" ? "done" : null))))
-      late.give()
-      yield* Fiber.join(waiting)
-      // Given again: nothing more happens.
-      late.give()
     }))
 })

@@ -49,6 +49,7 @@ import * as SnapshotCache from "../SnapshotCache.js"
 import { WorkerPool, type WorkerExit, WorkerProcess } from "../WorkerPool.js"
 import * as WorkerProtocol from "../WorkerProtocol.js"
 import { eventPathInUse, WARM_UP_SESSION_PREFIX } from "./delivery/warmUp.js"
+import { deadDaemonDirs } from "./liveness.js"
 import { Outbox } from "./outbox.js"
 import * as Utf8Batch from "./utf8Batch.js"
 
@@ -169,22 +170,10 @@ const TEMP_PREFIX = "agentd-warm-up-"
 
 /**
  * Removes the temp dirs of warm-ups whose daemon is gone (SIGKILLed while it warmed up: a clean
- * stop removes its own). Only dirs of this user (a dir of a live pid, or of another user's
- * process, which `kill(pid, 0)` cannot probe, is left alone).
+ * stop removes its own). Only dirs of this user (see `deadDaemonDirs`).
  */
 const removeOrphans = (): void => {
-  const uid = process.getuid?.()
-  for (const name of fs.readdirSync(os.tmpdir())) {
-    const pid = Number(/^agentd-warm-up-(\d+)-/.exec(name)?.[1])
-    if (!Number.isSafeInteger(pid) || pid === process.pid) continue
-    const dir = path.join(os.tmpdir(), name)
-    try {
-      if (uid !== undefined && fs.lstatSync(dir).uid !== uid) continue
-      process.kill(pid, 0)
-    } catch (e) {
-      if ((e as NodeJS.ErrnoException).code === "ESRCH") fs.rmSync(dir, { recursive: true, force: true })
-    }
-  }
+  for (const dir of deadDaemonDirs(TEMP_PREFIX)) fs.rmSync(dir, { recursive: true, force: true })
 }
 
 /**

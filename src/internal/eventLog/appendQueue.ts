@@ -278,33 +278,17 @@ export const make = <H extends QueueHandle>(
 
     /** Serializes, assigns the cursor and queues in one synchronous step, then waits (or writes it: `inPlace`). */
     const appendTo = (h: H, sessionId: string, event: EventData | EncodedEvent) =>
-      Effect.uninterruptibleMask((restore) => Effect.suspend(() => {
-        if (h.dead !== undefined) return Effect.fail(h.dead)
-        const json = serialize(sessionId, event)
-        if (json instanceof EventLogError) return Effect.fail(json)
-        const here = inPlace(h, restore)
-        if (here !== undefined) {
-          let answer: Effect.Effect<Cursor.Cursor, EventLogError> | undefined
-          return Effect.zipRight(
-            here(() => {
-              const cursor = h.next
-              h.next = Cursor.next(cursor)
-              h.queue.push({ _tag: "Append", cursor, json, resume: (result) => (answer = result) })
-            }),
-            Effect.suspend(() => answer ?? Effect.die(new Error("a flush left an append unanswered")))
-          )
-        }
-        return restore(Effect.async<Cursor.Cursor, EventLogError>((resume) => {
-          if (h.dead !== undefined) return resume(Effect.fail(h.dead))
-          const cursor = h.next
-          h.next = Cursor.next(cursor)
-          h.queue.push({ _tag: "Append", cursor, json, resume })
-          ensureFlusher(h)
-        }))
-      }))
+      Effect.uninterruptibleMask((restore) =>
+        Effect.suspend(() => {
+          if (h.dead !== undefined) return Effect.fail(h.dead)
+          const json = serialize(sessionId, event)
+          if (json instanceof EventLogError) return Effect.fail(json)
+          return Effect.map(enqueue(h, [json], restore), (cursors) => cursors[0]!)
+        })
+      )
 
-    // The hot path is one `Effect.async` and nothing else, and it is the one boundary without
-    // `Effect.fn`: a span cost ~40 µs of CPU per call here, more than the whole rest of an append.
+    // No `Effect.fn` on the hot path: a span cost ~40 µs of CPU per call here, more than the whole
+    // rest of an append.
     // Each write is traced instead, as `EventLog.flush` (one span per group commit, when a tracer
     // was provided: see `traced`).
     const append = (sessionId: string, event: EventData | EncodedEvent): Effect.Effect<Cursor.Cursor, EventLogError> => {
@@ -317,35 +301,38 @@ export const make = <H extends QueueHandle>(
 
     /** Assigns the cursors and queues the ops in one synchronous step, then waits for the last (or writes them: `inPlace`). */
     const queueAll = (h: H, jsons: ReadonlyArray<EventText>) =>
-      Effect.uninterruptibleMask((restore) => Effect.suspend(() => {
-        if (h.dead !== undefined) return Effect.fail(h.dead)
-        // Queued in one synchronous step, so the ops are consecutive in one batch and one write:
-        // they succeed or fail together, and the last one answers for all.
-        const cursors: Array<Cursor.Cursor> = []
-        const queueOps = (answerLast: (result: Effect.Effect<Cursor.Cursor, EventLogError>) => void) => {
-          for (let i = 0; i < jsons.length; i++) {
-            const cursor = h.next
-            h.next = Cursor.next(cursor)
-            cursors.push(cursor)
-            h.queue.push({ _tag: "Append", cursor, json: jsons[i]!, resume: i === jsons.length - 1 ? answerLast : answeredByLast })
-          }
+      Effect.uninterruptibleMask((restore) => Effect.suspend(() => enqueue(h, jsons, restore)))
+
+    /** `queueAll` (and `appendTo`) inside the caller's uninterruptible region: `restore` is all that may be interrupted. */
+    const enqueue = (h: H, jsons: ReadonlyArray<EventText>, restore: Restore): Effect.Effect<ReadonlyArray<Cursor.Cursor>, EventLogError> => {
+      if (h.dead !== undefined) return Effect.fail(h.dead)
+      // Queued in one synchronous step, so the ops are consecutive in one batch and one write:
+      // they succeed or fail together, and the last one answers for all.
+      const cursors: Array<Cursor.Cursor> = []
+      const queueOps = (answerLast: (result: Effect.Effect<Cursor.Cursor, EventLogError>) => void) => {
+        for (let i = 0; i < jsons.length; i++) {
+          const cursor = h.next
+          h.next = Cursor.next(cursor)
+          cursors.push(cursor)
+          h.queue.push({ _tag: "Append", cursor, json: jsons[i]!, resume: i === jsons.length - 1 ? answerLast : answeredByLast })
         }
-        const here = inPlace(h, restore)
-        if (here !== undefined) {
-          let answer: Effect.Effect<Cursor.Cursor, EventLogError> | undefined
-          return Effect.zipRight(
-            here(() => queueOps((result) => (answer = result))),
-            Effect.suspend(() =>
-              answer === undefined ? Effect.die(new Error("a flush left an append unanswered")) : Effect.as(answer, cursors)
-            )
+      }
+      const here = inPlace(h, restore)
+      if (here !== undefined) {
+        let answer: Effect.Effect<Cursor.Cursor, EventLogError> | undefined
+        return Effect.zipRight(
+          here(() => queueOps((result) => (answer = result))),
+          Effect.suspend(() =>
+            answer === undefined ? Effect.die(new Error("a flush left an append unanswered")) : Effect.as(answer, cursors)
           )
-        }
-        return restore(Effect.async<ReadonlyArray<Cursor.Cursor>, EventLogError>((resume) => {
-          if (h.dead !== undefined) return resume(Effect.fail(h.dead))
-          queueOps((result) => resume(Effect.as(result, cursors)))
-          ensureFlusher(h)
-        }))
+        )
+      }
+      return restore(Effect.async<ReadonlyArray<Cursor.Cursor>, EventLogError>((resume) => {
+        if (h.dead !== undefined) return resume(Effect.fail(h.dead))
+        queueOps((result) => resume(Effect.as(result, cursors)))
+        ensureFlusher(h)
       }))
+    }
 
     // The session's hot path (each batch of a worker's events), so no `Effect.fn` either, as
     // `append`: at a model's pace every batch is one event, and its span was paid per event.

@@ -49,6 +49,7 @@ import * as Redacted from "effect/Redacted"
 import * as Schedule from "effect/Schedule"
 import * as Scope from "effect/Scope"
 import * as os from "node:os"
+import { isRunning } from "../liveness.js"
 import { nameOfMetaText } from "./sessionStore.js"
 
 /** The store could not be reached or its schema could not be made. */
@@ -296,7 +297,7 @@ const lock = (url: string, socketPath: string, waitForDeadHolder = true, shared 
       // A holder SIGKILLed a moment ago still holds the lock until its server process sees the
       // connection closed (milliseconds): when the holder named is a dead process of this
       // machine, wait for that, for up to 5 s; a live holder refuses at once.
-      const dead = h !== undefined && h.host === os.hostname() && !isAlive(h.pid)
+      const dead = h !== undefined && h.host === os.hostname() && !isRunning(h.pid)
       if (!dead || !waitForDeadHolder || attempt >= 50) {
         return yield* new PostgresStoreLocked({ url, pid: h?.pid, socketPath: h?.socket_path, host: h?.host })
       }
@@ -371,15 +372,6 @@ const keepLock = (
     yield* Effect.forkScoped(Effect.forever(Effect.zipRight(Effect.sleep(LOCK_CHECK), check)))
   })
 
-const isAlive = (pid: number): boolean => {
-  try {
-    process.kill(pid, 0)
-    return true
-  } catch (error) {
-    // EPERM: it exists, as another user's.
-    return (error as NodeJS.ErrnoException).code === "EPERM"
-  }
-}
 
 const toStoreError = (url: string, what: string) => (cause: SqlError | Migrator.MigrationError) =>
   new PostgresStoreError({ url, detail: `${what}: ${cause.message}`, cause })

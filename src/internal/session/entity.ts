@@ -570,7 +570,7 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
       case "Frames":
         // The daemon's start-up warm-up of this path gives way to the real thing.
         realFramesArrived(s.meta.activeSessionId)
-        return Effect.ensuring(onFrames(s, input.worker, input.frames), Effect.sync(input.handled))
+        return Effect.ensuring(onFrames(s, input.worker, input.frames), Effect.sync(() => input.handled.unsafeOpen()))
       case "Exited": {
         const worker = s.handles.workerIds.get(input.worker)
         if (worker === undefined) return Effect.void

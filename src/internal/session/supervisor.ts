@@ -13,7 +13,6 @@ import type * as Protocol from "../../Protocol.js"
 import * as StateLayout from "../../StateLayout.js"
 import type { WorkerHandle } from "../../WorkerPool.js"
 import type * as WorkerProtocol from "../../WorkerProtocol.js"
-import { signal } from "./mailbox.js"
 import { journalSaysBusy, sendRestore } from "./restore.js"
 import { type Core, isClosed, type Session } from "./session.js"
 
@@ -119,14 +118,14 @@ export const makeSupervisor = (core: Core): Supervisor => {
     Effect.gen(function*() {
       let frames = yield* worker.takeFrames
       while (frames.length > 0) {
-        const handled = signal()
-        yield* post(s, { _tag: "Frames", worker, frames, handled: handled.give })
+        const handled = Effect.unsafeMakeLatch(false)
+        yield* post(s, { _tag: "Frames", worker, frames, handled })
         if (isClosed(s)) break
         // The next take is decoded while the entity handles this one (most of that time it
         // waits for its log's fdatasync); it is posted once this one is handled: the worker's
         // pipe is the backpressure, and at most two takes are decoded at a time.
         const next = yield* worker.takeFrames
-        yield* handled.wait
+        yield* handled.await
         frames = next
       }
       const exit = yield* Deferred.await(worker.exited)
