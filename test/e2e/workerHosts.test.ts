@@ -10,6 +10,7 @@ import * as fs from "node:fs"
 import * as os from "node:os"
 import * as path from "node:path"
 import { afterAll, describe, expect, it } from "vitest"
+import { probeSocket } from "../../src/internal/liveness.js"
 import { WORKER_TITLE_PREFIX, workerTitleKey } from "../../src/WorkerProtocol.js"
 import { parentOf } from "../support/procfs.js"
 import {
@@ -445,12 +446,7 @@ describe("worker hosts (e2e)", () => {
     // Its socket vanishes (someone cleaned /tmp): the host itself runs on.
     const dir = hostDirsOf(daemon.pid)[0]!
     for (const name of fs.readdirSync(dir)) if (/^h\d+\.sock$/.test(name)) {
-      const probe = await import("node:net").then((net) => new Promise<boolean>((resolve) => {
-        const c = net.createConnection(path.join(dir, name))
-        c.once("connect", () => (c.destroy(), resolve(true)))
-        c.once("error", () => resolve(false))
-      }))
-      if (probe) fs.rmSync(path.join(dir, name))
+      if ((await probeSocket(path.join(dir, name))) === "answers") fs.rmSync(path.join(dir, name))
     }
     // A client env whose variables the daemon does not let through: no environment of its own.
     const { id: b } = await createSession(client, { name: "second", env: { NOT_ALLOWED_HOSTS_E2E: "1" } })
