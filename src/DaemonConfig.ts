@@ -24,7 +24,7 @@ export interface DaemonConfigShape {
   readonly maxWorkers: number
   /**
    * Sessions one worker process runs at most (1: a process of its own per session). Above 1,
-   * sessions with no `launchEnv` share worker hosts: far less CPU for sessions streaming at a
+   * sessions with no environment of their own share worker hosts: far less CPU for sessions streaming at a
    * model's pace (a process's wake-up is what they cost), but a host's crash interrupts every
    * session in it (each is restored). See WorkerPool's `sessionsPerWorker`.
    */

@@ -292,8 +292,8 @@ export interface WorkerPoolOptions {
   /**
    * Sessions one worker process runs at most (default 1: a process of its own per session).
    * Above 1, sessions started with no environment of their own share worker hosts
-   * (Worker.ts, `runHost`), each on a connection of its own; a session with a `launchEnv` still
-   * gets a process of its own.
+   * (Worker.ts, `runHost`), each on a connection of its own; one with an environment (`acquire`'s
+   * `env`) still gets a process of its own.
    */
   readonly sessionsPerWorker?: number
 }

@@ -365,14 +365,8 @@ export const makeCore = (deps: CoreDeps): Core => {
   const filterEnv = (env: Record<string, string> | undefined) => {
     if (env === undefined) return undefined
     const out: Record<string, string> = {}
-    let any = false
-    for (const key of config.clientEnvKeys) {
-      if (Object.hasOwn(env, key)) {
-        out[key] = env[key]!
-        any = true
-      }
-    }
-    return any ? out : undefined
+    for (const key of config.clientEnvKeys) if (Object.hasOwn(env, key)) out[key] = env[key]!
+    return Object.keys(out).length > 0 ? out : undefined
   }
 
   return {
