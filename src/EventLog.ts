@@ -254,11 +254,18 @@ export interface EventLogOptions {
    * fails.
    */
   readonly readOnly?: boolean
+  /**
+   * Bytes a write-ahead file holds before the next commit starts a new one and the segments the
+   * old one wrote to are fdatasynced (default 32 MiB; small values for tests of the rotation).
+   */
+  readonly writeAheadRotateBytes?: number
 }
 
 /**
  * Builds the file-backed service; its scope owns every open file and flusher fiber (group
- * commit: one write and one fdatasync per batch of a session's appends).
+ * commit: a session's batch is written to its segment, and acknowledged once the shared
+ * write-ahead log's commit that holds it, one write and one fdatasync for every session's
+ * batches of the moment, is durable).
  */
 export const make = (options: EventLogOptions): Effect.Effect<EventLogService, EventLogError, Scope.Scope> =>
   FileEventLog.make(options)

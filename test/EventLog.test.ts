@@ -460,7 +460,9 @@ describe("EventLog (file only)", () => {
         yield* log.append("a/b", { type: "y" })
         yield* log.startGeneration("a/b")
       }))
-      assert.deepStrictEqual(fs.readdirSync(root), ["a%2Fb"])
+      // The write-ahead log's directory, empty once the log was closed cleanly.
+      assert.deepStrictEqual(fs.readdirSync(root).sort(), [".write-ahead", "a%2Fb"])
+      assert.deepStrictEqual(fs.readdirSync(path.join(root, ".write-ahead")), [])
       assert.deepStrictEqual(fs.readdirSync(path.join(root, "a%2Fb", "events")).sort(), ["1.jsonl", "2.jsonl"])
       const lines = fs.readFileSync(segment(root, "a%2Fb", 1), "utf8").split("\n")
       assert.deepStrictEqual(lines.map((l) => (l === "" ? l : JSON.parse(l))), [

@@ -397,17 +397,42 @@ export const fdWriteAll = (fd: number, buffer: Buffer, position: number): Effect
  * written in one synchronous step, so it may be a view of a scratch buffer that the next
  * synchronous section reuses (Utf8Batch.view).
  */
-export const fdWriteAllSync = (fd: number, make: () => Buffer, position: number): Effect.Effect<number, FsError> =>
+export const fdWriteAllSync = (
+  fd: number,
+  make: () => Buffer,
+  position: number,
+  written?: (buffer: Buffer) => void
+): Effect.Effect<number, FsError> =>
   Effect.try({
     try: () => {
       const buffer = make()
-      let offset = 0
-      while (offset < buffer.length) {
-        offset += fs.writeSync(fd, buffer, offset, buffer.length - offset, position + offset)
-      }
+      writeAllSyncRaw(fd, buffer, position)
+      // Still the same synchronous step: a scratch buffer has not been reused yet.
+      written?.(buffer)
       return buffer.length
     },
     catch: (cause) => new FsError({ op: "write", path: fdName(fd), cause })
+  })
+
+// ---------------------------------------------------------------------------------------------
+// Raw descriptor calls, outside Effect: the write-ahead log's group commit (one per tick for
+// every session), which runs in node's callbacks, not in a fiber (../eventLog/writeAhead.ts)
+// ---------------------------------------------------------------------------------------------
+
+/** write(2) of the whole buffer at `position` on the calling thread; throws the Node error. */
+export const writeAllSyncRaw = (fd: number, buffer: Uint8Array, position: number): void => {
+  let offset = 0
+  while (offset < buffer.length) offset += fs.writeSync(fd, buffer, offset, buffer.length - offset, position + offset)
+}
+
+/** fdatasync(2) on libuv's pool; `done` gets the Node error or null. */
+export const dataSyncRaw = (fd: number, done: (error: NodeJS.ErrnoException | null) => void): void => fs.fdatasync(fd, done)
+
+/** Opens `path` (flags as fs.open's), fdatasyncs it and closes it; for a file whose descriptor is gone. */
+export const dataSyncPathRaw = (path: string, done: (error: NodeJS.ErrnoException | null) => void): void =>
+  fs.open(path, "r", (openError, fd) => {
+    if (openError !== null) return done(openError)
+    fs.fdatasync(fd, (syncError) => fs.close(fd, () => done(syncError)))
   })
 
 /** {@link fsyncDir} on descriptors: makes a directory's entries durable. */

@@ -14,6 +14,10 @@
  * The header lets an empty generation remember where the history stood even after the earlier
  * segments were pruned; segments are created complete (temp file, fsync, rename, fsync dir) so a
  * crash never leaves a segment without its header.
+ *
+ * Appends are written to their segment without a sync and made durable by the shared
+ * write-ahead log (./writeAhead.ts, `<root>/.write-ahead/`), replayed into the segments when the
+ * log is opened for writing.
  */
 import * as Chunk from "effect/Chunk"
 import * as Effect from "effect/Effect"
@@ -35,6 +39,7 @@ import {
 import * as StateLayout from "../../StateLayout.js"
 import * as FileIo from "../fileIo.js"
 import * as AppendQueue from "./appendQueue.js"
+import * as WriteAhead from "./writeAhead.js"
 import { fail, isCursor, makeService, parseRecord, putRecordClose, putRecordOpen } from "./records.js"
 import * as Utf8Batch from "../utf8Batch.js"
 
@@ -98,6 +103,8 @@ interface Handle extends AppendQueue.QueueHandle {
   // durable
   segments: Array<number>
   fd: number | undefined
+  /** The current segment's path relative to the log's root (how the write-ahead log names it). */
+  file: string
   generation: number
   size: number
   count: number
@@ -249,6 +256,7 @@ const openHandle = (root: string, sessionId: string, readOnly: boolean): Effect.
       lock: Effect.unsafeMakeSemaphore(1),
       segments: [],
       fd: undefined,
+      file: "",
       generation: 1,
       size: 0,
       count: 0,
@@ -277,6 +285,7 @@ const openHandle = (root: string, sessionId: string, readOnly: boolean): Effect.
     // A reader stops before a torn tail (the writer's write in flight); only the writer repairs.
     const recovered = yield* recoverSegment(sessionId, fd, file, newest, !readOnly).pipe(Effect.tapError(() => fsCloseQuiet(fd)))
     h.fd = fd
+    h.file = path.relative(root, file)
     h.generation = newest
     h.size = recovered.size
     h.count = recovered.count
@@ -320,6 +329,7 @@ const createSession = (root: string, h: Handle) =>
     const created = yield* createSegment(h, 1, Option.none())
     h.segments = [1]
     h.fd = created.fd
+    h.file = path.relative(root, segmentPath(h, 1))
     h.generation = 1
     h.size = created.size
     h.count = 0
@@ -341,6 +351,12 @@ export const make = (options: EventLogOptions): Effect.Effect<EventLogService, E
     const refuseWrite = (sessionId: string) =>
       fail("Closed", sessionId, "this event log was opened read-only (a reader in another process than its writer)")
     yield* mkdirPrivate("", root)
+    // Before any segment is opened: what the last run's commits hold goes back into them.
+    const writeAhead = readOnly
+      ? undefined
+      : yield* WriteAhead.make(root, options.writeAheadRotateBytes === undefined ? undefined : { rotateBytes: options.writeAheadRotateBytes }).pipe(
+        Effect.mapError((e) => fail("Io", "", `the event log's write-ahead log: ${e.message}`, e.cause))
+      )
 
     /** Writes one session's batch; on any failure the handle is killed and the session reopened later from disk. */
     const flush = (batch: AppendQueue.Batch<Handle>): Effect.Effect<void> =>
@@ -358,6 +374,7 @@ export const make = (options: EventLogOptions): Effect.Effect<EventLogService, E
             const previous = h.fd
             h.segments.push(op.generation)
             h.fd = created.fd
+            h.file = path.relative(root, segmentPath(h, op.generation))
             h.generation = op.generation
             h.size = created.size
             h.count = 0
@@ -387,8 +404,15 @@ export const make = (options: EventLogOptions): Effect.Effect<EventLogService, E
             }
             return Utf8Batch.view()
           }
-          const length = yield* io(h.sessionId, FileIo.fdWriteAllSync(h.fd!, encode, h.size))
-          yield* fsDataSync(h.sessionId, h.fd!)
+          let commit: WriteAhead.Commit | undefined
+          const offset = h.size
+          const length = yield* io(
+            h.sessionId,
+            FileIo.fdWriteAllSync(h.fd!, encode, offset, (bytes) => {
+              commit = writeAhead?.add(h.file, offset, bytes)
+            })
+          )
+          yield* commit === undefined ? fsDataSync(h.sessionId, h.fd!) : io(h.sessionId, writeAhead!.durable(commit))
           h.size += length
           h.bytes += length
           for (const [sequence, offset] of marks) h.marks.set(sequence, offset)
@@ -631,6 +655,8 @@ export const make = (options: EventLogOptions): Effect.Effect<EventLogService, E
           const exists = yield* FileIo.exists(h.dir).pipe(Effect.orElseSucceed(() => false))
           if (!exists) return
           if (options?.archiveTo !== undefined) {
+            // The segments' last writes durable where they go (the write-ahead log names the old paths).
+            if (writeAhead !== undefined) yield* io(sessionId, writeAhead.checkpoint)
             const target = path.resolve(options.archiveTo)
             yield* mkdirPrivate(sessionId, path.dirname(target))
             yield* fsRename(sessionId, h.dir, target)
@@ -647,6 +673,8 @@ export const make = (options: EventLogOptions): Effect.Effect<EventLogService, E
       if (readOnly) return yield* Effect.fail(refuseWrite(sessionId))
       const open = handles.get(sessionId)
       if (open !== undefined) yield* kill(open, fail("Closed", sessionId, "the session's event log is being repaired"))
+      // No record written before a cut is replayed over it after a crash.
+      if (writeAhead !== undefined) yield* io(sessionId, writeAhead.checkpoint)
       const name = sanitizeSessionId(sessionId)
       if (name._tag === "Left") return yield* Effect.fail(name.left)
       const eventsDir = StateLayout.eventLogPaths(root).eventsDir(sessionId)
