@@ -129,7 +129,11 @@ export type StorageContext = DaemonConfig | SessionManager.SupervisorInfo
 
 /** The event log under `<stateDir>/events` (the default of {@link DaemonLayers.eventLog}). */
 export const eventLogLayer: Layer.Layer<EventLog.EventLog, EventLog.EventLogError, StorageContext> = Layer.unwrapEffect(
-  Effect.map(SessionManager.SupervisorInfo, (info) => EventLog.layer({ root: info.eventLogRoot }))
+  Effect.map(Effect.all([SessionManager.SupervisorInfo, DaemonConfig]), ([info, config]) =>
+    EventLog.layer({
+      root: info.eventLogRoot,
+      ...(config.writeAheadBytes === undefined ? {} : { writeAheadRotateBytes: config.writeAheadBytes })
+    }))
 )
 
 /** Session metadata and transcripts under `<stateDir>/sessions` (the default of {@link DaemonLayers.sessionStore}). */

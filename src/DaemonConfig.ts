@@ -37,6 +37,11 @@ export interface DaemonConfigShape {
   readonly checkpointBytes: number
   /** Generations whose events and snapshots are kept. */
   readonly retainGenerations: number
+  /**
+   * Bytes a write-ahead file of the file event log holds before the next one starts and the
+   * segments it wrote to are fdatasynced (default 32 MiB; see EventLogOptions).
+   */
+  readonly writeAheadBytes?: number
   /** Outbound bytes queued for one client past which it is paused. */
   readonly outboxBytes: number
   /** Snapshot bytes kept in memory before chunks spill to disk. */
@@ -158,6 +163,7 @@ export const settings: Config.Config<Partial<DaemonConfigShape>> = Config.all({
   checkpointEvents: count("AGENTD_CHECKPOINT_EVENTS", 1),
   checkpointBytes: count("AGENTD_CHECKPOINT_BYTES", 1),
   retainGenerations: count("AGENTD_RETAIN_GENERATIONS", 1),
+  writeAheadBytes: count("AGENTD_WRITE_AHEAD_BYTES", 1),
   outboxBytes: count("AGENTD_OUTBOX_BYTES", 1),
   memoryCacheBytes: count("AGENTD_MEMORY_CACHE_BYTES", 1),
   targetChunkBytes: count("AGENTD_TARGET_CHUNK_BYTES", 1),

@@ -285,7 +285,15 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
   // A private server for the run (its socket only), stopped at the end however the run ends.
   const pgDir = postgres ? fs.mkdtempSync(path.join(os.tmpdir(), "agentd-chaos-pg-")) : undefined
   const pgUrl = pgDir === undefined ? undefined : execFileSync(PG_SCRIPT, ["start", pgDir], { encoding: "utf8" }).trim()
-  const settings = { ...drawSettings(rng, sessionCount), ...(pgUrl === undefined ? {} : { AGENTD_STORE: pgUrl }), ...options.settings }
+  // Drawn from a generator of their own, so that a seed's other draws stay what they were.
+  const walRng = new Rng(options.seed ^ 0x5741)
+  const writeAhead = walRng.chance(0.5) ? { AGENTD_WRITE_AHEAD_BYTES: String(walRng.pick([4096, 65536, 1024 * 1024])) } : {}
+  const settings = {
+    ...drawSettings(rng, sessionCount),
+    ...writeAhead,
+    ...(pgUrl === undefined ? {} : { AGENTD_STORE: pgUrl }),
+    ...options.settings
+  }
   const kinds = options.kinds ?? (postgres ? POSTGRES_KINDS : DEFAULT_KINDS)
   const weights = Object.fromEntries(kinds.map((k) => [k, WEIGHTS[k]])) as Record<FaultKind, number>
   // While spawns are being made to fail (and poisons overlap a heal), a retry's own worker can
@@ -768,6 +776,8 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
     let damaged = ""
     const asideBefore = ls(eventsDir, /\.damaged-/).length
     let expectAside = false
+    /** The event log's bytes overwritten: a write-ahead file that still holds them puts them back. */
+    let overwritten: { readonly file: string; readonly from: number; readonly n: number } | undefined
     if (what === "event_log") {
       const file = frng.pick(segments)
       const bytes = fs.readFileSync(file)
@@ -785,6 +795,7 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
       fs.writeFileSync(file, bytes)
       damaged = `${path.basename(file)} line ${starts.indexOf(at) + 1}, ${n} byte(s) at ${from}`
       expectAside = true
+      overwritten = { file, from, n }
     } else if (what === "transcript") {
       const file = frng.pick(transcripts)
       const size = fs.statSync(file).size
@@ -813,6 +824,14 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
       if (worker === "damaged") {
         stats.damagedSessions++
         check("damaged files: a reason", typeof summary["damage"]?.["reason"] === "string", () => JSON.stringify(summary))
+      } else if (overwritten !== undefined) {
+        // Bytes a write-ahead file still held: its replay at the restart wrote them back.
+        const now = fs.existsSync(overwritten.file) ? fs.readFileSync(overwritten.file) : Buffer.alloc(0)
+        const restored = now.length >= overwritten.from + overwritten.n &&
+          !now.subarray(overwritten.from, overwritten.from + overwritten.n).every((b) => b === 0x23)
+        check("damaged files: whole or damaged", restored, () => `${damaged} left ${ctl.id} ${worker}, not damaged, and the bytes are not restored`)
+        if (restored) log(`  the write-ahead log's replay restored ${damaged}`)
+        expectAside = false
       } else {
         // Bytes the session does not read (past the transcript's published length): whole.
         check("damaged files: whole or damaged", what === "transcript", () => `${damaged} left ${ctl.id} ${worker}, not damaged`)

@@ -126,6 +126,14 @@ const putRecord = (out: { buffer: Buffer }, at: number, file: string, offset: nu
   return bodyStart + bodyLength
 }
 
+/** The bytes of a write-ahead file holding `records`, in order (what the commits write; for tests). */
+export const encodeRecords = (records: ReadonlyArray<{ readonly file: string; readonly offset: number; readonly bytes: Uint8Array }>): Buffer => {
+  const out = { buffer: Buffer.allocUnsafe(1024) }
+  let at = 0
+  for (const record of records) at = putRecord(out, at, record.file, record.offset, record.bytes)
+  return Buffer.from(out.buffer.subarray(0, at))
+}
+
 /**
  * Replays what the write-ahead files under `root` hold into their segments, then removes them
  * (see the module's comment). Run before any segment of the log is opened.
@@ -360,13 +368,19 @@ export const make = (
         else commit.waiters.push(answer)
       })
 
-    const checkpoint: Effect.Effect<void, FileIo.FsError> = Effect.async<void, FileIo.FsError>((resume) => {
-      // (A pending record implies a commit in flight: `add` starts one when none is.)
-      if (current.dirty.size === 0 && !inFlight && retired.length === 0) return resume(Effect.void)
+    /** Every file up to the current one gone (their segments synced). */
+    const retireCurrent: Effect.Effect<void, FileIo.FsError> = Effect.async<void, FileIo.FsError>((resume) => {
+      if (current.dirty.size === 0 && !inFlight && used === 0 && retired.length === 0) return resume(Effect.void)
       checkpointWaiters.push({ upTo: current.seq, done: (error) => resume(error === null ? Effect.void : Effect.fail(error)) })
       // A rotation under way covers the files before the current one: `rotated` starts the next.
       rotate()
     })
+
+    // Records still pending go to the file current when their commit starts, which may be a later
+    // one: they are written first (their commit failing or not: they may be in a file either way).
+    const checkpoint: Effect.Effect<void, FileIo.FsError> = Effect.suspend(() =>
+      used === 0 ? retireCurrent : Effect.zipRight(Effect.ignore(durable(pending)), retireCurrent)
+    )
 
     yield* Effect.addFinalizer(() =>
       Effect.gen(function*() {

@@ -1,0 +1,243 @@
+/**
+ * The file event log's write-ahead log (src/internal/eventLog/writeAhead.ts): its record format
+ * (every cut and every flipped byte ends the file there, never a wrong record), its replay into
+ * the segments (a table of what a crash can leave), its rotation (old files go once their
+ * segments are synced) and its checkpoint. What a power loss does to the whole log is
+ * test/EventLogPowerLoss.test.ts's.
+ */
+import { assert, describe, it } from "@effect/vitest"
+import * as Effect from "effect/Effect"
+import * as Exit from "effect/Exit"
+import * as Scope from "effect/Scope"
+import * as fs from "node:fs"
+import * as os from "node:os"
+import * as path from "node:path"
+import * as WriteAhead from "../src/internal/eventLog/writeAhead.js"
+
+const tempRoot = Effect.acquireRelease(
+  Effect.sync(() => fs.mkdtempSync(path.join(os.tmpdir(), "agentd-wal-"))),
+  (dir) => Effect.sync(() => fs.rmSync(dir, { recursive: true, force: true }))
+)
+
+const walDir = (root: string) => path.join(root, WriteAhead.WRITE_AHEAD_DIR)
+const walFiles = (root: string) => fs.readdirSync(walDir(root)).filter((name) => name.endsWith(".wal")).sort()
+
+const record = (file: string, offset: number, text: string) => ({ file, offset, bytes: Buffer.from(text) })
+
+/** Writes a segment's content and write-ahead files (each a list of records) as a crash left them. */
+const crashLeft = (
+  root: string,
+  segments: Record<string, string>,
+  files: ReadonlyArray<ReadonlyArray<ReturnType<typeof record>>>,
+  tail?: Buffer
+) => {
+  for (const [file, content] of Object.entries(segments)) {
+    fs.mkdirSync(path.dirname(path.join(root, file)), { recursive: true })
+    fs.writeFileSync(path.join(root, file), content)
+  }
+  fs.mkdirSync(walDir(root), { recursive: true })
+  files.forEach((records, i) => {
+    const bytes = WriteAhead.encodeRecords(records)
+    const last = i === files.length - 1 && tail !== undefined ? Buffer.concat([bytes, tail]) : bytes
+    fs.writeFileSync(path.join(walDir(root), `${String(i + 1).padStart(12, "0")}.wal`), last)
+  })
+}
+
+describe("write-ahead log", () => {
+  it("a record format where every cut and every flipped byte ends the file at a whole record, never a wrong one", () => {
+    const records = [record("a/events/1.jsonl", 0, "one\n"), record("b/events/2.jsonl", 17, "two two\n"), record("a/events/1.jsonl", 4, "three\n")]
+    const bytes = WriteAhead.encodeRecords(records)
+    const whole = WriteAhead.parseRecords(bytes)
+    assert.deepStrictEqual(whole.records.map((r) => [r.file, r.offset, r.payload.toString()]), records.map((r) => [r.file, r.offset, r.bytes.toString()]))
+    assert.strictEqual(whole.end, bytes.length)
+    const ends: Array<number> = []
+    for (let k = 0; k <= records.length; k++) ends.push(WriteAhead.encodeRecords(records.slice(0, k)).length)
+    for (let cut = 0; cut <= bytes.length; cut++) {
+      const parsed = WriteAhead.parseRecords(bytes.subarray(0, cut))
+      const wholeBefore = ends.filter((end) => end <= cut).length - 1
+      assert.strictEqual(parsed.records.length, wholeBefore, `cut at ${cut}`)
+      assert.strictEqual(parsed.end, ends[wholeBefore], `cut at ${cut}`)
+    }
+    for (let at = 0; at < bytes.length; at++) {
+      for (const flip of [0x01, 0x80]) {
+        const damaged = Buffer.from(bytes)
+        damaged[at] = damaged[at]! ^ flip
+        const parsed = WriteAhead.parseRecords(damaged)
+        // The record holding the flipped byte and those after it are not read; those before are.
+        const holder = ends.findIndex((end) => end > at) - 1
+        assert.strictEqual(parsed.records.length, holder, `byte ${at} ^ ${flip}`)
+      }
+    }
+  })
+
+  const replayCases: ReadonlyArray<{
+    readonly name: string
+    readonly segments: Record<string, string>
+    readonly files: ReadonlyArray<ReadonlyArray<ReturnType<typeof record>>>
+    readonly tail?: Buffer
+    readonly after: Record<string, string | undefined>
+  }> = [
+    {
+      name: "a power loss dropped the segment's unsynced bytes: the records write them again",
+      segments: { "s/events/1.jsonl": "abc" },
+      files: [[record("s/events/1.jsonl", 3, "def"), record("s/events/1.jsonl", 6, "ghi")]],
+      after: { "s/events/1.jsonl": "abcdefghi" }
+    },
+    {
+      name: "zeros or garbage after the synced part: overwritten, and cut after the last record",
+      segments: { "s/events/1.jsonl": "abcde\0\0\0\0\0\0\0\0\0\0\0XYZ" },
+      files: [[record("s/events/1.jsonl", 3, "def"), record("s/events/1.jsonl", 6, "ghi")]],
+      after: { "s/events/1.jsonl": "abcdefghi" }
+    },
+    {
+      name: "a failed append cut and written again shorter: the later record wins, nothing of the earlier one is left",
+      segments: { "s/events/1.jsonl": "abcdefgh" },
+      files: [[record("s/events/1.jsonl", 3, "defgh"), record("s/events/1.jsonl", 3, "DE")]],
+      after: { "s/events/1.jsonl": "abcDE" }
+    },
+    {
+      name: "records over two files (a crash during a rotation): applied in the files' order",
+      segments: { "s/events/1.jsonl": "ab", "t/events/3.jsonl": "x" },
+      files: [[record("s/events/1.jsonl", 2, "cd"), record("t/events/3.jsonl", 1, "y")], [record("s/events/1.jsonl", 4, "ef"), record("t/events/3.jsonl", 2, "z")]],
+      after: { "s/events/1.jsonl": "abcdef", "t/events/3.jsonl": "xyz" }
+    },
+    {
+      name: "a segment pruned or removed since: skipped, not created",
+      segments: { "s/events/2.jsonl": "h" },
+      files: [[record("s/events/1.jsonl", 0, "gone"), record("s/events/2.jsonl", 1, "i")]],
+      after: { "s/events/1.jsonl": undefined, "s/events/2.jsonl": "hi" }
+    },
+    {
+      name: "a segment shorter than its first record (changed by something else): left as it is",
+      segments: { "s/events/1.jsonl": "a" },
+      files: [[record("s/events/1.jsonl", 5, "f")]],
+      after: { "s/events/1.jsonl": "a" }
+    },
+    {
+      name: "a commit cut by the crash (torn last record): what is before it is replayed",
+      segments: { "s/events/1.jsonl": "a" },
+      files: [[record("s/events/1.jsonl", 1, "b")]],
+      tail: WriteAhead.encodeRecords([record("s/events/1.jsonl", 2, "cdefgh")]).subarray(0, 20),
+      after: { "s/events/1.jsonl": "ab" }
+    },
+    {
+      name: "a path that leaves the root: ignored",
+      segments: { "s/events/1.jsonl": "a" },
+      files: [[record("../outside", 0, "x"), record("s/events/1.jsonl", 1, "b")]],
+      after: { "s/events/1.jsonl": "ab" }
+    }
+  ]
+  for (const c of replayCases) {
+    it.scoped(`replay: ${c.name}`, () =>
+      Effect.gen(function*() {
+        const parent = yield* tempRoot
+        const root = path.join(parent, "root")
+        fs.mkdirSync(root)
+        crashLeft(root, c.segments, c.files, c.tail)
+        yield* WriteAhead.replay(root)
+        for (const [file, content] of Object.entries(c.after)) {
+          const where = path.join(root, file)
+          if (content === undefined) assert.isFalse(fs.existsSync(where), file)
+          else assert.strictEqual(fs.readFileSync(where, "latin1"), content, file)
+        }
+        assert.isFalse(fs.existsSync(path.join(parent, "outside")))
+        assert.deepStrictEqual(walFiles(root), [], "the replayed files are removed")
+      }))
+  }
+
+  it.scoped("many sessions' writes from concurrent fibers: each add is durable once its commit is; old files go at each rotation, a checkpoint leaves none with records; a crash's files replay to the same bytes", () =>
+    Effect.gen(function*() {
+      const root = yield* tempRoot
+      const files = ["a/events/1.jsonl", "b/events/1.jsonl", "c/events/1.jsonl"]
+      const sizes = new Map<string, number>()
+      for (const file of files) {
+        fs.mkdirSync(path.dirname(path.join(root, file)), { recursive: true })
+        fs.writeFileSync(path.join(root, file), "")
+        sizes.set(file, 0)
+      }
+      const scope = yield* Scope.make()
+      const wal = yield* Scope.extend(WriteAhead.make(root, { rotateBytes: 2048 }), scope)
+      let seen = 0
+      // As the event log does: write the segment, then add the same bytes, in one synchronous step.
+      const append = (file: string, text: string) =>
+        Effect.suspend(() => {
+          const bytes = Buffer.from(text)
+          const offset = sizes.get(file)!
+          const fd = fs.openSync(path.join(root, file), "r+")
+          fs.writeSync(fd, bytes, 0, bytes.length, offset)
+          fs.closeSync(fd)
+          sizes.set(file, offset + bytes.length)
+          return wal.durable(wal.add(file, offset, bytes))
+        })
+      yield* Effect.forEach(files, (file) =>
+        Effect.forEach(Array.from({ length: 150 }, (_, i) => i), (i) =>
+          Effect.zipRight(append(file, `${file} line ${i}\n`), Effect.sync(() => {
+            seen = Math.max(seen, walFiles(root).length)
+          })), { discard: true }), { concurrency: "unbounded", discard: true })
+      // 3 x 150 records of ~40 bytes against 2 KiB a file: rotations happened, and removed the old files.
+      assert.isAtMost(seen, 3, "old write-ahead files are removed once their segments are synced")
+      const before = Object.fromEntries(files.map((file) => [file, fs.readFileSync(path.join(root, file), "utf8")]))
+      for (const file of files) assert.strictEqual(before[file]!.split("\n").length - 1, 150)
+      // A "power loss" now: each segment loses what its write-ahead records hold (everything
+      // after the first of them: never synced to it), the files are kept as they are; the replay
+      // gives back every byte.
+      const copy = yield* tempRoot
+      fs.cpSync(root, copy, { recursive: true })
+      const firstRecord = new Map<string, number>()
+      for (const name of walFiles(copy)) {
+        for (const r of WriteAhead.parseRecords(fs.readFileSync(path.join(walDir(copy), name))).records) {
+          if (!firstRecord.has(r.file)) firstRecord.set(r.file, r.offset)
+        }
+      }
+      assert.isAbove(firstRecord.size, 0)
+      for (const [file, offset] of firstRecord) fs.truncateSync(path.join(copy, file), offset)
+      yield* WriteAhead.replay(copy)
+      for (const file of files) assert.strictEqual(fs.readFileSync(path.join(copy, file), "utf8"), before[file], file)
+      // A checkpoint: every segment durable, no file left with records.
+      yield* wal.checkpoint
+      const left = walFiles(root)
+      assert.strictEqual(left.length, 1)
+      assert.strictEqual(fs.statSync(path.join(walDir(root), left[0]!)).size, 0)
+      // A clean close removes the last one.
+      yield* Scope.close(scope, Exit.void)
+      assert.deepStrictEqual(walFiles(root), [])
+    }))
+
+  it.scoped("checkpoints racing appends and each other all answer, and each covers what was added before it", () =>
+    Effect.gen(function*() {
+      const root = yield* tempRoot
+      fs.mkdirSync(path.join(root, "s/events"), { recursive: true })
+      fs.writeFileSync(path.join(root, "s/events/1.jsonl"), "")
+      const wal = yield* WriteAhead.make(root, { rotateBytes: 4096 })
+      let size = 0
+      const append = Effect.suspend(() => {
+        const bytes = Buffer.from(`record ${size}\n`)
+        const offset = size
+        size += bytes.length
+        fs.appendFileSync(path.join(root, "s/events/1.jsonl"), bytes)
+        return wal.durable(wal.add("s/events/1.jsonl", offset, bytes))
+      })
+      // Once a checkpoint answers, no file left holds a record added before it was asked for.
+      const checkpoint = Effect.suspend(() => {
+        const covered = size
+        return Effect.map(wal.checkpoint, () => {
+          for (const name of walFiles(root)) {
+            for (const r of WriteAhead.parseRecords(fs.readFileSync(path.join(walDir(root), name))).records) {
+              assert.isAtLeast(r.offset, covered, `${name} still holds a record from before the checkpoint`)
+            }
+          }
+          return covered
+        })
+      })
+      const results = yield* Effect.all([
+        Effect.forEach(Array.from({ length: 300 }, (_, i) => i), () => append, { concurrency: 8, discard: true }),
+        Effect.forEach(Array.from({ length: 20 }, (_, i) => i), () => Effect.zipRight(Effect.yieldNow(), checkpoint), { concurrency: 4 })
+      ], { concurrency: "unbounded" })
+      assert.strictEqual(results[1].length, 20)
+      // After a last checkpoint, a replay has nothing to do.
+      yield* wal.checkpoint
+      const file = walFiles(root)
+      assert.strictEqual(file.length, 1)
+      assert.strictEqual(fs.statSync(path.join(walDir(root), file[0]!)).size, 0)
+    }))
+})
