@@ -9,5 +9,7 @@ declare module "vitest" {
 }
 
 /** The bundled program of test/fixtures/<name>.ts. */
-export const childProgram = (name: "eventLogChild" | "idleGcChild" | "journalChild" | "lockChild"): string =>
+export const childProgram = (
+  name: "eventLogChild" | "eventLogPowerChild" | "idleGcChild" | "journalChild" | "lockChild" | "powerLossPreload"
+): string =>
   path.join(inject("agentdFixtureDir"), `${name}.mjs`)

@@ -12,7 +12,11 @@ import { fileURLToPath } from "node:url"
 import type { TestProject } from "vitest/node"
 
 const fixtures = path.join(path.dirname(fileURLToPath(import.meta.url)), "..", "fixtures")
-export const CHILDREN = ["eventLogChild", "idleGcChild", "journalChild", "lockChild"] as const
+/**
+ * The child programs, and the power-loss harness's preload (test/fixtures/powerLossPreload.ts,
+ * loaded with `node --import` before a child: bundled the same way, an ES module).
+ */
+export const CHILDREN = ["eventLogChild", "eventLogPowerChild", "idleGcChild", "journalChild", "lockChild", "powerLossPreload"] as const
 
 export default async function setup(project: TestProject) {
   const dir = fs.mkdtempSync(path.join(os.tmpdir(), "agentd-fixtures-"))
