@@ -153,6 +153,19 @@
  * 204-209 ms, RSS 717-742 MB in all. The durable paced relay (each session's line appended and
  * fdatasynced, nothing else) has p99 6-55 ms over the day's runs. Under 20 ms needs the daemon's cost per event about halved: one write-ahead fdatasync per
  * tick for every session's events (no submission per session), and fewer Effect steps per event.
+ *
+ * 2026-12-03, evening: the file log's write-ahead log (src/internal/eventLog/writeAhead.ts): one
+ * write and one fdatasync per commit for every session's batches, segments written unsynced. A
+ * node script alone at this rate (200 files, a 270-byte line every 20 ms each, 64 pool threads):
+ * an fdatasync per file per line 90-94 us of CPU per line (75-80 us of it system time), one
+ * shared log synced per commit 22-26 us. In the daemon less: its per-session batches had grown to
+ * several events under the latency, so it did fewer fdatasyncs than events. One run against the
+ * start-of-session build (AGENTD_BENCH_BASELINE_BIN, both with hosts of 20; load 2-5): daemon
+ * 114.5 -> 109.1 us per event, p50 82 -> 70 ms, p99 193 -> 152 ms; other single runs of the new
+ * build p99 145-219 ms. The main thread stays saturated; its profile over the turns: GC 30%,
+ * Effect's fiber machinery ~40% (runLoop, FiberRuntime, contOpSuccess: ~4 fiber wake-ups per
+ * event: the pump, the entity, the append's wait for its commit, the client's outbox), the
+ * writes 5%.
  */
 import { type ChildProcess, spawn } from "node:child_process"
 import * as fs from "node:fs"
