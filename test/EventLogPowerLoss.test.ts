@@ -59,6 +59,7 @@ import { afterEach, describe, expect, it } from "vitest"
 import * as Cursor from "../src/Cursor.js"
 import * as EventLog from "../src/EventLog.js"
 import { childProgram } from "./support/fixtures.js"
+import { rng } from "./support/sessionSim.js"
 import {
   emptyManifest,
   listFiles,
@@ -69,7 +70,6 @@ import {
   powerLossEnv,
   powerLossNodeArgs,
   readManifest,
-  seededRandom,
   simulatePowerLoss,
   VARIANTS
 } from "./support/powerLoss.js"
@@ -470,7 +470,7 @@ describe("EventLog power loss", () => {
     const totals = { acks: 0, fdatasyncs: 0, renames: 0, unlinks: 0, dirSyncs: 0, lostBytes: 0, keptBytes: 0, zeroBytes: 0 }
     for (let round = 0; round < ROUNDS; round++) {
       const seed = (Date.now() ^ (round * 0x9e3779b1)) >>> 0
-      const random = seededRandom(seed)
+      const random = rng(seed)
       const side = tempDir("agentd-powerloss-side-", SIDE_BASE)
       // What the previous round left (after its checks and clean close) is durable as a whole.
       markAllDurable(root, side)

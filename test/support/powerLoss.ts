@@ -257,15 +257,3 @@ export const simulatePowerLoss = (
   }
   return { files: files.length, unsynced, bytesLost, bytesKept, zeroBytes, pendingRenamesCompleted }
 }
-
-/** A seeded PRNG (mulberry32) in [0, 1), so that a failing round can be replayed from its seed. */
-export const seededRandom = (seed: number): (() => number) => {
-  let a = seed >>> 0
-  return () => {
-    a = (a + 0x6d2b79f5) >>> 0
-    let t = a
-    t = Math.imul(t ^ (t >>> 15), t | 1)
-    t ^= t + Math.imul(t ^ (t >>> 7), t | 61)
-    return ((t ^ (t >>> 14)) >>> 0) / 4294967296
-  }
-}
