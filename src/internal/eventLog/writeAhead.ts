@@ -44,6 +44,10 @@ export const WRITE_AHEAD_DIR = ".write-ahead"
 /** Bytes after which the next commit starts a new file (and the old one's segments are synced). */
 export const DEFAULT_ROTATE_BYTES = 32 * 1024 * 1024
 
+/** The commit buffer's size at start, and the size past which it is let go after a commit. */
+const SCRATCH_START_BYTES = 256 * 1024
+const SCRATCH_KEEP_BYTES = 4 * 1024 * 1024
+
 const MAGIC = 0x4c415741 // "AWAL", little-endian
 const RECORD_HEAD = 12
 const FILE_NAME = /^([0-9]+)\.wal$/
@@ -228,7 +232,7 @@ export const make = (
     const retired: Array<OpenFile> = []
     let rotating = false
     let inFlight = false
-    const scratch = { buffer: Buffer.allocUnsafe(256 * 1024) }
+    const scratch = { buffer: Buffer.allocUnsafe(SCRATCH_START_BYTES) }
     let used = 0
     const newCommit = (): Commit => ({ outcome: undefined, waiters: [], segments: new Set() })
     let pending = newCommit()
@@ -270,6 +274,9 @@ export const make = (
       }
       used = 0
       size += bytes.length
+      // `bytes` is a view of the scratch buffer: it is written already (write(2) copied it).
+      // A burst's commit grew it: give that memory back.
+      if (scratch.buffer.length > SCRATCH_KEEP_BYTES) scratch.buffer = Buffer.allocUnsafe(SCRATCH_START_BYTES)
       inFlight = true
       FileIo.dataSyncRaw(target.fd, (error) => {
         inFlight = false
