@@ -12,6 +12,7 @@ import * as Scope from "effect/Scope"
 import * as fs from "node:fs"
 import * as os from "node:os"
 import * as path from "node:path"
+import * as FileIo from "../src/internal/fileIo.js"
 import * as WriteAhead from "../src/internal/eventLog/writeAhead.js"
 
 const tempRoot = Effect.acquireRelease(
@@ -239,5 +240,124 @@ describe("write-ahead log", () => {
       const file = walFiles(root)
       assert.strictEqual(file.length, 1)
       assert.strictEqual(fs.statSync(path.join(walDir(root), file[0]!)).size, 0)
+    }))
+})
+
+/**
+ * Faults of the disk, put into the commit loop's calls (WriteAheadIo): an EIO from an fdatasync
+ * or a directory's fsync, which no real disk gives on demand.
+ */
+describe("write-ahead log under disk faults", () => {
+  const eio = (op: string) => Object.assign(new Error(`EIO: i/o error, ${op}`), { code: "EIO" })
+  const faultyIo = (faults: { walSync: number; segmentSync: number; dirSync: number }): WriteAhead.WriteAheadIo => ({
+    writeAll: (fd, bytes, position) => {
+      let done = 0
+      while (done < bytes.length) done += fs.writeSync(fd, bytes, done, bytes.length - done, position + done)
+    },
+    dataSync: (fd, done) => {
+      if (faults.walSync > 0) {
+        faults.walSync--
+        return void setImmediate(done, eio("fdatasync"))
+      }
+      fs.fdatasync(fd, done)
+    },
+    dataSyncPath: (file, done) => {
+      if (faults.segmentSync > 0) {
+        faults.segmentSync--
+        return void setImmediate(done, eio("fdatasync"))
+      }
+      fs.open(file, "r", (error, fd) => (error !== null ? done(error) : fs.fdatasync(fd, (e) => fs.close(fd, () => done(e)))))
+    },
+    syncDir: (dir) =>
+      Effect.suspend(() => {
+        if (faults.dirSync > 0) {
+          faults.dirSync--
+          return Effect.fail(new FileIo.FsError({ op: "fsync", path: dir, cause: eio("fsync") }))
+        }
+        return FileIo.fsyncDir(dir)
+      })
+  })
+
+  /** A segment of `root` and an appender writing it then adding the same bytes (as the event log does). */
+  const segmentOf = (root: string, wal: WriteAhead.WriteAhead, file: string) => {
+    fs.mkdirSync(path.dirname(path.join(root, file)), { recursive: true })
+    fs.writeFileSync(path.join(root, file), "")
+    let size = 0
+    return (text: string) =>
+      Effect.suspend(() => {
+        const bytes = Buffer.from(text)
+        const offset = size
+        fs.appendFileSync(path.join(root, file), bytes)
+        size += bytes.length
+        return Effect.either(wal.durable(wal.add(file, offset, bytes)))
+      })
+  }
+
+  it.scoped("an EIO from the log's fdatasync fails that commit only; the file is retired (its segments synced, it removed) before any later commit, which goes to a new one", () =>
+    Effect.gen(function*() {
+      const root = yield* tempRoot
+      const faults = { walSync: 0, segmentSync: 0, dirSync: 0 }
+      const wal = yield* WriteAhead.make(root, { io: faultyIo(faults) })
+      const a = segmentOf(root, wal, "a/events/1.jsonl")
+      assert.isTrue((yield* a("a0\n"))._tag === "Right")
+      const before = walFiles(root)
+      faults.walSync = 1
+      const failed = yield* a("a1\n")
+      assert.isTrue(failed._tag === "Left", "the commit whose fdatasync failed fails")
+      const later = yield* a("a2\n")
+      assert.isTrue(later._tag === "Right", "a later commit succeeds")
+      const after = walFiles(root)
+      assert.notInclude(after, before[0]!, "the file that failed a commit is gone")
+      // What the failed file held up to its failure was made durable in the segment before it went.
+      const records = after.flatMap((name) => WriteAhead.parseRecords(fs.readFileSync(path.join(walDir(root), name))).records)
+      assert.deepStrictEqual(records.map((r) => r.payload.toString()), ["a2\n"])
+    }))
+
+  it.scoped("an EIO from a segment's fdatasync at a rotation is not retried: every append fails from then on, and the files stay for the next start's replay", () =>
+    Effect.gen(function*() {
+      const parent = yield* tempRoot
+      const root = path.join(parent, "root")
+      fs.mkdirSync(root)
+      const faults = { walSync: 0, segmentSync: 0, dirSync: 0 }
+      const scope = yield* Scope.make()
+      const wal = yield* Scope.extend(WriteAhead.make(root, { io: faultyIo(faults) }), scope)
+      const a = segmentOf(root, wal, "a/events/1.jsonl")
+      for (let i = 0; i < 5; i++) assert.isTrue((yield* a(`a${i}\n`))._tag === "Right")
+      faults.segmentSync = 1
+      const checkpoint = yield* Effect.either(wal.checkpoint)
+      assert.isTrue(checkpoint._tag === "Left", "the checkpoint reports the segment's EIO")
+      // A second fdatasync would "succeed" on pages the kernel marked clean: none is tried.
+      assert.isTrue((yield* Effect.either(wal.checkpoint))._tag === "Left")
+      assert.isTrue((yield* a("a5\n"))._tag === "Left", "appends fail once the disk lost a write")
+      const kept = walFiles(root)
+      assert.isAbove(kept.length, 0)
+      yield* Scope.close(scope, Exit.void)
+      assert.deepStrictEqual(walFiles(root), kept, "a clean close keeps them too")
+      // The next start: a power loss dropped the segment's unsynced bytes; the replay writes them back.
+      fs.truncateSync(path.join(root, "a/events/1.jsonl"), 0)
+      yield* WriteAhead.replay(root)
+      assert.strictEqual(fs.readFileSync(path.join(root, "a/events/1.jsonl"), "utf8"), "a0\na1\na2\na3\na4\n")
+    }))
+
+  it.scoped("a new file whose directory entry cannot be synced is dropped (closed, removed) and the next rotation takes another number", () =>
+    Effect.gen(function*() {
+      const root = yield* tempRoot
+      const faults = { walSync: 0, segmentSync: 0, dirSync: 0 }
+      const wal = yield* WriteAhead.make(root, { io: faultyIo(faults), rotateBytes: 64 })
+      const a = segmentOf(root, wal, "a/events/1.jsonl")
+      const fds = () => fs.readdirSync("/proc/self/fd").length
+      assert.isTrue((yield* a("a0 a long enough line to pass the rotation size of 64 bytes\n"))._tag === "Right")
+      yield* wal.checkpoint
+      const before = fds()
+      assert.isTrue((yield* a("a1 a long enough line to pass the rotation size of 64 bytes\n"))._tag === "Right")
+      faults.dirSync = 1
+      const refused = yield* Effect.either(wal.checkpoint)
+      assert.isTrue(refused._tag === "Left", "the checkpoint's rotation could not make its new file durable")
+      assert.deepStrictEqual(walFiles(root).length, 1, "the file it made is removed")
+      for (let i = 2; i < 6; i++) assert.isTrue((yield* a(`a${i} a long enough line to pass the rotation size of 64 bytes\n`))._tag === "Right")
+      yield* wal.checkpoint
+      assert.strictEqual(walFiles(root).length, 1, "rotations went on")
+      assert.strictEqual(fs.statSync(path.join(walDir(root), walFiles(root)[0]!)).size, 0)
+      assert.isAtMost(fds(), before, "no descriptor left open")
     }))
 })

@@ -425,6 +425,9 @@ export const writeAllSyncRaw = (fd: number, buffer: Uint8Array, position: number
   while (offset < buffer.length) offset += fs.writeSync(fd, buffer, offset, buffer.length - offset, position + offset)
 }
 
+/** ftruncate(2) on the calling thread; throws the Node error. */
+export const truncateSyncRaw = (fd: number, size: number): void => fs.ftruncateSync(fd, size)
+
 /** fdatasync(2) on libuv's pool; `done` gets the Node error or null. */
 export const dataSyncRaw = (fd: number, done: (error: NodeJS.ErrnoException | null) => void): void => fs.fdatasync(fd, done)
 

@@ -654,9 +654,10 @@ export const make = (options: EventLogOptions): Effect.Effect<EventLogService, E
           yield* kill(h, fail("Closed", sessionId, "the session's event log was removed"))
           const exists = yield* FileIo.exists(h.dir).pipe(Effect.orElseSucceed(() => false))
           if (!exists) return
+          // No record of these segments stays to be replayed: archived, their last writes are
+          // durable where they go; deleted, a session of the same id made later would get them.
+          if (writeAhead !== undefined) yield* io(sessionId, writeAhead.checkpoint)
           if (options?.archiveTo !== undefined) {
-            // The segments' last writes durable where they go (the write-ahead log names the old paths).
-            if (writeAhead !== undefined) yield* io(sessionId, writeAhead.checkpoint)
             const target = path.resolve(options.archiveTo)
             yield* mkdirPrivate(sessionId, path.dirname(target))
             yield* fsRename(sessionId, h.dir, target)
@@ -672,7 +673,11 @@ export const make = (options: EventLogOptions): Effect.Effect<EventLogService, E
     const repair = Effect.fn("EventLog.repair")(function*(sessionId: string) {
       if (readOnly) return yield* Effect.fail(refuseWrite(sessionId))
       const open = handles.get(sessionId)
-      if (open !== undefined) yield* kill(open, fail("Closed", sessionId, "the session's event log is being repaired"))
+      if (open !== undefined) {
+        yield* kill(open, fail("Closed", sessionId, "the session's event log is being repaired"))
+        // A batch being written (its records on their way to the write-ahead log) ends first.
+        yield* open.lock.withPermits(1)(Effect.void)
+      }
       // No record written before a cut is replayed over it after a crash.
       if (writeAhead !== undefined) yield* io(sessionId, writeAhead.checkpoint)
       const name = sanitizeSessionId(sessionId)

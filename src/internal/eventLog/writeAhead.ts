@@ -23,11 +23,15 @@
  *   were written, are written again at their offsets and the segment is cut at the end of the
  *   last one (appends are sequential: what lies beyond was never acknowledged), fdatasynced; then
  *   the files are removed. A segment that is gone (pruned, removed) is skipped.
- * - A segment changed outside the append path (repair cuts a damaged one) is preceded by
- *   {@link WriteAhead.checkpoint}, so that no record written before it is replayed over it.
- * - A commit whose write or fdatasync fails fails its appends; its records may still be on disk
- *   and be replayed after a crash, as a failed fdatasync of the segment itself could leave its
- *   bytes on disk before: a failed append is "not known to be durable", not "known to be lost".
+ * - A segment changed outside the append path (repair cuts a damaged one; a removed session's
+ *   are deleted, and its id could be used again) is preceded by {@link WriteAhead.checkpoint},
+ *   so that no record written before it is replayed over it.
+ * - A commit whose write or fdatasync fails fails its appends, and the file is retired before any
+ *   other commit (`recovering`): records after a failed one could sit behind bytes that never
+ *   reached the disk, where a replay stops.
+ * - A segment's fdatasync that fails is not retried (the kernel reports a write-back error once,
+ *   then the pages may be clean and a retry "succeeds"): the log fails every append from then on
+ *   and keeps its files for the next start's replay (`broken`).
  *
  * The commit loop runs in node's callbacks, not in fibers: it is the one piece of the log
  * every session's batch goes through, and a fiber's wake-up costs more than the write.
@@ -47,6 +51,9 @@ export const DEFAULT_ROTATE_BYTES = 32 * 1024 * 1024
 /** The commit buffer's size at start, and the size past which it is let go after a commit. */
 const SCRATCH_START_BYTES = 256 * 1024
 const SCRATCH_KEEP_BYTES = 4 * 1024 * 1024
+
+/** Segments fdatasynced at once when a file is retired (the pool's other work waits behind them). */
+const SEGMENT_SYNCS_AT_ONCE = 4
 
 const MAGIC = 0x4c415741 // "AWAL", little-endian
 const RECORD_HEAD = 12
@@ -186,19 +193,54 @@ const replaySegment = (file: string, records: ReadonlyArray<{ offset: number; pa
     const fd = opened.right
     yield* Effect.gen(function*() {
       const size = yield* FileIo.fdSize(fd)
-      const first = Math.min(...records.map((r) => r.offset))
+      // (Not Math.min(...offsets): ~125k arguments overflow the stack.)
+      let first = Number.MAX_SAFE_INTEGER
+      for (const record of records) first = Math.min(first, record.offset)
       if (size < first) {
         // Everything before a segment's first record was durable in it: this one was changed by
         // something else than this log. Leave it to the log's checks (they name the damage).
         yield* Effect.logWarning(`event log: ${file} is shorter (${size} bytes) than its write-ahead records say (${first}); not replayed`)
         return
       }
-      for (const record of records) yield* FileIo.fdWriteAll(fd, record.payload, record.offset)
+      // Consecutive records (each starting where the one before ended: appends) go back in one
+      // write; a record that starts elsewhere (after a failed append was cut) starts another.
+      let run: Array<Buffer> = []
+      let runStart = 0
+      let runEnd = -1
+      const writeRun = () => (run.length === 0 ? Effect.void : FileIo.fdWriteAll(fd, run.length === 1 ? run[0]! : Buffer.concat(run), runStart))
+      for (const record of records) {
+        if (record.offset !== runEnd) {
+          yield* writeRun()
+          run = []
+          runStart = record.offset
+        }
+        run.push(record.payload)
+        runEnd = record.offset + record.payload.length
+      }
+      yield* writeRun()
       const last = records[records.length - 1]!
       yield* FileIo.fdTruncate(fd, last.offset + last.payload.length)
       yield* FileIo.fdDataSync(fd)
     }).pipe(Effect.ensuring(FileIo.fdClose(fd)))
   })
+
+/**
+ * The calls the commit loop makes (FileIo's); a test puts faults in them (an EIO from an
+ * fdatasync is not something a real disk gives on demand).
+ */
+export interface WriteAheadIo {
+  readonly writeAll: (fd: number, bytes: Uint8Array, position: number) => void
+  readonly dataSync: (fd: number, done: (error: NodeJS.ErrnoException | null) => void) => void
+  readonly dataSyncPath: (path: string, done: (error: NodeJS.ErrnoException | null) => void) => void
+  readonly syncDir: (dir: string) => Effect.Effect<void, FileIo.FsError>
+}
+
+const fileIo: WriteAheadIo = {
+  writeAll: FileIo.writeAllSyncRaw,
+  dataSync: FileIo.dataSyncRaw,
+  dataSyncPath: FileIo.dataSyncPathRaw,
+  syncDir: FileIo.fsyncDir
+}
 
 /**
  * Replays what is left under `root` (see {@link replay}), then opens a new write-ahead file. Its
@@ -207,23 +249,29 @@ const replaySegment = (file: string, records: ReadonlyArray<{ offset: number; pa
  */
 export const make = (
   root: string,
-  options?: { readonly rotateBytes?: number }
+  options?: { readonly rotateBytes?: number; readonly io?: WriteAheadIo }
 ): Effect.Effect<WriteAhead, FileIo.FsError, Scope.Scope> =>
   Effect.gen(function*() {
     const rotateBytes = options?.rotateBytes ?? DEFAULT_ROTATE_BYTES
+    const io = options?.io ?? fileIo
     const dir = path.join(root, WRITE_AHEAD_DIR)
     yield* FileIo.mkdirPrivate(dir)
     yield* replay(root)
 
-    const openFile = (seq: number): Effect.Effect<OpenFile, FileIo.FsError> =>
-      Effect.gen(function*() {
-        const file = fileName(dir, seq)
-        const fd = yield* FileIo.fdOpen(file, "wx", FileIo.FILE_MODE)
-        yield* FileIo.fsyncDir(dir)
-        return { seq, file, fd, dirty: new Set<string>() }
-      })
+    /** The number of the next file (never reused while this log runs: a failed creation's too). */
+    let nextSeq = 1
+    const openFile: Effect.Effect<OpenFile, FileIo.FsError> = Effect.suspend(() => {
+      const seq = nextSeq++
+      const file = fileName(dir, seq)
+      return Effect.flatMap(FileIo.fdOpen(file, "wx", FileIo.FILE_MODE), (fd) =>
+        io.syncDir(dir).pipe(
+          Effect.as<OpenFile>({ seq, file, fd, dirty: new Set<string>() }),
+          // Not known to be in its directory: not used, and gone (nothing was written to it).
+          Effect.tapError(() => Effect.zipRight(FileIo.fdClose(fd), Effect.ignore(FileIo.unlink(file))))
+        ))
+    })
 
-    let current = yield* openFile(1)
+    let current = yield* openFile
     /** Bytes of the current file written by commits so far. */
     let size = 0
     /** The next file, opened by a rotation; the next commit switches to it. */
@@ -232,18 +280,52 @@ export const make = (
     const retired: Array<OpenFile> = []
     let rotating = false
     let inFlight = false
+    /**
+     * A commit of the current file failed: no commit is written until the files up to it are
+     * retired (their segments synced, the files removed), so that nothing is acknowledged after a
+     * record that may not be on disk, in a file whose later records a replay would never reach.
+     */
+    let recovering = false
+    /** Set for good once the disk lost what was written (see `failForGood`): every append fails. */
+    let broken: FileIo.FsError | undefined
     const scratch = { buffer: Buffer.allocUnsafe(SCRATCH_START_BYTES) }
     let used = 0
     const newCommit = (): Commit => ({ outcome: undefined, waiters: [], segments: new Set() })
     let pending = newCommit()
     /** Checkpoints waiting until every file up to `upTo` (the current one when they came) is gone. */
     let checkpointWaiters: Array<{ readonly upTo: number; readonly done: (error: FileIo.FsError | null) => void }> = []
+    /** Waiting for no commit and no rotation to be under way (the scope's close). */
+    let quietWaiters: Array<() => void> = []
     let closed = false
 
     const settle = (commit: Commit, outcome: FileIo.FsError | null) => {
       commit.outcome = outcome
       for (const waiter of commit.waiters) waiter(outcome)
       commit.waiters.length = 0
+    }
+
+    /** No commit in flight, and no rotation under way (or none that can end: the log is broken). */
+    const isQuiet = () => !inFlight && (!rotating || broken !== undefined)
+    const quiet = () => {
+      if (!isQuiet()) return
+      const waiters = quietWaiters
+      quietWaiters = []
+      for (const waiter of waiters) waiter()
+    }
+
+    /**
+     * A segment's fdatasync failed, or the files holding a failed commit could not be retired:
+     * what was written may not be on disk, and a second fdatasync would not say (the kernel
+     * reports a write-back error once, then marks the pages clean). Every append fails from here
+     * on; the write-ahead files stay, so that the next start writes their records again.
+     */
+    const failForGood = (error: FileIo.FsError) => {
+      broken ??= error
+      used = 0
+      settle(pending, broken)
+      pending = newCommit()
+      failCheckpoints(broken)
+      quiet()
     }
 
     /** Switches to the next file once it is open and no commit is in flight on the current one. */
@@ -256,21 +338,45 @@ export const make = (
       syncRetired()
     }
 
+    /** A commit's write or fdatasync failed: its appends fail, and the file is retired first. */
+    const commitFailed = (target: OpenFile, before: number, error: FileIo.FsError) => {
+      // Best effort, so that a crash's replay does not find it: the file as it was before.
+      if (target === current) {
+        try {
+          FileIo.truncateSyncRaw(target.fd, before)
+        } catch {
+          // The retirement below removes the whole file anyway.
+        }
+      }
+      if (recovering) return
+      recovering = true
+      checkpointWaiters.push({
+        upTo: target.seq,
+        done: (failure) => {
+          if (failure !== null) return failForGood(failure)
+          recovering = false
+          start()
+        }
+      })
+      rotate()
+    }
+
     const start = (): void => {
-      if (inFlight) return
+      if (inFlight || broken !== undefined) return
       switchIfReady()
-      if (used === 0) return
+      if (used === 0 || recovering) return
       const commit = pending
       const bytes = scratch.buffer.subarray(0, used)
       pending = newCommit()
       for (const segment of commit.segments) current.dirty.add(segment)
       const target = current
+      const before = size
       try {
-        FileIo.writeAllSyncRaw(target.fd, bytes, size)
+        io.writeAll(target.fd, bytes, before)
       } catch (cause) {
         used = 0
         settle(commit, new FileIo.FsError({ op: "write", path: target.file, cause }))
-        return
+        return commitFailed(target, before, commit.outcome!)
       }
       used = 0
       size += bytes.length
@@ -278,24 +384,36 @@ export const make = (
       // A burst's commit grew it: give that memory back.
       if (scratch.buffer.length > SCRATCH_KEEP_BYTES) scratch.buffer = Buffer.allocUnsafe(SCRATCH_START_BYTES)
       inFlight = true
-      FileIo.dataSyncRaw(target.fd, (error) => {
+      io.dataSync(target.fd, (error) => {
         inFlight = false
-        settle(commit, error === null ? null : new FileIo.FsError({ op: "fdatasync", path: target.file, cause: error }))
+        if (error === null) settle(commit, null)
+        else {
+          settle(commit, new FileIo.FsError({ op: "fdatasync", path: target.file, cause: error }))
+          commitFailed(target, before, commit.outcome!)
+        }
         if (size >= rotateBytes) rotate()
         start()
+        quiet()
       })
     }
 
     /** Opens the next file; the next commit (or, with none pending, this one) switches to it. */
     const rotate = (): void => {
-      if (rotating || closed) return
+      if (rotating || closed || broken !== undefined) return
       rotating = true
-      const seq = current.seq + 1
-      Effect.runCallback(openFile(seq), {
+      Effect.runCallback(openFile, {
         onExit: (exit) => {
+          if (closed) {
+            rotating = false
+            if (exit._tag === "Success") {
+              Effect.runFork(Effect.zipRight(FileIo.fdClose(exit.value.fd), Effect.ignore(FileIo.unlink(exit.value.file))))
+            }
+            return quiet()
+          }
           if (exit._tag === "Failure") {
             rotating = false
-            return failCheckpoints(new FileIo.FsError({ op: "open", path: fileName(dir, seq), cause: exit.cause }))
+            failCheckpoints(new FileIo.FsError({ op: "open", path: dir, cause: exit.cause }))
+            return quiet()
           }
           next = exit.value
           switchIfReady()
@@ -317,50 +435,69 @@ export const make = (
       if (checkpointWaiters.length > 0) rotate()
     }
 
-    /** fdatasyncs every segment the retired files wrote to, then removes those files. */
+    /**
+     * fdatasyncs every segment the retired files wrote to, a few at a time (all at once, they
+     * held libuv's pool from the commits' own fdatasync for 100-200 ms), then removes the files.
+     */
     const syncRetired = (): void => {
       const files = retired.slice()
-      const segments = new Set<string>()
-      for (const file of files) for (const segment of file.dirty) segments.add(segment)
-      let left = segments.size + 1
+      const segments = [...new Set(files.flatMap((file) => [...file.dirty]))]
+      let started = 0
+      let finished = 0
       let failure: FileIo.FsError | undefined
-      const one = (segment: string) => (error: NodeJS.ErrnoException | null) => {
-        // A segment removed since (pruned, its session deleted) has nothing left to keep.
-        if (error !== null && error.code !== "ENOENT") failure ??= new FileIo.FsError({ op: "fdatasync", path: segment, cause: error })
-        if (--left === 0) segmentsSynced()
+      const startOne = (): void => {
+        if (failure !== undefined || started >= segments.length) return
+        const segment = segments[started++]!
+        io.dataSyncPath(path.join(root, segment), (error) => {
+          // A segment removed since (pruned, its session deleted) has nothing left to keep.
+          if (error !== null && error.code !== "ENOENT") failure ??= new FileIo.FsError({ op: "fdatasync", path: segment, cause: error })
+          finished++
+          if (failure !== undefined) {
+            if (finished === started) segmentsFailed(failure)
+            return
+          }
+          if (finished === segments.length) return segmentsSynced()
+          startOne()
+        })
+      }
+      const segmentsFailed = (error: FileIo.FsError) => {
+        rotating = false
+        failForGood(error)
+        quiet()
       }
       const segmentsSynced = () => {
-        if (failure !== undefined) {
-          // The files stay (their records are what keeps those segments' bytes): the next
-          // rotation tries again.
-          rotating = false
-          return failCheckpoints(failure)
-        }
         Effect.runCallback(
           Effect.gen(function*() {
             for (const file of files) {
               yield* FileIo.fdClose(file.fd)
               yield* FileIo.unlink(file.file)
             }
-            yield* FileIo.fsyncDir(dir)
+            yield* io.syncDir(dir)
           }),
           {
             onExit: (exit) => {
               rotating = false
               if (exit._tag === "Failure") {
-                return failCheckpoints(new FileIo.FsError({ op: "unlink", path: dir, cause: exit.cause }))
+                failCheckpoints(new FileIo.FsError({ op: "unlink", path: dir, cause: exit.cause }))
+              } else {
+                for (const file of files) retired.splice(retired.indexOf(file), 1)
+                rotated()
               }
-              for (const file of files) retired.splice(retired.indexOf(file), 1)
-              rotated()
+              quiet()
             }
           }
         )
       }
-      for (const segment of segments) FileIo.dataSyncPathRaw(path.join(root, segment), one(segment))
-      one("")(null)
+      if (segments.length === 0) return segmentsSynced()
+      for (let i = 0; i < SEGMENT_SYNCS_AT_ONCE; i++) startOne()
     }
 
     const add = (file: string, offset: number, bytes: Uint8Array): Commit => {
+      if (broken !== undefined || closed) {
+        const refused = newCommit()
+        settle(refused, broken ?? new FileIo.FsError({ op: "write", path: dir, cause: new Error("the write-ahead log is closed") }))
+        return refused
+      }
       used = putRecord(scratch, used, file, offset, bytes)
       const commit = pending
       commit.segments.add(file)
@@ -377,7 +514,9 @@ export const make = (
 
     /** Every file up to the current one gone (their segments synced). */
     const retireCurrent: Effect.Effect<void, FileIo.FsError> = Effect.async<void, FileIo.FsError>((resume) => {
+      if (broken !== undefined) return resume(Effect.fail(broken))
       if (current.dirty.size === 0 && !inFlight && used === 0 && retired.length === 0) return resume(Effect.void)
+      if (closed) return resume(Effect.fail(new FileIo.FsError({ op: "checkpoint", path: dir, cause: new Error("the write-ahead log is closed") })))
       checkpointWaiters.push({ upTo: current.seq, done: (error) => resume(error === null ? Effect.void : Effect.fail(error)) })
       // A rotation under way covers the files before the current one: `rotated` starts the next.
       rotate()
@@ -389,12 +528,19 @@ export const make = (
       used === 0 ? retireCurrent : Effect.zipRight(Effect.ignore(durable(pending)), retireCurrent)
     )
 
+    const whenQuiet = Effect.async<void>((resume) => {
+      if (isQuiet()) return resume(Effect.void)
+      quietWaiters.push(() => resume(Effect.void))
+    })
+
     yield* Effect.addFinalizer(() =>
       Effect.gen(function*() {
-        yield* Effect.ignore(checkpoint)
+        const synced = yield* Effect.either(checkpoint)
         closed = true
-        yield* FileIo.fdClose(current.fd)
-        if (current.dirty.size === 0 && retired.length === 0) {
+        // A rotation another checkpoint asked for may still be opening its file (dropped then).
+        yield* whenQuiet
+        for (const file of [current, ...retired, ...(next === undefined ? [] : [next])]) yield* FileIo.fdClose(file.fd)
+        if (synced._tag === "Right" && retired.length === 0 && current.dirty.size === 0) {
           yield* Effect.ignore(FileIo.unlink(current.file))
           yield* Effect.ignore(FileIo.fsyncDir(dir))
         }
