@@ -17,6 +17,7 @@ import * as fs from "node:fs"
 import * as os from "node:os"
 import * as path from "node:path"
 import {
+  benchDaemonNodeArgs,
   Client,
   createSession,
   type Daemon,
@@ -28,6 +29,7 @@ import {
   runTurn,
   sampleRss,
   sleep,
+  stopForProfile,
   waitReady,
   withDaemon
 } from "./daemonHarness.js"
@@ -185,7 +187,8 @@ const concurrentAttaches = async (daemon: Daemon, id: string) => {
 
 export default async function attach(): Promise<void> {
   await withDaemon(
-    {},
+    // e.g. AGENTD_BENCH_DAEMON_NODE_ARGS=--cpu-prof to profile the daemon over the run.
+    { nodeArgs: benchDaemonNodeArgs() },
     async (daemon) => {
       const ctl = await daemon.connect("ctl")
       const { id } = await createSession(ctl)
@@ -212,6 +215,7 @@ export default async function attach(): Promise<void> {
           c.close()
         }
       })()
+      await stopForProfile(daemon, ctl)
       const base = await plainSocket(single.lineSizes)
       if (base.bytes !== single.bytes) throw new Error(`baseline moved ${base.bytes} bytes, the attach ${single.bytes}`)
 

@@ -400,6 +400,27 @@ export interface StartOptions {
   readonly nodeArgs?: ReadonlyArray<string>
 }
 
+/**
+ * AGENTD_BENCH_DAEMON_NODE_ARGS: Node flags for the daemon under a benchmark (e.g. `--cpu-prof
+ * --cpu-prof-dir=/tmp/p`), as {@link DaemonOptions.nodeArgs}; none when unset.
+ */
+export const benchDaemonNodeArgs = (): ReadonlyArray<string> =>
+  (process.env["AGENTD_BENCH_DAEMON_NODE_ARGS"] ?? "").split(" ").filter((a) => a !== "")
+
+/**
+ * Under AGENTD_BENCH_DAEMON_NODE_ARGS, stops the daemon with `shutdown` and waits for its exit:
+ * Node writes a profile (--cpu-prof) at a normal exit only, not at the cleanup's SIGKILL. What
+ * the daemon printed goes to AGENTD_BENCH_DAEMON_LOG's file when that is set (e.g. --trace-deopt).
+ */
+export const stopForProfile = async (daemon: Daemon, ctl: Client): Promise<void> => {
+  if (process.env["AGENTD_BENCH_DAEMON_LOG"] !== undefined) fs.writeFileSync(process.env["AGENTD_BENCH_DAEMON_LOG"], daemon.stderrTail(1e9))
+  if (benchDaemonNodeArgs().length === 0) return
+  daemon.stopping = true
+  await ctl.ok({ type: "shutdown" }, 60_000).catch(() => undefined)
+  await Promise.race([daemon.exited, sleep(30_000)])
+  if (process.env["AGENTD_BENCH_DAEMON_LOG"] !== undefined) fs.writeFileSync(process.env["AGENTD_BENCH_DAEMON_LOG"], daemon.stderrTail(1e9))
+}
+
 export class Daemon {
   readonly clients: Array<Client> = []
   readonly recordedWorkerPids = new Set<number>()

@@ -156,7 +156,7 @@ import * as fs from "node:fs"
 import * as os from "node:os"
 import * as path from "node:path"
 import { cpuTicksOf, descendantsOf } from "../test/support/procfs.js"
-import { Client, createSession, type Daemon, isIdleStatus, nowMs, sleep, TurnEnds, waitReady, withDaemon, withTimeout } from "./daemonHarness.js"
+import { benchDaemonNodeArgs, Client, createSession, type Daemon, isIdleStatus, nowMs, sleep, stopForProfile, TurnEnds, waitReady, withDaemon, withTimeout } from "./daemonHarness.js"
 import { printRatio } from "./report.js"
 
 const WORDS = 20_000
@@ -366,7 +366,7 @@ const measureOurs = (): Promise<Ours> =>
         AGENTD_CHECKPOINT_BYTES: String(1024 * 1024 * 1024),
         ...(process.env["AGENTD_BENCH_WORKER_NODE_ARGS"] === undefined ? {} : { AGENTD_WORKER_NODE_ARGS: process.env["AGENTD_BENCH_WORKER_NODE_ARGS"] })
       },
-      ...(daemonNodeArgs === undefined ? {} : { nodeArgs: daemonNodeArgs.split(" ").filter((a) => a !== "") })
+      nodeArgs: benchDaemonNodeArgs()
     },
     async (daemon) => {
       const ctl = await daemon.connect("ctl")
@@ -423,14 +423,7 @@ const measureOurs = (): Promise<Ours> =>
       const hundred = median([await turn(ctl, many, id), await turn(ctl, many, id), await turn(ctl, many, id)])
       const daemonCpuPerDelivery = (cpuMicros(daemon.pid) - daemonBefore100) / (3 * (WORDS + 1) * CLIENTS)
       for (const c of many) c.close()
-      if (daemonNodeArgs !== undefined) {
-        // A profile (--cpu-prof) is written at a clean exit only: the harness's cleanup SIGKILLs.
-        daemon.stopping = true
-        await ctl.ok({ type: "shutdown" }).catch(() => undefined)
-        await Promise.race([daemon.exited, sleep(30_000)])
-        // What the flags printed (e.g. --trace-deopt), as far as the harness kept it.
-        if (process.env["AGENTD_BENCH_DAEMON_LOG"] !== undefined) fs.writeFileSync(process.env["AGENTD_BENCH_DAEMON_LOG"], daemon.stderrTail(1e9))
-      }
+      await stopForProfile(daemon, ctl)
       return { first: times[0]!, warm: median(times.slice(1)), hundred, daemonCpuPerEvent, workerCpuPerEvent, daemonFirstCpuPerEvent, workerFirstCpuPerEvent, daemonCpuPerDelivery }
     }
   )

@@ -173,7 +173,7 @@ import * as net from "node:net"
 import * as os from "node:os"
 import * as path from "node:path"
 import { cpuTicksOf, descendantsOf } from "../test/support/procfs.js"
-import { Client, createSession, nowMs, rssOf, waitReady, withDaemon } from "./daemonHarness.js"
+import { benchDaemonNodeArgs, Client, createSession, nowMs, rssOf, stopForProfile, waitReady, withDaemon } from "./daemonHarness.js"
 import { relayCpuPerEvent } from "./hotPath.js"
 import { DAEMON_IO_THREADS } from "../src/cli/serve.js"
 import { LEAN_WORKER_FLAGS } from "../src/WorkerPool.js"
@@ -448,7 +448,7 @@ const streamDaemon = (bin: string | undefined) => {
         AGENTD_SESSIONS_PER_WORKER: PER_WORKER
       },
       // e.g. AGENTD_BENCH_DAEMON_NODE_ARGS=--cpu-prof to profile the daemon over the run.
-      nodeArgs: (process.env["AGENTD_BENCH_DAEMON_NODE_ARGS"] ?? "").split(" ").filter((a) => a !== "")
+      nodeArgs: benchDaemonNodeArgs()
     },
     async (daemon) => {
       const ctl = await daemon.connect("ctl")
@@ -491,13 +491,7 @@ const streamDaemon = (bin: string | undefined) => {
       const totalRss = [daemon.pid, ...descendantsOf(daemon.pid)].reduce((sum, pid) => sum + (rssOf(pid) || 0), 0)
       const workers = descendantsOf(daemon.pid).length
       for (const c of clients) c.close()
-      if (process.env["AGENTD_BENCH_DAEMON_LOG"] !== undefined) fs.writeFileSync(process.env["AGENTD_BENCH_DAEMON_LOG"], daemon.stderrTail(1e9))
-      if (process.env["AGENTD_BENCH_DAEMON_NODE_ARGS"]?.includes("--cpu-prof") === true) {
-        // Node writes the profile only at a normal exit: a clean shutdown, not the cleanup's SIGKILL.
-        daemon.stopping = true
-        await ctl.ok({ type: "shutdown" }, 60_000)
-        await Promise.race([daemon.exited, new Promise((resolve) => setTimeout(resolve, 30_000))])
-      }
+      await stopForProfile(daemon, ctl)
       return { windowUs, daemonCpu, workersCpu, daemonRss, totalRss, workers, promptsAnsweredMs, latencies: latencies.sort((a, b) => a - b) }
     }
   )
