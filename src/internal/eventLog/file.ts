@@ -654,9 +654,16 @@ export const make = (options: EventLogOptions): Effect.Effect<EventLogService, E
           yield* kill(h, fail("Closed", sessionId, "the session's event log was removed"))
           const exists = yield* FileIo.exists(h.dir).pipe(Effect.orElseSucceed(() => false))
           if (!exists) return
-          // No record of these segments stays to be replayed: archived, their last writes are
-          // durable where they go; deleted, a session of the same id made later would get them.
-          if (writeAhead !== undefined) yield* io(sessionId, writeAhead.checkpoint)
+          // No record of these segments stays to be replayed: deleted, a session of the same id
+          // made later would get them; archived, their last writes become durable where they go
+          // (best effort there: a kill at the fd limit still archives, as it did before).
+          if (writeAhead !== undefined) {
+            const synced = yield* Effect.either(io(sessionId, writeAhead.checkpoint))
+            if (synced._tag === "Left") {
+              if (options?.archiveTo === undefined) return yield* Effect.fail(synced.left)
+              yield* Effect.logWarning(`event log: ${sessionId}: archived without its last writes synced: ${synced.left.message}`)
+            }
+          }
           if (options?.archiveTo !== undefined) {
             const target = path.resolve(options.archiveTo)
             yield* mkdirPrivate(sessionId, path.dirname(target))
