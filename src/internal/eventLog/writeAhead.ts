@@ -31,7 +31,9 @@
  *   reached the disk, where a replay stops.
  * - A segment's fdatasync that fails is not retried (the kernel reports a write-back error once,
  *   then the pages may be clean and a retry "succeeds"): the log fails every append from then on
- *   and keeps its files for the next start's replay (`broken`).
+ *   and keeps its files: appends fail (`stalled`) until the start's replay, run then, has written
+ *   every file's records into their segments again and fdatasynced them (`recoverStall`: the
+ *   next append tries it; with appends refused, nothing writes the segments meanwhile).
  *
  * The commit loop runs in node's callbacks, not in fibers: it is the one piece of the log
  * every session's batch goes through, and a fiber's wake-up costs more than the write.
@@ -286,8 +288,10 @@ export const make = (
      * record that may not be on disk, in a file whose later records a replay would never reach.
      */
     let recovering = false
-    /** Set for good once the disk lost what was written (see `failForGood`): every append fails. */
-    let broken: FileIo.FsError | undefined
+    /** A segment's fdatasync failed (see `stall`): appends fail until `recoverStall` succeeds. */
+    let stalled: FileIo.FsError | undefined
+    /** The replay that ends a stall is running. */
+    let unstalling = false
     const scratch = { buffer: Buffer.allocUnsafe(SCRATCH_START_BYTES) }
     let used = 0
     const newCommit = (): Commit => ({ outcome: undefined, waiters: [], segments: new Set() })
@@ -304,8 +308,8 @@ export const make = (
       commit.waiters.length = 0
     }
 
-    /** No commit in flight, and no rotation under way (or none that can end: the log is broken). */
-    const isQuiet = () => !inFlight && (!rotating || broken !== undefined)
+    /** No commit in flight, and no rotation or recovery under way. */
+    const isQuiet = () => !inFlight && !rotating && !unstalling
     const quiet = () => {
       if (!isQuiet()) return
       const waiters = quietWaiters
@@ -314,18 +318,49 @@ export const make = (
     }
 
     /**
-     * A segment's fdatasync failed, or the files holding a failed commit could not be retired:
-     * what was written may not be on disk, and a second fdatasync would not say (the kernel
-     * reports a write-back error once, then marks the pages clean). Every append fails from here
-     * on; the write-ahead files stay, so that the next start writes their records again.
+     * A segment's fdatasync failed (EIO, or ENOSPC from a file system that allocates at
+     * write-back), or the files holding a failed commit could not be retired: what was written
+     * may not be on disk, and a second fdatasync would not say (the kernel reports a write-back
+     * error once, then may mark the pages clean). The write-ahead files keep the bytes: appends
+     * fail until {@link recoverStall} has written them into their segments again.
      */
-    const failForGood = (error: FileIo.FsError) => {
-      broken ??= error
+    const stall = (error: FileIo.FsError) => {
+      stalled ??= error
       used = 0
-      settle(pending, broken)
+      settle(pending, stalled)
       pending = newCommit()
-      failCheckpoints(broken)
+      failCheckpoints(stalled)
       quiet()
+    }
+
+    /**
+     * Ends a stall as a start would: the replay of every file (retired and current) writes each
+     * segment's records again, cuts it after the last and fdatasyncs it, then removes the files;
+     * a new file takes the commits. Appends are refused meanwhile, so nothing else writes the
+     * segments (a refused batch's bytes past the last record are cut, as its appender does). A
+     * failure leaves the stall, and the next append tries again.
+     */
+    const recoverStall = (): void => {
+      if (stalled === undefined || unstalling || closed || inFlight || rotating) return
+      unstalling = true
+      Effect.runCallback(Effect.zipRight(replay(root), openFile), {
+        onExit: (exit) => {
+          unstalling = false
+          if (exit._tag === "Success" && !closed) {
+            for (const file of [current, ...retired, ...(next === undefined ? [] : [next])]) Effect.runFork(FileIo.fdClose(file.fd))
+            current = exit.value
+            retired.length = 0
+            next = undefined
+            size = 0
+            stalled = undefined
+            recovering = false
+          } else if (exit._tag === "Success") {
+            Effect.runFork(Effect.zipRight(FileIo.fdClose(exit.value.fd), Effect.ignore(FileIo.unlink(exit.value.file))))
+          }
+          quiet()
+          start()
+        }
+      })
     }
 
     /** Switches to the next file once it is open and no commit is in flight on the current one. */
@@ -353,7 +388,7 @@ export const make = (
       checkpointWaiters.push({
         upTo: target.seq,
         done: (failure) => {
-          if (failure !== null) return failForGood(failure)
+          if (failure !== null) return stall(failure)
           recovering = false
           start()
         }
@@ -362,7 +397,7 @@ export const make = (
     }
 
     const start = (): void => {
-      if (inFlight || broken !== undefined) return
+      if (inFlight || stalled !== undefined) return
       switchIfReady()
       if (used === 0 || recovering) return
       const commit = pending
@@ -399,7 +434,7 @@ export const make = (
 
     /** Opens the next file; the next commit (or, with none pending, this one) switches to it. */
     const rotate = (): void => {
-      if (rotating || closed || broken !== undefined) return
+      if (rotating || closed || stalled !== undefined) return
       rotating = true
       Effect.runCallback(openFile, {
         onExit: (exit) => {
@@ -462,8 +497,7 @@ export const make = (
       }
       const segmentsFailed = (error: FileIo.FsError) => {
         rotating = false
-        failForGood(error)
-        quiet()
+        stall(error)
       }
       const segmentsSynced = () => {
         Effect.runCallback(
@@ -493,9 +527,10 @@ export const make = (
     }
 
     const add = (file: string, offset: number, bytes: Uint8Array): Commit => {
-      if (broken !== undefined || closed) {
+      if (stalled !== undefined || closed) {
+        recoverStall()
         const refused = newCommit()
-        settle(refused, broken ?? new FileIo.FsError({ op: "write", path: dir, cause: new Error("the write-ahead log is closed") }))
+        settle(refused, stalled ?? new FileIo.FsError({ op: "write", path: dir, cause: new Error("the write-ahead log is closed") }))
         return refused
       }
       used = putRecord(scratch, used, file, offset, bytes)
@@ -514,7 +549,10 @@ export const make = (
 
     /** Every file up to the current one gone (their segments synced). */
     const retireCurrent: Effect.Effect<void, FileIo.FsError> = Effect.async<void, FileIo.FsError>((resume) => {
-      if (broken !== undefined) return resume(Effect.fail(broken))
+      if (stalled !== undefined) {
+        recoverStall()
+        return resume(Effect.fail(stalled))
+      }
       if (current.dirty.size === 0 && !inFlight && used === 0 && retired.length === 0) return resume(Effect.void)
       if (closed) return resume(Effect.fail(new FileIo.FsError({ op: "checkpoint", path: dir, cause: new Error("the write-ahead log is closed") })))
       checkpointWaiters.push({ upTo: current.seq, done: (error) => resume(error === null ? Effect.void : Effect.fail(error)) })
