@@ -249,7 +249,7 @@ describe("write-ahead log", () => {
  */
 describe("write-ahead log under disk faults", () => {
   const eio = (op: string) => Object.assign(new Error(`EIO: i/o error, ${op}`), { code: "EIO" })
-  const faultyIo = (faults: { walSync: number; segmentSync: number; dirSync: number }): WriteAhead.WriteAheadIo => ({
+  const faultyIo = (faults: { walSync: number; segmentSync: number; dirSync: number; segmentOpen?: number }): WriteAhead.WriteAheadIo => ({
     writeAll: (fd, bytes, position) => {
       let done = 0
       while (done < bytes.length) done += fs.writeSync(fd, bytes, done, bytes.length - done, position + done)
@@ -262,6 +262,10 @@ describe("write-ahead log under disk faults", () => {
       fs.fdatasync(fd, done)
     },
     dataSyncPath: (file, done) => {
+      if ((faults.segmentOpen ?? 0) > 0) {
+        faults.segmentOpen!--
+        return void setImmediate(done, Object.assign(new Error("EMFILE: too many open files, open"), { code: "EMFILE", syscall: "open" }))
+      }
       if (faults.segmentSync > 0) {
         faults.segmentSync--
         return void setImmediate(done, eio("fdatasync"))
@@ -347,6 +351,20 @@ describe("write-ahead log under disk faults", () => {
       assert.notInclude(walFiles(root), before[0]!, "the replayed files are removed")
       assert.strictEqual(fs.readFileSync(path.join(root, "a/events/1.jsonl"), "utf8"), "a0\na1\na2\na3\na4\na5\n")
       yield* wal.checkpoint
+    }))
+
+  it.scoped("a segment that cannot be opened at a rotation (EMFILE: no write-back error) fails that checkpoint only: appends go on, the next rotation syncs it", () =>
+    Effect.gen(function*() {
+      const root = yield* tempRoot
+      const faults = { walSync: 0, segmentSync: 0, dirSync: 0, segmentOpen: 1 }
+      const wal = yield* WriteAhead.make(root, { io: faultyIo(faults) })
+      const a = segmentOf(root, wal, "a/events/1.jsonl")
+      assert.isTrue((yield* a("a0\n"))._tag === "Right")
+      assert.isTrue((yield* Effect.either(wal.checkpoint))._tag === "Left")
+      assert.isTrue((yield* a("a1\n"))._tag === "Right", "no stall")
+      yield* wal.checkpoint
+      assert.strictEqual(walFiles(root).length, 1)
+      assert.strictEqual(fs.statSync(path.join(walDir(root), walFiles(root)[0]!)).size, 0)
     }))
 
   it.scoped("a new file whose directory entry cannot be synced is dropped (closed, removed) and the next rotation takes another number", () =>

@@ -479,25 +479,35 @@ export const make = (
       const segments = [...new Set(files.flatMap((file) => [...file.dirty]))]
       let started = 0
       let finished = 0
+      /** A write-back error (the fdatasync's): the log stalls. */
       let failure: FileIo.FsError | undefined
+      /** A segment that could not be opened (EMFILE...): nothing was lost, the next rotation tries again. */
+      let unopened: FileIo.FsError | undefined
       const startOne = (): void => {
-        if (failure !== undefined || started >= segments.length) return
+        if (failure !== undefined || unopened !== undefined || started >= segments.length) return
         const segment = segments[started++]!
         io.dataSyncPath(path.join(root, segment), (error) => {
           // A segment removed since (pruned, its session deleted) has nothing left to keep.
-          if (error !== null && error.code !== "ENOENT") failure ??= new FileIo.FsError({ op: "fdatasync", path: segment, cause: error })
+          if (error !== null && error.code !== "ENOENT") {
+            const failed = new FileIo.FsError({ op: error.syscall ?? "fdatasync", path: segment, cause: error })
+            if (error.syscall === "open") unopened ??= failed
+            else failure ??= failed
+          }
           finished++
-          if (failure !== undefined) {
-            if (finished === started) segmentsFailed(failure)
+          if (failure !== undefined || unopened !== undefined) {
+            if (finished === started) segmentsFailed()
             return
           }
           if (finished === segments.length) return segmentsSynced()
           startOne()
         })
       }
-      const segmentsFailed = (error: FileIo.FsError) => {
+      const segmentsFailed = () => {
         rotating = false
-        stall(error)
+        if (failure !== undefined) return stall(failure)
+        // The files stay retired, their segments dirty: the next rotation syncs them with its own.
+        failCheckpoints(unopened!)
+        quiet()
       }
       const segmentsSynced = () => {
         Effect.runCallback(
