@@ -44,6 +44,14 @@ import * as path from "node:path"
 import { crc32 } from "node:zlib"
 import * as FileIo from "../fileIo.js"
 
+/** Closes a file's descriptor once: a number closed twice may be another file's by then. */
+const closeFile = (file: OpenFile): Effect.Effect<void> =>
+  Effect.suspend(() => {
+    if (file.closed === true) return Effect.void
+    file.closed = true
+    return FileIo.fdClose(file.fd)
+  })
+
 /** The directory of the write-ahead files under the log's root. */
 export const WRITE_AHEAD_DIR = ".write-ahead"
 
@@ -92,6 +100,8 @@ interface OpenFile {
   readonly fd: number
   /** The segments this file holds records of. */
   readonly dirty: Set<string>
+  /** Its descriptor was closed (a retired file whose removal failed stays retired, closed). */
+  closed?: boolean
 }
 
 const fileName = (dir: string, seq: number) => path.join(dir, `${String(seq).padStart(12, "0")}.wal`)
@@ -347,7 +357,7 @@ export const make = (
         onExit: (exit) => {
           unstalling = false
           if (exit._tag === "Success" && !closed) {
-            for (const file of [current, ...retired, ...(next === undefined ? [] : [next])]) Effect.runFork(FileIo.fdClose(file.fd))
+            for (const file of [current, ...retired, ...(next === undefined ? [] : [next])]) Effect.runFork(closeFile(file))
             current = exit.value
             retired.length = 0
             next = undefined
@@ -513,7 +523,7 @@ export const make = (
         Effect.runCallback(
           Effect.gen(function*() {
             for (const file of files) {
-              yield* FileIo.fdClose(file.fd)
+              yield* closeFile(file)
               yield* FileIo.unlink(file.file)
             }
             yield* io.syncDir(dir)
@@ -587,7 +597,7 @@ export const make = (
         closed = true
         // A rotation another checkpoint asked for may still be opening its file (dropped then).
         yield* whenQuiet
-        for (const file of [current, ...retired, ...(next === undefined ? [] : [next])]) yield* FileIo.fdClose(file.fd)
+        for (const file of [current, ...retired, ...(next === undefined ? [] : [next])]) yield* closeFile(file)
         if (synced._tag === "Right" && retired.length === 0 && current.dirty.size === 0) {
           yield* Effect.ignore(FileIo.unlink(current.file))
           yield* Effect.ignore(FileIo.fsyncDir(dir))
