@@ -249,7 +249,13 @@ describe("write-ahead log", () => {
  */
 describe("write-ahead log under disk faults", () => {
   const eio = (op: string) => Object.assign(new Error(`EIO: i/o error, ${op}`), { code: "EIO" })
-  const faultyIo = (faults: { walSync: number; segmentSync: number; dirSync: number; segmentOpen?: number }): WriteAhead.WriteAheadIo => ({
+  interface Faults {
+    walSync: number
+    segmentSync: number
+    dirSync: number
+    segmentOpen: number
+  }
+  const faultyIo = (faults: Faults): WriteAhead.WriteAheadIo => ({
     writeAll: (fd, bytes, position) => {
       let done = 0
       while (done < bytes.length) done += fs.writeSync(fd, bytes, done, bytes.length - done, position + done)
@@ -262,8 +268,8 @@ describe("write-ahead log under disk faults", () => {
       fs.fdatasync(fd, done)
     },
     dataSyncPath: (file, done) => {
-      if ((faults.segmentOpen ?? 0) > 0) {
-        faults.segmentOpen!--
+      if (faults.segmentOpen > 0) {
+        faults.segmentOpen--
         return void setImmediate(done, Object.assign(new Error("EMFILE: too many open files, open"), { code: "EMFILE", syscall: "open" }))
       }
       if (faults.segmentSync > 0) {
@@ -307,12 +313,18 @@ describe("write-ahead log under disk faults", () => {
       })
   }
 
-  it.scoped("an EIO from the log's fdatasync fails that commit only; the file is retired (its segments synced, it removed) before any later commit, which goes to a new one", () =>
+  /** A log over a fresh root whose calls fail as `faults` say (none at first), and an appender of one segment. */
+  const faultyLog = (options?: { readonly rotateBytes?: number }) =>
     Effect.gen(function*() {
       const root = yield* tempRoot
-      const faults = { walSync: 0, segmentSync: 0, dirSync: 0 }
-      const wal = yield* WriteAhead.make(root, { io: faultyIo(faults) })
-      const a = segmentOf(root, wal, "a/events/1.jsonl")
+      const faults: Faults = { walSync: 0, segmentSync: 0, dirSync: 0, segmentOpen: 0 }
+      const wal = yield* WriteAhead.make(root, { io: faultyIo(faults), ...options })
+      return { root, faults, wal, a: segmentOf(root, wal, "a/events/1.jsonl") }
+    })
+
+  it.scoped("an EIO from the log's fdatasync fails that commit only; the file is retired (its segments synced, it removed) before any later commit, which goes to a new one", () =>
+    Effect.gen(function*() {
+      const { a, faults, root, wal } = yield* faultyLog()
       assert.isTrue((yield* a("a0\n"))._tag === "Right")
       const before = walFiles(root)
       faults.walSync = 1
@@ -329,10 +341,7 @@ describe("write-ahead log under disk faults", () => {
 
   it.scopedLive("an EIO from a segment's fdatasync at a rotation is not retried: appends fail until the files' records are written into the segments again (the start's replay, run by the next append), then go on", () =>
     Effect.gen(function*() {
-      const root = yield* tempRoot
-      const faults = { walSync: 0, segmentSync: 0, dirSync: 0 }
-      const wal = yield* WriteAhead.make(root, { io: faultyIo(faults) })
-      const a = segmentOf(root, wal, "a/events/1.jsonl")
+      const { a, faults, root, wal } = yield* faultyLog()
       for (let i = 0; i < 5; i++) assert.isTrue((yield* a(`a${i}\n`))._tag === "Right")
       const before = walFiles(root)
       faults.segmentSync = 1
@@ -355,10 +364,8 @@ describe("write-ahead log under disk faults", () => {
 
   it.scoped("a segment that cannot be opened at a rotation (EMFILE: no write-back error) fails that checkpoint only: appends go on, the next rotation syncs it", () =>
     Effect.gen(function*() {
-      const root = yield* tempRoot
-      const faults = { walSync: 0, segmentSync: 0, dirSync: 0, segmentOpen: 1 }
-      const wal = yield* WriteAhead.make(root, { io: faultyIo(faults) })
-      const a = segmentOf(root, wal, "a/events/1.jsonl")
+      const { a, faults, root, wal } = yield* faultyLog()
+      faults.segmentOpen = 1
       assert.isTrue((yield* a("a0\n"))._tag === "Right")
       assert.isTrue((yield* Effect.either(wal.checkpoint))._tag === "Left")
       assert.isTrue((yield* a("a1\n"))._tag === "Right", "no stall")
@@ -369,10 +376,7 @@ describe("write-ahead log under disk faults", () => {
 
   it.scoped("a new file whose directory entry cannot be synced is dropped (closed, removed) and the next rotation takes another number", () =>
     Effect.gen(function*() {
-      const root = yield* tempRoot
-      const faults = { walSync: 0, segmentSync: 0, dirSync: 0 }
-      const wal = yield* WriteAhead.make(root, { io: faultyIo(faults), rotateBytes: 64 })
-      const a = segmentOf(root, wal, "a/events/1.jsonl")
+      const { a, faults, root, wal } = yield* faultyLog({ rotateBytes: 64 })
       const fds = () => fs.readdirSync("/proc/self/fd").length
       assert.isTrue((yield* a("a0 a long enough line to pass the rotation size of 64 bytes\n"))._tag === "Right")
       yield* wal.checkpoint

@@ -431,7 +431,10 @@ export const truncateSyncRaw = (fd: number, size: number): void => fs.ftruncateS
 /** fdatasync(2) on libuv's pool; `done` gets the Node error or null. */
 export const dataSyncRaw = (fd: number, done: (error: NodeJS.ErrnoException | null) => void): void => fs.fdatasync(fd, done)
 
-/** Opens `path` (flags as fs.open's), fdatasyncs it and closes it; for a file whose descriptor is gone. */
+/**
+ * Opens `path` for reading, fdatasyncs it and closes it, for a file whose descriptor is gone;
+ * `done` gets the open's error (its `syscall` is "open") or the fdatasync's, or null.
+ */
 export const dataSyncPathRaw = (path: string, done: (error: NodeJS.ErrnoException | null) => void): void =>
   fs.open(path, "r", (openError, fd) => {
     if (openError !== null) return done(openError)

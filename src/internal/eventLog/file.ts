@@ -404,15 +404,17 @@ export const make = (options: EventLogOptions): Effect.Effect<EventLogService, E
             }
             return Utf8Batch.view()
           }
+          // (A log opened read-only refuses every write: one that writes has its write-ahead log.)
+          const wal = writeAhead!
           let commit: WriteAhead.Commit | undefined
           const offset = h.size
           const length = yield* io(
             h.sessionId,
             FileIo.fdWriteAllSync(h.fd!, encode, offset, (bytes) => {
-              commit = writeAhead?.add(h.file, offset, bytes)
+              commit = wal.add(h.file, offset, bytes)
             })
           )
-          yield* commit === undefined ? fsDataSync(h.sessionId, h.fd!) : io(h.sessionId, writeAhead!.durable(commit))
+          yield* io(h.sessionId, wal.durable(commit!))
           h.size += length
           h.bytes += length
           for (const [sequence, offset] of marks) h.marks.set(sequence, offset)

@@ -30,10 +30,10 @@
  *   other commit (`recovering`): records after a failed one could sit behind bytes that never
  *   reached the disk, where a replay stops.
  * - A segment's fdatasync that fails is not retried (the kernel reports a write-back error once,
- *   then the pages may be clean and a retry "succeeds"): the log fails every append from then on
- *   and keeps its files: appends fail (`stalled`) until the start's replay, run then, has written
- *   every file's records into their segments again and fdatasynced them (`recoverStall`: the
- *   next append tries it; with appends refused, nothing writes the segments meanwhile).
+ *   then the pages may be clean and a retry "succeeds"): the log keeps its files and refuses
+ *   appends (`stalled`) until the start's replay, run then, has written every file's records into
+ *   their segments again and fdatasynced them (`recoverStall`: the next append tries it; with
+ *   appends refused, nothing writes the segments meanwhile).
  *
  * The commit loop runs in node's callbacks, not in fibers: it is the one piece of the log
  * every session's batch goes through, and a fiber's wake-up costs more than the write.
@@ -43,14 +43,6 @@ import type * as Scope from "effect/Scope"
 import * as path from "node:path"
 import { crc32 } from "node:zlib"
 import * as FileIo from "../fileIo.js"
-
-/** Closes a file's descriptor once: a number closed twice may be another file's by then. */
-const closeFile = (file: OpenFile): Effect.Effect<void> =>
-  Effect.suspend(() => {
-    if (file.closed === true) return Effect.void
-    file.closed = true
-    return FileIo.fdClose(file.fd)
-  })
 
 /** The directory of the write-ahead files under the log's root. */
 export const WRITE_AHEAD_DIR = ".write-ahead"
@@ -105,6 +97,20 @@ interface OpenFile {
 }
 
 const fileName = (dir: string, seq: number) => path.join(dir, `${String(seq).padStart(12, "0")}.wal`)
+
+/** Closes a file's descriptor once: a number closed twice may be another file's by then. */
+const closeFile = (file: OpenFile): Effect.Effect<void> =>
+  Effect.suspend(() => {
+    if (file.closed === true) return Effect.void
+    file.closed = true
+    return FileIo.fdClose(file.fd)
+  })
+
+/** Closes and removes a file no record was written to (made, but not to be used). */
+const dropFile = (file: OpenFile): Effect.Effect<void> => Effect.zipRight(closeFile(file), Effect.ignore(FileIo.unlink(file.file)))
+
+const closedError = (op: string, dir: string) =>
+  new FileIo.FsError({ op, path: dir, cause: new Error("the write-ahead log is closed") })
 
 /** The records of one write-ahead file, in order, up to the first one cut or not checking. */
 export const parseRecords = (bytes: Buffer): { records: Array<{ file: string; offset: number; payload: Buffer }>; end: number } => {
@@ -199,7 +205,7 @@ const replaySegment = (file: string, records: ReadonlyArray<{ offset: number; pa
     const opened = yield* Effect.either(FileIo.fdOpen(file, "r+"))
     if (opened._tag === "Left") {
       // Pruned or removed after its records were written: nothing to put back.
-      if (opened.left.code === "ENOENT") return
+      if (FileIo.isNotFound(opened.left)) return
       return yield* Effect.fail(opened.left)
     }
     const fd = opened.right
@@ -275,12 +281,11 @@ export const make = (
     const openFile: Effect.Effect<OpenFile, FileIo.FsError> = Effect.suspend(() => {
       const seq = nextSeq++
       const file = fileName(dir, seq)
-      return Effect.flatMap(FileIo.fdOpen(file, "wx", FileIo.FILE_MODE), (fd) =>
-        io.syncDir(dir).pipe(
-          Effect.as<OpenFile>({ seq, file, fd, dirty: new Set<string>() }),
-          // Not known to be in its directory: not used, and gone (nothing was written to it).
-          Effect.tapError(() => Effect.zipRight(FileIo.fdClose(fd), Effect.ignore(FileIo.unlink(file))))
-        ))
+      return Effect.flatMap(FileIo.fdOpen(file, "wx", FileIo.FILE_MODE), (fd) => {
+        const opened: OpenFile = { seq, file, fd, dirty: new Set<string>() }
+        // Not known to be in its directory: not used, and gone.
+        return io.syncDir(dir).pipe(Effect.as(opened), Effect.tapError(() => dropFile(opened)))
+      })
     })
 
     let current = yield* openFile
@@ -311,6 +316,9 @@ export const make = (
     /** Waiting for no commit and no rotation to be under way (the scope's close). */
     let quietWaiters: Array<() => void> = []
     let closed = false
+
+    /** Every file this log holds open. */
+    const openFiles = (): Array<OpenFile> => [current, ...retired, ...(next === undefined ? [] : [next])]
 
     const settle = (commit: Commit, outcome: FileIo.FsError | null) => {
       commit.outcome = outcome
@@ -357,7 +365,7 @@ export const make = (
         onExit: (exit) => {
           unstalling = false
           if (exit._tag === "Success" && !closed) {
-            for (const file of [current, ...retired, ...(next === undefined ? [] : [next])]) Effect.runFork(closeFile(file))
+            for (const file of openFiles()) Effect.runFork(closeFile(file))
             current = exit.value
             retired.length = 0
             next = undefined
@@ -365,7 +373,7 @@ export const make = (
             stalled = undefined
             recovering = false
           } else if (exit._tag === "Success") {
-            Effect.runFork(Effect.zipRight(FileIo.fdClose(exit.value.fd), Effect.ignore(FileIo.unlink(exit.value.file))))
+            Effect.runFork(dropFile(exit.value))
           }
           quiet()
           start()
@@ -450,9 +458,7 @@ export const make = (
         onExit: (exit) => {
           if (closed) {
             rotating = false
-            if (exit._tag === "Success") {
-              Effect.runFork(Effect.zipRight(FileIo.fdClose(exit.value.fd), Effect.ignore(FileIo.unlink(exit.value.file))))
-            }
+            if (exit._tag === "Success") Effect.runFork(dropFile(exit.value))
             return quiet()
           }
           if (exit._tag === "Failure") {
@@ -550,7 +556,7 @@ export const make = (
       if (stalled !== undefined || closed) {
         recoverStall()
         const refused = newCommit()
-        settle(refused, stalled ?? new FileIo.FsError({ op: "write", path: dir, cause: new Error("the write-ahead log is closed") }))
+        settle(refused, stalled ?? closedError("write", dir))
         return refused
       }
       used = putRecord(scratch, used, file, offset, bytes)
@@ -574,7 +580,7 @@ export const make = (
         return resume(Effect.fail(stalled))
       }
       if (current.dirty.size === 0 && !inFlight && used === 0 && retired.length === 0) return resume(Effect.void)
-      if (closed) return resume(Effect.fail(new FileIo.FsError({ op: "checkpoint", path: dir, cause: new Error("the write-ahead log is closed") })))
+      if (closed) return resume(Effect.fail(closedError("checkpoint", dir)))
       checkpointWaiters.push({ upTo: current.seq, done: (error) => resume(error === null ? Effect.void : Effect.fail(error)) })
       // A rotation under way covers the files before the current one: `rotated` starts the next.
       rotate()
@@ -597,7 +603,7 @@ export const make = (
         closed = true
         // A rotation another checkpoint asked for may still be opening its file (dropped then).
         yield* whenQuiet
-        for (const file of [current, ...retired, ...(next === undefined ? [] : [next])]) yield* closeFile(file)
+        for (const file of openFiles()) yield* closeFile(file)
         if (synced._tag === "Right" && retired.length === 0 && current.dirty.size === 0) {
           yield* Effect.ignore(FileIo.unlink(current.file))
           yield* Effect.ignore(FileIo.fsyncDir(dir))
