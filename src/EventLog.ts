@@ -19,6 +19,7 @@ import * as Layer from "effect/Layer"
 import type * as Option from "effect/Option"
 import type * as Scope from "effect/Scope"
 import type * as Stream from "effect/Stream"
+import type * as Tracer from "effect/Tracer"
 import type * as Cursor from "./Cursor.js"
 import * as FileEventLog from "./internal/eventLog/file.js"
 import * as MemoryEventLog from "./internal/eventLog/memory.js"
@@ -158,6 +159,21 @@ export interface EventLogService {
     sessionId: string,
     events: ReadonlyArray<EventData | EncodedEvent>
   ) => Effect.Effect<ReadonlyArray<Cursor.Cursor>, EventLogError>
+  /**
+   * Optional, for a caller on a hot path: `appendAll` done outside any fiber, when the store can
+   * take the events at once (the session open, nothing of it queued or being written). Returns
+   * their cursors and calls `done` once they are durable (`undefined`) or failed (the error);
+   * `done` may be called before it returns, and must not throw. Returns the error of an event
+   * that cannot be serialized (nothing appended, `done` not called), or `undefined` when it
+   * cannot take them now (then call `appendAll`). `tracer` is the caller's fiber's: a traced
+   * program takes `appendAll` (its writes are spans).
+   */
+  readonly appendAllNow?: (
+    sessionId: string,
+    events: ReadonlyArray<EventData | EncodedEvent>,
+    tracer: Tracer.Tracer,
+    done: (error: EventLogError | undefined) => void
+  ) => ReadonlyArray<Cursor.Cursor> | EventLogError | undefined
   /**
    * The events strictly after `after` (all retained events when absent), in cursor order, across
    * generations, read lazily from disk. When some of them were pruned (checked as the read

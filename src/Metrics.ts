@@ -174,6 +174,13 @@ export const instrumentStorage = <R>(context: Context.Context<R | EventLog | Ses
     ...log,
     append: (sessionId, event) => Effect.tap(log.append(sessionId, event), () => observe(sessionId, [event])),
     appendAll: (sessionId, events) => Effect.tap(log.appendAll(sessionId, events), () => observe(sessionId, events)),
+    ...(log.appendAllNow === undefined ? {} : {
+      appendAllNow: (sessionId, events, tracer, done) =>
+        log.appendAllNow!(sessionId, events, tracer, (error) => {
+          if (error === undefined) observe(sessionId, events)
+          done(error)
+        })
+    }),
     startGeneration: (sessionId) =>
       Effect.tap(log.startGeneration(sessionId), () => {
         const started = checkpointsStarted.get(sessionId)

@@ -52,6 +52,7 @@ import { Engine } from "./Engine.js"
 import { EventLog } from "./EventLog.js"
 import { makeDelivery } from "./internal/delivery/attach.js"
 import { bodyMessage, type LoggedBody, logged } from "./internal/delivery/wireLines.js"
+import { Lock } from "./internal/lock.js"
 import { makeCheckpoints } from "./internal/session/checkpoint.js"
 import { makeEntity } from "./internal/session/entity.js"
 import { makeNames } from "./internal/session/names.js"
@@ -279,7 +280,7 @@ export const make = Effect.gen(function*() {
         ...from,
         attachments: new Set(),
         waitingPrompts: new Map(),
-        publishLock: yield* Effect.makeSemaphore(1),
+        publishLock: new Lock(),
         readGate: yield* Effect.makeSemaphore(READ_GATE_PERMITS),
         lastUsed: Date.now(),
         state,

@@ -15,22 +15,39 @@ import * as Fiber from "effect/Fiber"
 import * as FiberId from "effect/FiberId"
 import * as Tracer from "effect/Tracer"
 import * as Cursor from "../src/Cursor.js"
+import { EventLogError } from "../src/EventLog.js"
 import * as AppendQueue from "../src/internal/eventLog/appendQueue.js"
+import { Lock } from "../src/internal/lock.js"
 
 interface FakeHandle extends AppendQueue.QueueHandle {
-  readonly lock: Effect.Semaphore
+  readonly lock: Lock
 }
 
-/** A store whose flushes record what they write, each waiting for `gate` when one is set. */
+/**
+ * A store whose flushes record what they write, each waiting for `gate` when one is set. Its
+ * `writeNow` records the batch's write at once (the file store writes it then) and answers it
+ * then, or when the gate opens.
+ */
 const fakeStore = Effect.gen(function*() {
   const written: Array<string> = []
   const flushes: Array<number> = []
   /** The fiber each flush ran in. */
   const flushFibers: Array<FiberId.FiberId> = []
   let gate: Deferred.Deferred<void> | undefined
-  const handle: FakeHandle = { sessionId: "s", next: Cursor.make(1, 0), queue: [], dead: undefined, lock: Effect.unsafeMakeSemaphore(1) }
+  /** `writeNow` answers held by the gate. */
+  let heldNow: Array<() => void> = []
+  const handle: FakeHandle = { sessionId: "s", next: Cursor.make(1, 0), queue: [], dead: undefined, lock: new Lock() }
   const queue = yield* AppendQueue.make<FakeHandle>({
     open: () => Effect.succeed(handle),
+    writeNow: {
+      ready: () => true,
+      write: (_h, ops, done) => {
+        flushes.push(ops.length)
+        for (const op of ops) written.push(Cursor.format(op.cursor))
+        if (gate === undefined) done(undefined)
+        else heldNow.push(() => done(undefined))
+      }
+    },
     flush: (batch) =>
       Effect.uninterruptible(Effect.gen(function*() {
         flushFibers.push(yield* Effect.fiberId)
@@ -59,12 +76,29 @@ const fakeStore = Effect.gen(function*() {
       return Effect.sync(() => {
         gate = undefined
         Deferred.unsafeDone(d, Effect.void)
+        const held = heldNow
+        heldNow = []
+        for (const answer of held) answer()
       })
     })
   }
 })
 
 const range = (n: number) => Array.from({ length: n }, (_, i) => i)
+
+/** `appendAll` through `appendAllNow` when the queue takes it at once, as the session's publish does. */
+const appendNow = (queue: AppendQueue.AppendQueue<FakeHandle>, events: ReadonlyArray<Record<string, unknown>>) =>
+  Effect.withFiberRuntime<ReadonlyArray<Cursor.Cursor>, EventLogError>((fiber) =>
+    Effect.async((resume) => {
+      let cursors: ReadonlyArray<Cursor.Cursor> | undefined
+      const now = queue.appendAllNow!("s", events, fiber.currentTracer, (error) =>
+        // Possibly called before appendAllNow returned: the cursors are read once they are set.
+        resume(error === undefined ? Effect.suspend(() => Effect.succeed(cursors!)) : Effect.fail(error)))
+      if (now === undefined) return resume(queue.appendAll("s", events))
+      if (now instanceof EventLogError) return resume(Effect.fail(now))
+      cursors = now
+    })
+  )
 
 describe("AppendQueue (Session grouping)", () => {
   it.scoped("an append with nothing queued is written in the appender's fiber; those arriving meanwhile form the next batch", () =>
@@ -91,15 +125,58 @@ describe("AppendQueue (Session grouping)", () => {
     Effect.gen(function*() {
       const store = yield* fakeStore
       // The lock held elsewhere (a prune, a removal): the appender waits for it.
-      yield* store.handle.lock.take(1)
+      yield* store.handle.lock.take((e) => e)
       const waiting = yield* Effect.fork(store.queue.appendAll("s", [{ a: 1 }, { a: 2 }]))
       yield* Effect.yieldNow()
       yield* Fiber.interrupt(waiting)
       const next = yield* Effect.fork(store.queue.append("s", { b: 1 }))
       yield* Effect.yieldNow()
-      yield* store.handle.lock.release(1)
+      store.handle.lock.release()
       assert.deepStrictEqual(yield* Fiber.join(next), Cursor.make(1, 2))
       assert.deepStrictEqual(store.written, ["1:0", "1:1", "1:2"])
+    }))
+
+  it.scoped("appendAllNow writes at once when nothing of the session is queued, being written or locked, and answers once durable; otherwise it declines", () =>
+    Effect.gen(function*() {
+      const store = yield* fakeStore
+      const tracer = yield* Effect.tracer
+      const answers: Array<EventLogError | undefined> = []
+      const answer = (error: EventLogError | undefined) => void answers.push(error)
+      // Not open yet: declined (appendAll opens it).
+      assert.isUndefined(store.queue.appendAllNow!("s", [{ a: 0 }], tracer, answer))
+      yield* store.queue.append("s", { a: 0 })
+      // An event that cannot be serialized: its error, nothing taken or held, no answer.
+      const bad = store.queue.appendAllNow!("s", [{ c: 1 }, { c: 1n }], tracer, answer)
+      assert.instanceOf(bad, EventLogError)
+      assert.strictEqual((bad as EventLogError).reason, "InvalidEvent")
+      assert.isFalse(store.handle.lock.isHeld)
+      const release = yield* store.hold
+      const now = store.queue.appendAllNow!("s", [{ a: 1 }, { a: 2 }], tracer, answer)
+      assert.deepStrictEqual(now, [Cursor.make(1, 1), Cursor.make(1, 2)])
+      // Written at once; answered once durable, holding the lock until then.
+      assert.deepStrictEqual(store.written, ["1:0", "1:1", "1:2"])
+      assert.deepStrictEqual(answers, [])
+      assert.isTrue(store.handle.lock.isHeld)
+      // A batch is being written: declined, and an append queues behind it.
+      assert.isUndefined(store.queue.appendAllNow!("s", [{ b: 1 }], tracer, answer))
+      const queued = yield* Effect.fork(store.queue.append("s", { b: 1 }))
+      while (store.handle.queue.length < 1) yield* Effect.yieldNow()
+      assert.isUndefined(store.queue.appendAllNow!("s", [{ b: 2 }], tracer, answer))
+      yield* release
+      assert.deepStrictEqual(answers, [undefined])
+      // What queued meanwhile got a flusher when the batch ended (it ends once it finds none).
+      assert.deepStrictEqual(yield* Fiber.join(queued), Cursor.make(1, 3))
+      yield* Effect.repeatN(Effect.yieldNow(), 2)
+      assert.isFalse(store.handle.lock.isHeld)
+      // The lock held elsewhere (a prune): declined.
+      assert.isTrue(store.handle.lock.tryTake())
+      assert.isUndefined(store.queue.appendAllNow!("s", [{ c: 1 }], tracer, answer))
+      store.handle.lock.release()
+      // A traced program's writes are spans: declined.
+      const recording = Tracer.make({ span: tracer.span, context: (f) => f() })
+      assert.isUndefined(store.queue.appendAllNow!("s", [{ c: 1 }], recording, answer))
+      assert.deepStrictEqual(yield* appendNow(store.queue, [{ c: 2 }]), [Cursor.make(1, 4)])
+      assert.deepStrictEqual(store.written, range(5).map((i) => `1:${i}`))
     }))
 
   it.scoped("appenders interrupted at random points, with the lock and the writes held at random: every cursor handed out is written once, in order", () =>
@@ -115,17 +192,18 @@ describe("AppendQueue (Session grouping)", () => {
       for (const _round of range(200)) {
         const release = rand(3) === 0 ? yield* store.hold : undefined
         const locked = rand(4) === 0
-        if (locked) yield* store.handle.lock.take(1)
+        if (locked) yield* store.handle.lock.take((e) => e)
         const fibers = yield* Effect.forEach(range(1 + rand(4)), () => {
           const events = range(1 + rand(3)).map((i) => ({ i }))
           handedOut += events.length
-          return Effect.fork(Effect.tap(store.queue.appendAll("s", events), (cs) => Effect.sync(() => acknowledged.push(...cs.map(Cursor.format)))))
+          const appended = rand(2) === 0 ? store.queue.appendAll("s", events) : appendNow(store.queue, events)
+          return Effect.fork(Effect.tap(appended, (cs) => Effect.sync(() => acknowledged.push(...cs.map(Cursor.format)))))
         })
         for (const fiber of fibers) {
           yield* Effect.repeatN(Effect.yieldNow(), rand(3))
           if (rand(2) === 0) yield* Fiber.interrupt(fiber)
         }
-        if (locked) yield* store.handle.lock.release(1)
+        if (locked) store.handle.lock.release()
         if (release !== undefined) yield* release
         yield* Effect.forEach(fibers, Fiber.await, { discard: true })
       }
@@ -160,7 +238,7 @@ describe("AppendQueue (Session grouping)", () => {
 /** As the file store: a forEach over writes that are each uninterruptible (not the whole flush). */
 const forEachStore = Effect.gen(function*() {
   const written: Array<string> = []
-  const handle: FakeHandle = { sessionId: "s", next: Cursor.make(1, 0), queue: [], dead: undefined, lock: Effect.unsafeMakeSemaphore(1) }
+  const handle: FakeHandle = { sessionId: "s", next: Cursor.make(1, 0), queue: [], dead: undefined, lock: new Lock() }
   const queue = yield* AppendQueue.make<FakeHandle>({
     open: () => Effect.succeed(handle),
     // As the file store: a forEach over writes that are each uninterruptible.
@@ -210,12 +288,12 @@ describe("AppendQueue in place: interruption at any op boundary", () => {
         },
         context: (f) => f()
       })
-      yield* s.handle.lock.take(1)
+      yield* s.handle.lock.take((e) => e)
       victim = yield* Effect.fork(Effect.withTracer(s.queue.append("s", { n: 1 }), tracer))
       yield* Effect.yieldNow()
       const bystander = yield* Effect.fork(s.queue.append("s", { n: 2 }))
       yield* Effect.yieldNow()
-      yield* s.handle.lock.release(1)
+      s.handle.lock.release()
       yield* Fiber.await(victim)
       const answered = yield* Fiber.join(bystander).pipe(Effect.timeout("1 second"), Effect.either)
       assert.isTrue(answered._tag === "Right", "an append taken into the interrupted batch is never answered")

@@ -9,9 +9,13 @@ import { assert, describe, it } from "@effect/vitest"
 import * as Effect from "effect/Effect"
 import * as Exit from "effect/Exit"
 import * as Scope from "effect/Scope"
+import * as Stream from "effect/Stream"
 import * as fs from "node:fs"
 import * as os from "node:os"
 import * as path from "node:path"
+import * as Cursor from "../src/Cursor.js"
+import { EventLogError } from "../src/EventLog.js"
+import * as FileEventLog from "../src/internal/eventLog/file.js"
 import * as FileIo from "../src/internal/fileIo.js"
 import * as WriteAhead from "../src/internal/eventLog/writeAhead.js"
 
@@ -321,6 +325,37 @@ describe("write-ahead log under disk faults", () => {
       const wal = yield* WriteAhead.make(root, { io: faultyIo(faults), ...options })
       return { root, faults, wal, a: segmentOf(root, wal, "a/events/1.jsonl") }
     })
+
+  it.scoped("the event log's hot path (appendAllNow) under an EIO of its commit: answered with the error, the unacknowledged bytes cut, the session opened again at its next append, no gap", () =>
+    Effect.gen(function*() {
+      const root = yield* tempRoot
+      const faults: Faults = { walSync: 0, segmentSync: 0, dirSync: 0, segmentOpen: 0 }
+      const log = yield* FileEventLog.make({ root }, { writeAheadIo: faultyIo(faults) })
+      const tracer = yield* Effect.tracer
+      const now = (events: ReadonlyArray<Record<string, unknown>>) =>
+        Effect.async<ReadonlyArray<Cursor.Cursor> | EventLogError>((resume) => {
+          let cursors: ReadonlyArray<Cursor.Cursor> | undefined
+          const started = log.appendAllNow!("s", events, tracer, (error) => resume(Effect.sync(() => error ?? cursors!)))
+          assert.isTrue(Array.isArray(started))
+          cursors = started as ReadonlyArray<Cursor.Cursor>
+        })
+      assert.deepStrictEqual(yield* log.appendAll("s", [{ n: 0 }]), [Cursor.make(1, 0)])
+      assert.deepStrictEqual(yield* now([{ n: 1 }, { n: 2 }]), [Cursor.make(1, 1), Cursor.make(1, 2)])
+      const segment = path.join(root, "s", "events", "1.jsonl")
+      const size = fs.statSync(segment).size
+      faults.walSync = 1
+      const failed = yield* now([{ n: 3 }])
+      assert.instanceOf(failed, EventLogError)
+      assert.match((failed as EventLogError).message, /EIO/)
+      // Its bytes were cut: a reopen does not adopt a record whose append reported failure.
+      assert.strictEqual(fs.statSync(segment).size, size)
+      // The handle is gone: the next append opens the session again (declined until then).
+      assert.isUndefined(log.appendAllNow!("s", [{ n: 3 }], tracer, () => {}))
+      assert.deepStrictEqual(yield* log.appendAll("s", [{ n: 3 }]), [Cursor.make(1, 3)])
+      assert.deepStrictEqual(yield* now([{ n: 4 }]), [Cursor.make(1, 4)])
+      const read = yield* Stream.runCollect(log.read("s"))
+      assert.deepStrictEqual([...read].map((r) => r.event["n"]), [0, 1, 2, 3, 4])
+    }))
 
   it.scoped("an EIO from the log's fdatasync fails that commit only; the file is retired (its segments synced, it removed) before any later commit, which goes to a new one", () =>
     Effect.gen(function*() {

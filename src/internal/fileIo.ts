@@ -397,22 +397,22 @@ export const fdWriteAll = (fd: number, buffer: Buffer, position: number): Effect
  * written in one synchronous step, so it may be a view of a scratch buffer that the next
  * synchronous section reuses (Utf8Batch.view).
  */
-export const fdWriteAllSync = (
+export const fdWriteAllNow = (
   fd: number,
   make: () => Buffer,
   position: number,
   written?: (buffer: Buffer) => void
-): Effect.Effect<number, FsError> =>
-  Effect.try({
-    try: () => {
-      const buffer = make()
-      writeAllSyncRaw(fd, buffer, position)
-      // Still the same synchronous step: a scratch buffer has not been reused yet.
-      written?.(buffer)
-      return buffer.length
-    },
-    catch: (cause) => new FsError({ op: "write", path: fdName(fd), cause })
-  })
+): number => {
+  const buffer = make()
+  try {
+    writeAllSyncRaw(fd, buffer, position)
+  } catch (cause) {
+    throw new FsError({ op: "write", path: fdName(fd), cause })
+  }
+  // Still the same synchronous step: a scratch buffer has not been reused yet.
+  written?.(buffer)
+  return buffer.length
+}
 
 // ---------------------------------------------------------------------------------------------
 // Raw descriptor calls, outside Effect: the write-ahead log's group commit (one per tick for

@@ -47,6 +47,7 @@ import * as Stream from "effect/Stream"
 import { createRequire } from "node:module"
 import * as nodePath from "node:path"
 import * as Cursor from "../../Cursor.js"
+import { Lock } from "../lock.js"
 import { DaemonConfig } from "../../DaemonConfig.js"
 import type { EventRecord } from "../../EventLog.js"
 import type { CommandOf, SessionSummary } from "../../Protocol.js"
@@ -179,7 +180,7 @@ export const make = (url: string) =>
       // The next worker's environment is the owner's to set: not through a follower.
       post: () => Effect.void,
       publishedState: (s: Session) =>
-        s.publishLock.withPermits(1)(Effect.sync(() => ({ state: stateOf(ofSession.get(s)!), lastCursor: s.lastCursor })))
+        s.publishLock.withLock(Effect.sync(() => ({ state: stateOf(ofSession.get(s)!), lastCursor: s.lastCursor })))
     }
     const checkpoints = makeCheckpoints(core)
     const delivery = makeDelivery(core, checkpoints)
@@ -228,7 +229,7 @@ export const make = (url: string) =>
 
     /** Hands a batch of lines (the last at `last`) to the live attachments, as publish does. */
     const publish = (f: Follower, records: ReadonlyArray<EventRecord>) =>
-      f.session.publishLock.withPermits(1)(Effect.sync(() => {
+      f.session.publishLock.withLock(Effect.sync(() => {
         if (records.length === 0) return
         const s = f.session
         const sessionJson = JSON.stringify(s.meta.activeSessionId)
@@ -398,7 +399,7 @@ export const make = (url: string) =>
           generationBytes: 0,
           lastCursor: snapshotCursor,
           attachments: new Set(),
-          publishLock: yield* Effect.makeSemaphore(1),
+          publishLock: new Lock(),
           readGate: yield* Effect.makeSemaphore(READ_GATE_PERMITS),
           lastUsed: Date.now(),
           launchEnv: undefined,

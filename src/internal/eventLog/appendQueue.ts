@@ -20,8 +20,10 @@ import * as Exit from "effect/Exit"
 import * as FiberId from "effect/FiberId"
 import * as FiberSet from "effect/FiberSet"
 import type * as Scope from "effect/Scope"
+import type * as Tracer from "effect/Tracer"
 import * as Cursor from "../../Cursor.js"
 import { type EncodedEvent, type EventData, EventLogError } from "../../EventLog.js"
+import type { Lock } from "../lock.js"
 import { type EventText, fail, serialize } from "./records.js"
 
 /** One queued write: an event with its assigned cursor, or the start of a generation. */
@@ -69,10 +71,21 @@ export interface AppendQueueOptions<H extends QueueHandle> {
    * kills their handles ({@link AppendQueue.kill}), so the session is opened again at its next use.
    */
   readonly flush: (batch: Batch<H>) => Effect.Effect<void>
+  /**
+   * Session grouping, optional: writing outside any fiber, for {@link AppendQueue.appendAllNow}.
+   * `ready`: whether `write` can start on the handle now. `write` starts writing the appends in
+   * the caller's synchronous step and calls `done` once they are durable or failed (the
+   * failure handled as `flush` handles it, the handle killed with {@link AppendQueue.killNow});
+   * `done` may be called before `write` returns. The ops' own `resume`s need not be called.
+   */
+  readonly writeNow?: {
+    readonly ready: (h: H) => boolean
+    readonly write: (h: H, ops: ReadonlyArray<AppendOp>, done: (error: EventLogError | undefined) => void) => void
+  }
   /** Releases what a dead handle holds (an open file). */
   readonly release?: (h: H) => Effect.Effect<void>
   readonly grouping:
-    | { readonly _tag: "Session"; readonly lockOf: (h: H) => Effect.Semaphore }
+    | { readonly _tag: "Session"; readonly lockOf: (h: H) => Lock }
     | { readonly _tag: "Store"; readonly lock: Effect.Semaphore }
   /** When set, every write fails with what it returns (a read-only log). */
   readonly refuse?: (sessionId: string) => EventLogError
@@ -85,6 +98,8 @@ export interface AppendQueue<H extends QueueHandle> {
   readonly handleFor: (sessionId: string) => Effect.Effect<H, EventLogError>
   /** Marks a handle unusable: fails everything queued, forgets it and releases what it holds. */
   readonly kill: (h: H, error: EventLogError) => Effect.Effect<void>
+  /** `kill` outside a fiber: done at once but for the release, which runs in the queue's scope. */
+  readonly killNow: (h: H, error: EventLogError) => void
   /** Kills the session's open handle, if any (`EventLogService.forget`). */
   readonly forget: (sessionId: string) => Effect.Effect<void>
   readonly append: (sessionId: string, event: EventData | EncodedEvent) => Effect.Effect<Cursor.Cursor, EventLogError>
@@ -93,6 +108,15 @@ export interface AppendQueue<H extends QueueHandle> {
     events: ReadonlyArray<EventData | EncodedEvent>
   ) => Effect.Effect<ReadonlyArray<Cursor.Cursor>, EventLogError>
   readonly startGeneration: (sessionId: string) => Effect.Effect<number, EventLogError>
+  /** See EventLogService.appendAllNow; undefined for a store without `writeNow`. */
+  readonly appendAllNow:
+    | ((
+      sessionId: string,
+      events: ReadonlyArray<EventData | EncodedEvent>,
+      tracer: Tracer.Tracer,
+      done: (error: EventLogError | undefined) => void
+    ) => ReadonlyArray<Cursor.Cursor> | EventLogError | undefined)
+    | undefined
 }
 
 /** The tracer a program has when none was provided: Effect's own, which nobody reads. */
@@ -117,13 +141,18 @@ export const make = <H extends QueueHandle>(
     const opening = new Map<string, Deferred.Deferred<H, EventLogError>>()
     let closed: EventLogError | undefined
 
+    /** What `kill` does at once: the handle is dead, its queue failed, and it is forgotten. */
+    const markDead = (h: H, error: EventLogError): void => {
+      h.dead ??= error
+      const queued = h.queue
+      h.queue = []
+      for (const op of queued) op.resume(Effect.fail(h.dead))
+      if (handles.get(h.sessionId) === h) handles.delete(h.sessionId)
+    }
+
     const kill = (h: H, error: EventLogError): Effect.Effect<void> =>
       Effect.suspend(() => {
-        h.dead ??= error
-        const queued = h.queue
-        h.queue = []
-        for (const op of queued) op.resume(Effect.fail(h.dead))
-        if (handles.get(h.sessionId) === h) handles.delete(h.sessionId)
+        markDead(h, error)
         return options.release === undefined ? Effect.void : options.release(h)
       })
 
@@ -170,7 +199,7 @@ export const make = <H extends QueueHandle>(
      * Session grouping: writes what `h` has queued once its lock is taken, as one batch (taken
      * then, not before: a caller interrupted while it waits for the lock leaves its ops queued).
      */
-    const flushQueued = (lockOf: (h: H) => Effect.Semaphore, h: H): Effect.Effect<void> =>
+    const flushQueued = (lockOf: (h: H) => Lock, h: H): Effect.Effect<void> =>
       Effect.uninterruptibleMask((restore) => flushQueuedIn(restore, lockOf(h), h))
     /**
      * The same, inside an uninterruptible region whose `restore` makes only the wait for the lock
@@ -180,11 +209,11 @@ export const make = <H extends QueueHandle>(
      */
     const flushQueuedIn = (
       restore: <A, E, R>(effect: Effect.Effect<A, E, R>) => Effect.Effect<A, E, R>,
-      lock: Effect.Semaphore,
+      lock: Lock,
       h: H
     ): Effect.Effect<void> =>
       Effect.zipRight(
-        restore(lock.take(1)),
+        lock.take(restore),
         Effect.ensuring(
           Effect.suspend(() => {
             const ops = h.queue
@@ -192,7 +221,7 @@ export const make = <H extends QueueHandle>(
             h.queue = []
             return traced(options.flush([[h, ops]]), { sessionId: h.sessionId, ops: ops.length })
           }),
-          lock.release(1)
+          Effect.sync(() => lock.release())
         )
       )
     const ensureFlusher: (h: H) => void = options.grouping._tag === "Session"
@@ -370,5 +399,57 @@ export const make = <H extends QueueHandle>(
         return h === undefined ? Effect.void : kill(h, fail("Closed", sessionId, "the session's log was let go (it is read again at its next use)"))
       })
 
-    return { handles, handleFor, kill, forget, append, appendAll, startGeneration }
+    const killNow = (h: H, error: EventLogError): void => {
+      markDead(h, error)
+      if (options.release !== undefined) runFlusher(options.release(h))
+    }
+
+    const writeNow = options.writeNow
+    /**
+     * `appendAll` done outside any fiber (the session's hot path): when the session's log is open
+     * and the store can write on it now, nothing of it is queued or being written and its lock is
+     * free, the cursors are assigned, the lock taken and the write started here, and `done` is
+     * called once the events are durable (or failed); the lock is let go just before. Returns
+     * the cursors, the error of an event that cannot be serialized (nothing appended, `done` not
+     * called), or undefined when it cannot (`appendAll` then). Not for a traced program (its
+     * writes are `EventLog.flush` spans), nor a read-only log.
+     */
+    const appendAllNow = options.grouping._tag !== "Session" || writeNow === undefined || refuse !== undefined
+      ? undefined
+      : (() => {
+        const lockOf = options.grouping.lockOf
+        return (
+          sessionId: string,
+          events: ReadonlyArray<EventData | EncodedEvent>,
+          tracer: Tracer.Tracer,
+          done: (error: EventLogError | undefined) => void
+        ): ReadonlyArray<Cursor.Cursor> | EventLogError | undefined => {
+          if (tracer !== builtInTracer || events.length === 0) return undefined
+          const h = handles.get(sessionId)
+          if (h === undefined || h.dead !== undefined || flushing.has(h) || h.queue.length > 0 || !writeNow.ready(h)) return undefined
+          const ops: Array<AppendOp> = []
+          const cursors: Array<Cursor.Cursor> = []
+          let next = h.next
+          for (let i = 0; i < events.length; i++) {
+            const json = serialize(sessionId, events[i]!)
+            if (json instanceof EventLogError) return json
+            cursors.push(next)
+            ops.push({ _tag: "Append", cursor: next, json, resume: answeredByLast })
+            next = Cursor.next(next)
+          }
+          const lock = lockOf(h)
+          if (!lock.tryTake()) return undefined
+          h.next = next
+          flushing.add(h)
+          writeNow.write(h, ops, (error) => {
+            lock.release()
+            flushing.delete(h)
+            if (h.queue.length > 0) ensureFlusher(h)
+            done(error)
+          })
+          return cursors
+        }
+      })()
+
+    return { handles, handleFor, kill, killNow, forget, append, appendAll, startGeneration, appendAllNow }
   })

@@ -38,6 +38,7 @@ import {
 } from "../../EventLog.js"
 import * as StateLayout from "../../StateLayout.js"
 import * as FileIo from "../fileIo.js"
+import { Lock } from "../lock.js"
 import * as AppendQueue from "./appendQueue.js"
 import * as WriteAhead from "./writeAhead.js"
 import { fail, isCursor, makeService, parseRecord, putRecordClose, putRecordOpen } from "./records.js"
@@ -99,7 +100,7 @@ interface Handle extends AppendQueue.QueueHandle {
   readonly dir: string
   readonly eventsDir: string
   /** Held by the flusher while it writes, and by prune/remove, so they never interleave. */
-  readonly lock: Effect.Semaphore
+  readonly lock: Lock
   // durable
   segments: Array<number>
   fd: number | undefined
@@ -253,7 +254,7 @@ const openHandle = (root: string, sessionId: string, readOnly: boolean): Effect.
       sessionId,
       dir: paths.sessionDir(sessionId),
       eventsDir: paths.eventsDir(sessionId),
-      lock: Effect.unsafeMakeSemaphore(1),
+      lock: new Lock(),
       segments: [],
       fd: undefined,
       file: "",
@@ -344,7 +345,11 @@ const createSession = (root: string, h: Handle) =>
  * everything queued, writes it in one write, fdatasyncs and only then acknowledges those appends;
  * appends that arrive meanwhile form the next batch.
  */
-export const make = (options: EventLogOptions): Effect.Effect<EventLogService, EventLogError, Scope.Scope> =>
+/** `internal.writeAheadIo`: the write-ahead log's disk calls, for fault tests. */
+export const make = (
+  options: EventLogOptions,
+  internal?: { readonly writeAheadIo?: WriteAhead.WriteAheadIo }
+): Effect.Effect<EventLogService, EventLogError, Scope.Scope> =>
   Effect.gen(function*() {
     const root = path.resolve(options.root)
     const readOnly = options.readOnly === true
@@ -354,13 +359,104 @@ export const make = (options: EventLogOptions): Effect.Effect<EventLogService, E
     // Before any segment is opened: what the last run's commits hold goes back into them.
     const writeAhead = readOnly
       ? undefined
-      : yield* WriteAhead.make(root, options.writeAheadRotateBytes === undefined ? undefined : { rotateBytes: options.writeAheadRotateBytes }).pipe(
+      : yield* WriteAhead.make(root, {
+        ...(options.writeAheadRotateBytes === undefined ? {} : { rotateBytes: options.writeAheadRotateBytes }),
+        ...(internal?.writeAheadIo === undefined ? {} : { io: internal.writeAheadIo })
+      }).pipe(
         Effect.mapError((e) => fail("Io", "", `the event log's write-ahead log: ${e.message}`, e.cause))
       )
 
     /** Writes one session's batch; on any failure the handle is killed and the session reopened later from disk. */
     const flush = (batch: AppendQueue.Batch<Handle>): Effect.Effect<void> =>
       Effect.forEach(batch, ([h, ops]) => writeOps(h, ops), { discard: true })
+
+    /** The appends of `batch` from `start` up to the next rotation, written and waiting for their commit. */
+    interface Run {
+      readonly end: number
+      readonly length: number
+      readonly marks: ReadonlyArray<readonly [number, number]>
+      readonly commit: WriteAhead.Commit
+    }
+
+    /**
+     * Writes the appends of `batch` from `start` (up to the next rotation) to the current segment
+     * and copies them into the write-ahead log, in one synchronous step; throws the write's error.
+     * Encoded piece by piece (a joined string would be a rope to flatten first: see utf8Batch)
+     * and written straight from the scratch buffer: a copy of its own was fresh memory, page
+     * faults and all, on a session's first turns.
+     */
+    const writeRun = (h: Handle, batch: ReadonlyArray<AppendQueue.Op>, start: number): Run => {
+      // (A log opened read-only refuses every write: one that writes has its write-ahead log.)
+      const wal = writeAhead!
+      let end = start
+      const marks: Array<readonly [number, number]> = []
+      let commit: WriteAhead.Commit | undefined
+      const offset = h.size
+      const length = FileIo.fdWriteAllNow(h.fd!, () => {
+        Utf8Batch.begin()
+        while (end < batch.length) {
+          const next = batch[end]!
+          if (next._tag !== "Append") break
+          if (next.cursor.sequence % MARK_EVERY === 0) marks.push([next.cursor.sequence, h.size + Utf8Batch.size()])
+          putRecordOpen(next.cursor)
+          if (typeof next.json === "string") Utf8Batch.put(next.json)
+          else for (const part of next.json.parts) Utf8Batch.putPart(part)
+          putRecordClose()
+          end++
+        }
+        return Utf8Batch.view()
+      }, offset, (bytes) => {
+        commit = wal.add(h.file, offset, bytes)
+      })
+      return { end, length, marks, commit: commit! }
+    }
+
+    /** A run's commit is durable: the handle takes its records in, and its appends are answered. */
+    const runDurable = (h: Handle, batch: ReadonlyArray<AppendQueue.Op>, start: number, run: Run): void => {
+      h.size += run.length
+      h.bytes += run.length
+      for (const [sequence, offset] of run.marks) h.marks.set(sequence, offset)
+      h.count += run.end - start
+      h.last = Option.some((batch[run.end - 1] as AppendQueue.AppendOp).cursor)
+      for (let i = start; i < run.end; i++) {
+        const append = batch[i] as AppendQueue.AppendOp
+        if (append.resume !== AppendQueue.answeredByLast) append.resume(Effect.succeed(append.cursor))
+      }
+    }
+
+    /** The error a failed write leaves the handle with (its first one, if it had one already). */
+    const writeError = (h: Handle, cause: unknown) =>
+      h.dead ?? fail("Io", h.sessionId, `writing the event log failed: ${String(cause)}`, cause)
+
+    /**
+     * `writeOps` of a session's appends outside any fiber (the hot path: `AppendQueue.writeNow`),
+     * on an open handle: written at once, answered through `done` once their commit is durable.
+     * A failure is handled as writeOps handles it: the bytes cut back and the handle killed.
+     */
+    const writeNow = (h: Handle, ops: ReadonlyArray<AppendQueue.AppendOp>, done: (error: EventLogError | undefined) => void): void => {
+      const failed = (cause: unknown) => {
+        const error = writeError(h, cause)
+        // Bytes past the durable size were never acknowledged (see writeOps).
+        try {
+          if (h.fd !== undefined) FileIo.truncateSyncRaw(h.fd, h.size)
+        } catch {
+          // As writeOps: the handle is killed, and its next open reads what is on disk.
+        }
+        queue.killNow(h, error)
+        done(error)
+      }
+      let run: Run
+      try {
+        run = writeRun(h, ops, 0)
+      } catch (cause) {
+        return failed(cause)
+      }
+      writeAhead!.whenDurable(run.commit, (outcome) => {
+        if (outcome !== null) return failed(outcome)
+        runDurable(h, ops, 0, run)
+        done(undefined)
+      })
+    }
 
     const writeOps = (h: Handle, batch: ReadonlyArray<AppendQueue.Op>): Effect.Effect<void> => {
       let done = 0
@@ -385,52 +481,16 @@ export const make = (options: EventLogOptions): Effect.Effect<EventLogService, E
             done++
             continue
           }
-          let end = done
-          const marks: Array<readonly [number, number]> = []
-          // Piece by piece: a joined string would be a rope to flatten first (see utf8Batch).
-          // Encoded and written in one synchronous step, straight from the scratch buffer: a
-          // copy of its own was fresh memory, page faults and all, on a session's first turns.
-          const encode = () => {
-            Utf8Batch.begin()
-            while (end < batch.length) {
-              const next = batch[end]!
-              if (next._tag !== "Append") break
-              if (next.cursor.sequence % MARK_EVERY === 0) marks.push([next.cursor.sequence, h.size + Utf8Batch.size()])
-              putRecordOpen(next.cursor)
-              if (typeof next.json === "string") Utf8Batch.put(next.json)
-              else for (const part of next.json.parts) Utf8Batch.putPart(part)
-              putRecordClose()
-              end++
-            }
-            return Utf8Batch.view()
-          }
-          // (A log opened read-only refuses every write: one that writes has its write-ahead log.)
-          const wal = writeAhead!
-          let commit: WriteAhead.Commit | undefined
-          const offset = h.size
-          const length = yield* io(
-            h.sessionId,
-            FileIo.fdWriteAllSync(h.fd!, encode, offset, (bytes) => {
-              commit = wal.add(h.file, offset, bytes)
-            })
-          )
-          yield* io(h.sessionId, wal.durable(commit!))
-          h.size += length
-          h.bytes += length
-          for (const [sequence, offset] of marks) h.marks.set(sequence, offset)
-          h.count += end - done
-          h.last = Option.some((batch[end - 1] as AppendQueue.AppendOp).cursor)
-          for (; done < end; done++) {
-            const append = batch[done] as AppendQueue.AppendOp
-            if (append.resume !== AppendQueue.answeredByLast) append.resume(Effect.succeed(append.cursor))
-          }
+          const run = yield* Effect.try({ try: () => writeRun(h, batch, done), catch: (cause) => cause })
+          yield* io(h.sessionId, writeAhead!.durable(run.commit))
+          runDurable(h, batch, done, run)
+          done = run.end
         }
       })
       return run.pipe(
         Effect.catchAllCause((cause) =>
           Effect.gen(function*() {
-            const error = h.dead ??
-              fail("Io", h.sessionId, `writing the event log failed: ${cause.toString()}`, cause)
+            const error = writeError(h, cause)
             for (const op of batch.slice(done)) op.resume(Effect.fail(error))
             // Bytes past the durable size were never acknowledged: cut them so that a reopen does
             // not adopt records whose appends reported failure.
@@ -445,6 +505,7 @@ export const make = (options: EventLogOptions): Effect.Effect<EventLogService, E
     const queue = yield* AppendQueue.make<Handle>({
       open: (sessionId) => openHandle(root, sessionId, readOnly),
       flush,
+      writeNow: { ready: (h) => h.dead === undefined && h.fd !== undefined, write: writeNow },
       release: (h) =>
         Effect.suspend(() => {
           const fd = h.fd
@@ -454,7 +515,7 @@ export const make = (options: EventLogOptions): Effect.Effect<EventLogService, E
       grouping: { _tag: "Session", lockOf: (h) => h.lock },
       ...(readOnly ? { refuse: refuseWrite } : {})
     })
-    const { append, appendAll, forget, handleFor, handles, kill, startGeneration } = queue
+    const { append, appendAll, appendAllNow, forget, handleFor, handles, kill, startGeneration } = queue
 
     const statusOf = (h: Handle): EventLogStatus => ({
       generation: h.generation,
@@ -634,7 +695,7 @@ export const make = (options: EventLogOptions): Effect.Effect<EventLogService, E
     const prune = Effect.fn("EventLog.prune")(function*(sessionId: string, keepFromGeneration: number) {
       if (readOnly) return yield* Effect.fail(refuseWrite(sessionId))
       const h = yield* handleFor(sessionId)
-      return yield* h.lock.withPermits(1)(Effect.gen(function*() {
+      return yield* h.lock.withLock(Effect.gen(function*() {
         const keep = Math.min(keepFromGeneration, h.generation)
         const doomed = h.segments.filter((g) => g < keep)
         if (doomed.length === 0) return []
@@ -652,7 +713,7 @@ export const make = (options: EventLogOptions): Effect.Effect<EventLogService, E
       function*(sessionId: string, options?: { readonly archiveTo?: string }) {
         if (readOnly) return yield* Effect.fail(refuseWrite(sessionId))
         const h = yield* handleFor(sessionId)
-        yield* h.lock.withPermits(1)(Effect.gen(function*() {
+        yield* h.lock.withLock(Effect.gen(function*() {
           yield* kill(h, fail("Closed", sessionId, "the session's event log was removed"))
           const exists = yield* FileIo.exists(h.dir).pipe(Effect.orElseSucceed(() => false))
           if (!exists) return
@@ -685,7 +746,7 @@ export const make = (options: EventLogOptions): Effect.Effect<EventLogService, E
       if (open !== undefined) {
         yield* kill(open, fail("Closed", sessionId, "the session's event log is being repaired"))
         // A batch being written (its records on their way to the write-ahead log) ends first.
-        yield* open.lock.withPermits(1)(Effect.void)
+        yield* open.lock.withLock(Effect.void)
       }
       // No record written before a cut is replayed over it after a crash.
       if (writeAhead !== undefined) yield* io(sessionId, writeAhead.checkpoint)
@@ -745,7 +806,16 @@ export const make = (options: EventLogOptions): Effect.Effect<EventLogService, E
     })
 
     return makeService(handleFor, statusOf, generationStart, {
-      append, appendAll, read, readGeneration, startGeneration, prune, remove, repair, forget
+      append,
+      appendAll,
+      ...(appendAllNow === undefined ? {} : { appendAllNow }),
+      read,
+      readGeneration,
+      startGeneration,
+      prune,
+      remove,
+      repair,
+      forget
     })
   })
 

@@ -80,6 +80,11 @@ export interface WriteAhead {
   /** Waits until `commit` is durable (or fails with its error). */
   readonly durable: (commit: Commit) => Effect.Effect<void, FileIo.FsError>
   /**
+   * Calls `done` once `commit` is durable (null) or failed (its error): at once if it is settled
+   * already, else from the commit's completion (a node callback). `done` must not throw.
+   */
+  readonly whenDurable: (commit: Commit, done: (outcome: FileIo.FsError | null) => void) => void
+  /**
    * Every segment write added so far durable in its segment, and the files that held them
    * removed: from here on no record written before is replayed.
    */
@@ -566,12 +571,15 @@ export const make = (
       return commit
     }
 
+    const whenDurable = (commit: Commit, done: (outcome: FileIo.FsError | null) => void): void => {
+      if (commit.outcome !== undefined) done(commit.outcome)
+      else commit.waiters.push(done)
+    }
+
     const durable = (commit: Commit): Effect.Effect<void, FileIo.FsError> =>
-      Effect.async<void, FileIo.FsError>((resume) => {
-        const answer = (outcome: FileIo.FsError | null) => resume(outcome === null ? Effect.void : Effect.fail(outcome))
-        if (commit.outcome !== undefined) answer(commit.outcome)
-        else commit.waiters.push(answer)
-      })
+      Effect.async<void, FileIo.FsError>((resume) =>
+        whenDurable(commit, (outcome) => resume(outcome === null ? Effect.void : Effect.fail(outcome)))
+      )
 
     /** Every file up to the current one gone (their segments synced). */
     const retireCurrent: Effect.Effect<void, FileIo.FsError> = Effect.async<void, FileIo.FsError>((resume) => {
@@ -611,5 +619,5 @@ export const make = (
       })
     )
 
-    return { add, durable, checkpoint }
+    return { add, durable, whenDurable, checkpoint }
   })

@@ -45,7 +45,7 @@ const SHUTDOWN_CUT_GRACE = "2 seconds"
 
 /** The session entity: one fiber per session takes every input from its mailbox, one at a time. */
 export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Supervisor, delivery: Delivery, names: Names) => {
-  const { config, journal, log, pool, restartPolicy, sessions, slots, store, publish, publishAll, publishStatus, record, recordBestEffort, summary, fork, forkIn, post } = core
+  const { config, journal, log, pool, restartPolicy, sessions, slots, store, publish, publishAll, publishNow, publishStatus, record, recordBestEffort, summary, fork, forkIn, post } = core
   const { abandonRewrite, rewriteFrame, runCheckpoint } = checkpoints
   const { detachAttachment } = delivery
 
@@ -519,6 +519,54 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
 
   const noEvents = (raw: AnyFrame): FrameContext => ({ raw, add: () => Effect.void })
 
+  /**
+   * The frames' events as one batch, when every frame is an event that `step` passes through
+   * (the hot path of `onFrames`: no state changes, nothing else to do) and the batch is under
+   * PUBLISH_BATCH_BYTES; undefined otherwise (then `onFrames` takes them). Decides only:
+   * the state is the same after it.
+   */
+  const hotBatch = (s: Session, worker: T.WorkerId, frames: ReadonlyArray<WorkerProtocol.ReceivedFrame>): Array<Outgoing> | undefined => {
+    // An event's step reads `slotsWanted` only (a step that reads more is not hot).
+    const env: T.Env = { now: 0, slotsWanted: !stopping && slots.wanted() > 0, generationFull: false, storageOk: true }
+    const input: T.Input = { _tag: "Events", worker }
+    const events: Array<Outgoing> = []
+    let bytes = 0
+    for (let i = 0; i < frames.length; i++) {
+      const frame = frames[i] as AnyFrame
+      if (frame.type !== "worker_event") return undefined
+      const { eventBytes, eventType } = frames[i] as WorkerProtocol.EventFrame
+      if (
+        eventType === "agent_end" || eventType === "turn_interrupted" || eventType === "tool_execution_start" ||
+        eventType === "tool_execution_end"
+      ) return undefined
+      if (T.step(s.state, input, env, restartPolicy).actions !== HOT) return undefined
+      bytes += eventBytes.length
+      if (bytes >= PUBLISH_BATCH_BYTES) return undefined
+      events.push(eventMessage(eventType, eventBytes))
+    }
+    return events.length > 0 ? events : undefined
+  }
+
+  /**
+   * A `Frames` input. When its events are all hot (`hotBatch`) and the session can publish
+   * outside a fiber (`publishNow`), the entity's one step is the wait for them to be logged and
+   * delivered; otherwise `onFrames`. Either way the pump hears once the frames are handled.
+   */
+  const takeFrames = (s: Session, input: Extract<Input, { readonly _tag: "Frames" }>): Effect.Effect<void> =>
+    Effect.withFiberRuntime((fiber) => {
+      const slow = Effect.ensuring(onFrames(s, input.worker, input.frames), Effect.sync(() => input.handled.unsafeOpen()))
+      const batch = hotBatch(s, s.handles.workerIds.get(input.worker) ?? UNKNOWN, input.frames)
+      if (batch === undefined) return slow
+      return Effect.async<void>((resume) => {
+        const now = publishNow(s, batch, fiber.currentTracer, (error, defect) => {
+          input.handled.unsafeOpen()
+          // Storage refusing the batch is the next input, as in `onFrames`.
+          resume(defect !== undefined ? Effect.die(defect) : error === undefined ? Effect.void : storageFailed(s, error))
+        })
+        if (!now) resume(slow)
+      })
+    })
+
   /** What `step` returns for an event of the current worker that changes nothing. */
   const HOT = T.EVENTS
 
@@ -570,7 +618,7 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
       case "Frames":
         // The daemon's start-up warm-up of this path gives way to the real thing.
         realFramesArrived(s.meta.activeSessionId)
-        return Effect.ensuring(onFrames(s, input.worker, input.frames), Effect.sync(() => input.handled.unsafeOpen()))
+        return takeFrames(s, input)
       case "Exited": {
         const worker = s.handles.workerIds.get(input.worker)
         if (worker === undefined) return Effect.void

@@ -20,9 +20,10 @@ import type * as Deferred from "effect/Deferred"
 import * as Effect from "effect/Effect"
 import * as FiberSet from "effect/FiberSet"
 import type * as Scope from "effect/Scope"
+import type * as Tracer from "effect/Tracer"
 import type * as Cursor from "../../Cursor.js"
 import type { DaemonConfigShape } from "../../DaemonConfig.js"
-import type { EventLogService } from "../../EventLog.js"
+import { EventLogError, type EventLogService } from "../../EventLog.js"
 import type { SessionSummary, WorkerState } from "../../Protocol.js"
 import type { RecoveryJournalService } from "../../RecoveryJournal.js"
 import type { SupervisorInfo } from "../../SessionManager.js"
@@ -32,6 +33,7 @@ import type { RestartPolicy, WorkerHandle, WorkerPool } from "../../WorkerPool.j
 import type { Attachment } from "../delivery/attachment.js"
 import { bodyMessage, liveTailWriter, type LoggedBody, loggedTail, loggedWith, type Outgoing } from "../delivery/wireLines.js"
 import * as Utf8Batch from "../utf8Batch.js"
+import type { Lock } from "../lock.js"
 import type { Input, InputQueue } from "./mailbox.js"
 import { busyOf, type ReqId, type State, type WorkerId, workerOf, workerStateOf } from "./transition.js"
 import { type CoreError, notFound, type SessionNotFound, StorageUnavailable } from "./errors.js"
@@ -90,7 +92,7 @@ export interface Session {
   lastCursor: Cursor.Cursor | undefined
   attachments: Set<Attachment>
   /** Serializes appends so cursors are published in order. */
-  publishLock: Effect.Semaphore
+  publishLock: Lock
   /** Readers of the current generation take one permit; a checkpoint's completion takes them all. */
   readGate: Effect.Semaphore
   lastUsed: number
@@ -196,6 +198,17 @@ export interface Publisher {
   readonly summary: (s: Session) => SessionSummary
   /** Appends messages to the log (one group commit) and hands them to live attachments. */
   readonly publishAll: (s: Session, messages: ReadonlyArray<Outgoing>) => Effect.Effect<void, StorageFailed>
+  /**
+   * `publishAll` outside any fiber: true when it took the batch (then `done` is called once, when
+   * it was logged and delivered, or failed; `defect`: delivering it threw, a broken invariant);
+   * false, having done nothing, when it cannot now.
+   */
+  readonly publishNow: (
+    s: Session,
+    messages: ReadonlyArray<Outgoing>,
+    tracer: Tracer.Tracer,
+    done: (error: StorageFailed | undefined, defect?: unknown) => void
+  ) => boolean
   readonly publish: (s: Session, body: LoggedBody) => Effect.Effect<void, StorageFailed>
   /** Publishes the session's status (`view`, or what its state says); the summary shows it once logged. */
   /** `promptId`: the tagged prompt whose turn this status starts (docs/protocol.md section 9). */
@@ -273,40 +286,109 @@ export const makeCore = (deps: CoreDeps): Core => {
       return s === undefined || isClosed(s) ? Effect.fail(notFound(id)) : Effect.succeed(s)
     })
 
-  /** Appends messages to the log (one group commit) and hands them to live attachments. */
-  const publishAll = (s: Session, messages: ReadonlyArray<Outgoing>) =>
-    s.publishLock.withPermits(1)(appendAndDeliver(s, messages))
+  const storageFailed = (e: EventLogError) => new StorageFailed({ what: "event log", message: e.message })
+
+  /** The log's append outside any fiber (the hot path), when it has one. */
+  const appendNow = log.appendAllNow
+
+  /**
+   * `publishAll` outside any fiber, when the publish lock is free and the log takes the batch at
+   * once (`appendAllNow`): the batch is logged, handed to the attachments and `done` called, with
+   * no fiber's step between the write and its delivery. At a model's pace every batch is one
+   * event, and the Effect steps of the lock, the append and the write were most of its cost.
+   * Returns false, having done nothing, when it cannot (then `publishAll`).
+   */
+  const publishNow = (
+    s: Session,
+    messages: ReadonlyArray<Outgoing>,
+    tracer: Tracer.Tracer,
+    done: (error: StorageFailed | undefined, defect?: unknown) => void
+  ): boolean => {
+    if (appendNow === undefined || messages.length === 0 || !s.publishLock.tryTake()) return false
+    const emittedAt = Date.now()
+    let cursors: ReadonlyArray<Cursor.Cursor> | EventLogError | undefined
+    cursors = appendNow(s.meta.activeSessionId, loggedEntries(messages, emittedAt), tracer, (error) => {
+      // Durable (or failed): called once, after `cursors` was set unless it failed at once. From
+      // the log's commit callback, where a throw would skip the other sessions' answers: a
+      // defect goes to the fiber waiting.
+      let defect: unknown
+      if (error === undefined) {
+        try {
+          deliver(s, messages, emittedAt, cursors as ReadonlyArray<Cursor.Cursor>)
+        } catch (thrown) {
+          defect = thrown ?? new Error("publish: delivery threw")
+        }
+      }
+      s.publishLock.release()
+      done(error === undefined ? undefined : storageFailed(error), defect)
+    })
+    if (cursors === undefined) {
+      s.publishLock.release()
+      return false
+    }
+    if (cursors instanceof EventLogError) {
+      s.publishLock.release()
+      done(storageFailed(cursors))
+    }
+    return true
+  }
+
+  /**
+   * Appends messages to the log (one group commit) and hands them to live attachments; outside
+   * any fiber's steps when it can (`publishNow`).
+   */
+  const publishAll = (s: Session, messages: ReadonlyArray<Outgoing>): Effect.Effect<void, StorageFailed> => {
+    if (messages.length === 0) return Effect.void
+    const locked = s.publishLock.withLock(appendAndDeliver(s, messages))
+    if (appendNow === undefined) return locked
+    return Effect.withFiberRuntime<void, StorageFailed>((fiber) =>
+      Effect.async<void, StorageFailed>((resume) => {
+        const now = publishNow(s, messages, fiber.currentTracer, (error, defect) =>
+          resume(defect !== undefined ? Effect.die(defect) : error === undefined ? Effect.void : Effect.fail(error)))
+        if (!now) resume(locked)
+      })
+    )
+  }
+
+  /** The messages as the log stores them, stamped `emittedAt`. */
+  const loggedEntries = (messages: ReadonlyArray<Outgoing>, emittedAt: number) => {
+    const tail = loggedTail(emittedAt)
+    return messages.map((m) => loggedWith(m, tail))
+  }
 
   /** What publishAll does under the publish lock. */
   const appendAndDeliver = (s: Session, messages: ReadonlyArray<Outgoing>) =>
-    Effect.gen(function*() {
-      if (messages.length === 0) return
+    Effect.suspend(() => {
       const emittedAt = Date.now()
       // One write and one fsync for the batch; cursors follow the array order.
-      const tail = loggedTail(emittedAt)
-      const cursors = yield* log.appendAll(s.meta.activeSessionId, messages.map((m) => loggedWith(m, tail))).pipe(
-        Effect.mapError((e) => new StorageFailed({ what: "event log", message: e.message }))
-      )
-      const sessionJson = JSON.stringify(s.meta.activeSessionId)
-      // Encoded once for the whole batch, shared by every attached client; piece by piece (a
-      // joined string would be a rope of thousands of pieces to flatten first: see utf8Batch).
-      const putTail = liveTailWriter(sessionJson, emittedAt)
-      Utf8Batch.begin()
-      for (let i = 0; i < messages.length; i++) {
-        const m = messages[i]!
-        Utf8Batch.put(m.head)
-        Utf8Batch.putPart(m.body)
-        putTail(cursors[i]!)
-        // Counted once logged, so the count never runs ahead of what get_messages can read.
-        if (m.eventType === "message_end") s.messageCount++
-      }
-      const lines = Utf8Batch.take()
-      const last = cursors[cursors.length - 1]!
-      s.lastCursor = last
-      s.generationEvents += messages.length
-      s.generationBytes += lines.byteLength
-      for (const a of s.attachments) a.onLive(last, lines)
+      return Effect.mapBoth(log.appendAll(s.meta.activeSessionId, loggedEntries(messages, emittedAt)), {
+        onFailure: storageFailed,
+        onSuccess: (cursors) => deliver(s, messages, emittedAt, cursors)
+      })
     })
+
+  /** Hands a logged batch (its cursors) to the live attachments and counts it. */
+  const deliver = (s: Session, messages: ReadonlyArray<Outgoing>, emittedAt: number, cursors: ReadonlyArray<Cursor.Cursor>): void => {
+    const sessionJson = JSON.stringify(s.meta.activeSessionId)
+    // Encoded once for the whole batch, shared by every attached client; piece by piece (a
+    // joined string would be a rope of thousands of pieces to flatten first: see utf8Batch).
+    const putTail = liveTailWriter(sessionJson, emittedAt)
+    Utf8Batch.begin()
+    for (let i = 0; i < messages.length; i++) {
+      const m = messages[i]!
+      Utf8Batch.put(m.head)
+      Utf8Batch.putPart(m.body)
+      putTail(cursors[i]!)
+      // Counted once logged, so the count never runs ahead of what get_messages can read.
+      if (m.eventType === "message_end") s.messageCount++
+    }
+    const lines = Utf8Batch.take()
+    const last = cursors[cursors.length - 1]!
+    s.lastCursor = last
+    s.generationEvents += messages.length
+    s.generationBytes += lines.byteLength
+    for (const a of s.attachments) a.onLive(last, lines)
+  }
 
   const publish = (s: Session, body: LoggedBody) => publishAll(s, [bodyMessage(body)])
 
@@ -315,7 +397,7 @@ export const makeCore = (deps: CoreDeps): Core => {
    * the summary shows it (see Session.shown). A status that cannot be logged did not happen.
    */
   const publishStatus = (s: Session, view?: { readonly busy: boolean; readonly worker: WorkerState }, promptId?: string) =>
-    s.publishLock.withPermits(1)(Effect.suspend(() => {
+    s.publishLock.withLock(Effect.suspend(() => {
       const shown = view === undefined ? { busy: busyOf(s.state), worker: workerStateOf(s.state) } : { busy: view.busy, worker: view.worker }
       const state = { ...summary(s), busy: shown.busy, worker: shown.worker }
       return appendAndDeliver(s, [bodyMessage(promptId === undefined ? { type: "session_status", state } : { type: "session_status", state, promptId })]).pipe(
@@ -325,7 +407,7 @@ export const makeCore = (deps: CoreDeps): Core => {
 
   /** The session's summary and last cursor at one moment, consistent with what is logged. */
   const publishedState = (s: Session) =>
-    s.publishLock.withPermits(1)(Effect.sync(() => ({ state: summary(s), lastCursor: s.lastCursor })))
+    s.publishLock.withLock(Effect.sync(() => ({ state: summary(s), lastCursor: s.lastCursor })))
 
   const record = (s: Session, busy: boolean, operation: string) =>
     journal.record({
@@ -378,6 +460,7 @@ export const makeCore = (deps: CoreDeps): Core => {
     publishedState,
     get,
     publishAll,
+    publishNow,
     publish,
     publishStatus,
     record,
