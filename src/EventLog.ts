@@ -142,6 +142,15 @@ export class EventLogError extends Data.TaggedError("EventLogError")<{
   readonly cause?: unknown
 }> {}
 
+/**
+ * Gives `service` its `appendAllNow`, not enumerable: a wrapper that spreads the service
+ * (`{ ...log, appendAll }`) does not inherit it, so that its own `appendAll` sees every append.
+ */
+export const withAppendAllNow = (service: EventLogService, appendAllNow: EventLogService["appendAllNow"]): EventLogService => {
+  if (appendAllNow !== undefined) Object.defineProperty(service, "appendAllNow", { value: appendAllNow, enumerable: false })
+  return service
+}
+
 /** The operations of the event log. */
 export interface EventLogService {
   /**
@@ -166,7 +175,9 @@ export interface EventLogService {
    * `done` may be called before it returns, and must not throw. Returns the error of an event
    * that cannot be serialized (nothing appended, `done` not called), or `undefined` when it
    * cannot take them now (then call `appendAll`). `tracer` is the caller's fiber's: a traced
-   * program takes `appendAll` (its writes are spans).
+   * program takes `appendAll` (its writes are spans). Not enumerable ({@link withAppendAllNow}):
+   * a wrapper that spreads the service and replaces `appendAll` does not inherit it, so it sees
+   * every append; to keep the hot path, it forwards `appendAllNow` itself.
    */
   readonly appendAllNow?: (
     sessionId: string,

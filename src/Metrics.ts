@@ -15,7 +15,7 @@ import * as Context from "effect/Context"
 import * as Effect from "effect/Effect"
 import * as Metric from "effect/Metric"
 import * as MetricBoundaries from "effect/MetricBoundaries"
-import { EncodedEvent, EventLog, type EventData } from "./EventLog.js"
+import { EncodedEvent, EventLog, type EventData, withAppendAllNow } from "./EventLog.js"
 import { SessionStore } from "./SessionStore.js"
 
 /** Where events are delivered: the daemon's socket (WebSocket clients included), or an HTTP read. */
@@ -170,24 +170,21 @@ export const instrumentStorage = <R>(context: Context.Context<R | EventLog | Ses
       }
     }
   }
-  const instrumentedLog: typeof log = {
+  const instrumentedLog: typeof log = withAppendAllNow({
     ...log,
     append: (sessionId, event) => Effect.tap(log.append(sessionId, event), () => observe(sessionId, [event])),
     appendAll: (sessionId, events) => Effect.tap(log.appendAll(sessionId, events), () => observe(sessionId, events)),
-    ...(log.appendAllNow === undefined ? {} : {
-      appendAllNow: (sessionId, events, tracer, done) =>
-        log.appendAllNow!(sessionId, events, tracer, (error) => {
-          if (error === undefined) observe(sessionId, events)
-          done(error)
-        })
-    }),
     startGeneration: (sessionId) =>
       Effect.tap(log.startGeneration(sessionId), () => {
         const started = checkpointsStarted.get(sessionId)
         checkpointsStarted.delete(sessionId)
         if (started !== undefined) checkpointDuration.unsafeUpdate((performance.now() - started) / 1000, NO_TAGS)
       })
-  }
+  }, log.appendAllNow === undefined ? undefined : (sessionId, events, tracer, done) =>
+    log.appendAllNow!(sessionId, events, tracer, (error) => {
+      if (error === undefined) observe(sessionId, events)
+      done(error)
+    }))
   const instrumentedStore: typeof store = {
     ...store,
     appendSnapshot: (sessionId, header, messages) =>

@@ -7,6 +7,7 @@ import { assert, describe, it } from "@effect/vitest"
 import * as Effect from "effect/Effect"
 import * as Fiber from "effect/Fiber"
 import * as FiberId from "effect/FiberId"
+import * as FiberRef from "effect/FiberRef"
 import { Lock } from "../src/internal/lock.js"
 
 const range = (n: number) => Array.from({ length: n }, (_, i) => i)
@@ -63,6 +64,27 @@ describe("Lock", () => {
         assert.isFalse(lock.isHeld)
       }))
   }
+
+  it.effect("a release while a waiter's fiber yields between its try and its wait (every yield point swept) still wakes it", () =>
+    Effect.gen(function*() {
+      // The run loop yields every `maxOps` ops: swept so that one yield falls between `take`'s
+      // failed try and its registration as a waiter, with the holder letting go then (18 did
+      // here; below ~10 the run loop does little but yield).
+      for (const maxOps of range(16).map((i) => i + 15)) {
+        for (const delay of range(3)) {
+          const lock = new Lock()
+          assert.isTrue(lock.tryTake())
+          const releaser = yield* Effect.fork(Effect.zipRight(Effect.repeatN(Effect.yieldNow(), delay), Effect.sync(() => lock.release())))
+          const waiter = yield* Effect.fork(Effect.locally(lock.withLock(Effect.void), FiberRef.currentMaxOpsBeforeYield, maxOps))
+          yield* Fiber.join(releaser)
+          // Bounded by yields, not time (TestClock): a parked waiter never ends.
+          let steps = 0
+          while (waiter.unsafePoll() === null && steps++ < 200) yield* Effect.yieldNow()
+          assert.isNotNull(waiter.unsafePoll(), `maxOps ${maxOps}, delay ${delay}: the waiter is parked on a free lock`)
+          assert.isFalse(lock.isHeld)
+        }
+      }
+    }))
 
   it.effect("fibers and synchronous holders at random, interrupted at random points: never two holders, every survivor runs, the lock ends free", () =>
     Effect.gen(function*() {

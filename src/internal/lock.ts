@@ -37,8 +37,12 @@ export class Lock {
     return Effect.suspend(() => (this.tryTake() ? Effect.void : Effect.zipRight(restore(this.woken), this.take(restore))))
   }
 
-  /** Waits for the next release. */
+  /**
+   * Waits for the next release, or not at all if it was let go meanwhile: the run loop may yield
+   * between a `take`'s failed try and this registration, and a release then found no waiter.
+   */
   private readonly woken: Effect.Effect<void> = Effect.async<void>((resume) => {
+    if (!this.held) return resume(Effect.void)
     const wake = () => resume(Effect.void)
     this.waiters.push(wake)
     return Effect.sync(() => {

@@ -150,10 +150,15 @@ export const make = <H extends QueueHandle>(
       if (handles.get(h.sessionId) === h) handles.delete(h.sessionId)
     }
 
+    /**
+     * A batch being written keeps what the handle holds until its write ends (see `flushEnded`):
+     * a failed write cuts its bytes off through the handle's file, which a release would close
+     * under it (and a reopen would then adopt records whose appends reported failure).
+     */
     const kill = (h: H, error: EventLogError): Effect.Effect<void> =>
       Effect.suspend(() => {
         markDead(h, error)
-        return options.release === undefined ? Effect.void : options.release(h)
+        return options.release === undefined || flushing.has(h) ? Effect.void : options.release(h)
       })
 
     // Registered before the FiberSet so that it runs after the flushers were interrupted (each
@@ -196,6 +201,18 @@ export const make = <H extends QueueHandle>(
     /** Session grouping: the sessions whose batch is being written (by a flusher, or in place). */
     const flushing = new Set<H>()
     /**
+     * Session grouping: a batch's write ended. A handle killed meanwhile lets go of what it holds
+     * now (`kill` left it); otherwise what was queued meanwhile gets a flusher.
+     */
+    const flushEnded = (h: H): void => {
+      flushing.delete(h)
+      if (h.dead !== undefined) {
+        // Forked on the default runtime: this queue's scope may be closing (its finalizer kills
+        // every handle, and a write outside a fiber may end after it).
+        if (options.release !== undefined) Effect.runFork(options.release(h))
+      } else if (h.queue.length > 0) ensureFlusher(h)
+    }
+    /**
      * Session grouping: writes what `h` has queued once its lock is taken, as one batch (taken
      * then, not before: a caller interrupted while it waits for the lock leaves its ops queued).
      */
@@ -230,10 +247,7 @@ export const make = <H extends QueueHandle>(
         const loop = (h: H): Effect.Effect<void> =>
           Effect.gen(function*() {
             while (true) {
-              if (h.queue.length === 0) {
-                flushing.delete(h)
-                return
-              }
+              if (h.queue.length === 0) return flushEnded(h)
               yield* flushQueued(lockOf, h)
               yield* Effect.yieldNow()
             }
@@ -297,10 +311,7 @@ export const make = <H extends QueueHandle>(
         flushing.add(h)
         queueOps()
         return flushQueuedIn(restore, lock, h).pipe(
-          Effect.ensuring(Effect.sync(() => {
-            flushing.delete(h)
-            if (h.queue.length > 0) ensureFlusher(h)
-          }))
+          Effect.ensuring(Effect.sync(() => flushEnded(h)))
         )
       }
     }
@@ -401,7 +412,7 @@ export const make = <H extends QueueHandle>(
 
     const killNow = (h: H, error: EventLogError): void => {
       markDead(h, error)
-      if (options.release !== undefined) runFlusher(options.release(h))
+      if (options.release !== undefined && !flushing.has(h)) runFlusher(options.release(h))
     }
 
     const writeNow = options.writeNow
@@ -443,8 +454,9 @@ export const make = <H extends QueueHandle>(
           flushing.add(h)
           writeNow.write(h, ops, (error) => {
             lock.release()
-            flushing.delete(h)
-            if (h.queue.length > 0) ensureFlusher(h)
+            // (Run from the write-ahead commit's callback: a flusher started here writes its
+            // batch at once, adding it to the next commit, which is safe there.)
+            flushEnded(h)
             done(error)
           })
           return cursors

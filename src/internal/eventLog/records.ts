@@ -16,7 +16,8 @@ import {
   type EventLogErrorReason,
   type EventLogService,
   type EventLogStatus,
-  type EventRecord
+  type EventRecord,
+  withAppendAllNow
 } from "../../EventLog.js"
 import * as Utf8Batch from "../utf8Batch.js"
 
@@ -163,10 +164,11 @@ export const makeService = <H>(
   operations: StoreOperations
 ): EventLogService => {
   const status = (sessionId: string) => Effect.map(open(sessionId), statusOf)
-  return EventLog.of({
+  const { appendAllNow, ...rest } = operations
+  return withAppendAllNow(EventLog.of({
     repair: () => Effect.succeed(Option.none()),
     forget: () => Effect.void,
-    ...operations,
+    ...rest,
     currentGeneration: (sessionId) => Effect.map(status(sessionId), (s) => s.generation),
     lastCursor: (sessionId) => Effect.map(status(sessionId), (s) => s.lastCursor),
     generations: (sessionId) => Effect.map(status(sessionId), (s) => s.generations),
@@ -176,5 +178,5 @@ export const makeService = <H>(
         statusOf(h).generations.includes(generation)
           ? startOf(sessionId, h, generation)
           : Effect.fail(fail("GenerationNotFound", sessionId, `generation ${generation} is not retained`)))
-  })
+  }), appendAllNow)
 }

@@ -554,15 +554,21 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
    */
   const takeFrames = (s: Session, input: Extract<Input, { readonly _tag: "Frames" }>): Effect.Effect<void> =>
     Effect.withFiberRuntime((fiber) => {
-      const slow = Effect.ensuring(onFrames(s, input.worker, input.frames), Effect.sync(() => input.handled.unsafeOpen()))
+      const slow = Effect.ensuring(onFrames(s, input.worker, input.frames), Effect.sync(input.handled))
       const batch = hotBatch(s, s.handles.workerIds.get(input.worker) ?? UNKNOWN, input.frames)
       if (batch === undefined) return slow
       return Effect.async<void>((resume) => {
-        const now = publishNow(s, batch, fiber.currentTracer, (error, defect) => {
-          input.handled.unsafeOpen()
+        const answer = (error: StorageFailed | undefined, defect?: unknown) => {
+          input.handled()
           // Storage refusing the batch is the next input, as in `onFrames`.
           resume(defect !== undefined ? Effect.die(defect) : error === undefined ? Effect.void : storageFailed(s, error))
-        })
+        }
+        let now: boolean
+        try {
+          now = publishNow(s, batch, fiber.currentTracer, answer)
+        } catch (defect) {
+          return answer(undefined, defect ?? new Error("publish threw"))
+        }
         if (!now) resume(slow)
       })
     })

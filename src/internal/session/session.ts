@@ -307,10 +307,12 @@ export const makeCore = (deps: CoreDeps): Core => {
     if (appendNow === undefined || messages.length === 0 || !s.publishLock.tryTake()) return false
     const emittedAt = Date.now()
     let cursors: ReadonlyArray<Cursor.Cursor> | EventLogError | undefined
-    cursors = appendNow(s.meta.activeSessionId, loggedEntries(messages, emittedAt), tracer, (error) => {
-      // Durable (or failed): called once, after `cursors` was set unless it failed at once. From
-      // the log's commit callback, where a throw would skip the other sessions' answers: a
-      // defect goes to the fiber waiting.
+    /** Set once appendNow returned: an answer before that is taken after it. */
+    let returned = false
+    let early: { readonly error: EventLogError | undefined } | undefined
+    const settle = (error: EventLogError | undefined) => {
+      // Usually from the log's commit callback, where a throw would skip the other sessions'
+      // answers: a defect goes to the fiber waiting instead.
       let defect: unknown
       if (error === undefined) {
         try {
@@ -321,7 +323,17 @@ export const makeCore = (deps: CoreDeps): Core => {
       }
       s.publishLock.release()
       done(error === undefined ? undefined : storageFailed(error), defect)
-    })
+    }
+    try {
+      cursors = appendNow(s.meta.activeSessionId, loggedEntries(messages, emittedAt), tracer, (error) => {
+        if (returned) settle(error)
+        else early = { error }
+      })
+    } catch (thrown) {
+      s.publishLock.release()
+      throw thrown
+    }
+    returned = true
     if (cursors === undefined) {
       s.publishLock.release()
       return false
@@ -329,7 +341,9 @@ export const makeCore = (deps: CoreDeps): Core => {
     if (cursors instanceof EventLogError) {
       s.publishLock.release()
       done(storageFailed(cursors))
+      return true
     }
+    if (early !== undefined) settle(early.error)
     return true
   }
 
