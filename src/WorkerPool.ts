@@ -87,6 +87,13 @@ export interface WorkerHandle {
    * WorkerProtocol frames.
    */
   readonly takeFrames: Effect.Effect<Array<WorkerProtocol.ReceivedFrame>>
+  /**
+   * Optional, `takeFrames` outside any fiber: the frames here now, an empty array once the link
+   * closed, or undefined while none is here (then {@link whenFrames}).
+   */
+  readonly framesNow?: () => Array<WorkerProtocol.ReceivedFrame> | undefined
+  /** With `framesNow`: calls `wake` once when frames may be here; returns a function that forgets it. */
+  readonly whenFrames?: (wake: () => void) => () => void
   /** Sends one frame; waits while the link is full. */
   readonly send: (frame: WorkerProtocol.SupervisorFrame) => Effect.Effect<void>
   /**
@@ -129,6 +136,14 @@ abstract class WorkerLink {
 
   get takeFrames(): Effect.Effect<Array<WorkerProtocol.ReceivedFrame>> {
     return this.inbox.take
+  }
+
+  framesNow(): Array<WorkerProtocol.ReceivedFrame> | undefined {
+    return this.inbox.takeNow()
+  }
+
+  whenFrames(wake: () => void): () => void {
+    return this.inbox.whenReady(wake)
   }
 
   send(frame: WorkerProtocol.SupervisorFrame): Effect.Effect<void> {
@@ -930,6 +945,14 @@ class InProcessWorker implements WorkerHandle {
 
   get takeFrames(): Effect.Effect<Array<WorkerProtocol.ReceivedFrame>> {
     return this.inbox.take
+  }
+
+  framesNow(): Array<WorkerProtocol.ReceivedFrame> | undefined {
+    return this.inbox.takeNow()
+  }
+
+  whenFrames(wake: () => void): () => void {
+    return this.inbox.whenReady(wake)
   }
 
   send(frame: WorkerProtocol.SupervisorFrame): Effect.Effect<void> {

@@ -98,23 +98,38 @@ export class FrameInbox {
     return frames
   }
 
+  /**
+   * The next frames, if any is here: undefined while none is (see {@link whenReady}); an empty
+   * array once the pipe has ended and every frame was taken.
+   */
+  takeNow(): Array<WorkerProtocol.ReceivedFrame> | undefined {
+    const frames = this.decode()
+    // Chunks inside a long line gave nothing: wait for the chunk that ends it.
+    return frames.length === 0 && !this.ended ? undefined : frames
+  }
+
+  /**
+   * Calls `wake` once, when frames may be here (a line completed, or the pipe ended), in place of
+   * an earlier one; returns a function that forgets it.
+   */
+  whenReady(wake: () => void): () => void {
+    const once = () => wake()
+    this.wake = once
+    return () => {
+      if (this.wake === once) this.wake = undefined
+    }
+  }
+
   /** The next frames; none once the pipe has ended and every frame was taken. */
   readonly take: Effect.Effect<Array<WorkerProtocol.ReceivedFrame>> = Effect.async((resume) => {
-    const deliver = (): boolean => {
-      const frames = this.decode()
-      // Chunks inside a long line gave nothing: wait for the chunk that ends it.
-      if (frames.length === 0 && !this.ended) return false
-      resume(Effect.succeed(frames))
-      return true
+    let forget = () => {}
+    const deliver = () => {
+      const frames = this.takeNow()
+      if (frames === undefined) forget = this.whenReady(deliver)
+      else resume(Effect.succeed(frames))
     }
-    if (deliver()) return
-    const retry = () => {
-      if (!deliver()) this.wake = retry
-    }
-    this.wake = retry
-    return Effect.sync(() => {
-      if (this.wake === retry) this.wake = undefined
-    })
+    deliver()
+    return Effect.sync(() => forget())
   })
 }
 

@@ -118,8 +118,8 @@ export type Input =
     readonly _tag: "Frames"
     readonly worker: WorkerHandle
     readonly frames: ReadonlyArray<WorkerProtocol.ReceivedFrame>
-    /** Opened once the entity has handled them (or was interrupted handling them). */
-    readonly handled: Effect.Latch
+    /** Called once the entity has handled them (or was interrupted handling them). */
+    readonly handled: () => void
   }
   | { readonly _tag: "Exited"; readonly worker: WorkerHandle; readonly exit: WorkerExit }
 

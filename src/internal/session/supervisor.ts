@@ -116,20 +116,83 @@ export const makeSupervisor = (core: Core): Supervisor => {
   /** Pumps a worker's frames to the entity until the pipe closes, then reports the exit. */
   const pump = (s: Session, worker: WorkerHandle) =>
     Effect.gen(function*() {
+      const { framesNow, whenFrames } = worker
+      yield* framesNow !== undefined && whenFrames !== undefined
+        ? pumpNow(s, worker, framesNow.bind(worker), whenFrames.bind(worker))
+        : pumpFrames(s, worker)
+      const exit = yield* Deferred.await(worker.exited)
+      yield* post(s, { _tag: "Exited", worker, exit })
+    })
+
+  /**
+   * Posts each take of the worker's frames to the entity, until the pipe closes. The next take is
+   * decoded while the entity handles this one (most of that time it waits for its log's
+   * fdatasync); it is posted once this one is handled: the worker's pipe is the backpressure,
+   * and at most two takes are decoded at a time.
+   */
+  const pumpFrames = (s: Session, worker: WorkerHandle) =>
+    Effect.gen(function*() {
       let frames = yield* worker.takeFrames
       while (frames.length > 0) {
         const handled = Effect.unsafeMakeLatch(false)
-        yield* post(s, { _tag: "Frames", worker, frames, handled })
+        yield* post(s, { _tag: "Frames", worker, frames, handled: () => handled.unsafeOpen() })
         if (isClosed(s)) break
-        // The next take is decoded while the entity handles this one (most of that time it
-        // waits for its log's fdatasync); it is posted once this one is handled: the worker's
-        // pipe is the backpressure, and at most two takes are decoded at a time.
         const next = yield* worker.takeFrames
         yield* handled.await
         frames = next
       }
-      const exit = yield* Deferred.await(worker.exited)
-      yield* post(s, { _tag: "Exited", worker, exit })
+    })
+
+  /**
+   * `pumpFrames` outside any fiber's steps, for a worker that hands its frames over synchronously
+   * (`framesNow`): run from the pipe's callbacks and the entity's `handled`, with no fiber woken
+   * but the entity. At a model's pace every take is one event, and the pump's own wake-ups were
+   * a good part of its cost. Ends once the pipe has closed and every take was handled.
+   */
+  const pumpNow = (
+    s: Session,
+    worker: WorkerHandle,
+    framesNow: () => Array<WorkerProtocol.ReceivedFrame> | undefined,
+    whenFrames: (wake: () => void) => () => void
+  ) =>
+    Effect.async<void>((resume) => {
+      /** A take is posted and not yet handled. */
+      let posted = false
+      /** The next take, decoded while the entity handles the one posted. */
+      let ahead: Array<WorkerProtocol.ReceivedFrame> | undefined
+      let forget = () => {}
+      let ended = false
+      const end = () => {
+        ended = true
+        forget()
+        resume(Effect.void)
+      }
+      const handled = () => {
+        posted = false
+        next()
+      }
+      const next = (): void => {
+        if (ended) return
+        if (ahead === undefined) {
+          ahead = framesNow()
+          if (ahead === undefined) {
+            forget = whenFrames(next)
+            return
+          }
+        }
+        if (posted) return
+        const frames = ahead
+        ahead = undefined
+        if (frames.length === 0 || isClosed(s)) return end()
+        posted = true
+        s.mailbox.unsafeOffer({ _tag: "Frames", worker, frames, handled })
+        next()
+      }
+      next()
+      return Effect.sync(() => {
+        ended = true
+        forget()
+      })
     })
 
   /**
