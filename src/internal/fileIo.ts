@@ -391,8 +391,8 @@ export const fdWriteAll = (fd: number, buffer: Buffer, position: number): Effect
 
 /**
  * Writes the whole buffer `make` returns at `position` with write(2) on the calling thread, and
- * returns its length. For group commits: copying a batch into the page cache takes microseconds,
- * while a round trip through libuv's thread pool cost ~0.8 ms per batch under load (a third of the
+ * returns its length; throws an FsError. For group commits: copying a batch into the page cache
+ * takes microseconds, while a round trip through libuv's thread pool cost ~0.8 ms per batch under load (a third of the
  * cycle); the fdatasync, which does wait for the disk, stays on the pool. The buffer is made and
  * written in one synchronous step, so it may be a view of a scratch buffer that the next
  * synchronous section reuses (Utf8Batch.view).

@@ -341,11 +341,12 @@ const createSession = (root: string, h: Handle) =>
 /**
  * Builds the file-backed service; its scope owns every open file and flusher fiber.
  *
- * Group commit (./appendQueue.ts, grouped per session): one flusher fiber per busy session takes
- * everything queued, writes it in one write, fdatasyncs and only then acknowledges those appends;
- * appends that arrive meanwhile form the next batch.
+ * Group commit (./appendQueue.ts, grouped per session): one flusher per busy session (or the
+ * appender itself, or, on the hot path, no fiber at all: `writeNow`) takes everything queued,
+ * writes it to the segment in one write and into the shared write-ahead log, and acknowledges
+ * those appends once that log's commit is durable; appends that arrive meanwhile form the next
+ * batch. `internal.writeAheadIo`: the write-ahead log's disk calls, for fault tests.
  */
-/** `internal.writeAheadIo`: the write-ahead log's disk calls, for fault tests. */
 export const make = (
   options: EventLogOptions,
   internal?: { readonly writeAheadIo?: WriteAhead.WriteAheadIo }
@@ -424,9 +425,20 @@ export const make = (
       }
     }
 
-    /** The error a failed write leaves the handle with (its first one, if it had one already). */
-    const writeError = (h: Handle, cause: unknown) =>
-      h.dead ?? fail("Io", h.sessionId, `writing the event log failed: ${String(cause)}`, cause)
+    /**
+     * A write failed: its bytes, past the durable size, were never acknowledged, so they are cut
+     * (a reopen must not adopt records whose appends reported failure; should the cut fail too,
+     * the handle is killed anyway and its next open reads what is on disk). Returns the error the
+     * handle fails with (its first one, if it had one already); the caller kills it.
+     */
+    const abandonWrite = (h: Handle, cause: unknown): EventLogError => {
+      try {
+        if (h.fd !== undefined) FileIo.truncateSyncRaw(h.fd, h.size)
+      } catch {
+        // See above: the kill that follows is what matters.
+      }
+      return h.dead ?? fail("Io", h.sessionId, `writing the event log failed: ${String(cause)}`, cause)
+    }
 
     /**
      * `writeOps` of a session's appends outside any fiber (the hot path: `AppendQueue.writeNow`),
@@ -435,13 +447,7 @@ export const make = (
      */
     const writeNow = (h: Handle, ops: ReadonlyArray<AppendQueue.AppendOp>, done: (error: EventLogError | undefined) => void): void => {
       const failed = (cause: unknown) => {
-        const error = writeError(h, cause)
-        // Bytes past the durable size were never acknowledged (see writeOps).
-        try {
-          if (h.fd !== undefined) FileIo.truncateSyncRaw(h.fd, h.size)
-        } catch {
-          // As writeOps: the handle is killed, and its next open reads what is on disk.
-        }
+        const error = abandonWrite(h, cause)
         queue.killNow(h, error)
         done(error)
       }
@@ -490,11 +496,8 @@ export const make = (
       return run.pipe(
         Effect.catchAllCause((cause) =>
           Effect.gen(function*() {
-            const error = writeError(h, cause)
+            const error = abandonWrite(h, cause)
             for (const op of batch.slice(done)) op.resume(Effect.fail(error))
-            // Bytes past the durable size were never acknowledged: cut them so that a reopen does
-            // not adopt records whose appends reported failure.
-            if (h.fd !== undefined) yield* Effect.ignore(fsTruncate(h.sessionId, h.fd, h.size))
             yield* queue.kill(h, error)
           })
         ),
@@ -505,7 +508,7 @@ export const make = (
     const queue = yield* AppendQueue.make<Handle>({
       open: (sessionId) => openHandle(root, sessionId, readOnly),
       flush,
-      writeNow: { ready: (h) => h.dead === undefined && h.fd !== undefined, write: writeNow },
+      writeNow: { ready: (h) => h.fd !== undefined, write: writeNow },
       release: (h) =>
         Effect.suspend(() => {
           const fd = h.fd

@@ -43,6 +43,12 @@ import * as T from "./transition.js"
 /** How long the workers have to cut their running turns at a graceful stop, before the supervisor does. */
 const SHUTDOWN_CUT_GRACE = "2 seconds"
 
+/** A worker's event that ends its turn (`TurnEnded`), never one of a batch's pass-through events. */
+const endsTurn = (eventType: string) => eventType === "agent_end" || eventType === "turn_interrupted"
+
+/** A tool step: its batch is logged with it, then the journal records the step. */
+const isToolStep = (eventType: string) => eventType === "tool_execution_start" || eventType === "tool_execution_end"
+
 /** The session entity: one fiber per session takes every input from its mailbox, one at a time. */
 export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Supervisor, delivery: Delivery, names: Names) => {
   const { config, journal, log, pool, restartPolicy, sessions, slots, store, publish, publishAll, publishNow, publishStatus, record, recordBestEffort, summary, fork, forkIn, post } = core
@@ -458,15 +464,14 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
         const frame = raw as AnyFrame
         if (frame.type === "worker_event") {
           const { eventBytes, eventType } = raw as WorkerProtocol.EventFrame
-          const end = eventType === "agent_end" || eventType === "turn_interrupted"
-          if (!end) {
+          if (!endsTurn(eventType)) {
             const t = T.step(s.state, eventsInput, env, restartPolicy)
             if (t.actions === HOT) {
               // The hot path: the event joins the batch, nothing else is made.
               events.push(eventMessage(eventType, eventBytes))
               batchBytes += eventBytes.length
               if (batchBytes >= PUBLISH_BATCH_BYTES) yield* flushed
-              if (eventType === "tool_execution_start" || eventType === "tool_execution_end") {
+              if (isToolStep(eventType)) {
                 yield* flushed
                 // The journal said busy when the turn began: a restart cuts it either way.
                 yield* recordBestEffort(s, true, eventType === "tool_execution_start" ? "tool_start" : "tool_end")
@@ -535,10 +540,7 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
       const frame = frames[i] as AnyFrame
       if (frame.type !== "worker_event") return undefined
       const { eventBytes, eventType } = frames[i] as WorkerProtocol.EventFrame
-      if (
-        eventType === "agent_end" || eventType === "turn_interrupted" || eventType === "tool_execution_start" ||
-        eventType === "tool_execution_end"
-      ) return undefined
+      if (endsTurn(eventType) || isToolStep(eventType)) return undefined
       if (T.step(s.state, input, env, restartPolicy).actions !== HOT) return undefined
       bytes += eventBytes.length
       if (bytes >= PUBLISH_BATCH_BYTES) return undefined
