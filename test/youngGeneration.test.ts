@@ -1,8 +1,8 @@
 /**
  * capYoungGeneration (src/internal/youngGeneration.ts) in child processes of the built module:
  * a workload that keeps a few MB alive grows V8's new space to its default maximum (16 MiB
- * semi-spaces) without the cap, and stays at the cap with it; a process given its own
- * semi-space flag is left alone.
+ * semi-spaces) without the cap, and stays at the cap with it (or one doubling past: the cap is
+ * best effort); a process given its own semi-space flag is left alone.
  *
  * Needs `npm run build` first.
  */
@@ -60,8 +60,12 @@ describe("capYoungGeneration", () => {
     const uncapped = newSpaceAfterWorkload({})
     assert.isAtLeast(uncapped, 16, "the workload grows an uncapped new space past the cap (else this test shows nothing)")
     const capped = newSpaceAfterWorkload({ capMib: 2 })
-    assert.isAtMost(capped, 4, `capped at 2 MiB per semi-space, the new space (both) is ${capped} MiB`)
+    // The cap is set after a collection, in a later task (best effort, as its doc says): one
+    // burst may run through two scavenges before it is read, one doubling past the cap (seen once
+    // in CI, on a loaded machine: 4 MiB semi-spaces). More than that is the cap not working.
+    assert.isAtMost(capped, 8, `capped at 2 MiB per semi-space, the new space (both) is ${capped} MiB`)
     assert.isAtLeast(capped, 2)
+    assert.isAtMost(capped * 4, uncapped, `the capped new space (${capped} MiB) is a quarter of the uncapped one (${uncapped} MiB) at most`)
     const own = newSpaceAfterWorkload({ capMib: 2, nodeArgs: ["--max-semi-space-size=8"] })
     assert.strictEqual(own, 16, "a process's own --max-semi-space-size=8 is what bounds it")
   }, 120_000)
