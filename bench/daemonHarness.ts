@@ -416,8 +416,15 @@ export const stopForProfile = async (daemon: Daemon, ctl: Client): Promise<void>
   if (process.env["AGENTD_BENCH_DAEMON_LOG"] !== undefined) fs.writeFileSync(process.env["AGENTD_BENCH_DAEMON_LOG"], daemon.stderrTail(1e9))
   if (benchDaemonNodeArgs().length === 0) return
   daemon.stopping = true
+  const processes = daemon.processes()
   await ctl.ok({ type: "shutdown" }, 60_000).catch(() => undefined)
   await Promise.race([daemon.exited, sleep(30_000)])
+  // Profiled workers (AGENTD_BENCH_WORKER_NODE_ARGS=--cpu-prof) write their profiles as they exit,
+  // after the daemon: the cleanup's SIGKILL would lose them.
+  if (/--cpu-prof/.test(process.env["AGENTD_BENCH_WORKER_NODE_ARGS"] ?? "")) {
+    const deadline = Date.now() + 30_000
+    while (Date.now() < deadline && processes.some(isAlive)) await sleep(50)
+  }
   if (process.env["AGENTD_BENCH_DAEMON_LOG"] !== undefined) fs.writeFileSync(process.env["AGENTD_BENCH_DAEMON_LOG"], daemon.stderrTail(1e9))
 }
 
@@ -552,6 +559,9 @@ export const startDaemon = async (options: StartOptions = {}): Promise<Daemon> =
     if (v === undefined || k.startsWith("AGENTD_") || k === "NODE_OPTIONS") continue
     env[k] = v
   }
+  // AGENTD_BENCH_WORKER_NODE_ARGS: Node flags for every daemon's workers (to measure or profile them).
+  const workerNodeArgs = process.env["AGENTD_BENCH_WORKER_NODE_ARGS"]
+  if (workerNodeArgs !== undefined) env["AGENTD_WORKER_NODE_ARGS"] = workerNodeArgs
   Object.assign(env, options.env ?? {}, { AGENTD_BENCH_MARK: mark })
   const proc = spawn(process.execPath, [...(options.nodeArgs ?? []), bin, "serve", "--state-dir", stateDir, ...(options.extraArgs ?? [])], {
     cwd: root,

@@ -359,12 +359,10 @@ const mark = (what: string): void => {
 const measureOurs = (): Promise<Ours> =>
   withDaemon(
     // Checkpoints between the turns would be timed with them: none during this run.
-    // AGENTD_BENCH_WORKER_NODE_ARGS: Node flags for the workers (to measure one).
     {
       env: {
         AGENTD_CHECKPOINT_EVENTS: "1000000000",
-        AGENTD_CHECKPOINT_BYTES: String(1024 * 1024 * 1024),
-        ...(process.env["AGENTD_BENCH_WORKER_NODE_ARGS"] === undefined ? {} : { AGENTD_WORKER_NODE_ARGS: process.env["AGENTD_BENCH_WORKER_NODE_ARGS"] })
+        AGENTD_CHECKPOINT_BYTES: String(1024 * 1024 * 1024)
       },
       nodeArgs: benchDaemonNodeArgs()
     },
