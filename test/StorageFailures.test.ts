@@ -10,6 +10,7 @@ import { assert, describe, it } from "@effect/vitest"
 import * as Context from "effect/Context"
 import * as Effect from "effect/Effect"
 import * as Either from "effect/Either"
+import * as Fiber from "effect/Fiber"
 import * as Option from "effect/Option"
 import type * as Scope from "effect/Scope"
 import * as Stream from "effect/Stream"
@@ -36,6 +37,12 @@ interface Faults {
   rotateThenFail?: boolean
   /** The log's reads fail (a descriptor short: EMFILE). */
   reads?: boolean
+  /**
+   * The hot path's next appends are held (their answers kept in `held`): `succeed`, logged and
+   * answered once released; `fail`, not logged, answered ENOSPC once released.
+   */
+  hold?: "succeed" | "fail" | undefined
+  held?: Array<() => void>
 }
 
 /** The stored context with an event log and a journal that fail while `faults` say so. */
@@ -53,6 +60,13 @@ const faulty = (stored: StoredContext, faults: Faults): StoredContext => {
       appendAll: (id, events) => faults.log ? Effect.fail(enospc(id)) : log.appendAll(id, events),
       // The hot path's append fails as a write does: through its answer, here before it returns.
       appendAllNow: (id, events, tracer, done) => {
+        if (faults.hold === "succeed") {
+          return log.appendAllNow?.(id, events, tracer, (error) => (faults.held ??= []).push(() => done(error)))
+        }
+        if (faults.hold === "fail") {
+          ;(faults.held ??= []).push(() => done(enospc(id)))
+          return events.map((_, i) => ({ generation: 0, sequence: i }))
+        }
         if (!faults.log) return log.appendAllNow?.(id, events, tracer, done)
         done(enospc(id))
         return []
@@ -174,6 +188,77 @@ describe("storage failures (in-process)", () => {
           assert.isTrue(Option.isSome(record) && record.value.busy === false)
         }))
     }), { timeout: 30_000 })
+
+  // A worker's event that changes nothing in the session (a token) is published beside the
+  // entity when it waits with nothing queued (the entity is not woken): as if the entity had
+  // taken it. Its publish held, a command sent meanwhile is not taken until it is done; failed,
+  // its failure is taken before that command.
+  const heldCases = [
+    { outcome: "succeed", abort: true },
+    { outcome: "fail", abort: true },
+    // Nothing else to take (the worker's next frames held back): the failure wakes the entity itself.
+    { outcome: "fail", abort: false }
+  ] as const
+  for (const { abort: withAbort, outcome } of heldCases) {
+    const title = outcome === "succeed"
+      ? "an abort sent meanwhile waits for it; then the turn is aborted after that token"
+      : withAbort
+      ? "an abort sent meanwhile waits for it; its failure is taken first: the turn ends storage_failed, the abort finds none"
+      : "nothing else sent: its failure alone ends the turn storage_failed"
+    it.scopedLive(`a token's publish held (${outcome}): ${title}`, () =>
+      Effect.gen(function*() {
+        const faults: Faults = { log: false, journal: false }
+        const stored = faulty(yield* makeStored, faults)
+        yield* withCore({}, (ctl) =>
+          Effect.gen(function*() {
+            const sm = yield* SessionManager
+            const created = yield* sm.create({ type: "create", config: { tokenDelayMs: 60 } } as any)
+            const id = created.activeSessionId
+            const conn = new MemoryConnection("c1")
+            const attached = yield* sm.attach(conn.id, conn, { type: "attach", activeSessionId: id } as any)
+            yield* Effect.forkScoped(attached.deliver)
+            yield* waitFor("ready", () => statuses(seq(conn)).at(-1) === "ready/idle")
+            const words = Array.from({ length: 30 }, (_, i) => `w${i}`).join(" ")
+            assert.deepStrictEqual(yield* prompt(sm, id, words), { accepted: true })
+            yield* waitFor("the first token", () => eventTypes(seq(conn)).includes("message_update"))
+            faults.hold = outcome
+            if (!withAbort) ctl.pauseAfter = (f) => f["type"] === "worker_event"
+            yield* waitFor("a token's publish held", () => (faults.held?.length ?? 0) === 1)
+            const shown = seq(conn).length
+            const abort = withAbort ? yield* Effect.fork(sm.abort({ type: "abort", activeSessionId: id } as any)) : undefined
+            // Several tokens' time: the entity takes nothing until the held publish is done.
+            yield* Effect.sleep("400 millis")
+            if (abort !== undefined) assert.isNull(abort.unsafePoll(), "the abort waits for the held publish")
+            assert.strictEqual(faults.held!.length, 1, "nothing else was published meanwhile")
+            assert.strictEqual(seq(conn).length, shown)
+            faults.hold = undefined
+            faults.held!.shift()!()
+            if (!withAbort) {
+              // Taken with no other input: the turn ends (its owed end logged by the retry).
+              yield* waitFor("the failure taken", () => eventTypes(seq(conn)).includes("turn_interrupted"), 5_000)
+              ctl.frameGate.open()
+            }
+            const answer = abort === undefined ? undefined : yield* Effect.either(Fiber.join(abort))
+            yield* waitFor("the session idle", () => statuses(seq(conn)).at(-1) === "ready/idle", 10_000)
+            const after = show(seq(conn).slice(shown)).split(" ")
+            if (outcome === "succeed") {
+              assert.deepStrictEqual(answer, Either.right({ aborted: true }))
+              assert.strictEqual(after[0], "ev:message_update", `the held token first: ${after.join(" ")}`)
+              assert.include(after, "ev:turn_interrupted(aborted)")
+            } else {
+              assert.deepStrictEqual(after.slice(0, 2), ["ev:turn_interrupted(storage_failed)", "status(busy=false,worker=recovering)"], after.join(" "))
+              assert.notInclude(after, "ev:turn_interrupted(aborted)")
+              if (answer !== undefined) assert.deepStrictEqual(answer, Either.right({ aborted: false }))
+              // What was logged stands, the held token not: the transcript has no hole.
+              const messages = yield* sm.getMessages({ type: "get_messages", activeSessionId: id, limit: 100 } as any)
+              assert.deepStrictEqual(messages.messages.map((m) => m.role), ["user"])
+            }
+            // Every event once, in cursor order, whatever the path.
+            const cursors = seq(conn).filter((l) => l["cursor"] !== undefined).map((l) => `${l["cursor"].generation}:${l["cursor"].sequence}`)
+            assert.strictEqual(new Set(cursors).size, cursors.length)
+          }), stored)
+      }), { timeout: 30_000 })
+  }
 
   it.scopedLive("a checkpoint whose generation start is reported failed but happened: the session moves with the log; later checkpoints and a restored worker see every message", () =>
     Effect.gen(function*() {

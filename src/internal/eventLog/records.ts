@@ -44,19 +44,25 @@ export const serialize = (sessionId: string, event: EventData | EncodedEvent): E
 }
 
 /** Like {@link serialize}, and an {@link EncodedEvent} is checked too (the memory layer's). */
+export const serializeCheckedNow = (sessionId: string, event: EventData | EncodedEvent): string | EventLogError => {
+  if (event instanceof EncodedEvent) {
+    let value: unknown
+    try {
+      value = JSON.parse(event.json)
+    } catch (cause) {
+      return fail("InvalidEvent", sessionId, `an encoded event is not JSON: ${String(cause)}`, cause)
+    }
+    if (!isRecord(value)) return fail("InvalidEvent", sessionId, "an event must be a JSON object")
+  }
+  const json = serialize(sessionId, event)
+  return json instanceof EventLogError ? json : textOf(json)
+}
+
+/** {@link serializeCheckedNow} as an Effect. */
 export const serializeChecked = (sessionId: string, event: EventData | EncodedEvent): Effect.Effect<string, EventLogError> =>
   Effect.suspend(() => {
-    if (event instanceof EncodedEvent) {
-      let value: unknown
-      try {
-        value = JSON.parse(event.json)
-      } catch (cause) {
-        return Effect.fail(fail("InvalidEvent", sessionId, `an encoded event is not JSON: ${String(cause)}`, cause))
-      }
-      if (!isRecord(value)) return Effect.fail(fail("InvalidEvent", sessionId, "an event must be a JSON object"))
-    }
-    const json = serialize(sessionId, event)
-    return json instanceof EventLogError ? Effect.fail(json) : Effect.succeed(textOf(json))
+    const json = serializeCheckedNow(sessionId, event)
+    return json instanceof EventLogError ? Effect.fail(json) : Effect.succeed(json)
   })
 
 /** A record line up to its event, built by hand: cursors are plain integers. */

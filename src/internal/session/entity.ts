@@ -21,6 +21,7 @@ import * as FiberId from "effect/FiberId"
 import * as FiberRef from "effect/FiberRef"
 import * as Scope from "effect/Scope"
 import * as Stream from "effect/Stream"
+import type * as Tracer from "effect/Tracer"
 import { randomUUID } from "node:crypto"
 import * as Cursor from "../../Cursor.js"
 import type * as Protocol from "../../Protocol.js"
@@ -578,6 +579,92 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
   /** What `step` returns for an event of the current worker that changes nothing. */
   const HOT = T.EVENTS
 
+  /**
+   * A batch published beside the entity (`publishBeside`) and not yet taken by it: `outcome` is
+   * set once its publish failed (a success removes it); `waiter` is the entity waiting for it.
+   */
+  interface Beside {
+    outcome: { readonly error: StorageFailed | undefined; readonly defect: unknown } | undefined
+    waiter: (() => void) | undefined
+  }
+  /** The sessions with a batch published beside their entity (the entity's state, not the session's). */
+  const beside = new WeakMap<Session, Beside>()
+
+  /**
+   * A hot `Frames` input (see `hotBatch`) offered while the entity waits in its mailbox with
+   * nothing queued: published here, in the pump's callback, and the entity is not woken. At a
+   * model's pace every event is such an input, and waking the entity's fiber for it (its take,
+   * its wait for the publish) was most of the Effect runtime's share of the daemon's CPU per
+   * event. As if the entity had taken it: the entity takes nothing else until it is published
+   * (`besideDone`, before every input), and its failure is its next input (`BesideFailed`, or
+   * taken by that wait), as `takeFrames` has it. Declines (false) when it cannot.
+   */
+  const publishBeside = (s: Session, input: Extract<Input, { readonly _tag: "Frames" }>, tracer: Tracer.Tracer): boolean => {
+    if (isClosed(s) || beside.has(s)) return false
+    const batch = hotBatch(s, s.handles.workerIds.get(input.worker) ?? UNKNOWN, input.frames)
+    if (batch === undefined) return false
+    const entry: Beside = { outcome: undefined, waiter: undefined }
+    const settle = (error: StorageFailed | undefined, defect?: unknown) => {
+      if (error === undefined && defect === undefined) beside.delete(s)
+      else entry.outcome = { error, defect }
+      const waiter = entry.waiter
+      entry.waiter = undefined
+      if (waiter !== undefined) waiter()
+      else if (entry.outcome !== undefined && !isClosed(s)) s.mailbox.unsafeOffer({ _tag: "BesideFailed" })
+      input.handled()
+    }
+    /** Set once publishNow returned: an answer before that (a refusal) is taken after it. */
+    let returned = false
+    let now: boolean
+    beside.set(s, entry)
+    try {
+      now = publishNow(s, batch, tracer, (error, defect) => {
+        if (returned) return settle(error, defect)
+        // Not inside the pump's offer, which would then post its next take re-entrantly.
+        process.nextTick(() => settle(error, defect))
+      })
+    } catch {
+      // The entity's own take tries again, and a throw there is a defect it reports.
+      beside.delete(s)
+      return false
+    }
+    returned = true
+    if (!now) {
+      beside.delete(s)
+      return false
+    }
+    // The daemon's start-up warm-up of this path gives way to the real thing (as in `take`).
+    realFramesArrived(s.meta.activeSessionId)
+    return true
+  }
+
+  /**
+   * Waits until the batch published beside the entity (if any) is published, then takes its
+   * failure, if it failed: run before every input, so that none is taken before it.
+   */
+  const besideDone = (s: Session): Effect.Effect<void> =>
+    Effect.suspend(() => {
+      const entry = beside.get(s)
+      if (entry === undefined) return Effect.void
+      const take = Effect.suspend(() => {
+        if (beside.get(s) === entry) beside.delete(s)
+        const outcome = entry.outcome
+        if (outcome === undefined) return Effect.void
+        if (outcome.defect !== undefined) return Effect.die(outcome.defect)
+        return outcome.error === undefined ? Effect.void : storageFailed(s, outcome.error)
+      })
+      if (entry.outcome !== undefined) return take
+      return Effect.zipRight(
+        Effect.async<void>((resume) => {
+          entry.waiter = () => resume(Effect.void)
+          return Effect.sync(() => {
+            entry.waiter = undefined
+          })
+        }),
+        take
+      )
+    })
+
   // ---------------------------------------------------------------------------------------------
   // The mailbox's inputs
   // ---------------------------------------------------------------------------------------------
@@ -627,6 +714,9 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
         // The daemon's start-up warm-up of this path gives way to the real thing.
         realFramesArrived(s.meta.activeSessionId)
         return takeFrames(s, input)
+      case "BesideFailed":
+        // Its failure was taken before it (`besideDone`).
+        return Effect.void
       case "Exited": {
         const worker = s.handles.workerIds.get(input.worker)
         if (worker === undefined) return Effect.void
@@ -693,8 +783,13 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
   /** The entity: takes one input at a time until the session is closed. */
   const runEntity = (s: Session): Effect.Effect<void> =>
     Effect.gen(function*() {
+      const tracer = yield* Effect.tracer
+      s.mailbox.bypass = (input) => input._tag === "Frames" && publishBeside(s, input, tracer)
       while (!isClosed(s)) {
         const input = yield* s.mailbox.take
+        yield* besideDone(s).pipe(
+          Effect.catchAllDefect((defect) => Effect.logError(`session ${s.meta.activeSessionId}: a batch published beside the entity could not be taken`, defect))
+        )
         // A defect here is a broken invariant of the interpreter: logged loudly, never control
         // flow; the command it carried is still answered (`internal`), so no caller waits forever.
         yield* take(s, input).pipe(
@@ -710,7 +805,9 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
       }
       // Closed: nothing more is offered; what was offered before is answered.
       for (const input of s.mailbox.takeAll()) yield* take(s, input)
-    })
+    }).pipe(Effect.ensuring(Effect.sync(() => {
+      s.mailbox.bypass = undefined
+    })))
 
   /** Starts the first worker of a new session (its state is `initial`: that start is owed). */
   const startFirstWorker = (s: Session) => supervisor.startWorker(s, s.state.epoch, false, undefined)

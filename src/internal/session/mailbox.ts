@@ -51,6 +51,12 @@ export class InputQueue<A> {
   private items: Array<A> = []
   /** The entity waiting in `take`, if it is. */
   private taker: ((input: A) => void) | undefined
+  /**
+   * Set by the taker: an input offered while it waits in `take` (nothing queued) is first given
+   * to this, which may take it itself, outside the taker's fiber (true), so the taker is not
+   * woken; false leaves it to `take`.
+   */
+  bypass: ((input: A) => boolean) | undefined
 
   /** Offers an input; never waits. */
   unsafeOffer(input: A): void {
@@ -59,6 +65,7 @@ export class InputQueue<A> {
       this.items.push(input)
       return
     }
+    if (this.bypass !== undefined && this.bypass(input)) return
     this.taker = undefined
     taker(input)
   }
@@ -122,5 +129,10 @@ export type Input =
     readonly handled: () => void
   }
   | { readonly _tag: "Exited"; readonly worker: WorkerHandle; readonly exit: WorkerExit }
+  /**
+   * A batch of frames published beside the entity (see the entity's `publishBeside`) failed:
+   * the entity takes that failure before anything else (it may have nothing else to take).
+   */
+  | { readonly _tag: "BesideFailed" }
 
 export type AnyFrame = { readonly type: string; readonly [k: string]: unknown }
