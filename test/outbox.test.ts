@@ -73,3 +73,50 @@ describe("Outbox.endWith", () => {
       })
     ))
 })
+
+describe("Outbox batches", () => {
+  it("what is offered in one synchronous run goes out as one write; the next run's as another", () =>
+    withPair(async (server, client) => {
+      const writes: Array<number> = []
+      const write = server.write.bind(server)
+      server.write = ((chunk: Uint8Array, cb?: () => void) => {
+        writes.push(chunk.byteLength)
+        return write(chunk, cb)
+      }) as typeof server.write
+      const outbox = new Outbox(server)
+      const read = readToEnd(client)
+      for (let i = 0; i < 100; i++) outbox.offer(`line ${i}\n`)
+      await new Promise((r) => setImmediate(r))
+      outbox.offer("last\n")
+      outbox.endWhenFlushed()
+      const text = await read
+      assert.strictEqual(text.split("\n").length - 1, 101)
+      assert.deepStrictEqual(writes.length, 2, `one write per run: ${writes.join(", ")}`)
+    }))
+
+  it.live("the peer gone while lines are offered: the outbox closes at the failed write, waiters are released, later offers are dropped, the event loop turns on", () =>
+    Effect.promise(() =>
+      withPair(async (server, client) => {
+        server.on("error", () => {})
+        const outbox = new Outbox(server)
+        const chunk = "x".repeat(64 * 1024) + "\n"
+        client.destroy()
+        // Deliveries go on, one run per turn of the event loop, until the outbox says it is closed.
+        let runs = 0
+        await new Promise<void>((resolve) => {
+          const deliver = () => {
+            if (outbox.isClosed || ++runs > 1000) return resolve()
+            for (let i = 0; i < 4; i++) outbox.offer(chunk)
+            setImmediate(deliver)
+          }
+          deliver()
+        })
+        assert.isTrue(outbox.isClosed, `closed after ${runs} runs`)
+        await Effect.runPromise(outbox.awaitBelow(1))
+        outbox.offer(chunk)
+        assert.strictEqual(outbox.queuedBytes, 0)
+        // A timer still fires: nothing spins on ticks.
+        await new Promise((r) => setTimeout(r, 20))
+      })
+    ))
+})

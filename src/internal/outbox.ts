@@ -94,6 +94,7 @@ export class Outbox {
 
   private flush() {
     if (this.closed || this.writing) return
+    if (this.socket.destroyed) return this.close()
     if (this.items.length === 0) {
       if (this.endAfterFlush) this.finish()
       return
@@ -117,9 +118,12 @@ export class Outbox {
     let size = 0
     for (const buf of buffers) size += buf.byteLength
     // The byte count drops only when the kernel has taken the batch: that is what bounds memory.
-    const written = () => {
+    const written = (error?: Error | null) => {
       this.writing = false
       this.queued -= size
+      // A write that failed (the peer gone, the socket destroyed): what is queued is dropped and
+      // the waiters released now, not at the socket's close event.
+      if (error != null || this.socket.destroyed) return this.close()
       this.wakeWaiters()
       // What was offered meanwhile goes now (in its own batch, unless a flush is scheduled).
       if (!this.scheduled) this.flush()
