@@ -552,29 +552,16 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
 
   /**
    * A `Frames` input. When its events are all hot (`hotBatch`) and the session can publish
-   * outside a fiber (`publishNow`), the entity's one step is the wait for them to be logged and
-   * delivered; otherwise `onFrames`. Either way the pump hears once the frames are handled.
+   * outside a fiber (`publishNow`), they are published as the mailbox's bypass would
+   * (`publishBeside`) and the entity's one step is the wait for them to be logged and delivered
+   * (`besideDone`); otherwise `onFrames`. Either way the pump hears once the frames are handled.
    */
   const takeFrames = (s: Session, input: Extract<Input, { readonly _tag: "Frames" }>): Effect.Effect<void> =>
-    Effect.withFiberRuntime((fiber) => {
-      const slow = Effect.ensuring(onFrames(s, input.worker, input.frames), Effect.sync(input.handled))
-      const batch = hotBatch(s, s.handles.workerIds.get(input.worker) ?? UNKNOWN, input.frames)
-      if (batch === undefined) return slow
-      return Effect.async<void>((resume) => {
-        const answer = (error: StorageFailed | undefined, defect?: unknown) => {
-          input.handled()
-          // Storage refusing the batch is the next input, as in `onFrames`.
-          resume(defect !== undefined ? Effect.die(defect) : error === undefined ? Effect.void : storageFailed(s, error))
-        }
-        let now: boolean
-        try {
-          now = publishNow(s, batch, fiber.currentTracer, answer)
-        } catch (defect) {
-          return answer(undefined, defect ?? new Error("publish threw"))
-        }
-        if (!now) resume(slow)
-      })
-    })
+    Effect.withFiberRuntime((fiber) =>
+      publishBeside(s, input, fiber.currentTracer)
+        ? besideDone(s)
+        : Effect.ensuring(onFrames(s, input.worker, input.frames), Effect.sync(input.handled))
+    )
 
   /** What `step` returns for an event of the current worker that changes nothing. */
   const HOT = T.EVENTS
@@ -591,13 +578,15 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
   const beside = new WeakMap<Session, Beside>()
 
   /**
-   * A hot `Frames` input (see `hotBatch`) offered while the entity waits in its mailbox with
-   * nothing queued: published here, in the pump's callback, and the entity is not woken. At a
-   * model's pace every event is such an input, and waking the entity's fiber for it (its take,
-   * its wait for the publish) was most of the Effect runtime's share of the daemon's CPU per
-   * event. As if the entity had taken it: the entity takes nothing else until it is published
-   * (`besideDone`, before every input), and its failure is its next input (`BesideFailed`, or
-   * taken by that wait), as `takeFrames` has it. Declines (false) when it cannot.
+   * Publishes a hot `Frames` input (see `hotBatch`) outside the entity's fiber. Offered while
+   * the entity waits in its mailbox with nothing queued (the mailbox's bypass), it is published
+   * in the pump's callback and the entity is not woken: at a model's pace every event is such an
+   * input, and waking the entity's fiber for it (its take, its wait for the publish) was most of
+   * the Effect runtime's share of the daemon's CPU per event. As if the entity had taken it: the
+   * entity takes nothing else until it is published (`besideDone`, before every input), and its
+   * failure is its next input (`BesideFailed`, or taken by that wait), as is a throw of the
+   * publish (a defect the entity reports). `takeFrames` publishes its hot takes the same way.
+   * Declines (false) when it cannot.
    */
   const publishBeside = (s: Session, input: Extract<Input, { readonly _tag: "Frames" }>, tracer: Tracer.Tracer): boolean => {
     if (isClosed(s) || beside.has(s)) return false
@@ -617,25 +606,17 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
     let returned = false
     let now: boolean
     beside.set(s, entry)
+    // Not inside the pump's offer, which would then post its next take re-entrantly.
+    const settleLater = (error: StorageFailed | undefined, defect?: unknown) => process.nextTick(() => settle(error, defect))
     try {
-      now = publishNow(s, batch, tracer, (error, defect) => {
-        if (returned) return settle(error, defect)
-        // Not inside the pump's offer, which would then post its next take re-entrantly.
-        process.nextTick(() => settle(error, defect))
-      })
-    } catch {
-      // The entity's own take tries again, and a throw there is a defect it reports.
-      beside.delete(s)
-      return false
+      now = publishNow(s, batch, tracer, (error, defect) => returned ? settle(error, defect) : settleLater(error, defect))
+    } catch (defect) {
+      now = true
+      settleLater(undefined, defect ?? new Error("publish threw"))
     }
     returned = true
-    if (!now) {
-      beside.delete(s)
-      return false
-    }
-    // The daemon's start-up warm-up of this path gives way to the real thing (as in `take`).
-    realFramesArrived(s.meta.activeSessionId)
-    return true
+    if (!now) beside.delete(s)
+    return now
   }
 
   /**
@@ -646,14 +627,14 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
     Effect.suspend(() => {
       const entry = beside.get(s)
       if (entry === undefined) return Effect.void
-      const take = Effect.suspend(() => {
+      const takeOutcome = Effect.suspend(() => {
         if (beside.get(s) === entry) beside.delete(s)
         const outcome = entry.outcome
         if (outcome === undefined) return Effect.void
         if (outcome.defect !== undefined) return Effect.die(outcome.defect)
         return outcome.error === undefined ? Effect.void : storageFailed(s, outcome.error)
       })
-      if (entry.outcome !== undefined) return take
+      if (entry.outcome !== undefined) return takeOutcome
       return Effect.zipRight(
         Effect.async<void>((resume) => {
           entry.waiter = () => resume(Effect.void)
@@ -661,7 +642,7 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
             entry.waiter = undefined
           })
         }),
-        take
+        takeOutcome
       )
     })
 
@@ -784,7 +765,12 @@ export const makeEntity = (core: Core, checkpoints: Checkpoints, supervisor: Sup
   const runEntity = (s: Session): Effect.Effect<void> =>
     Effect.gen(function*() {
       const tracer = yield* Effect.tracer
-      s.mailbox.bypass = (input) => input._tag === "Frames" && publishBeside(s, input, tracer)
+      s.mailbox.bypass = (input) => {
+        if (input._tag !== "Frames" || !publishBeside(s, input, tracer)) return false
+        // The daemon's start-up warm-up of this path gives way to the real thing (as in `take`).
+        realFramesArrived(s.meta.activeSessionId)
+        return true
+      }
       while (!isClosed(s)) {
         const input = yield* s.mailbox.take
         yield* besideDone(s).pipe(
