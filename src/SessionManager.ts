@@ -79,8 +79,12 @@ export { type CommandProgress, CommandTakesEffect, progressDone } from "./intern
  * section 5). The socket server's outbox is one; tests use an in-memory one.
  */
 export interface ConnectionPort {
-  /** Queues a line (or pre-encoded lines); never waits. Dropped once the connection is gone. */
-  offer(data: string | Uint8Array): void
+  /**
+   * Queues a line (or pre-encoded lines); never waits. Dropped once the connection is gone.
+   * `done`, if given, is called once the port no longer holds `data` (written out, or dropped):
+   * a snapshot chunk's buffer is then reused. A port that cannot tell never calls it.
+   */
+  offer(data: string | Uint8Array, done?: () => void): void
   /** Bytes queued and not yet written out. */
   readonly queuedBytes: number
   readonly isClosed: boolean

@@ -95,9 +95,14 @@ export interface SnapshotEnd {
 /**
  * What `waitForChunk` found: the chunk's line bytes, or the end of the snapshot. The bytes are
  * shared with the cache and with other readers (never copied per reader): treat them as read-only.
+ *
+ * `release` says the reader is done with the bytes (for a socket: the kernel took them); a chunk
+ * read from a file then lends its buffer to a later read. Calling it is optional (bytes never
+ * released are garbage collected like any buffer) and it runs once however often it is called,
+ * but after it the bytes must not be read or written anywhere.
  */
 export type ChunkResult =
-  | { readonly _tag: "Chunk"; readonly index: number; readonly bytes: Uint8Array }
+  | { readonly _tag: "Chunk"; readonly index: number; readonly bytes: Uint8Array; readonly release: () => void }
   | { readonly _tag: "End"; readonly end: SnapshotEnd }
 
 /** A retained entry, as seen by one reader. */

@@ -5,6 +5,7 @@ import * as Chunk from "effect/Chunk"
 import * as Context from "effect/Context"
 import * as Effect from "effect/Effect"
 import * as Exit from "effect/Exit"
+import * as FastCheck from "effect/FastCheck"
 import * as Fiber from "effect/Fiber"
 import * as Layer from "effect/Layer"
 import * as Option from "effect/Option"
@@ -235,6 +236,108 @@ describe("chunkRanges and appendRange", () => {
       // The last reader gone, so is the entry (and its open file).
       assert.strictEqual((yield* Effect.flip(cache.info("snap"))).reason, "NotFound")
     }))
+
+  /** Descriptors this process holds open on `file` (from /proc/self/fd). */
+  const openOn = (file: string) =>
+    fs.readdirSync("/proc/self/fd").filter((fd) => {
+      try {
+        return fs.readlinkSync(`/proc/self/fd/${fd}`) === file
+      } catch {
+        return false
+      }
+    }).length
+
+  it.scoped("the readers of an entry open its file once, not once per chunk; the last reader's release closes it", () =>
+    Effect.gen(function*() {
+      const dir = yield* tempDir
+      const file = path.join(dir, "transcript.jsonl")
+      const body = messages.map((m) => JSON.stringify(m) + "\n").join("")
+      fs.writeFileSync(file, body)
+      const cache = yield* SnapshotCache.makeMemory
+      yield* cache.create("snap", meta())
+      const found = yield* SnapshotCache.chunkRanges(file, 0, Buffer.byteLength(body), 400, (range) => cache.appendRange("snap", range))
+      yield* cache.markComplete("snap", endOf(found.chunks))
+      assert.isAtLeast(found.chunks, 5)
+      assert.strictEqual(openOn(file), 0)
+      const a = yield* cache.retain("snap")
+      const b = yield* cache.retain("snap")
+      for (let i = 0; i < found.chunks; i++) {
+        const chunk = yield* (i % 2 === 0 ? a : b).waitForChunk(i)
+        if (chunk._tag === "Chunk") chunk.release()
+        assert.strictEqual(openOn(file), 1, `after chunk ${i}`)
+      }
+      yield* a.release
+      assert.strictEqual(openOn(file), 1, "one reader left")
+      yield* b.release
+      assert.strictEqual(openOn(file), 0, "nobody reads: no descriptor held")
+      // A new reader opens it again.
+      const again = yield* cache.retain("snap")
+      const first = yield* again.waitForChunk(0)
+      assert.strictEqual(first._tag === "Chunk" ? text(first.bytes) : first._tag, text(SnapshotCache.chunkMessages("session-1", "snap", messages, 400)[0]!))
+      yield* again.release
+      assert.strictEqual(openOn(file), 0)
+    }))
+
+  it("a range chunk's buffer is lent to a later read only once every reader holding it released it (random readers, reads and releases)", async () => {
+    let lent = 0
+    await FastCheck.assert(
+      FastCheck.asyncProperty(
+        FastCheck.array(FastCheck.integer({ min: 1, max: 3000 }), { minLength: 3, maxLength: 30 }),
+        FastCheck.array(
+          FastCheck.record({ reader: FastCheck.nat(3), action: FastCheck.constantFrom("read", "read", "release", "twice", "restart"), pick: FastCheck.nat(50) }),
+          { minLength: 1, maxLength: 120 }
+        ),
+        (sizes, ops) =>
+          Effect.runPromise(Effect.scoped(Effect.gen(function*() {
+            const dir = yield* tempDir
+            const file = path.join(dir, "transcript.jsonl")
+            const all = sizes.map((n, i) => ({ id: `m${i}`, role: "assistant", content: String.fromCharCode(97 + (i % 26)).repeat(n) }))
+            const body = all.map((m) => JSON.stringify(m) + "\n").join("")
+            fs.writeFileSync(file, body)
+            const cache = yield* SnapshotCache.makeMemory
+            yield* cache.create("snap", meta())
+            const found = yield* SnapshotCache.chunkRanges(file, 0, Buffer.byteLength(body), 2000, (range) => cache.appendRange("snap", range))
+            yield* cache.markComplete("snap", endOf(found.chunks))
+            const expected = SnapshotCache.chunkMessages("session-1", "snap", all, 2000).map(text)
+            const readers = [0, 1, 2, 3].map(() => ({ reader: undefined as SnapshotCache.SnapshotReader | undefined, next: 0 }))
+            const held: Array<{ readonly index: number; readonly bytes: Uint8Array; readonly release: () => void }> = []
+            const released = new Set<ArrayBufferLike>()
+            for (const op of ops) {
+              const r = readers[op.reader]!
+              if (op.action === "read") {
+                r.reader ??= yield* cache.retain("snap")
+                const chunk = yield* r.reader.waitForChunk(r.next)
+                if (chunk._tag === "End") {
+                  r.next = 0
+                  continue
+                }
+                assert.strictEqual(text(chunk.bytes), expected[r.next], `chunk ${r.next} as read`)
+                if (released.has(chunk.bytes.buffer)) lent++
+                held.push(chunk)
+                r.next++
+              } else if (op.action === "restart") {
+                // A reader goes (its held chunks stay held, as an outbox still writing them would).
+                if (r.reader !== undefined) yield* r.reader.release
+                r.reader = undefined
+                r.next = 0
+              } else if (held.length > 0) {
+                const [chunk] = held.splice(op.pick % held.length, 1)
+                chunk!.release()
+                // A second release of the same chunk must not drop another reader's reference.
+                if (op.action === "twice") chunk!.release()
+                released.add(chunk!.bytes.buffer)
+              }
+              // No chunk still held was overwritten by a read into a reused buffer.
+              for (const chunk of held) assert.strictEqual(text(chunk.bytes), expected[chunk.index], `chunk ${chunk.index} while held`)
+            }
+            for (const chunk of held) chunk.release()
+          })))
+      ),
+      { numRuns: 60 }
+    )
+    // The buffers are lent at all (else the test above proves nothing about reuse).
+    assert.isAbove(lent, 0)
+  })
 
   it.scoped("a range that is not whole lines, or a file cut short, fails the read instead of sending garbage", () =>
     Effect.gen(function*() {

@@ -120,3 +120,51 @@ describe("Outbox batches", () => {
       })
     ))
 })
+
+describe("Outbox done callbacks (a snapshot chunk's buffer is lent back to the cache by them)", () => {
+  it.live("done runs only once the kernel took the bytes: not while the peer reads nothing, then once it read them", () =>
+    Effect.promise(() =>
+      withPair(async (server, client) => {
+        client.pause()
+        const outbox = new Outbox(server)
+        // More than a Unix socket's buffers take: the write cannot finish until the peer reads.
+        const big = Buffer.alloc(8 * 1024 * 1024, 0x61)
+        big[big.length - 1] = 0x0a
+        const calls: Array<string> = []
+        outbox.offer("first\n", () => calls.push("first"))
+        outbox.offer(big, () => calls.push("big"))
+        // A second batch, queued behind the first while it is being written.
+        await new Promise((r) => setImmediate(r))
+        outbox.offer("after\n", () => calls.push("after"))
+        await new Promise((r) => setTimeout(r, 200))
+        assert.deepStrictEqual(calls, [])
+        client.on("data", () => {})
+        client.resume()
+        const deadline = Date.now() + 10_000
+        while (calls.length < 3 && Date.now() < deadline) await new Promise((r) => setTimeout(r, 5))
+        assert.deepStrictEqual(calls, ["first", "big", "after"])
+        assert.strictEqual(outbox.queuedBytes, 0)
+      })))
+
+  it.live("what is dropped (queued at the close, or offered after it) gets its done at once; a batch being written gets its own when its write ends", () =>
+    Effect.promise(() =>
+      withPair(async (server, client) => {
+        client.pause()
+        const outbox = new Outbox(server)
+        const big = Buffer.alloc(8 * 1024 * 1024, 0x62)
+        const calls: Array<string> = []
+        outbox.offer(big, () => calls.push("writing"))
+        await new Promise((r) => setImmediate(r))
+        outbox.offer("queued\n", () => calls.push("queued"))
+        outbox.close()
+        assert.deepStrictEqual(calls, ["queued"])
+        outbox.offer("late\n", () => calls.push("late"))
+        assert.deepStrictEqual(calls, ["queued", "late"])
+        // The peer goes: the write being made ends (with an error), and only then its done runs.
+        client.destroy()
+        server.destroy()
+        const deadline = Date.now() + 10_000
+        while (calls.length < 3 && Date.now() < deadline) await new Promise((r) => setTimeout(r, 5))
+        assert.deepStrictEqual(calls, ["queued", "late", "writing"])
+      })))
+})

@@ -16,6 +16,8 @@ import type * as net from "node:net"
 export class Outbox {
   private items: Array<string | Uint8Array> = []
   private queued = 0
+  /** The `done` callbacks of what `items` holds. */
+  private dones: Array<() => void> = []
   /** A flush is scheduled (a `process.nextTick`). */
   private scheduled = false
   /** A batch was handed to the socket and the kernel has not taken all of it yet. */
@@ -40,10 +42,14 @@ export class Outbox {
     return this.closed || this.sealed
   }
 
-  /** Queues a line (or pre-encoded bytes); never waits. Dropped once the socket is gone. */
-  offer(data: string | Uint8Array): void {
-    if (this.isClosed) return
+  /**
+   * Queues a line (or pre-encoded bytes); never waits. Dropped once the socket is gone. `done`
+   * runs once the socket holds `data` no more: the kernel took it, or it was dropped.
+   */
+  offer(data: string | Uint8Array, done?: () => void): void {
+    if (this.isClosed) return done?.()
     this.items.push(data)
+    if (done !== undefined) this.dones.push(done)
     this.queued += typeof data === "string" ? Buffer.byteLength(data) : data.byteLength
     this.flushSoon()
   }
@@ -102,6 +108,8 @@ export class Outbox {
     this.writing = true
     const batch = this.items
     this.items = []
+    const dones = this.dones
+    this.dones = []
     // Runs of lines are joined as text and encoded once; pre-encoded chunks are kept as they are.
     const buffers: Array<Uint8Array> = []
     let text = ""
@@ -121,6 +129,9 @@ export class Outbox {
     const written = (error?: Error | null) => {
       this.writing = false
       this.queued -= size
+      // The socket holds none of the batch's buffers any more (also after an error: its write
+      // request is over).
+      for (const done of dones) done()
       // A write that failed (the peer gone, the socket destroyed): what is queued is dropped and
       // the waiters released now, not at the socket's close event.
       if (error != null || this.socket.destroyed) return this.close()
@@ -149,6 +160,11 @@ export class Outbox {
     this.closed = true
     this.items = []
     this.queued = 0
+    // Dropped before any write: the socket never saw them. (A batch being written calls its
+    // own when its write ends.)
+    const dones = this.dones
+    this.dones = []
+    for (const done of dones) done()
     this.wakeWaiters()
   }
 }

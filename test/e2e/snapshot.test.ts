@@ -414,6 +414,64 @@ describe("races and isolation", () => {
     expect((await c.request({ type: "get_state", activeSessionId: id }))["error"]?.code).toBe("session_not_found")
   }, 20_000)
 
+  // Chunks read from the transcript lend their buffers to later reads once every socket took
+  // them: a buffer reused too early would show here as a chunk with another chunk's bytes.
+  it("readers of one chunked snapshot at different paces (fast, stalling, quitting) each get every chunk's exact bytes", async () => {
+    const d = shared()
+    const a = await d.connect("a")
+    const { id } = await createSession(a)
+    await attachAndReplay(a, { activeSessionId: id })
+    for (let i = 0; i < 8; i++) {
+      await a.ok({ type: "prompt", activeSessionId: id, message: `/bulk ${300_000 + i * 150_000}` })
+      await collectTurn(a, id, 20_000)
+    }
+    await a.ok({ type: "checkpoint", activeSessionId: id }, 20_000)
+    const transcript = await allMessages(a, id)
+    const readers = await Promise.all(Array.from({ length: 8 }, (_, i) => d.connect(`reader${i}`)))
+    const timers: Array<NodeJS.Timeout> = []
+    let stopped = false
+    try {
+      // Readers 3-5 stall their sockets at random; 6-7 quit after a few chunks.
+      for (const r of readers.slice(3, 6)) {
+        const stall = () => {
+          if (stopped) return
+          r.socket.pause()
+          timers.push(setTimeout(() => {
+            r.socket.resume()
+            timers.push(setTimeout(stall, Math.random() * 15))
+          }, Math.random() * 25))
+        }
+        stall()
+      }
+      const attaches = readers.map(async (r, i) => {
+        if (i < 6) return attachAndReplay(r, { activeSessionId: id, capabilities: ["chunked_snapshot"] })
+        r.sendCommand({ type: "attach", activeSessionId: id, capabilities: ["chunked_snapshot"] })
+        for (let seen = 0; seen < 1 + i - 6;) {
+          await r.waitFor((m) => m["type"] === "session_snapshot_chunk", 20_000)
+          seen++
+        }
+        r.close()
+        return undefined
+      })
+      const results = await Promise.all(attaches)
+      for (const [i, r] of readers.slice(0, 6).entries()) {
+        expect(results[i]!.data["snapshotStream"], `reader${i}`).toBeDefined()
+        const chunks = r.all.filter((m) => m["type"] === "session_snapshot_chunk")
+        expect(chunks.length, `reader${i}`).toBeGreaterThan(3)
+        expect(chunks.map((m) => m["index"]), `reader${i}`).toEqual(chunks.map((_, k) => k))
+        expect(new Set(chunks.map((m) => m["snapshotId"])).size, `reader${i}`).toBe(1)
+        expect(chunks.flatMap((m) => m["messages"]), `reader${i}`).toEqual(transcript)
+        expect(r.badLines, `reader${i}`).toEqual([])
+        expect(r.all.some((m) => m["type"] === "session_snapshot_failed"), `reader${i}`).toBe(false)
+      }
+    } finally {
+      stopped = true
+      for (const t of timers) clearTimeout(t)
+      for (const r of readers) r.close()
+    }
+    expect(await a.ok({ type: "ping" })).toEqual({ pong: true })
+  }, 90_000)
+
   it("a client that disconnects in the middle of a chunked snapshot does not disturb the next reader", async () => {
     const d = shared()
     const a = await d.connect("a")

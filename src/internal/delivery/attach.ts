@@ -359,7 +359,10 @@ export const makeDelivery = (core: Core, checkpoints: Checkpoints): Delivery => 
         const next = yield* Fiber.join(ahead)
         if (next._tag === "Chunk") ahead = yield* Effect.forkScoped(reader.waitForChunk(index + 1))
         // Detached while it waited: its detach is answered, nothing may follow.
-        if (a.detached || a.outbox.isClosed) return false
+        if (a.detached || a.outbox.isClosed) {
+          if (next._tag === "Chunk") next.release()
+          return false
+        }
         if (next._tag === "End") {
           a.outbox.offer(Protocol.encode({
             type: "session_snapshot_end",
@@ -370,7 +373,8 @@ export const makeDelivery = (core: Core, checkpoints: Checkpoints): Delivery => 
           }))
           return true
         }
-        a.outbox.offer(next.bytes)
+        // The port gives the chunk's buffer back to the cache once the socket took it.
+        a.outbox.offer(next.bytes, next.release)
         index++
       }
     })).pipe(

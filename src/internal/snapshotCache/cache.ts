@@ -62,18 +62,31 @@ interface Entry {
   // reader never sees a slot that is not ready. A plain array keeps `append` O(1).
   readonly slots: Array<Slot>
   /**
-   * Spilled chunks being read or recently read, by index: readers that move together (the usual
-   * case: clients attached to the same checkpoint) share one read and one buffer instead of each
-   * reading the file. A `WeakRef` never keeps a chunk alive: memory stays what readers hold.
+   * Chunks read from files being read or still held by a reader, by index: readers that move
+   * together (the usual case: clients attached to the same checkpoint) share one read and one
+   * buffer instead of each reading the file. A `WeakRef` never keeps a chunk alive: memory stays
+   * what readers hold.
    */
   readonly reads: Map<number, SharedRead>
   /**
+   * Buffers of released range reads, lent to the next ones (see `Lease`); emptied when the last
+   * reader goes, so an entry nobody reads holds none.
+   */
+  readonly pool: Array<Buffer>
+  /** No reader now: a buffer released meanwhile (its socket drained late) is not kept. */
+  idle: boolean
+  /**
    * The files its ranges are read from, kept open from its disposal (a newer generation took
    * over) until it is gone: a file that generation prunes or replaces meanwhile still reads as
-   * it was, so a newer snapshot never disturbs a reader of an older one. Before, each read
-   * opens the file (no descriptor held per cached session).
+   * it was, so a newer snapshot never disturbs a reader of an older one.
    */
   readonly files: Map<string, FileIo.FileHandle>
+  /**
+   * The files its ranges are read from while it has readers (one open per attach, not one per
+   * chunk); closed when the last reader goes, so a cached snapshot nobody reads holds no
+   * descriptor.
+   */
+  readonly reading: Map<string, Promise<FileIo.FileHandle>>
   spilled: boolean
   /** Set before the first file operation, so that a half-done spill is cleaned up too. */
   touchedDisk: boolean
@@ -81,9 +94,31 @@ interface Entry {
   totalBytes: number
 }
 
+/**
+ * A chunk read from a file, counted by the readers holding it. The last release gives a pooled
+ * buffer back to its entry for the next range read: a fresh 1-2 MB buffer per chunk was external
+ * memory that made V8 run a full mark-compact every few chunks (a quarter of an attach's CPU).
+ * `refs` 0 means released for good: nobody may take it again.
+ */
+interface Lease {
+  readonly index: number
+  readonly bytes: Uint8Array
+  /** The pooled buffer `bytes` is a view of; undefined for a buffer of its own (a spill file's). */
+  readonly pooled: Buffer | undefined
+  refs: number
+}
+
 type SharedRead =
-  | { readonly _tag: "Pending"; readonly deferred: Deferred.Deferred<Uint8Array, SnapshotCacheError> }
-  | { readonly _tag: "Done"; readonly bytes: WeakRef<Uint8Array> }
+  | { readonly _tag: "Pending"; readonly deferred: Deferred.Deferred<Lease, SnapshotCacheError> }
+  | { readonly _tag: "Done"; readonly lease: WeakRef<Lease> }
+
+/** A chunk held in memory is the cache's own: nothing to give back. */
+const noRelease = () => {}
+
+/** Released buffers an entry keeps for its next reads: a few chunks in flight per reader. */
+const POOL_BUFFERS = 6
+/** Pooled buffers are allocated in steps of this, so that chunks of close sizes share them. */
+const POOL_STEP = 64 * 1024
 
 export interface SpillConfig {
   readonly fs: FileSystem.FileSystem
@@ -146,9 +181,11 @@ export const makeWith = (
         entry.memoryBytes = 0
         entry.slots.length = 0
         entry.reads.clear()
+        entry.pool.length = 0
         const files = [...entry.files.values()]
         entry.files.clear()
         yield* Effect.forEach(files, (handle) => Effect.promise(() => handle.close().catch(() => undefined)), { discard: true })
+        yield* closeReading(entry)
         yield* Ref.update(memoryUsed, (used) => used - freed)
         if (entry.touchedDisk && spill !== undefined && entry.directory !== undefined) {
           const directory = entry.directory
@@ -210,7 +247,10 @@ export const makeWith = (
         lock: yield* Effect.makeSemaphore(1),
         slots: [],
         reads: new Map(),
+        pool: [],
+        idle: true,
         files: new Map(),
+        reading: new Map(),
         spilled: false,
         touchedDisk: false,
         memoryBytes: 0,
@@ -318,71 +358,145 @@ export const makeWith = (
       }))
     })
 
-    /** Reads a chunk from disk, sharing a read in flight or a buffer another reader still holds. */
-    const readShared = (entry: Entry, index: number, read: Effect.Effect<Uint8Array, SnapshotCacheError>) =>
+    /** Takes a reference to `lease` unless it was released for good (its buffer may be reused). */
+    const acquire = (lease: Lease): boolean => {
+      if (lease.refs === 0) return false
+      lease.refs++
+      return true
+    }
+
+    /** Drops a reference; the last one forgets the shared read and gives its buffer back. */
+    const releaseLease = (entry: Entry, lease: Lease) => {
+      if (lease.refs === 0) return
+      if (--lease.refs > 0) return
+      const shared = entry.reads.get(lease.index)
+      if (shared?._tag === "Done" && shared.lease.deref() === lease) entry.reads.delete(lease.index)
+      if (lease.pooled !== undefined && !entry.idle && entry.pool.length < POOL_BUFFERS) entry.pool.push(lease.pooled)
+    }
+
+    /** A buffer of at least `size` bytes: a pooled one if one fits, else a new one. */
+    const takeBuffer = (entry: Entry, size: number): Buffer => {
+      let best = -1
+      for (let i = 0; i < entry.pool.length; i++) {
+        const length = entry.pool[i]!.length
+        if (length >= size && (best === -1 || length < entry.pool[best]!.length)) best = i
+      }
+      if (best !== -1) return entry.pool.splice(best, 1)[0]!
+      return Buffer.allocUnsafeSlow(Math.ceil(size / POOL_STEP) * POOL_STEP)
+    }
+
+    /**
+     * Reads a chunk from disk, sharing a read in flight or a lease another reader still holds;
+     * the lease returned carries a reference for the caller.
+     */
+    const readShared = (entry: Entry, index: number, read: Effect.Effect<Lease, SnapshotCacheError>): Effect.Effect<Lease, SnapshotCacheError> =>
       Effect.suspend(() => {
         const shared = entry.reads.get(index)
-        if (shared?._tag === "Pending") return Deferred.await(shared.deferred)
-        const held = shared?.bytes.deref()
-        if (held !== undefined) return Effect.succeed(held)
+        // A read in flight: its lease, unless every holder released it before this fiber woke.
+        if (shared?._tag === "Pending") {
+          return Effect.flatMap(Deferred.await(shared.deferred), (lease) => acquire(lease) ? Effect.succeed(lease) : readShared(entry, index, read))
+        }
+        const held = shared?.lease.deref()
+        if (held !== undefined && acquire(held)) return Effect.succeed(held)
         // Registered synchronously, before any other fiber can run, so that one read is shared.
-        const deferred = Deferred.unsafeMake<Uint8Array, SnapshotCacheError>(FiberId.none)
+        const deferred = Deferred.unsafeMake<Lease, SnapshotCacheError>(FiberId.none)
         entry.reads.set(index, { _tag: "Pending", deferred })
-        // Uninterruptible up to the hand-over: the readers sharing this read must always hear back.
-        return Effect.uninterruptibleMask((restore) =>
+        // Uninterruptible up to the hand-over: the readers sharing this read must always hear back,
+        // and the lease (one reference, the caller's) must reach the caller.
+        return Effect.uninterruptible(
           read.pipe(
             Effect.exit,
             Effect.flatMap((exit) => {
               if (entry.reads.get(index)?._tag === "Pending") {
-                if (Exit.isSuccess(exit)) entry.reads.set(index, { _tag: "Done", bytes: new WeakRef(exit.value) })
+                if (Exit.isSuccess(exit)) entry.reads.set(index, { _tag: "Done", lease: new WeakRef(exit.value) })
                 else entry.reads.delete(index)
               }
-              return Deferred.done(deferred, exit)
-            }),
-            Effect.zipRight(restore(Deferred.await(deferred)))
+              return Effect.zipRight(Deferred.done(deferred, exit), exit)
+            })
           )
         )
       })
 
+    /** The open file of `path` for the entry's readers (see `reading`). */
+    const fileForReaders = (entry: Entry, path: string): Promise<FileIo.FileHandle> => {
+      const kept = entry.files.get(path)
+      if (kept !== undefined) return Promise.resolve(kept)
+      let opening = entry.reading.get(path)
+      if (opening === undefined) {
+        opening = FileIo.openAsync(path)
+        entry.reading.set(path, opening)
+        // A failed open is tried again by the next read (it fails that read with its cause).
+        opening.catch(() => {
+          if (entry.reading.get(path) === opening) entry.reading.delete(path)
+        })
+      }
+      return opening
+    }
+
+    /** Closes the files opened for readers (a read still running on one finishes first: Node waits). */
+    const closeReading = (entry: Entry) =>
+      Effect.suspend(() => {
+        const open = [...entry.reading.values()]
+        entry.reading.clear()
+        return Effect.forEach(open, (opening) => Effect.promise(() => opening.then((h) => h.close()).catch(() => undefined)), { discard: true })
+      })
+
     /**
      * The line of chunk `index` from the messages on `range`: the frame around them, and the
-     * lines' newlines turned into the array's commas, in one buffer.
+     * lines' newlines turned into the array's commas, in one (pooled) buffer.
      */
     const readRangeChunk = (entry: Entry, index: number, range: FileRange) =>
       Effect.tryPromise({
-        try: async () => {
+        try: async (): Promise<Lease> => {
           const prefix = Buffer.from(
             `{"type":"session_snapshot_chunk","activeSessionId":${JSON.stringify(entry.meta.activeSessionId)},` +
               `"snapshotId":${JSON.stringify(entry.snapshotId)},"index":${index},"messages":[`
           )
           const length = range.end - range.start
           // The range's last newline becomes the closing `]`; then `}` and the line's newline.
-          const line = Buffer.allocUnsafe(prefix.length + length + 2)
-          prefix.copy(line, 0)
-          const kept = entry.files.get(range.path)
-          const handle = kept ?? await FileIo.openAsync(range.path)
+          const size = prefix.length + length + 2
+          const pooled = takeBuffer(entry, size)
           try {
+            const line = pooled.subarray(0, size)
+            prefix.copy(line, 0)
+            const handle = await fileForReaders(entry, range.path)
             let done = 0
             while (done < length) {
               const { bytesRead } = await handle.read(line, prefix.length + done, length - done, range.start + done)
               if (bytesRead === 0) throw new Error(`${range.path} ends before byte ${range.end}`)
               done += bytesRead
             }
-          } finally {
-            if (kept === undefined) await handle.close()
+            const last = prefix.length + length - 1
+            if (line[last] !== NEWLINE) throw new Error(`${range.path}: bytes ${range.start}-${range.end} are not whole lines`)
+            for (let at = line.indexOf(NEWLINE, prefix.length); at !== -1 && at < last; at = line.indexOf(NEWLINE, at + 1)) {
+              line[at] = 0x2c
+            }
+            line[last] = 0x5d
+            line[last + 1] = 0x7d
+            line[last + 2] = NEWLINE
+            return { index, bytes: new Uint8Array(line.buffer, line.byteOffset, line.length), pooled, refs: 1 }
+          } catch (cause) {
+            if (!entry.idle && entry.pool.length < POOL_BUFFERS) entry.pool.push(pooled)
+            throw cause
           }
-          const last = prefix.length + length - 1
-          if (line[last] !== NEWLINE) throw new Error(`${range.path}: bytes ${range.start}-${range.end} are not whole lines`)
-          for (let at = line.indexOf(NEWLINE, prefix.length); at !== -1 && at < last; at = line.indexOf(NEWLINE, at + 1)) {
-            line[at] = 0x2c
-          }
-          line[last] = 0x5d
-          line[last + 1] = 0x7d
-          line[last + 2] = NEWLINE
-          return new Uint8Array(line.buffer, line.byteOffset, line.length)
         },
         catch: (cause) => error("Io", `snapshot ${entry.snapshotId}: could not read ${range.path}: ${String(cause)}`, entry.snapshotId, cause)
       })
+
+    /** The chunk a reader gets from a lease: its bytes, and its release (once). */
+    const leased = (entry: Entry, lease: Lease): ChunkResult => {
+      let released = false
+      return {
+        _tag: "Chunk",
+        index: lease.index,
+        bytes: lease.bytes,
+        release: () => {
+          if (released) return
+          released = true
+          releaseLease(entry, lease)
+        }
+      }
+    }
 
     /** Parks until `index` exists or the entry ends. */
     const waitOn = (entry: Entry, index: number): Effect.Effect<ChunkResult, SnapshotCacheError> =>
@@ -396,21 +510,21 @@ export const makeWith = (
           if (index < s.chunkCount) {
             const slot = entry.slots[index]
             if (slot === undefined) return yield* Effect.die(new Error("SnapshotCache: a published chunk has no slot"))
-            if (slot._tag === "Memory") return { _tag: "Chunk", index, bytes: slot.bytes } as const
-            if (slot._tag === "Range") {
-              const bytes = yield* readShared(entry, index, readRangeChunk(entry, index, slot.range))
-              return { _tag: "Chunk", index, bytes } as const
-            }
+            if (slot._tag === "Memory") return { _tag: "Chunk", index, bytes: slot.bytes, release: noRelease } as const
+            if (slot._tag === "Range") return leased(entry, yield* readShared(entry, index, readRangeChunk(entry, index, slot.range)))
             if (spill === undefined || entry.directory === undefined) {
               return yield* Effect.die(new Error("SnapshotCache: a spilled chunk in a memory-only cache"))
             }
             const path = chunkPath(entry.directory, index)
-            const bytes = yield* readShared(
+            const lease = yield* readShared(
               entry,
               index,
-              spill.fs.readFile(path).pipe(Effect.mapError(ioError(entry.snapshotId, `could not read ${path}`)))
+              spill.fs.readFile(path).pipe(
+                Effect.map((bytes): Lease => ({ index, bytes, pooled: undefined, refs: 1 })),
+                Effect.mapError(ioError(entry.snapshotId, `could not read ${path}`))
+              )
             )
-            return { _tag: "Chunk", index, bytes } as const
+            return leased(entry, lease)
           }
           if (s.status._tag === "Complete") return { _tag: "End", end: s.status.end } as const
           yield* Deferred.await(s.changed)
@@ -430,15 +544,20 @@ export const makeWith = (
     /** Drops one reader; the last reader of a disposed entry cleans it up. */
     const releaseReader = (entry: Entry) =>
       Effect.gen(function*() {
-        const drop = yield* Ref.modify(entry.state, (s) => {
+        const [drop, idle] = yield* Ref.modify(entry.state, (s) => {
           const readers = s.readers - 1
           const drop = readers === 0 && s.disposed && !s.removed
-          return [drop, { ...s, readers, removed: s.removed || drop }] as const
+          return [[drop, readers === 0 && !drop], { ...s, readers, removed: s.removed || drop }] as const
         })
         if (drop) {
           yield* cleanup(entry).pipe(
             Effect.catchAll((e) => Effect.logWarning("SnapshotCache: cleanup after the last reader failed", e))
           )
+        } else if (idle) {
+          // Nobody reads it now: it holds no descriptor and no spare buffer until someone does.
+          entry.idle = true
+          entry.pool.length = 0
+          yield* closeReading(entry)
         }
       })
 
@@ -454,7 +573,13 @@ export const makeWith = (
               : s.disposed
               ? [Option.some(error("Disposed", `snapshot ${snapshotId} was disposed`, snapshotId)), s] as const
               : [Option.none(), { ...s, readers: s.readers + 1 }] as const),
-          Option.match({ onNone: () => Effect.void, onSome: Effect.fail })
+          Option.match({
+            onNone: () =>
+              Effect.sync(() => {
+                entry.idle = false
+              }),
+            onSome: Effect.fail
+          })
         ),
         () => release
       )
