@@ -3,9 +3,14 @@
  * `/bulk 2097152`, automatic checkpoints every 8 MiB (so the snapshot is many generations deep):
  * a client attaches with `capabilities: ["chunked_snapshot", "event_sequence"]` and the MB/s
  * are the bytes of every snapshot frame line (begin, chunks, end, newlines included) over the
- * time from the attach request to `session_snapshot_end`. Baseline in the same run: the same
- * lines (same sizes) written through a plain Unix socket by a separate `node:net` process,
- * read by the same client code.
+ * time from the attach request to `session_snapshot_end`. Two clients, each against a baseline
+ * in the same run that a separate `node:net` process serves through a plain Unix socket, one
+ * write per line, read by the same client code:
+ * - a client that splits lines and `JSON.parse`s every chunk line, as a real client does; the
+ *   baseline serves the very bytes the attach sent;
+ * - a client that splits lines only (the transport alone: the chunks are counted, not parsed);
+ *   the baseline serves lines of the same sizes.
+ * Each is measured 3 times, alternating with its baseline; the medians are compared.
  *
  * Memory: 3 clients attach at once while the daemon's VmRSS is sampled every 20 ms; the peak
  * growth is the peak during the attaches minus the RSS just before them (taken first, before
@@ -33,13 +38,17 @@ import {
   waitReady,
   withDaemon
 } from "./daemonHarness.js"
-import { printRatio } from "./report.js"
+import { percentiles, printRatio } from "./report.js"
 
 const TURNS = 50
 const BULK_BYTES = 2_097_152
 const CONCURRENT = 3
 const RSS_TARGET_MB = 64
 const ATTACH_TIMEOUT_MS = 60_000
+const ROUNDS = 3
+
+/** How the client reads chunk lines: parsed as JSON (a real client), or counted from their first bytes. */
+type ReadMode = "parse" | "split"
 
 interface Streamed {
   readonly bytes: number
@@ -50,20 +59,27 @@ interface Streamed {
 }
 
 /**
- * Attaches `client` and counts the snapshot frame lines up to `session_snapshot_end` (chunk
- * lines are counted from their first bytes, never parsed).
+ * Attaches `client` and counts the snapshot frame lines up to `session_snapshot_end`: chunk lines
+ * are parsed (`parse`) or counted from their first bytes (`split`). `tap` gets every snapshot
+ * frame line's bytes (for the baseline to serve the same).
  */
-const attachCounting = async (client: Client, id: string): Promise<Streamed> => {
+const attachCounting = async (client: Client, id: string, mode: ReadMode = "split", tap?: (line: Buffer) => void): Promise<Streamed> => {
   const lineSizes: Array<number> = []
   let chunkLines = 0
   client.rawHook = (prefix, bytes) => {
     if (!prefix.startsWith('{"type":"session_snapshot_')) return false
     lineSizes.push(bytes)
-    if (prefix.startsWith('{"type":"session_snapshot_chunk"')) {
+    if (mode === "split" && prefix.startsWith('{"type":"session_snapshot_chunk"')) {
       chunkLines++
       return true
     }
-    return false // begin, end, failed: small, parsed below
+    return false // parsed below (begin, end, failed: small)
+  }
+  client.lineTap = tap
+  client.messageHook = (m) => {
+    if (m["type"] !== "session_snapshot_chunk") return false
+    chunkLines++
+    return true
   }
   const started = nowMs()
   const response = client.request({ type: "attach", activeSessionId: id, capabilities: ["chunked_snapshot", "event_sequence"] }, ATTACH_TIMEOUT_MS)
@@ -74,6 +90,8 @@ const attachCounting = async (client: Client, id: string): Promise<Streamed> => 
   )
   const seconds = (nowMs() - started) / 1000
   client.rawHook = undefined
+  client.messageHook = undefined
+  client.lineTap = undefined
   const r = await response
   if (r["success"] !== true) throw new Error(`attach failed: ${JSON.stringify(r["error"])}`)
   if (r["data"]?.snapshotStream === undefined) throw new Error(`attach response has no snapshotStream: ${JSON.stringify(r["data"]).slice(0, 300)}`)
@@ -88,38 +106,66 @@ const attachCounting = async (client: Client, id: string): Promise<Streamed> => 
 // Baseline: a separate process writes lines of the same sizes to a plain Unix socket
 // ---------------------------------------------------------------------------------------------
 
+// The lines: the file's own (newline-terminated), or lines of the sizes listed in it (JSON).
 const WRITER_SRC = `
 const net = require("net")
 const fs = require("fs")
-const [socketPath, sizesFile] = process.argv.slice(1)
-const sizes = JSON.parse(fs.readFileSync(sizesFile, "utf8"))
-const max = Math.max(...sizes)
-const line = Buffer.alloc(max + 1, 0x78)
-line[max] = 10
-const prefix = Buffer.from('{"type":"session_snapshot_chunk"')
+const [socketPath, source, kind] = process.argv.slice(1)
+const lines = []
+if (kind === "bytes") {
+  const all = fs.readFileSync(source)
+  for (let at = 0; at < all.length;) {
+    const nl = all.indexOf(10, at)
+    lines.push(all.subarray(at, nl + 1))
+    at = nl + 1
+  }
+} else {
+  const sizes = JSON.parse(fs.readFileSync(source, "utf8"))
+  const max = Math.max(...sizes)
+  const line = Buffer.alloc(max + 1, 0x78)
+  line[max] = 10
+  const prefix = Buffer.from('{"type":"session_snapshot_chunk"')
+  for (const size of sizes) {
+    const view = Buffer.from(line.subarray(max - size))
+    prefix.copy(view, 0)
+    lines.push(view)
+  }
+}
 const server = net.createServer((sock) => {
   sock.on("error", () => {})
   sock.write('{"type":"daemon_hello"}\\n')
   sock.once("data", async () => {
-    for (const size of sizes) {
-      const view = Buffer.from(line.subarray(max - size))
-      prefix.copy(view, 0)
-      if (!sock.write(view)) await new Promise((r) => sock.once("drain", r))
+    for (const line of lines) {
+      if (!sock.write(line)) await new Promise((r) => sock.once("drain", r))
     }
   })
 })
 server.listen(socketPath, () => process.stdout.write("ready\\n"))
 `
 
-const plainSocket = async (lineSizes: ReadonlyArray<number>): Promise<{ bytes: number; seconds: number }> => {
+/**
+ * The baseline: `lines` (the attach's own bytes, in a file) or lines of `lineSizes`, served by a
+ * plain `node:net` process, read as `mode` says.
+ */
+const plainSocket = async (
+  source: { readonly linesFile: string } | { readonly lineSizes: ReadonlyArray<number> },
+  lineCount: number,
+  mode: ReadMode
+): Promise<{ bytes: number; seconds: number }> => {
   const dir = fs.mkdtempSync(path.join(os.tmpdir(), "agentd-bench-attach-"))
   let child: ChildProcess | undefined
   let client: Client | undefined
   try {
     const socketPath = path.join(dir, "plain.sock")
-    const sizesFile = path.join(dir, "sizes.json")
-    fs.writeFileSync(sizesFile, JSON.stringify(lineSizes))
-    child = spawn(process.execPath, ["-e", WRITER_SRC, socketPath, sizesFile], { stdio: ["ignore", "pipe", "inherit"] })
+    let args: Array<string>
+    if ("linesFile" in source) {
+      args = [source.linesFile, "bytes"]
+    } else {
+      const sizesFile = path.join(dir, "sizes.json")
+      fs.writeFileSync(sizesFile, JSON.stringify(source.lineSizes))
+      args = [sizesFile, "sizes"]
+    }
+    child = spawn(process.execPath, ["-e", WRITER_SRC, socketPath, ...args], { stdio: ["ignore", "pipe", "inherit"] })
     await new Promise<void>((resolve, reject) => {
       child!.once("error", reject)
       child!.once("exit", (code, signal) => reject(new Error(`baseline writer exited early (code ${code}, signal ${signal})`)))
@@ -130,9 +176,17 @@ const plainSocket = async (lineSizes: ReadonlyArray<number>): Promise<{ bytes: n
     let lines = 0
     let resolve!: () => void
     const done = new Promise<void>((r) => (resolve = r))
+    const counted = () => {
+      if (++lines === lineCount) resolve()
+    }
     client.rawHook = (_prefix, size) => {
       bytes += size + 1
-      if (++lines === lineSizes.length) resolve()
+      if (mode === "parse") return false
+      counted()
+      return true
+    }
+    client.messageHook = () => {
+      counted()
       return true
     }
     const started = nowMs()
@@ -141,7 +195,7 @@ const plainSocket = async (lineSizes: ReadonlyArray<number>): Promise<{ bytes: n
     await Promise.race([
       done,
       new Promise((_, reject) => {
-        timer = setTimeout(() => reject(new Error(`plain socket: ${lines} of ${lineSizes.length} lines after ${ATTACH_TIMEOUT_MS} ms`)), ATTACH_TIMEOUT_MS)
+        timer = setTimeout(() => reject(new Error(`plain socket: ${lines} of ${lineCount} lines after ${ATTACH_TIMEOUT_MS} ms`)), ATTACH_TIMEOUT_MS)
       })
     ]).finally(() => clearTimeout(timer))
     return { bytes, seconds: (nowMs() - started) / 1000 }
@@ -207,26 +261,60 @@ export default async function attach(): Promise<void> {
 
       const conc = await concurrentAttaches(daemon, id)
 
-      const single = await (async () => {
+      const single = async (mode: ReadMode, tap?: (line: Buffer) => void) => {
         const c = await daemon.connect("single")
         try {
-          return await attachCounting(c, id)
+          return await attachCounting(c, id, mode, tap)
         } finally {
           c.close()
         }
-      })()
-      await stopForProfile(daemon, ctl)
-      const base = await plainSocket(single.lineSizes)
-      if (base.bytes !== single.bytes) throw new Error(`baseline moved ${base.bytes} bytes, the attach ${single.bytes}`)
-
-      printRatio({
-        what: `chunked attach of a ${mb(single.bytes).toFixed(0)} MB snapshot (${single.chunkLines} chunks, ${state["messageCount"]} messages)`,
-        unit: "MB/s",
-        ours: mb(single.bytes) / single.seconds,
-        baseline: mb(base.bytes) / base.seconds,
-        baselineName: "same lines through a plain node:net Unix socket",
-        target: 0.9
-      })
+      }
+      // The attach's own bytes, for the parsing client's baseline (not timed).
+      const dir = fs.mkdtempSync(path.join(os.tmpdir(), "agentd-bench-attach-lines-"))
+      try {
+        const linesFile = path.join(dir, "lines.jsonl")
+        const out = fs.openSync(linesFile, "w")
+        const snapshotFrame = Buffer.from('{"type":"session_snapshot_')
+        const recorded = await single("parse", (line) => {
+          if (line.subarray(0, snapshotFrame.length).equals(snapshotFrame)) fs.writeSync(out, Buffer.concat([line, Buffer.from("\n")]))
+        })
+        fs.closeSync(out)
+        const runs = { parse: { ours: [] as Array<number>, base: [] as Array<number> }, split: { ours: [] as Array<number>, base: [] as Array<number> } }
+        for (let round = 0; round < ROUNDS; round++) {
+          for (const mode of ["parse", "split"] as const) {
+            const ours = await single(mode)
+            if (ours.bytes !== recorded.bytes) throw new Error(`an attach moved ${ours.bytes} bytes, the first ${recorded.bytes}`)
+            const base = await plainSocket(mode === "parse" ? { linesFile } : { lineSizes: ours.lineSizes }, ours.lineSizes.length, mode)
+            if (base.bytes !== ours.bytes) throw new Error(`baseline moved ${base.bytes} bytes, the attach ${ours.bytes}`)
+            runs[mode].ours.push(mb(ours.bytes) / ours.seconds)
+            runs[mode].base.push(mb(base.bytes) / base.seconds)
+          }
+        }
+        await stopForProfile(daemon, ctl)
+        const what = `chunked attach of a ${mb(recorded.bytes).toFixed(0)} MB snapshot (${recorded.chunkLines} chunks, ${state["messageCount"]} messages)`
+        const median = (xs: Array<number>) => percentiles(xs).median
+        const spread = (xs: Array<number>) => xs.map((x) => x.toFixed(0)).join(", ")
+        printRatio({
+          what: `${what}, a client that parses every chunk`,
+          unit: "MB/s",
+          ours: median(runs.parse.ours),
+          baseline: median(runs.parse.base),
+          baselineName: "the same bytes through a plain node:net Unix socket, to the same client",
+          target: 0.9
+        })
+        console.log(`  (medians of ${ROUNDS}; agentd ${spread(runs.parse.ours)}, baseline ${spread(runs.parse.base)} MB/s)`)
+        printRatio({
+          what: `${what}, a client that splits lines only`,
+          unit: "MB/s",
+          ours: median(runs.split.ours),
+          baseline: median(runs.split.base),
+          baselineName: "lines of the same sizes through a plain node:net Unix socket",
+          target: 0.9
+        })
+        console.log(`  (medians of ${ROUNDS}; agentd ${spread(runs.split.ours)}, baseline ${spread(runs.split.base)} MB/s)`)
+      } finally {
+        fs.rmSync(dir, { recursive: true, force: true })
+      }
       const growth = (conc.peak - conc.before) / MiB
       console.log(
         `${CONCURRENT} concurrent chunked attaches: daemon RSS before ${(conc.before / MiB).toFixed(0)} MiB, peak ` +

@@ -136,6 +136,8 @@ export class Client {
    * that parses what it counts, as a real client does, without queueing it).
    */
   messageHook: ((msg: Msg) => boolean) | undefined
+  /** Called with every line's bytes that is parsed (not consumed by `rawHook`), before the parse. */
+  lineTap: ((line: Buffer) => void) | undefined
   /** Bytes received (all lines, newlines included). */
   bytesReceived = 0
   badLines = 0
@@ -220,6 +222,7 @@ export class Client {
       if (this.rawHook(head.toString("utf8", 0, Math.min(head.length, PREFIX_BYTES)), bytes)) return
     }
     const line = parts.length === 1 ? parts[0]! : Buffer.concat(parts, bytes)
+    this.lineTap?.(line)
     let msg: Msg
     try {
       msg = JSON.parse(line.toString("utf8")) as Msg
