@@ -23,7 +23,6 @@ import {
   SnapshotFailed,
   Tagged
 } from "./Protocol.js"
-import * as Utf8Batch from "./internal/utf8Batch.js"
 
 /** The worker argument that asks it to warm up its restore path while it waits for its first frame (the pool's spare). */
 export const WARM_UP_FLAG = "--warm-up"
@@ -190,18 +189,6 @@ const eventJsonOf = (event: AgentEvent): string => {
   return json.startsWith(TYPE_KEY) ? json : JSON.stringify(Object.assign({ type: event.type }, event))
 }
 
-const EVENT_FRAME_OPEN_BYTES = Buffer.from(EVENT_FRAME_OPEN)
-const EVENT_FRAME_CLOSE_BYTES = Buffer.from("}\n")
-
-/**
- * Appends the `worker_event` frame of one event to the open {@link Utf8Batch} (the bytes of
- * {@link encodeEventFrame}, without joining the batch's frames into one string first).
- */
-export const putEventFrame = (event: AgentEvent): void => {
-  Utf8Batch.putBytes(EVENT_FRAME_OPEN_BYTES)
-  Utf8Batch.put(eventJsonOf(event))
-  Utf8Batch.putBytes(EVENT_FRAME_CLOSE_BYTES)
-}
 
 /** A `worker_event` frame as the supervisor reads it: the event's type and its JSON text. */
 export interface EventFrame {

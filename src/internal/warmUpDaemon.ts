@@ -51,7 +51,6 @@ import * as WorkerProtocol from "../WorkerProtocol.js"
 import { eventPathInUse, WARM_UP_SESSION_PREFIX } from "./delivery/warmUp.js"
 import { deadDaemonDirs } from "./liveness.js"
 import { Outbox } from "./outbox.js"
-import * as Utf8Batch from "./utf8Batch.js"
 
 /** The made-up engine of the warm-up's session (its worker is made up too: no engine runs). */
 const ENGINE = "agentd-warm-up"
@@ -86,9 +85,7 @@ const echoTurnChunks = (words: number): Array<Buffer> => {
   add({ type: "message_end", message: { id: "m-warm-up-echo", role: "assistant", content: `echo: ${text}` } })
   add({ type: "turn_end" })
   add({ type: "agent_end" })
-  Utf8Batch.begin()
-  for (const frame of frames) WorkerProtocol.putEventFrame(frame)
-  const all = Utf8Batch.take()
+  const all = Buffer.from(frames.map(WorkerProtocol.encodeEventFrame).join(""), "utf8")
   const chunks: Array<Buffer> = []
   // Cut anywhere, as a pipe does: lines across two chunks take the decoder's other path.
   for (let at = 0; at < all.length; at += CHUNK_BYTES) chunks.push(all.subarray(at, at + CHUNK_BYTES))
