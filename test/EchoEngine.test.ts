@@ -163,6 +163,38 @@ describe("EchoEngine", () => {
         assert.strictEqual(paced.emits, 4)
       }))
 
+    it.live("with no wait between deltas, a long message goes in full batches that split it anywhere; a full sink mid-message holds the rest", () =>
+      Effect.promise(async () => {
+        const s = await session({ tokenDelayMs: 0 })
+        const message = Array.from({ length: 1000 }, (_, i) => `w${i}`).join(" ")
+        const pull = Chunk.toReadonlyArray(await Effect.runPromise(Stream.runCollect(s.runTurn({ turnId: "t1", message, history: [] }))))
+        const sizes: Array<number> = []
+        let release: (() => void) | undefined
+        const outputs: Array<unknown> = []
+        const done = new Promise<void>((resolve) => {
+          s.pushTurn!({ turnId: "t1", message, history: [] }, {
+            emit: (batch) => {
+              sizes.push(batch.length)
+              outputs.push(...batch)
+              // The second batch (in the middle of the message) is taken late.
+              return sizes.length === 2 ? new Promise<void>((r) => (release = r)) : undefined
+            },
+            end: () => resolve()
+          })
+        })
+        await new Promise((r) => setTimeout(r, 30))
+        assert.deepStrictEqual(sizes, [256, 256])
+        release!()
+        await done
+        // 4 events before the reply, its start, "echo:" and 1000 words, its end, turn_end, agent_end: 1009.
+        assert.deepStrictEqual(sizes, [256, 256, 256, 1009 - 3 * 256])
+        assert.deepStrictEqual(plain(outputs as ReadonlyArray<TurnOutput>), plain(pull))
+        const deltas = pull.flatMap((o) => "type" in o && o.type === "message_update" ? [o.delta] : [])
+        assert.deepStrictEqual(deltas, ["echo:", ...message.split(" ").map((w) => ` ${w}`)])
+        const ends = pull.flatMap((o) => "type" in o && o.type === "message_end" ? [o.message.content] : [])
+        assert.deepStrictEqual(ends, [message, `echo: ${message}`])
+      }))
+
     it.live("waits for a full sink before anything more, its end included; cancel stops it", () =>
       Effect.promise(async () => {
         const s = await session({ tokenDelayMs: 1 })
