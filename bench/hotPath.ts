@@ -150,6 +150,17 @@
  * 1.8-2.2 us per event against 3.7-4.0, warm ~200k events/s against ~155k in 3 runs each, but
  * optimized code stays in an idle worker's memory (session 14: --no-opt saved ~6 MB of an idle
  * worker's RSS, which the 1.25x target needs); not changed.
+ *
+ * Session 26 (quiet machine): the workers' flags measured again, one run each (idle worker RSS
+ * from bench/workerMemory.ts, then this): none 47.8 MB, warm 1.13x; `--sparkplug` 49.0 MB (1.24x
+ * a bare node, at the target's edge), warm 1.16x, first turn 0.60x; `--opt --sparkplug` 52.4 MB
+ * (1.33x: missed), warm 1.00x; `--maglev` 47.9 MB, 0.86x. The relay alone moved 131-271k events/s
+ * between runs, so the flags' effect is within the noise: kept as they are. What did move the
+ * worker: the echo engine's deltas as one step taken by the batching loop (four generators
+ * resumed per event before) and a batch's frames joined as text and encoded once (Utf8Batch's
+ * three calls into node:buffer per event cost 2.5x as much in the interpreter): worker CPU per
+ * event 4.7 -> 2.8 us, warm ~190k -> ~205k events/s. Rounds: 3 daemons with 2 relay runs after
+ * each (medians), since one run's ratios moved 0.5-0.85x (first turn) and 0.75-1.13x (warm).
  */
 import { type ChildProcess, spawn } from "node:child_process"
 import * as fs from "node:fs"
