@@ -195,6 +195,11 @@ const cpuMicros = (pid: number): number => (cpuTicksOf(pid) ?? 0) * 10_000
 
 const percentile = (sorted: ReadonlyArray<number>, q: number): number => sorted[Math.min(sorted.length - 1, Math.floor(q * sorted.length))] ?? NaN
 
+/** With a profiled daemon (AGENTD_BENCH_DAEMON_NODE_ARGS), where the run stands, in a CPU profile's clock (us). */
+const mark = (what: string): void => {
+  if (benchDaemonNodeArgs().length > 0) console.log(`  [mark] ${what} at ${process.hrtime.bigint() / 1000n} us`)
+}
+
 const EMITTED_AT = '"emittedAt":'
 
 /** Reads a client's live lines beside the harness's own reading: each event's latency, each turn's end. */
@@ -486,11 +491,14 @@ const streamDaemon = (bin: string | undefined) => {
       const workersBefore = workerPids.reduce((sum, pid) => sum + cpuMicros(pid), 0)
       const started = nowMs()
       const startedAt = Date.now()
+      mark("prompts sent")
       await Promise.all(ids.map((id) => ctl.ok({ type: "prompt", activeSessionId: id, message }, 60_000)))
       const promptsAnsweredMs = nowMs() - started
+      mark("prompts answered")
       let timer: NodeJS.Timeout | undefined
       await Promise.race([done, new Promise((_, reject) => (timer = setTimeout(() => reject(new Error(`${ended} of ${ids.length} turns ended in ${TIMEOUT_MS} ms`)), TIMEOUT_MS)))])
       clearTimeout(timer)
+      mark("turns ended")
       const windowUs = (nowMs() - started) * 1000
       const daemonCpu = cpuMicros(daemon.pid) - daemonBefore
       const workersCpu = workerPids.reduce((sum, pid) => sum + cpuMicros(pid), 0) - workersBefore
