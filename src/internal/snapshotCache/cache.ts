@@ -119,6 +119,11 @@ const noRelease = () => {}
 const POOL_BUFFERS = 6
 /** Pooled buffers are allocated in steps of this, so that chunks of close sizes share them. */
 const POOL_STEP = 64 * 1024
+/**
+ * A buffer larger than this (a chunk of one huge message) is not kept for reuse: six of them
+ * would be held for as long as the entry has readers.
+ */
+const POOL_MAX_BUFFER_BYTES = 8 * 1024 * 1024
 
 export interface SpillConfig {
   readonly fs: FileSystem.FileSystem
@@ -371,7 +376,12 @@ export const makeWith = (
       if (--lease.refs > 0) return
       const shared = entry.reads.get(lease.index)
       if (shared?._tag === "Done" && shared.lease.deref() === lease) entry.reads.delete(lease.index)
-      if (lease.pooled !== undefined && !entry.idle && entry.pool.length < POOL_BUFFERS) entry.pool.push(lease.pooled)
+      if (lease.pooled !== undefined) giveBuffer(entry, lease.pooled)
+    }
+
+    /** Keeps a buffer nobody holds for the entry's next reads, if the entry is read and has room. */
+    const giveBuffer = (entry: Entry, buffer: Buffer) => {
+      if (!entry.idle && entry.pool.length < POOL_BUFFERS && buffer.length <= POOL_MAX_BUFFER_BYTES) entry.pool.push(buffer)
     }
 
     /** A buffer of at least `size` bytes: a pooled one if one fits, else a new one. */
@@ -476,7 +486,7 @@ export const makeWith = (
             line[last + 2] = NEWLINE
             return { index, bytes: new Uint8Array(line.buffer, line.byteOffset, line.length), pooled, refs: 1 }
           } catch (cause) {
-            if (!entry.idle && entry.pool.length < POOL_BUFFERS) entry.pool.push(pooled)
+            giveBuffer(entry, pooled)
             throw cause
           }
         },
