@@ -56,6 +56,8 @@ interface Streamed {
   /** Byte length of every snapshot frame line, in order (without the newline). */
   readonly lineSizes: ReadonlyArray<number>
   readonly chunkLines: number
+  /** From the attach request to the first chunk line (ms). */
+  readonly firstChunkMs: number
 }
 
 /**
@@ -70,14 +72,17 @@ const attachCounting = async (client: Client, id: string, mode: ReadMode = "spli
     if (!prefix.startsWith('{"type":"session_snapshot_')) return false
     lineSizes.push(bytes)
     if (mode === "split" && prefix.startsWith('{"type":"session_snapshot_chunk"')) {
+      firstChunkAt ??= nowMs()
       chunkLines++
       return true
     }
     return false // parsed below (begin, end, failed: small)
   }
   client.lineTap = tap
+  let firstChunkAt: number | undefined
   client.messageHook = (m) => {
     if (m["type"] !== "session_snapshot_chunk") return false
+    firstChunkAt ??= nowMs()
     chunkLines++
     return true
   }
@@ -99,7 +104,7 @@ const attachCounting = async (client: Client, id: string, mode: ReadMode = "spli
   if (end["chunkCount"] !== chunkLines) throw new Error(`session_snapshot_end says ${end["chunkCount"]} chunks, ${chunkLines} received`)
   await client.waitFor((m) => m["type"] === "session_attached", 15_000, "session_attached")
   const bytes = lineSizes.reduce((a, b) => a + b + 1, 0)
-  return { bytes, seconds, lineSizes, chunkLines }
+  return { bytes, seconds, lineSizes, chunkLines, firstChunkMs: (firstChunkAt ?? NaN) - started }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -280,6 +285,7 @@ export default async function attach(): Promise<void> {
         })
         fs.closeSync(out)
         const runs = { parse: { ours: [] as Array<number>, base: [] as Array<number> }, split: { ours: [] as Array<number>, base: [] as Array<number> } }
+        const firstChunk: Array<number> = []
         for (let round = 0; round < ROUNDS; round++) {
           for (const mode of ["parse", "split"] as const) {
             const ours = await single(mode)
@@ -287,6 +293,7 @@ export default async function attach(): Promise<void> {
             const base = await plainSocket(mode === "parse" ? { linesFile } : { lineSizes: ours.lineSizes }, ours.lineSizes.length, mode)
             if (base.bytes !== ours.bytes) throw new Error(`baseline moved ${base.bytes} bytes, the attach ${ours.bytes}`)
             runs[mode].ours.push(mb(ours.bytes) / ours.seconds)
+            firstChunk.push(ours.firstChunkMs)
             runs[mode].base.push(mb(base.bytes) / base.seconds)
           }
         }
@@ -312,6 +319,7 @@ export default async function attach(): Promise<void> {
           target: 0.9
         })
         console.log(`  (medians of ${ROUNDS}; agentd ${spread(runs.split.ours)}, baseline ${spread(runs.split.base)} MB/s)`)
+        console.log(`  (agentd: the attach request to the first chunk line ${firstChunk.map((ms) => ms.toFixed(1)).join(", ")} ms)`)
       } finally {
         fs.rmSync(dir, { recursive: true, force: true })
       }
