@@ -189,7 +189,6 @@ const eventJsonOf = (event: AgentEvent): string => {
   return json.startsWith(TYPE_KEY) ? json : JSON.stringify(Object.assign({ type: event.type }, event))
 }
 
-
 /** A `worker_event` frame as the supervisor reads it: the event's type and its JSON text. */
 export interface EventFrame {
   readonly type: "worker_event"

@@ -205,17 +205,26 @@ describe("chunkRanges and appendRange", () => {
       }))
   }
 
-  it.scoped("a reader of a disposed entry reads on after its file is removed or replaced (a newer generation pruned it)", () =>
+  /**
+   * A memory cache whose complete entry "snap" is `all` as the lines of a transcript file (in a
+   * temp dir of the scope), chunked by range at `target`.
+   */
+  const rangeSnapshot = (all: ReadonlyArray<unknown>, target: number) =>
     Effect.gen(function*() {
-      const dir = yield* tempDir
-      const file = path.join(dir, "transcript.jsonl")
-      const body = messages.map((m) => JSON.stringify(m) + "\n").join("")
+      const file = path.join(yield* tempDir, "transcript.jsonl")
+      const body = all.map((m) => JSON.stringify(m) + "\n").join("")
       fs.writeFileSync(file, body)
-      const expected = SnapshotCache.chunkMessages("session-1", "snap", messages, 400).map(text)
       const cache = yield* SnapshotCache.makeMemory
       yield* cache.create("snap", meta())
-      const found = yield* SnapshotCache.chunkRanges(file, 0, Buffer.byteLength(body), 400, (range) => cache.appendRange("snap", range))
+      const found = yield* SnapshotCache.chunkRanges(file, 0, Buffer.byteLength(body), target, (range) => cache.appendRange("snap", range))
       yield* cache.markComplete("snap", endOf(found.chunks))
+      return { file, cache, chunks: found.chunks }
+    })
+
+  it.scoped("a reader of a disposed entry reads on after its file is removed or replaced (a newer generation pruned it)", () =>
+    Effect.gen(function*() {
+      const { file, cache } = yield* rangeSnapshot(messages, 400)
+      const expected = SnapshotCache.chunkMessages("session-1", "snap", messages, 400).map(text)
       const early = yield* cache.retain("snap")
       const late = yield* cache.retain("snap")
       const first = yield* early.waitForChunk(0)
@@ -249,19 +258,12 @@ describe("chunkRanges and appendRange", () => {
 
   it.scoped("the readers of an entry open its file once, not once per chunk; the last reader's release closes it", () =>
     Effect.gen(function*() {
-      const dir = yield* tempDir
-      const file = path.join(dir, "transcript.jsonl")
-      const body = messages.map((m) => JSON.stringify(m) + "\n").join("")
-      fs.writeFileSync(file, body)
-      const cache = yield* SnapshotCache.makeMemory
-      yield* cache.create("snap", meta())
-      const found = yield* SnapshotCache.chunkRanges(file, 0, Buffer.byteLength(body), 400, (range) => cache.appendRange("snap", range))
-      yield* cache.markComplete("snap", endOf(found.chunks))
-      assert.isAtLeast(found.chunks, 5)
+      const { file, cache, chunks } = yield* rangeSnapshot(messages, 400)
+      assert.isAtLeast(chunks, 5)
       assert.strictEqual(openOn(file), 0)
       const a = yield* cache.retain("snap")
       const b = yield* cache.retain("snap")
-      for (let i = 0; i < found.chunks; i++) {
+      for (let i = 0; i < chunks; i++) {
         const chunk = yield* (i % 2 === 0 ? a : b).waitForChunk(i)
         if (chunk._tag === "Chunk") chunk.release()
         assert.strictEqual(openOn(file), 1, `after chunk ${i}`)
@@ -289,15 +291,8 @@ describe("chunkRanges and appendRange", () => {
         ),
         (sizes, ops) =>
           Effect.runPromise(Effect.scoped(Effect.gen(function*() {
-            const dir = yield* tempDir
-            const file = path.join(dir, "transcript.jsonl")
             const all = sizes.map((n, i) => ({ id: `m${i}`, role: "assistant", content: String.fromCharCode(97 + (i % 26)).repeat(n) }))
-            const body = all.map((m) => JSON.stringify(m) + "\n").join("")
-            fs.writeFileSync(file, body)
-            const cache = yield* SnapshotCache.makeMemory
-            yield* cache.create("snap", meta())
-            const found = yield* SnapshotCache.chunkRanges(file, 0, Buffer.byteLength(body), 2000, (range) => cache.appendRange("snap", range))
-            yield* cache.markComplete("snap", endOf(found.chunks))
+            const { cache } = yield* rangeSnapshot(all, 2000)
             const expected = SnapshotCache.chunkMessages("session-1", "snap", all, 2000).map(text)
             const readers = [0, 1, 2, 3].map(() => ({ reader: undefined as SnapshotCache.SnapshotReader | undefined, next: 0 }))
             const held: Array<{ readonly index: number; readonly bytes: Uint8Array; readonly release: () => void }> = []

@@ -121,6 +121,12 @@ describe("Outbox batches", () => {
     ))
 })
 
+/** Waits (10 s at most) until `calls` holds `count` entries. */
+const untilCalled = async (calls: ReadonlyArray<string>, count: number) => {
+  const deadline = Date.now() + 10_000
+  while (calls.length < count && Date.now() < deadline) await new Promise((r) => setTimeout(r, 5))
+}
+
 describe("Outbox done callbacks (a snapshot chunk's buffer is lent back to the cache by them)", () => {
   it.live("done runs only once the kernel took the bytes: not while the peer reads nothing, then once it read them", () =>
     Effect.promise(() =>
@@ -140,8 +146,7 @@ describe("Outbox done callbacks (a snapshot chunk's buffer is lent back to the c
         assert.deepStrictEqual(calls, [])
         client.on("data", () => {})
         client.resume()
-        const deadline = Date.now() + 10_000
-        while (calls.length < 3 && Date.now() < deadline) await new Promise((r) => setTimeout(r, 5))
+        await untilCalled(calls, 3)
         assert.deepStrictEqual(calls, ["first", "big", "after"])
         assert.strictEqual(outbox.queuedBytes, 0)
       })))
@@ -163,8 +168,7 @@ describe("Outbox done callbacks (a snapshot chunk's buffer is lent back to the c
         // The peer goes: the write being made ends (with an error), and only then its done runs.
         client.destroy()
         server.destroy()
-        const deadline = Date.now() + 10_000
-        while (calls.length < 3 && Date.now() < deadline) await new Promise((r) => setTimeout(r, 5))
+        await untilCalled(calls, 3)
         assert.deepStrictEqual(calls, ["queued", "late", "writing"])
       })))
 })

@@ -186,6 +186,7 @@ const running = (steps: Iterator<Step>): Running => ({ steps, burst: undefined }
 const collect = (turn: Running, batch: Array<TurnOutput>): BatchEnd => {
   let bytes = 0
   for (;;) {
+    let output: TurnOutput
     const burst = turn.burst
     if (burst !== undefined) {
       const next = burst.deltas.next()
@@ -193,23 +194,21 @@ const collect = (turn: Running, batch: Array<TurnOutput>): BatchEnd => {
         turn.burst = undefined
         continue
       }
-      const delta = next.value
-      burst.parts.push(delta)
-      batch.push({ type: "message_update", messageId: burst.messageId, delta })
-      bytes += delta.length
-      if (batch.length >= BATCH_OUTPUTS || bytes >= BATCH_BYTES) return "full"
-      continue
+      burst.parts.push(next.value)
+      output = { type: "message_update", messageId: burst.messageId, delta: next.value }
+    } else {
+      const next = turn.steps.next()
+      if (next.done === true) return "end"
+      const step = next.value
+      if (step instanceof Burst) {
+        turn.burst = step
+        continue
+      }
+      if (step instanceof Pause || step instanceof EngineError) return step
+      output = step
     }
-    const next = turn.steps.next()
-    if (next.done === true) return "end"
-    const step = next.value
-    if (step instanceof Burst) {
-      turn.burst = step
-      continue
-    }
-    if (step instanceof Pause || step instanceof EngineError) return step
-    batch.push(step)
-    if (!(step instanceof TranscriptReplaced) && step.type === "message_update") bytes += step.delta.length
+    batch.push(output)
+    if (!(output instanceof TranscriptReplaced) && output.type === "message_update") bytes += output.delta.length
     if (batch.length >= BATCH_OUTPUTS || bytes >= BATCH_BYTES) return "full"
   }
 }

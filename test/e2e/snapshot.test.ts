@@ -11,6 +11,7 @@ import { attachAndReplay, attachProblems, unflag } from "./attach.js"
 import {
   e2eOnPostgres,
   allMessages,
+  type Client,
   cleanUpAfterTests,
   compactedJournal,
   collectTurn,
@@ -35,6 +36,21 @@ cleanUpAfterTests()
 
 /** One daemon for the whole file: every test works on sessions of its own. */
 const shared = sharedDaemon()
+
+/**
+ * A new session, attached on `client`, given a `/bulk N` turn for each size, then checkpointed:
+ * its id and its transcript.
+ */
+const checkpointedSession = async (client: Client, bulkSizes: ReadonlyArray<number>) => {
+  const { id } = await createSession(client)
+  await attachAndReplay(client, { activeSessionId: id })
+  for (const size of bulkSizes) {
+    await client.ok({ type: "prompt", activeSessionId: id, message: `/bulk ${size}` })
+    await collectTurn(client, id, 20_000)
+  }
+  await client.ok({ type: "checkpoint", activeSessionId: id }, 20_000)
+  return { id, transcript: await allMessages(client, id) }
+}
 
 // ---------------------------------------------------------------------------------------------
 
@@ -160,14 +176,7 @@ describe("chunked snapshot", () => {
   it("a reader that stops reading mid-snapshot gets the whole older snapshot and every later event once a newer checkpoint happened", async () => {
     const d = shared()
     const ctl = await d.connect("ctl")
-    const { id } = await createSession(ctl)
-    await attachAndReplay(ctl, { activeSessionId: id })
-    for (let i = 0; i < 6; i++) {
-      await ctl.ok({ type: "prompt", activeSessionId: id, message: "/bulk 1000000" })
-      await collectTurn(ctl, id, 20_000)
-    }
-    await ctl.ok({ type: "checkpoint", activeSessionId: id }, 20_000)
-    const baseline = await allMessages(ctl, id)
+    const { id, transcript: baseline } = await checkpointedSession(ctl, Array.from({ length: 6 }, () => 1_000_000))
     const slow = await d.connect("slow")
     const attachId = slow.sendCommand({ type: "attach", activeSessionId: id, capabilities: ["chunked_snapshot", "event_sequence"] })
     slow.socket.pause()
@@ -419,14 +428,7 @@ describe("races and isolation", () => {
   it("readers of one chunked snapshot at different paces (fast, stalling, quitting) each get every chunk's exact bytes", async () => {
     const d = shared()
     const a = await d.connect("a")
-    const { id } = await createSession(a)
-    await attachAndReplay(a, { activeSessionId: id })
-    for (let i = 0; i < 8; i++) {
-      await a.ok({ type: "prompt", activeSessionId: id, message: `/bulk ${300_000 + i * 150_000}` })
-      await collectTurn(a, id, 20_000)
-    }
-    await a.ok({ type: "checkpoint", activeSessionId: id }, 20_000)
-    const transcript = await allMessages(a, id)
+    const { id, transcript } = await checkpointedSession(a, Array.from({ length: 8 }, (_, i) => 300_000 + i * 150_000))
     const readers = await Promise.all(Array.from({ length: 8 }, (_, i) => d.connect(`reader${i}`)))
     const timers: Array<NodeJS.Timeout> = []
     let stopped = false
@@ -475,14 +477,7 @@ describe("races and isolation", () => {
   it("a client that disconnects in the middle of a chunked snapshot does not disturb the next reader", async () => {
     const d = shared()
     const a = await d.connect("a")
-    const { id } = await createSession(a)
-    await attachAndReplay(a, { activeSessionId: id })
-    for (let i = 0; i < 3; i++) {
-      await a.ok({ type: "prompt", activeSessionId: id, message: "/bulk 1500000" })
-      await collectTurn(a, id, 20_000)
-    }
-    await a.ok({ type: "checkpoint", activeSessionId: id }, 20_000)
-    const transcript = await allMessages(a, id)
+    const { id, transcript } = await checkpointedSession(a, [1_500_000, 1_500_000, 1_500_000])
     for (let round = 0; round < 3; round++) {
       const quitter = await d.connect(`quitter${round}`)
       quitter.sendCommand({ type: "attach", activeSessionId: id, capabilities: ["chunked_snapshot"] })
