@@ -391,8 +391,11 @@ export const DaemonLive = (
     Layer.provideMerge(DaemonServer.layer.pipe(Layer.provideMerge(coreOver(configLayerOf(config), servedSupervisorInfoLayer, layers))))
   )
 
-/** Runs the daemon until a client sends `shutdown` (or the fiber is interrupted by a signal). */
-export const serve = (config: Partial<DaemonConfigShape> = {}) =>
+/**
+ * Runs the daemon until a client sends `shutdown` (or the fiber is interrupted by a signal).
+ * `layers`: as for {@link DaemonLive} (an embedder's engines, with its `workerEntry`).
+ */
+export const serve = (config: Partial<DaemonConfigShape> = {}, layers: DaemonLayers = {}) =>
   Effect.gen(function*() {
     const server = yield* DaemonServer.DaemonServer
     const { warmUp } = yield* DaemonConfig
@@ -405,7 +408,7 @@ export const serve = (config: Partial<DaemonConfigShape> = {}) =>
     if (warmUp) yield* Effect.forkScoped(warmUpDaemon(EVENT_PATH_WARM_UP))
     yield* Deferred.await(server.shutdownRequested)
     yield* Effect.logInfo("shutdown requested")
-  }).pipe(Effect.scoped, Effect.provide(DaemonLive(config)))
+  }).pipe(Effect.scoped, Effect.provide(DaemonLive(config, layers)))
 
 /** The echo turns the daemon runs through its event path at start (see warmUpDaemon). */
 const EVENT_PATH_WARM_UP = { turns: 2, words: 10_000 }

@@ -23,13 +23,14 @@ const levels: Record<string, LogLevel.LogLevel> = {
 
 /**
  * Runs the daemon; the process exits when it stops (0 after a graceful stop). `workerEntry`
- * is the worker program's file (default: worker.js next to the running bin).
+ * is the worker program's file (default: worker.js next to the running bin); `layers`, the
+ * daemon's parts an embedder replaces (its engines, which its `workerEntry` loads too).
  */
-export const serve = (options: ServeOptions & { readonly workerEntry: string }): void => {
+export const serve = (options: ServeOptions & { readonly workerEntry: string }, layers: Daemon.DaemonLayers = {}): void => {
   ioThreads()
   capYoungGeneration(DAEMON_SEMI_SPACE_MIB)
   holdSecondSignals()
-  runDaemon(options)
+  runDaemon(options, layers)
 }
 
 /** libuv's thread pool for the daemon, unless UV_THREADPOOL_SIZE says otherwise (see {@link ioThreads}). */
@@ -72,7 +73,7 @@ const holdSecondSignals = (): void => {
   process.on("SIGTERM", note)
 }
 
-const runDaemon = (options: ServeOptions & { readonly workerEntry: string }): void =>
+const runDaemon = (options: ServeOptions & { readonly workerEntry: string }, layers: Daemon.DaemonLayers): void =>
   Daemon.serve({
     stateDir: options.stateDir,
     socketPath: options.socketPath,
@@ -86,7 +87,7 @@ const runDaemon = (options: ServeOptions & { readonly workerEntry: string }): vo
     ...(options.httpInsecure === true ? { httpInsecure: true } : {}),
     ...(options.cluster === true ? { cluster: true } : {}),
     ...(options.runnerAddress === undefined ? {} : { runnerAddress: options.runnerAddress })
-  }).pipe(
+  }, layers).pipe(
     // The daemon logs to stderr; stdout stays free.
     Effect.provide(Logger.replace(Logger.defaultLogger, Logger.prettyLogger({ stderr: true, colors: false }))),
     Logger.withMinimumLogLevel(levels[options.logLevel ?? "info"] ?? LogLevel.Info),

@@ -268,6 +268,8 @@ interface SessionCtl {
   killed: boolean
   /** A bad NODE_OPTIONS was given as launchEnv: its next spawns fail. */
   poisoned: boolean
+  /** When it was last healed (0: never): a spawn under the old launchEnv may still be failing just after. */
+  healedAt: number
   /** Turn ends (agent_end, turn_interrupted) and idle statuses the driver saw. */
   ends: number
   idleAfterEnds: number
@@ -345,12 +347,16 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
    * `restartedAt` (the next daemon's start), no crash may enter any history; after it, the
    * next daemon adds no `daemon_restarted` (until a daemon_kill). `crashed`: sessions whose
    * worker was already recovering from a crash at the signal (their cut turn ends then with
-   * that crash's reason).
+   * that crash's reason). `crashLooping`: sessions whose spawns fail (spawn_fail) at the signal
+   * or healed just before: each failed spawn is a crash the daemon reports, and one that failed
+   * just before the signal is reported once the session's entity takes it, which may be after
+   * (it is no crash of the stop).
    */
   let graceful: {
     readonly at: number
     restartedAt: number | undefined
     readonly crashed: ReadonlySet<string>
+    readonly crashLooping: ReadonlySet<string>
     readonly strict: boolean
     /** A storage fault ended just before: a turn it cut may get its owed `storage_failed` end now. */
     readonly storageCut: boolean
@@ -619,6 +625,7 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
       driver,
       killed: false,
       poisoned: false,
+      healedAt: 0,
       ends: 0,
       idleAfterEnds: 0,
       inTurn: false,
@@ -684,12 +691,12 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
     const during = at >= g.at && (g.restartedAt === undefined || at < g.restartedAt)
     const reason = m["type"] === "session_event" && m["event"]?.type === "turn_interrupted" ? m["event"].reason as string : undefined
     if (during && g.strict) {
-      check("a graceful stop writes no crash", !(m["type"] === "session_status" && (m["state"]?.worker === "recovering" || m["state"]?.worker === "failed")), () =>
+      check("a graceful stop writes no crash", g.crashLooping.has(id) || !(m["type"] === "session_status" && (m["state"]?.worker === "recovering" || m["state"]?.worker === "failed")), () =>
         `${id}: ${describeMsg(m)} emitted during the graceful stop`)
       const allowed = [
         "daemon_shutdown",
         "aborted",
-        ...(g.crashed.has(id) ? ["worker_crashed", "daemon_restarted"] : []),
+        ...(g.crashed.has(id) || g.crashLooping.has(id) ? ["worker_crashed", "daemon_restarted"] : []),
         ...(g.storageCut ? ["storage_failed"] : [])
       ]
       check("a graceful stop cuts turns with daemon_shutdown", reason === undefined || allowed.includes(reason), () =>
@@ -710,7 +717,8 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
     // A turn cut by a full disk or a want of fds owes its `storage_failed` end until a write
     // succeeds (retried every 1.5 s): that end may come during the stop.
     const storageCut = Date.now() - lastStorageFaultAt < 5_000
-    graceful = { at: Date.now(), restartedAt: undefined, crashed, strict, storageCut }
+    const crashLooping = new Set(liveSessions().filter((s) => s.poisoned || Date.now() - s.healedAt < 2_000).map((s) => s.id))
+    graceful = { at: Date.now(), restartedAt: undefined, crashed, crashLooping, strict, storageCut }
     log(`sigint_group: SIGINT to the daemon's process group (in turn: ${inTurn.join(", ") || "none"}${strict ? "" : "; a worker was just killed: not strict"})`)
     const exit = await daemon.sigintGroup(20_000)
     check("a graceful stop exits 0", exit?.code === 0 && exit.signal === null, () => `daemon after SIGINT to its group: ${JSON.stringify(exit ?? "still running after 20 s")}`)
@@ -1193,6 +1201,7 @@ export const runChaos = async (options: RunOptions): Promise<RunResult> => {
       const r = await send(c, { type: "attach", activeSessionId: ctl.id, launchEnv: {} })
       if (r?.["success"] !== true) return
       ctl.poisoned = false
+      ctl.healedAt = Date.now()
       log(`healed ${ctl.id.slice(0, 12)}`)
       await send(c, { type: "detach", activeSessionId: ctl.id })
       const st = await send(c, { type: "get_state", activeSessionId: ctl.id })

@@ -327,6 +327,8 @@ export interface StartOptions {
   readonly fileSizeLimitKiB?: number
   /** Runs the daemon (and its workers) under `ulimit -n`: at most this many open file descriptors. */
   readonly fdLimit?: number
+  /** The `agentd` program to run (an embedder's, with a worker entry of its own); default DAEMON_BIN. */
+  readonly bin?: string
 }
 
 const liveDaemons = new Set<Daemon>()
@@ -556,7 +558,7 @@ export const startDaemon = async (options: StartOptions = {}): Promise<Daemon> =
   // its command line does not match `agentd.js serve`, which other people's clean-up scripts
   // on a shared machine have been seen to `pkill -f` (observed: SIGTERM to daemons mid-start).
   const entry = path.join(path.dirname(stateDir), `daemon-under-test-${mark.slice(0, 8)}.js`)
-  if (!fs.existsSync(entry)) fs.symlinkSync(DAEMON_BIN, entry)
+  if (!fs.existsSync(entry)) fs.symlinkSync(options.bin ?? DAEMON_BIN, entry)
   const argv = [entry, "serve", "--state-dir", stateDir, ...socketArgs, ...(await storeArgs(stateDir, options)), ...(options.extraArgs ?? [])]
   const limit = options.fileSizeLimitKiB
   const limits = [

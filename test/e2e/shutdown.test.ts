@@ -13,6 +13,7 @@
 import * as Schedule from "effect/Schedule"
 import * as fs from "node:fs"
 import * as path from "node:path"
+import { fileURLToPath } from "node:url"
 import { assert, describe, it, onTestFinished } from "vitest"
 import * as Client from "../../src/client.js"
 import { chat, startFakeModel } from "../support/fakeModels.js"
@@ -33,6 +34,9 @@ import {
 import { startCli, until } from "./cliRun.js"
 
 cleanUpAfterTests()
+
+/** `agentd` with a worker entry whose `ctrl-c` engine dies of a SIGINT sent to the daemon too (test/fixtures/ctrlCWorker.ts). */
+const CTRL_C_AGENTD = path.resolve(path.dirname(fileURLToPath(import.meta.url)), "..", "..", "dist", "test", "fixtures", "agentdWithCtrlCWorker.js")
 
 /**
  * `agentd attach` on a session, once it follows: it follows from the last event it reads at its
@@ -202,6 +206,31 @@ describe("a graceful stop", () => {
     const cut = (await history(d2, busy.id)).filter(isEvent("turn_interrupted")).map((m) => m["event"].reason)
     assert.deepStrictEqual(cut, ["daemon_shutdown"])
     assert.notStrictEqual(workerGroup, d.pid, "the worker was in the daemon's process group")
+  }, 90_000)
+
+  it("a worker dying of the same Ctrl-C (the signal caught it between its fork and its own process group): no crash, no recovering, the turn cut with daemon_shutdown", async () => {
+    // The kernel signals the daemon, then the worker dies of it: its exit may reach the daemon
+    // before the stop has begun, and must not be taken for a crash. A few rounds: it is a race.
+    for (let round = 0; round < 2; round++) {
+      const d = await useDaemon({ bin: CTRL_C_AGENTD })
+      const c = await d.connect("setup")
+      const pidFile = path.join(path.dirname(d.stateDir), `ctrl-c-${round}.pid`)
+      const { id } = await createSession(c, { engine: "ctrl-c", config: { pidFile } })
+      await c.ok({ type: "attach", activeSessionId: id })
+      await c.ok({ type: "prompt", activeSessionId: id, message: "go" })
+      await Promise.race([d.exited, sleep(15_000)])
+      assert.strictEqual(d.exitCode, 0, d.output)
+      assert.isTrue(fs.existsSync(pidFile), "the worker did not signal")
+      await c.waitFor((m) => m["type"] === "daemon_closing", 5_000)
+      const seen = c.all.filter((m) => m["activeSessionId"] === id)
+      assert.deepStrictEqual(crashTraces(seen), [], `round ${round}: ${seen.map(describeMsg).join(", ")}`)
+      assert.notMatch(d.stderr, /exited unexpectedly|did not start/, d.output)
+      const d2 = await useDaemon({ stateDir: d.stateDir, bin: CTRL_C_AGENTD })
+      const log = await history(d2, id)
+      assert.deepStrictEqual(crashTraces(log), [], `round ${round}: ${log.map(describeMsg).join(", ")}`)
+      assert.deepStrictEqual(log.filter(isEvent("turn_interrupted")).map((m) => m["event"].reason), ["daemon_shutdown"])
+      await d2.stop()
+    }
   }, 90_000)
 })
 
