@@ -507,11 +507,14 @@ const streamDaemon = (bin: string | undefined) => {
       const workers = descendantsOf(daemon.pid).length
       for (const c of clients) c.close()
       await stopForProfile(daemon, ctl)
-      // Latencies by the second of the run their event was emitted in.
+      // Latencies by the second of the run their event was emitted in, and the first second's by
+      // tenth (the prompts' answers, then every turn's first events at once).
       const bySecond: Array<Array<number>> = []
+      const firstByTenth: Array<Array<number>> = Array.from({ length: 10 }, () => [])
       for (let i = 0; i < latencies.length; i++) {
-        const second = Math.max(0, Math.floor((emitted[i]! - startedAt) / 1000))
-        ;(bySecond[second] ??= []).push(latencies[i]!)
+        const ms = Math.max(0, emitted[i]! - startedAt)
+        ;(bySecond[Math.floor(ms / 1000)] ??= []).push(latencies[i]!)
+        if (ms < 1000) firstByTenth[Math.floor(ms / 100)]!.push(latencies[i]!)
       }
       return {
         windowUs,
@@ -522,7 +525,8 @@ const streamDaemon = (bin: string | undefined) => {
         workers,
         promptsAnsweredMs,
         latencies: latencies.sort((a, b) => a - b),
-        bySecond: bySecond.map((l) => (l ?? []).sort((a, b) => a - b))
+        bySecond: bySecond.map((l) => (l ?? []).sort((a, b) => a - b)),
+        firstByTenth: firstByTenth.map((l) => l.sort((a, b) => a - b))
       }
     }
   )
@@ -556,6 +560,10 @@ export default async function streaming(): Promise<void> {
     `  latency by second of emission (p50/p99 ms, events): ` +
       result.bySecond.map((l, i) => `${i}-${i + 1} s ${percentile(l, 0.5)}/${percentile(l, 0.99)} (${l.length})`).join(", ") +
       ` | after the first second: p50 ${percentile(later, 0.5)} ms, p99 ${percentile(later, 0.99)} ms`
+  )
+  console.log(
+    `  the first second by 100 ms (p50/p99 ms, events): ` +
+      result.firstByTenth.map((l, i) => l.length === 0 ? `${i / 10} s -` : `${i / 10} s ${percentile(l, 0.5)}/${percentile(l, 0.99)} (${l.length})`).join(", ")
   )
   console.log(`  RSS: daemon ${(result.daemonRss / 1048576).toFixed(0)} MB, daemon and workers ${(result.totalRss / 1048576).toFixed(0)} MB (${((result.totalRss - result.daemonRss) / 1048576 / Math.max(1, result.workers)).toFixed(1)} MB per worker, a bare node ${(bare.rss / 1048576).toFixed(1)} MB)`)
   if (base !== undefined) {

@@ -226,28 +226,33 @@ for (const implementation of implementations) {
   })
 }
 
+/**
+ * A journal over a backend that notes each write's operations; the first write waits for
+ * `release` (an fsync behind many others): the records asked for meanwhile queue.
+ */
+const slowFirstWrite = Effect.gen(function*() {
+  const release = yield* Deferred.make<void>()
+  const writes: Array<ReadonlyArray<string>> = []
+  const write = (records: ReadonlyArray<RecoveryJournal.JournalRecord>) =>
+    Effect.gen(function*() {
+      writes.push(records.map((r) => r.operation))
+      if (writes.length === 1) yield* Deferred.await(release)
+    })
+  const journal = yield* makeService({ latest: new Map(), lines: 0 }, { append: (r) => write([r]), appendAll: write, compact: () => Effect.void, remove: () => Effect.void })
+  return { journal, writes, release }
+})
+
 describe("RecoveryJournal group commit", () => {
   it.effect("records asked for while a write is under way go together in the next write, in order, each answered", () =>
     Effect.gen(function*() {
-      const release = yield* Deferred.make<void>()
-      const writes: Array<ReadonlyArray<string>> = []
-      const write = (records: ReadonlyArray<RecoveryJournal.JournalRecord>) =>
-        Effect.gen(function*() {
-          writes.push(records.map((r) => r.operation))
-          // The first write is slow (an fsync behind many others): the other records queue.
-          if (writes.length === 1) yield* Deferred.await(release)
-        })
-      const journal = yield* makeService({ latest: new Map(), lines: 0 }, {
-        append: (record) => write([record]),
-        appendAll: write,
-        compact: () => Effect.void,
-        remove: () => Effect.void
-      })
-      const fibers = yield* Effect.forEach(
-        Array.from({ length: 50 }, (_, i) => i),
-        (i) => Effect.fork(journal.record(input(`s${i % 10}`, true, `op-${i}`)))
-      )
+      const { journal, release, writes } = yield* slowFirstWrite
+      const ask = (i: number) => Effect.fork(journal.record(input(`s${i % 10}`, true, `op-${i}`)))
+      const first = yield* ask(0)
+      while (writes.length === 0) yield* Effect.yieldNow()
+      // The first write is under way: these wait for it, and go in the next.
+      const fibers = [first, ...yield* Effect.forEach(Array.from({ length: 49 }, (_, i) => i + 1), ask)]
       for (let i = 0; i < 20; i++) yield* Effect.yieldNow()
+      assert.deepStrictEqual(writes, [["op-0"]])
       yield* Deferred.succeed(release, undefined)
       const changed = yield* Fiber.joinAll(fibers)
       assert.isTrue(changed.every((c) => c))
@@ -255,6 +260,48 @@ describe("RecoveryJournal group commit", () => {
       assert.deepStrictEqual(writes, [["op-0"], Array.from({ length: 49 }, (_, i) => `op-${i + 1}`)])
       const latest = yield* journal.latest()
       for (let s = 0; s < 10; s++) assert.strictEqual(latest.get(`s${s}`)?.operation, `op-${40 + s}`)
+    }))
+
+  it.effect("a write that fails (or dies) answers every record of its batch so, changes nothing, and the next record is written", () =>
+    Effect.gen(function*() {
+      const writes: Array<ReadonlyArray<string>> = []
+      let outcome: "fail" | "die" | "ok" = "fail"
+      const write = (records: ReadonlyArray<RecoveryJournal.JournalRecord>) =>
+        Effect.suspend(() => {
+          writes.push(records.map((r) => r.operation))
+          if (outcome === "fail") return Effect.fail(new RecoveryJournal.RecoveryJournalError({ operation: "append", path: "j", cause: "disk full" }))
+          if (outcome === "die") return Effect.die("a bug")
+          return Effect.void
+        })
+      const journal = yield* makeService({ latest: new Map(), lines: 0 }, { append: (r) => write([r]), appendAll: write, compact: () => Effect.void, remove: () => Effect.void })
+      const batch = (ops: ReadonlyArray<string>) => Effect.forEach(ops, (op, i) => Effect.exit(journal.record(input(`s${i}`, true, op))), { concurrency: "unbounded" })
+      const failed = yield* batch(["a", "b", "c"])
+      for (const exit of failed) assert.strictEqual(exit._tag === "Failure" && exit.cause._tag === "Fail" ? exit.cause.error.message : "", "recovery journal: append j failed: disk full")
+      outcome = "die"
+      const died = yield* batch(["d"])
+      assert.strictEqual(died[0]!._tag === "Failure" && died[0]!.cause._tag, "Die")
+      assert.strictEqual((yield* journal.latest()).size, 0)
+      outcome = "ok"
+      const ok = yield* batch(["e"])
+      assert.deepStrictEqual(ok.map((e) => e._tag), ["Success"])
+      assert.deepStrictEqual(writes, [["a", "b", "c"], ["d"], ["e"]])
+      assert.strictEqual((yield* journal.latest()).get("s0")?.operation, "e")
+    }))
+
+  it.effect("a record given up before a write took it is not written; one given up during its write is", () =>
+    Effect.gen(function*() {
+      const { journal, release, writes } = yield* slowFirstWrite
+      const first = yield* Effect.fork(journal.record(input("s0", true, "taken")))
+      while (writes.length === 0) yield* Effect.yieldNow()
+      const queued = yield* Effect.fork(journal.record(input("s1", true, "given-up")))
+      const kept = yield* Effect.fork(journal.record(input("s2", true, "kept")))
+      for (let i = 0; i < 10; i++) yield* Effect.yieldNow()
+      yield* Fiber.interrupt(first)
+      yield* Fiber.interrupt(queued)
+      yield* Deferred.succeed(release, undefined)
+      assert.isTrue(yield* Fiber.join(kept))
+      assert.deepStrictEqual(writes, [["taken"], ["kept"]])
+      assert.deepStrictEqual([...(yield* journal.latest()).keys()].sort(), ["s0", "s2"])
     }))
 })
 
