@@ -1329,6 +1329,8 @@ describe("SessionManager (in-process)", () => {
         yield* Ref.set(ctl.failing, "no spawn")
         const start = seq(a.conn).length
         yield* failsWith("a prompt that wakes it", prompt(sm, a.id, "a2"), "session_failed")
+        // The prompt is answered first, then the failed status is logged and sent.
+        yield* until("a failed", () => statuses(since(a.conn, start)).includes("failed/idle"))
         const after = since(a.conn, start)
         assert.deepStrictEqual(dedupe(statuses(after)), ["starting/busy", "recovering/busy", "failed/idle"], show(after))
         assert.notInclude(eventTypes(after), "turn_interrupted")

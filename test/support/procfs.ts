@@ -34,6 +34,20 @@ export const cpuTicksOf = (pid: number): number | undefined => {
   return fields === undefined ? undefined : Number(fields[11]) + Number(fields[12])
 }
 
+/**
+ * How long (ns) the process's main thread has waited on a run queue, runnable but not running
+ * (the second field of /proc/<pid>/schedstat); undefined when it is gone or the kernel has no
+ * schedstats.
+ */
+export const runQueueWaitNs = (pid: number): number | undefined => {
+  try {
+    const wait = Number(fs.readFileSync(`/proc/${pid}/schedstat`, "utf8").split(" ")[1])
+    return Number.isFinite(wait) ? wait : undefined
+  } catch {
+    return undefined
+  }
+}
+
 /** Every pid in /proc. */
 export const listPids = (): Array<number> => {
   try {

@@ -410,14 +410,32 @@ export const makeCore = (deps: CoreDeps): Core => {
    * Publishes the session's status, saying `view` (by default what its state says); once logged,
    * the summary shows it (see Session.shown). A status that cannot be logged did not happen.
    */
-  const publishStatus = (s: Session, view?: { readonly busy: boolean; readonly worker: WorkerState }, promptId?: string) =>
-    s.publishLock.withLock(Effect.suspend(() => {
+  const publishStatus = (s: Session, view?: { readonly busy: boolean; readonly worker: WorkerState }, promptId?: string) => {
+    /** The status as the session stands: made under the publish lock (or just before `publishNow` takes it). */
+    const status = () => {
       const shown = view === undefined ? { busy: busyOf(s.state), worker: workerStateOf(s.state) } : { busy: view.busy, worker: view.worker }
       const state = { ...summary(s), busy: shown.busy, worker: shown.worker }
-      return appendAndDeliver(s, [bodyMessage(promptId === undefined ? { type: "session_status", state } : { type: "session_status", state, promptId })]).pipe(
-        Effect.tap(() => Effect.sync(() => (s.shown = shown)))
-      )
+      return { shown, message: bodyMessage(promptId === undefined ? { type: "session_status", state } : { type: "session_status", state, promptId }) }
+    }
+    const locked = s.publishLock.withLock(Effect.suspend(() => {
+      const { message, shown } = status()
+      return appendAndDeliver(s, [message]).pipe(Effect.tap(() => Effect.sync(() => (s.shown = shown))))
     }))
+    if (appendNow === undefined) return locked
+    // Outside any fiber's steps when it can, as events are: a turn publishes two statuses.
+    return Effect.withFiberRuntime<void, StorageFailed>((fiber) =>
+      Effect.async<void, StorageFailed>((resume) => {
+        // Made in the same synchronous step as publishNow's taking the lock: nothing changes
+        // the session in between. Refused (the lock is held), it is made again under the lock.
+        const { message, shown } = status()
+        const now = publishNow(s, [message], fiber.currentTracer, (error, defect) => {
+          if (defect === undefined && error === undefined) s.shown = shown
+          resume(defect !== undefined ? Effect.die(defect) : error === undefined ? Effect.void : Effect.fail(error))
+        })
+        if (!now) resume(locked)
+      })
+    )
+  }
 
   /** The session's summary and last cursor at one moment, consistent with what is logged. */
   const publishedState = (s: Session) =>
