@@ -186,13 +186,23 @@ export const makeService = (
       return Effect.zipRight(serialized(Effect.suspend(() => writeBatch(queued.splice(0)))), writer)
     })
 
+    /**
+     * The writer, should it ever end otherwise (interrupted with its runtime): what is queued is
+     * answered, and the next record starts another, rather than wait for one that is gone.
+     */
+    const guardedWriter = Effect.onExit(writer, (exit) =>
+      Exit.isSuccess(exit) ? Effect.void : Effect.sync(() => {
+        writing = false
+        for (const waiter of queued.splice(0)) waiter.answer(Exit.die(new Error("the recovery journal's writer stopped")))
+      }))
+
     const record = (input: JournalInput) =>
       Effect.async<boolean, RecoveryJournalError>((answer) => {
         const waiter: Waiter = { input, answer }
         queued.push(waiter)
         if (!writing) {
           writing = true
-          runFork(writer)
+          runFork(guardedWriter)
         }
         // Given up before a write took it: it is not written.
         return Effect.sync(() => {
