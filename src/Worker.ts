@@ -13,7 +13,6 @@
  */
 import * as Chunk from "effect/Chunk"
 import type * as Context from "effect/Context"
-import * as Deferred from "effect/Deferred"
 import * as Effect from "effect/Effect"
 import * as Either from "effect/Either"
 import * as Exit from "effect/Exit"
@@ -118,11 +117,36 @@ class FdPipe extends SocketPipe {
   }
 }
 
+/**
+ * A turn's abort: set once (by the `abort` frame), with the reason its `turn_interrupted` gives;
+ * the turn hears it by a callback. A plain object: racing a Deferred's await against the turn
+ * forked two fibers per turn, about half of a worker's CPU for a short echo turn (870 -> 470-520
+ * us, lean flags, in-process).
+ */
+export class TurnAbort {
+  reason: InterruptReason | undefined
+  private listener: (() => void) | undefined
+
+  abort(reason: InterruptReason): void {
+    if (this.reason !== undefined) return
+    this.reason = reason
+    this.listener?.()
+  }
+
+  /** Calls `f` once aborted (at once if it is already); the function returned unregisters it. */
+  on(f: () => void): () => void {
+    this.listener = f
+    if (this.reason !== undefined) f()
+    return () => {
+      if (this.listener === f) this.listener = undefined
+    }
+  }
+}
+
 interface RunningTurn {
   readonly turnId: string
   readonly fiber: Fiber.RuntimeFiber<void, never>
-  /** Completed by `abort`, with the reason its `turn_interrupted` gives. */
-  readonly aborted: Deferred.Deferred<InterruptReason>
+  readonly abort: TurnAbort
 }
 
 interface LoadedSession {
@@ -331,17 +355,19 @@ const warmUpSpare = (engines: Context.Tag.Service<typeof Engine>): Effect.Effect
  * `write` (a promise back: the pipe is full, and the turn waits for it). The engine pushes its
  * outputs when it can (`pushTurn`: at a model's pace, a worker's CPU per event is then its
  * wake-up, not a fiber resumed and a Stream pulled per event), else its Stream is pulled.
- * Interrupting the effect cancels the turn.
+ * Interrupting the effect cancels the turn; so does `abort` (the effect then succeeds: the
+ * caller says how the turn ended).
  */
 export const runTurnOutputs = (
   engine: EngineSession,
   input: TurnInput,
   encode: (outputs: ReadonlyArray<TurnOutput>) => Uint8Array,
-  write: (bytes: Uint8Array) => Promise<void> | undefined
+  write: (bytes: Uint8Array) => Promise<void> | undefined,
+  abort?: TurnAbort
 ): Effect.Effect<void, EngineError> => {
   const push = engine.pushTurn
   if (push === undefined) {
-    return engine.runTurn(input).pipe(
+    const pulled = engine.runTurn(input).pipe(
       // One write per chunk of outputs the engine has ready, not one per output.
       Stream.runForEachChunk((outputs) =>
         Effect.suspend(() => {
@@ -350,13 +376,17 @@ export const runTurnOutputs = (
         })
       )
     )
+    // Raced once per turn (`Stream.interruptWhen` raced it at every pull).
+    return abort === undefined ? pulled : Effect.raceFirst(pulled, Effect.async<void>((resume) => Effect.sync(abort.on(() => resume(Effect.void)))))
   }
   return Effect.async<void, EngineError>((resume) => {
     let over = false
     let cancel: (() => void) | undefined
+    let unlisten: (() => void) | undefined
     const finish = (exit: Effect.Effect<void, EngineError>) => {
       if (over) return
       over = true
+      unlisten?.()
       cancel?.()
       resume(exit)
     }
@@ -375,8 +405,11 @@ export const runTurnOutputs = (
     })
     // It ended (or died) before `pushTurn` even returned.
     if (over) cancel()
+    // Aborted (at once, if that came before the turn started): it ends here.
+    else if (abort !== undefined) unlisten = abort.on(() => finish(Effect.void))
     return Effect.sync(() => {
       over = true
+      unlisten?.()
       cancel?.()
     })
   })
@@ -573,12 +606,12 @@ export const run = (pipe: WorkerPipe, options: RunOptions = {}) =>
       })
 
     /**
-     * One turn. An abort completes `aborted`, which ends the engine's stream; the turn then
-     * reports `turn_interrupted` unless its `agent_end` is already out (a turn ends with
-     * exactly one of the two). A signal rather than an interruption of the turn's fiber: an
-     * abort that arrives before that fiber has even started must still end the turn.
+     * One turn. An abort (`abort`) ends the engine's turn; the turn then reports
+     * `turn_interrupted` unless its `agent_end` is already out (a turn ends with exactly one of
+     * the two). A signal rather than an interruption of the turn's fiber: an abort that arrives
+     * before that fiber has even started must still end the turn.
      */
-    const runTurn = (s: LoadedSession, turnId: string, message: string, aborted: Deferred.Deferred<InterruptReason>) => {
+    const runTurn = (s: LoadedSession, turnId: string, message: string, abort: TurnAbort) => {
       let ended = false
       const streaming = new StreamingMessage()
       const interrupted = Effect.gen(function*() {
@@ -587,7 +620,7 @@ export const run = (pipe: WorkerPipe, options: RunOptions = {}) =>
         const partial = streaming.take()
         // The abort's reason (a graceful daemon stop says `daemon_shutdown`); a turn cut because
         // the worker itself ends has nobody left to tell.
-        const reason: InterruptReason = (yield* Deferred.isDone(aborted)) ? yield* Deferred.await(aborted) : "aborted"
+        const reason: InterruptReason = abort.reason ?? "aborted"
         yield* cutTurn(s.messages, s.engine.endsCutMessages === true ? partial : undefined, reason)
       })
       const encode = (outputs: ReadonlyArray<TurnOutput>): Uint8Array => {
@@ -611,11 +644,9 @@ export const run = (pipe: WorkerPipe, options: RunOptions = {}) =>
         }
         return Buffer.from(text, "utf8")
       }
-      return runTurnOutputs(s.engine, { turnId, message, history: s.messages }, encode, (bytes) => pipe.write(bytes)).pipe(
-        // The abort ends the turn's stream, raced once per turn: `Stream.interruptWhenDeferred`
-        // raced it at every pull, a fiber forked per event, which was half of a worker's CPU per
-        // event at a model's pace (one event per 20 ms: 1.8 ms -> 0.85 ms per event).
-        Effect.raceFirst(Deferred.await(aborted)),
+      // The abort ends the engine's turn (`Stream.interruptWhenDeferred` raced it at every pull of
+      // the stream, a fiber forked per event: half of a worker's CPU per event at a model's pace).
+      return runTurnOutputs(s.engine, { turnId, message, history: s.messages }, encode, (bytes) => pipe.write(bytes), abort).pipe(
         Effect.catchAll((e) => fail(e.message)),
         Effect.zipRight(interrupted),
         // The worker itself is ending (its pipe closed).
@@ -707,15 +738,15 @@ export const run = (pipe: WorkerPipe, options: RunOptions = {}) =>
             // previous fiber may still be finishing (its last write, its clean-up): let it.
             if (s.turn !== undefined) yield* Fiber.await(s.turn.fiber)
             collector?.busy()
-            const aborted = yield* Deferred.make<InterruptReason>()
-            const fiber = yield* FiberSet.run(fibers, runTurn(s, frame.turnId, frame.message, aborted))
-            s.turn = { turnId: frame.turnId, fiber, aborted }
+            const abort = new TurnAbort()
+            const fiber = yield* FiberSet.run(fibers, runTurn(s, frame.turnId, frame.message, abort))
+            s.turn = { turnId: frame.turnId, fiber, abort }
           })
         case "abort": {
           const turn = session?.turn
           return turn === undefined || turn.turnId !== frame.turnId
             ? Effect.void
-            : Deferred.done(turn.aborted, Exit.succeed(frame.reason ?? "aborted"))
+            : Effect.sync(() => turn.abort.abort(frame.reason ?? "aborted"))
         }
         case "stop":
           return options.exit ?? Effect.sync(() => process.exit(0))
