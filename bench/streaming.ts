@@ -183,8 +183,10 @@
  * yield to the machine's other processes). The daemon's own CPU per turn (200 idle sessions each
  * given a short echo turn, unbundled build, alternating runs): 1.59-1.70 ms; the recovery
  * journal's records without a permit, span and Deferred each, 1.20-1.62; statuses published as
- * events are (publishNow), 1.06-1.35. Of the turn, a worker host spends ~0.9 ms more (interpreted,
- * ~140 KB allocated per turn, GC a third of it). In the steady state the daemon's profile is 32%
+ * events are (publishNow), 1.06-1.35. Of the turn, a worker host spent ~0.9 ms more (interpreted,
+ * ~140 KB allocated per turn, GC a third of it), half of it the race of the turn against its
+ * abort (two fibers forked per turn): with the abort a callback (TurnAbort), 0.75-0.90 ms per
+ * turn in hosts of 20 (0.95-1.50 before), 0.53 in-process. In the steady state the daemon's profile is 32%
  * segment writes: one write(2) per session's batch (a sync write to each session's file, ~17 us
  * on this ext4 VM); the write-ahead log makes them durable, so they could be gathered and written
  * later (read paths and the log's rotation would write what is pending first): the next lever.

@@ -15,7 +15,9 @@ const echo = (pulled: boolean) =>
   Effect.gen(function*() {
     const engine = yield* Engine
     const session = yield* engine.make("echo", { tokenDelayMs: 5 })
-    return pulled ? ({ ...session, pushTurn: undefined } as EngineSession) : session
+    if (!pulled) return session
+    const { pushTurn: _pushed, ...withoutPush } = session
+    return withoutPush as EngineSession
   }).pipe(Effect.provide(EchoEngine.layer))
 
 /** Runs a turn of `words` words; every batch written is noted (its outputs' types). */
