@@ -398,6 +398,7 @@ export const DaemonLive = (
 export const serve = (config: Partial<DaemonConfigShape> = {}, layers: DaemonLayers = {}) =>
   Effect.gen(function*() {
     const server = yield* DaemonServer.DaemonServer
+    const manager = yield* SessionManager.SessionManager
     const { warmUp } = yield* DaemonConfig
     // The event path is compiled while nobody waits for it, not during the first turn: at once,
     // since a first prompt can come within a second of the start (it gives way to the first
@@ -406,6 +407,13 @@ export const serve = (config: Partial<DaemonConfigShape> = {}, layers: DaemonLay
     // first turn of a client that prompted at once and added ~10 us of daemon CPU per event to
     // it (bench/hotPath.ts).
     if (warmUp) yield* Effect.forkScoped(warmUpDaemon(EVENT_PATH_WARM_UP))
+    // The sessions hear of the stop first, before the warm-up is stopped or any layer closes: a
+    // signal that reaches the daemon's group (a terminal's Ctrl-C) can kill a worker being
+    // spawned too (between its fork and its own process group), and its exit, taken in before
+    // the stop, was a crash restored (a `recovering` status) during a graceful stop (chaos seed
+    // 4343: 240 ms after a start, the warm-up's own stop still under way). Only begun here (its
+    // first step is synchronous): the server's close waits for it, bounded, as on `shutdown`.
+    yield* Effect.addFinalizer(() => Effect.asVoid(Effect.forkDaemon(manager.settleForShutdown)))
     yield* Deferred.await(server.shutdownRequested)
     yield* Effect.logInfo("shutdown requested")
   }).pipe(Effect.scoped, Effect.provide(DaemonLive(config, layers)))

@@ -212,7 +212,7 @@ describe("a graceful stop", () => {
     // The kernel signals the daemon, then the worker dies of it: its exit may reach the daemon
     // before the stop has begun, and must not be taken for a crash. A few rounds: it is a race.
     for (let round = 0; round < 2; round++) {
-      const d = await useDaemon({ bin: CTRL_C_AGENTD })
+      const d = await useDaemon({ bin: CTRL_C_AGENTD, env: { AGENTD_WARM_UP: "1" } })
       const c = await d.connect("setup")
       const pidFile = path.join(path.dirname(d.stateDir), `ctrl-c-${round}.pid`)
       const { id } = await createSession(c, { engine: "ctrl-c", config: { pidFile } })
