@@ -120,8 +120,8 @@ class FdPipe extends SocketPipe {
 /**
  * A turn's abort: set once (by the `abort` frame), with the reason its `turn_interrupted` gives;
  * the turn hears it by a callback. A plain object: racing a Deferred's await against the turn
- * forked two fibers per turn, about half of a worker's CPU for a short echo turn (870 -> 470-520
- * us, lean flags, in-process).
+ * forked two fibers per turn, about half of a worker's CPU for a short echo turn (866-870 ->
+ * 526-532 us, lean flags, in-process).
  */
 export class TurnAbort {
   reason: InterruptReason | undefined
@@ -133,10 +133,16 @@ export class TurnAbort {
     this.listener?.()
   }
 
-  /** Calls `f` once aborted (at once if it is already); the function returned unregisters it. */
+  /**
+   * Calls `f` once aborted (at once if it is already); the function returned unregisters it.
+   * One listener at a time: a turn's.
+   */
   on(f: () => void): () => void {
+    if (this.reason !== undefined) {
+      f()
+      return () => {}
+    }
     this.listener = f
-    if (this.reason !== undefined) f()
     return () => {
       if (this.listener === f) this.listener = undefined
     }
@@ -376,7 +382,7 @@ export const runTurnOutputs = (
         })
       )
     )
-    // Raced once per turn (`Stream.interruptWhen` raced it at every pull).
+    // Raced once per turn, not at every pull of the stream.
     return abort === undefined ? pulled : Effect.raceFirst(pulled, Effect.async<void>((resume) => Effect.sync(abort.on(() => resume(Effect.void)))))
   }
   return Effect.async<void, EngineError>((resume) => {
@@ -387,8 +393,12 @@ export const runTurnOutputs = (
       if (over) return
       over = true
       unlisten?.()
-      cancel?.()
-      resume(exit)
+      // An engine's cancel that throws still ends its turn (the throw goes to the caller).
+      try {
+        cancel?.()
+      } finally {
+        resume(exit)
+      }
     }
     cancel = push(input, {
       emit: (outputs) => {
@@ -405,7 +415,8 @@ export const runTurnOutputs = (
     })
     // It ended (or died) before `pushTurn` even returned.
     if (over) cancel()
-    // Aborted (at once, if that came before the turn started): it ends here.
+    // Aborted (at once, if that came before: the engine's first outputs, written as it started,
+    // are the turn's last; the user's message among them stays in the transcript): it ends here.
     else if (abort !== undefined) unlisten = abort.on(() => finish(Effect.void))
     return Effect.sync(() => {
       over = true

@@ -48,16 +48,47 @@ for (const pulled of [false, true]) {
         assert.strictEqual(abort.reason, "daemon_shutdown")
       }))
 
-    it.live("an abort before the turn started ends it before it writes anything; a second abort changes nothing", () =>
+    it.live("an abort before the turn started ends it after the outputs the engine writes as it starts; a second abort changes nothing", () =>
       Effect.gen(function*() {
         const abort = new TurnAbort()
         abort.abort("aborted")
         abort.abort("daemon_shutdown")
         const { turn, written } = runTurn(yield* echo(pulled), abort)
         yield* turn.pipe(Effect.timeoutFail({ duration: "2 seconds", onTimeout: () => new Error("the turn did not end at its abort") }))
+        const at = written.length
         yield* Effect.sleep("30 millis")
+        assert.strictEqual(written.length, at, "written after the turn ended")
+        assert.isAtMost(written.filter((t) => t === "message_update").length, 1)
         assert.notInclude(written, "agent_end")
         assert.strictEqual(abort.reason, "aborted")
+      }))
+
+    it.live("an engine's cancel that throws still ends its turn at the abort", () =>
+      Effect.gen(function*() {
+        const session = yield* echo(pulled)
+        const throwing: EngineSession = session.pushTurn === undefined ? session : {
+          ...session,
+          pushTurn: (input, sink) => {
+            const cancel = session.pushTurn!(input, sink)
+            return () => {
+              cancel()
+              throw new Error("cancel threw")
+            }
+          }
+        }
+        const abort = new TurnAbort()
+        const { turn, written } = runTurn(throwing, abort)
+        const fiber = yield* Effect.fork(turn)
+        while (!written.includes("message_update")) yield* Effect.sleep("5 millis")
+        const thrown = (() => {
+          try {
+            abort.abort("aborted")
+          } catch (e) {
+            return e
+          }
+        })()
+        if (!pulled) assert.instanceOf(thrown, Error)
+        yield* Fiber.join(fiber).pipe(Effect.timeoutFail({ duration: "2 seconds", onTimeout: () => new Error("the turn did not end at its abort") }))
       }))
 
     it.live("not aborted: the turn runs to its agent_end; an abort after it does nothing", () =>
