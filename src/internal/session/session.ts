@@ -351,14 +351,27 @@ export const makeCore = (deps: CoreDeps): Core => {
    * Appends messages to the log (one group commit) and hands them to live attachments; outside
    * any fiber's steps when it can (`publishNow`).
    */
-  const publishAll = (s: Session, messages: ReadonlyArray<Outgoing>): Effect.Effect<void, StorageFailed> => {
-    if (messages.length === 0) return Effect.void
-    const locked = s.publishLock.withLock(appendAndDeliver(s, messages))
+  const publishAll = (s: Session, messages: ReadonlyArray<Outgoing>): Effect.Effect<void, StorageFailed> =>
+    messages.length === 0 ? Effect.void : publishMade(s, () => messages)
+
+  /**
+   * Publishes the messages `make` returns: made and logged in one synchronous step with taking
+   * the publish lock (`publishNow`) when it is free, else made under the lock, so that what they
+   * say of the session follows every batch logged before them. `logged` runs once they are.
+   */
+  const publishMade = (s: Session, make: () => ReadonlyArray<Outgoing>, logged?: () => void): Effect.Effect<void, StorageFailed> => {
+    const locked = s.publishLock.withLock(Effect.suspend(() => {
+      const append = appendAndDeliver(s, make())
+      return logged === undefined ? append : Effect.tap(append, () => Effect.sync(logged))
+    }))
     if (appendNow === undefined) return locked
     return Effect.withFiberRuntime<void, StorageFailed>((fiber) =>
       Effect.async<void, StorageFailed>((resume) => {
-        const now = publishNow(s, messages, fiber.currentTracer, (error, defect) =>
-          resume(defect !== undefined ? Effect.die(defect) : error === undefined ? Effect.void : Effect.fail(error)))
+        if (s.publishLock.isHeld) return resume(locked)
+        const now = publishNow(s, make(), fiber.currentTracer, (error, defect) => {
+          if (defect === undefined && error === undefined) logged?.()
+          resume(defect !== undefined ? Effect.die(defect) : error === undefined ? Effect.void : Effect.fail(error))
+        })
         if (!now) resume(locked)
       })
     )
@@ -411,30 +424,13 @@ export const makeCore = (deps: CoreDeps): Core => {
    * the summary shows it (see Session.shown). A status that cannot be logged did not happen.
    */
   const publishStatus = (s: Session, view?: { readonly busy: boolean; readonly worker: WorkerState }, promptId?: string) => {
-    /** The status as the session stands: made under the publish lock (or just before `publishNow` takes it). */
-    const status = () => {
-      const shown = view === undefined ? { busy: busyOf(s.state), worker: workerStateOf(s.state) } : { busy: view.busy, worker: view.worker }
-      const state = { ...summary(s), busy: shown.busy, worker: shown.worker }
-      return { shown, message: bodyMessage(promptId === undefined ? { type: "session_status", state } : { type: "session_status", state, promptId }) }
-    }
-    const locked = s.publishLock.withLock(Effect.suspend(() => {
-      const { message, shown } = status()
-      return appendAndDeliver(s, [message]).pipe(Effect.tap(() => Effect.sync(() => (s.shown = shown))))
-    }))
-    if (appendNow === undefined) return locked
     // Outside any fiber's steps when it can, as events are: a turn publishes two statuses.
-    return Effect.withFiberRuntime<void, StorageFailed>((fiber) =>
-      Effect.async<void, StorageFailed>((resume) => {
-        // Made in the same synchronous step as publishNow's taking the lock: nothing changes
-        // the session in between. Refused (the lock is held), it is made again under the lock.
-        const { message, shown } = status()
-        const now = publishNow(s, [message], fiber.currentTracer, (error, defect) => {
-          if (defect === undefined && error === undefined) s.shown = shown
-          resume(defect !== undefined ? Effect.die(defect) : error === undefined ? Effect.void : Effect.fail(error))
-        })
-        if (!now) resume(locked)
-      })
-    )
+    let shown: { readonly busy: boolean; readonly worker: WorkerState } | undefined
+    return publishMade(s, () => {
+      shown = view ?? { busy: busyOf(s.state), worker: workerStateOf(s.state) }
+      const state = { ...summary(s), busy: shown.busy, worker: shown.worker }
+      return [bodyMessage(promptId === undefined ? { type: "session_status", state } : { type: "session_status", state, promptId })]
+    }, () => (s.shown = shown!))
   }
 
   /** The session's summary and last cursor at one moment, consistent with what is logged. */
