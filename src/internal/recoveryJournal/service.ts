@@ -15,7 +15,7 @@ import {
   type JournalInput,
   JournalRecord,
   RecoveryJournal,
-  type RecoveryJournalError,
+  RecoveryJournalError,
   type RecoveryJournalService
 } from "../../RecoveryJournal.js"
 
@@ -183,17 +183,27 @@ export const makeService = (
         writing = false
         return Effect.void
       }
-      return Effect.zipRight(serialized(Effect.suspend(() => writeBatch(queued.splice(0)))), writer)
+      return Effect.zipRight(
+        serialized(Effect.suspend(() => {
+          // Empty when every record queued was given up while the writer waited for the permit.
+          const batch = queued.splice(0)
+          return batch.length === 0 ? Effect.void : writeBatch(batch)
+        })),
+        writer
+      )
     })
 
     /**
-     * The writer, should it ever end otherwise (interrupted with its runtime): what is queued is
-     * answered, and the next record starts another, rather than wait for one that is gone.
+     * The writer, should it ever end otherwise (`writeBatch` answers every failure and defect of
+     * its own, so only an interruption of the writer's fiber, which nothing here does, or a
+     * defect outside it would): what is queued is answered with an error, and the next record
+     * starts another writer, rather than wait for one that is gone.
      */
     const guardedWriter = Effect.onExit(writer, (exit) =>
       Exit.isSuccess(exit) ? Effect.void : Effect.sync(() => {
         writing = false
-        for (const waiter of queued.splice(0)) waiter.answer(Exit.die(new Error("the recovery journal's writer stopped")))
+        const error = new RecoveryJournalError({ operation: "append", path: "(the journal's writer)", cause: new Error("the writer stopped before it wrote the record") })
+        for (const waiter of queued.splice(0)) waiter.answer(Exit.fail(error))
       }))
 
     const record = (input: JournalInput) =>
