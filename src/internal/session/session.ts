@@ -423,15 +423,17 @@ export const makeCore = (deps: CoreDeps): Core => {
    * Publishes the session's status, saying `view` (by default what its state says); once logged,
    * the summary shows it (see Session.shown). A status that cannot be logged did not happen.
    */
-  const publishStatus = (s: Session, view?: { readonly busy: boolean; readonly worker: WorkerState }, promptId?: string) => {
+  const publishStatus = (s: Session, view?: { readonly busy: boolean; readonly worker: WorkerState }, promptId?: string) =>
     // Outside any fiber's steps when it can, as events are: a turn publishes two statuses.
-    let shown: { readonly busy: boolean; readonly worker: WorkerState } | undefined
-    return publishMade(s, () => {
-      shown = view ?? { busy: busyOf(s.state), worker: workerStateOf(s.state) }
-      const state = { ...summary(s), busy: shown.busy, worker: shown.worker }
-      return [bodyMessage(promptId === undefined ? { type: "session_status", state } : { type: "session_status", state, promptId })]
-    }, () => (s.shown = shown!))
-  }
+    Effect.suspend(() => {
+      // What this run's status said (each run of the effect makes its own).
+      let shown: { readonly busy: boolean; readonly worker: WorkerState } | undefined
+      return publishMade(s, () => {
+        shown = view ?? { busy: busyOf(s.state), worker: workerStateOf(s.state) }
+        const state = { ...summary(s), busy: shown.busy, worker: shown.worker }
+        return [bodyMessage(promptId === undefined ? { type: "session_status", state } : { type: "session_status", state, promptId })]
+      }, () => (s.shown = shown!))
+    })
 
   /** The session's summary and last cursor at one moment, consistent with what is logged. */
   const publishedState = (s: Session) =>
