@@ -382,7 +382,8 @@ export const runTurnOutputs = (
         })
       )
     )
-    // Raced once per turn, not at every pull of the stream.
+    // Raced once per turn, not at every pull of the stream (`Stream.interruptWhenDeferred` forked
+    // a fiber per event: half of a worker's CPU per event at a model's pace).
     return abort === undefined ? pulled : Effect.raceFirst(pulled, Effect.async<void>((resume) => Effect.sync(abort.on(() => resume(Effect.void)))))
   }
   return Effect.async<void, EngineError>((resume) => {
@@ -655,8 +656,7 @@ export const run = (pipe: WorkerPipe, options: RunOptions = {}) =>
         }
         return Buffer.from(text, "utf8")
       }
-      // The abort ends the engine's turn (`Stream.interruptWhenDeferred` raced it at every pull of
-      // the stream, a fiber forked per event: half of a worker's CPU per event at a model's pace).
+      // The abort ends the engine's turn (runTurnOutputs hears it once per turn).
       return runTurnOutputs(s.engine, { turnId, message, history: s.messages }, encode, (bytes) => pipe.write(bytes), abort).pipe(
         Effect.catchAll((e) => fail(e.message)),
         Effect.zipRight(interrupted),
